@@ -1,0 +1,5 @@
+import sys
+
+from swarmd.cli.main import main
+
+sys.exit(main())
