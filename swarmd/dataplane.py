@@ -17,6 +17,7 @@ import secrets
 import ssl
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 from cryptography import x509
@@ -96,10 +97,11 @@ class DataPlane:
         self._server_ctx = server_context(self.cert_der, key_pem)
         self._client_ctx: dict[bytes, ssl.SSLContext] = {}
         self._tokens: dict[bytes, tuple[str, float]] = {}  # token -> (peer, expiry)
+        self._inbound: dict[str, set[trio.SocketStream]] = {}  # attached connections by peer
         self.port = 0
         self.host = self.config.announce_host or self.config.bind_host
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(self.config.bind_port, host=self.config.bind_host)
         self.port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
@@ -157,7 +159,20 @@ class DataPlane:
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await tcp.aclose()
             return
-        await self.transport.serve(peer, stream)  # closes the stream; never raises
+        conns = self._inbound.setdefault(peer, set())
+        conns.add(tcp)
+        try:
+            await self.transport.serve(peer, stream)  # closes the stream; never raises
+        finally:
+            conns.discard(tcp)
+            if not conns:
+                self._inbound.pop(peer, None)
+
+    async def drop(self, peer: str) -> None:
+        """Cut `peer`'s data-plane connections at the TCP level (a penalised peer, or a test's fault)."""
+        for tcp in list(self._inbound.get(peer, ())):
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                await tcp.aclose()
 
     def _redeem(self, token: bytes) -> str | None:
         entry = self._tokens.pop(token, None)

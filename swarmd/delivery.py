@@ -297,11 +297,11 @@ class TokenBucket:
 
     rate: float
     burst: float
-    _tokens: float = -1.0
+    _tokens: float | None = None  # None until first used: it starts full; negative is a debt being waited off
     _at: float = 0.0
 
     def take(self, now: float) -> float:
-        if self._tokens < 0:  # first use: start full
+        if self._tokens is None:
             self._tokens, self._at = self.burst, now
         self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
         self._at = now

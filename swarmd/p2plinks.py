@@ -118,9 +118,11 @@ class P2PLinks:
             raise
 
     async def disconnect(self, peer: str) -> None:
-        """Drop the libp2p connection to `peer` (the transport's `on_penalise`)."""
+        """Drop every connection with `peer`: libp2p and data plane (the transport's `on_penalise`)."""
         from libp2p.peer.id import ID
 
+        if self.data_plane is not None:
+            await self.data_plane.drop(peer)
         await self.host.disconnect(ID.from_base58(peer))
 
     async def _handle(self, raw: Any) -> None:

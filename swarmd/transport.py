@@ -67,6 +67,7 @@ from swarmd.wire.messages import (
 log = logging.getLogger(__name__)
 
 PROTOCOL = "/swarmd/act/1.0.0"
+_HANG_UP_DELAY = 0.25  # lets a cut-off peer read why before its connection goes (a reset drops unread data)
 
 
 class ByteStream(Protocol):
@@ -239,7 +240,7 @@ class ActorTransport:
         """Change what is expected of `msg_type` (e.g. after a new Plan)."""
         self._routes[msg_type] = replace(self._routes[msg_type], expect=expect)
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled: link tasks and handlers live in this nursery."""
         try:
             async with trio.open_nursery() as nursery:
@@ -608,6 +609,7 @@ class ActorTransport:
 
     async def _call_on_penalise(self, peer: str) -> None:
         assert self._on_penalise is not None
+        await trio.sleep(_HANG_UP_DELAY)
         try:
             await self._on_penalise(peer)
         except Exception:

@@ -73,7 +73,7 @@ class _RejectEveryTag(Mapping[int, Any]):
         return 0
 
 
-def _refuse_tag(_decoder: Any, tag: cbor2.CBORTag) -> Any:
+def _refuse_tag(tag: cbor2.CBORTag, _immutable: bool) -> Any:  # unreachable while _REJECT_TAGS claims all
     raise cbor2.CBORDecodeError(f"CBOR tag {tag.tag} is not allowed")
 
 

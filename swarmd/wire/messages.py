@@ -109,9 +109,10 @@ def _decoder_for(tp: Any) -> _Decoder:
         return tuple_of
     if tp is WireTensor:
         return WireTensor.from_cbor
-    if dataclasses.is_dataclass(tp):
-        _FIELDS.setdefault(tp, _field_decoders(tp))
-        return lambda v, what: _decode_fields(tp, v, what)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        nested: type = tp
+        _FIELDS.setdefault(nested, _field_decoders(nested))
+        return lambda v, what: _decode_fields(nested, v, what)
     simple = _SIMPLE.get(tp)
     if simple is None:
         raise LocalProtocolError(f"no wire decoder for field type {tp!r}")

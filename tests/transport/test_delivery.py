@@ -157,4 +157,5 @@ def test_token_bucket_allows_a_burst_then_paces_at_the_rate():
     bucket = TokenBucket(rate=100.0, burst=5)
     assert [bucket.take(0.0) for _ in range(5)] == [0.0] * 5
     assert bucket.take(0.0) == pytest.approx(0.01)
+    assert bucket.take(0.0) == pytest.approx(0.02)  # waiting takers queue up behind each other
     assert bucket.take(1.0) == 0.0  # refilled
