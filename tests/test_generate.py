@@ -6,8 +6,12 @@ SmolLM2's real tokenizer; the real model runs it in test_run_cli.py.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from models.errors import ModelError
 from models.generate import StopText, generate
@@ -139,3 +143,21 @@ def test_stop_text_holds_back_only_what_could_still_become_a_stop():
     assert stops.push("d x") == ("abd ", False)
     assert stops.push("yz") == ("", True)
     assert StopText([]).push("anything") == ("anything", False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="ab c", max_size=30), stops=st.lists(st.text(alphabet="ab c", min_size=1, max_size=4),
+                                                                  max_size=3),
+       cuts=st.lists(st.integers(0, 30), max_size=8))
+def test_stop_text_output_is_the_text_cut_at_the_first_stop_however_it_is_split(text, stops, cuts):
+    bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
+    matcher, out, stopped = StopText(stops), "", False
+    for lo, hi in itertools.pairwise(bounds):
+        piece, stopped = matcher.push(text[lo:hi])
+        out += piece
+        if stopped:
+            break
+    if not stopped:
+        out += matcher.flush()
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    assert (out, stopped) == ((text[:min(hits)], True) if hits else (text, False))
