@@ -300,6 +300,17 @@ class TokenBucket:
     _tokens: float | None = None  # None until first used: it starts full; negative is a debt being waited off
     _at: float = 0.0
 
+    def try_take(self, now: float) -> bool:
+        """Take a token only if one is there now."""
+        if self.take(now) == 0.0:
+            return True
+        self.give_back()
+        return False
+
+    def give_back(self) -> None:
+        assert self._tokens is not None
+        self._tokens += 1.0
+
     def take(self, now: float) -> float:
         if self._tokens is None:
             self._tokens, self._at = self.burst, now

@@ -182,6 +182,10 @@ class _OutLink:
         self.room = trio.Semaphore(cfg.window)
         self.wakeup = trio.Event()
         self.session = 0
+        self.stream: ByteStream | None = None  # the open stream, while a session runs
+        self.session_scope: trio.CancelScope | None = None
+        self.write_lock = trio.Lock()  # the link task and senders writing directly take turns
+        self.writer_wake_at = math.inf  # when the link task will next look at the outbox by itself
         self.connected = False
         self.retired = False  # its task ended after a long idle spell; a new link takes over
         self.last_error = ""
@@ -189,15 +193,23 @@ class _OutLink:
     def wake(self) -> None:
         self.wakeup.set()
 
+    def break_session(self, reason: str) -> None:
+        """End the running session (the link task then reconnects and resends what is unacked)."""
+        self.last_error = reason[:300]
+        if self.session_scope is not None:
+            self.session_scope.cancel()
+
 
 class _InLink:
     """Receiver side of one inbound stream."""
 
-    def __init__(self, peer: str, stream: ByteStream) -> None:
+    def __init__(self, peer: str, stream: ByteStream, bucket: TokenBucket, peer_slots: trio.Semaphore) -> None:
         self.peer = peer
         self.stream = stream
         self.write_lock = trio.Lock()
         self.scope = trio.CancelScope()
+        self.bucket = bucket
+        self.peer_slots = peer_slots
 
 
 class ActorTransport:
@@ -263,6 +275,8 @@ class ActorTransport:
         """Deliver `msg` to `peer` and wait for its ack (retrying over broken links until the deadline)."""
         deadline = trio.current_time() + (self.config.send_timeout if within is None else within)
         link, pending = await self._enqueue(peer, msg, deadline)
+        await self._write_now(link, pending)
+        self._kick(link, pending)
         done: trio.Event = pending.context
         with trio.move_on_at(deadline):
             await done.wait()
@@ -276,8 +290,10 @@ class ActorTransport:
     async def post(self, peer: str, msg: Message, *, within: float | None = None) -> None:
         """Queue `msg` for `peer` (waits only for window room); failures go to `on_undeliverable`."""
         deadline = trio.current_time() + (self.config.send_timeout if within is None else within)
-        _, pending = await self._enqueue(peer, msg, deadline)
+        link, pending = await self._enqueue(peer, msg, deadline)
         pending.context = msg  # no waiter: the link reports a failure itself
+        await self._write_now(link, pending)
+        self._kick(link, pending)
 
     def _post_nowait(self, peer: str, msg: Message) -> bool:
         """Queue without waiting; False when the window is full (used for replays, which are best effort)."""
@@ -288,6 +304,7 @@ class ActorTransport:
             return False
         deadline = trio.current_time() + self.config.send_timeout
         self._add(link, msg, deadline).context = msg
+        link.wake()
         return True
 
     def _link(self, peer: str) -> _OutLink:
@@ -300,6 +317,13 @@ class ActorTransport:
         return link
 
     async def _enqueue(self, peer: str, msg: Message, deadline: float) -> tuple[_OutLink, Pending]:
+        link = self._link(peer)
+        try:  # the common case: room in the window, no need to wait
+            link.room.acquire_nowait()
+        except trio.WouldBlock:
+            pass
+        else:
+            return link, self._add(link, msg, deadline)
         with trio.move_on_at(deadline):
             while True:
                 link = self._link(peer)
@@ -319,8 +343,34 @@ class ActorTransport:
             raise
         pending = Pending(seq, msg.key(), data, deadline, context=trio.Event())
         link.outbox.add(pending)
-        link.wake()
         return pending
+
+    def _kick(self, link: _OutLink, pending: Pending) -> None:
+        """Wake the link task if it must write `pending`, or watch it sooner than it planned to."""
+        if pending.session != link.session:
+            link.wake()
+        elif min(pending.sent_at + self.config.ack_timeout, pending.deadline) < link.writer_wake_at:
+            link.wake()
+
+    async def _write_now(self, link: _OutLink, pending: Pending) -> None:
+        """Write a new frame from the sender's own task when the link is up and idle: one task switch less
+        per hop than handing it to the link task. Anything else (connecting, resending, busy) is left to it."""
+        stream, session = link.stream, link.session
+        if stream is None or link.write_lock.locked() or pending.outcome is not None:
+            return
+        if next(link.outbox.unsent(session), None) is not pending:  # older frames first
+            return
+        link.write_lock.acquire_nowait()
+        try:
+            with trio.fail_after(self.config.io_time(self.config.write_timeout, len(pending.frame))):
+                await stream.write(pending.frame)
+            link.outbox.mark_sent(pending, session, trio.current_time())
+        except BaseException as e:  # a partly written frame leaves the stream unusable: start over
+            link.break_session(f"link broke: {type(e).__name__}: {e}")
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            link.write_lock.release()
 
     def _settle(self, link: _OutLink, seq: int, outcome: Outcome, refusal: Error | None = None) -> None:
         pending = link.outbox.complete(seq, outcome, refusal)
@@ -397,26 +447,36 @@ class ActorTransport:
 
     async def _session(self, link: _OutLink, stream: ByteStream) -> None:
         health = Liveness(self.config.ack_timeout, last_heard=trio.current_time())
-        async with trio.open_nursery() as nursery:
+        try:
+            async with trio.open_nursery() as nursery:
+                link.stream, link.session_scope = stream, nursery.cancel_scope
 
-            async def guard(fn: Callable[..., Awaitable[None]]) -> None:
-                try:
-                    await fn(link, stream, health)
-                except Exception as e:  # stream errors of every kind (libp2p has its own family) end the session
-                    link.last_error = f"link broke: {type(e).__name__}: {e}"[:300]
-                    log.debug("link to %s: %s", link.peer[:16], link.last_error)
-                nursery.cancel_scope.cancel()
+                async def guard(fn: Callable[..., Awaitable[None]]) -> None:
+                    try:
+                        await fn(link, stream, health)
+                    except Exception as e:  # stream errors of every kind (libp2p has its own) end the session
+                        link.last_error = f"link broke: {type(e).__name__}: {e}"[:300]
+                        log.debug("link to %s: %s", link.peer[:16], link.last_error)
+                    nursery.cancel_scope.cancel()
 
-            nursery.start_soon(guard, self._write_frames)
-            nursery.start_soon(guard, self._read_acks)
+                nursery.start_soon(guard, self._write_frames)
+                nursery.start_soon(guard, self._read_acks)
+        finally:
+            link.stream, link.session_scope = None, None
 
     async def _write_frames(self, link: _OutLink, stream: ByteStream, health: Liveness) -> None:
         cfg, session = self.config, link.session
         idle_since = trio.current_time()
         while True:
             for pending in link.outbox.unsent(session):
-                with trio.fail_after(cfg.io_time(cfg.write_timeout, len(pending.frame))):
-                    await stream.write(pending.frame)
+                await _acquire(link.write_lock)
+                try:
+                    if pending.session == session or pending.outcome is not None:
+                        continue  # a sender wrote it meanwhile, or it was settled
+                    with trio.fail_after(cfg.io_time(cfg.write_timeout, len(pending.frame))):
+                        await stream.write(pending.frame)
+                finally:
+                    link.write_lock.release()
                 if pending.writes:
                     self.stats.resent += 1
                 link.outbox.mark_sent(pending, session, trio.current_time())
@@ -426,8 +486,9 @@ class ActorTransport:
             if verdict is Health.DEAD:
                 raise _LinkBroken(f"no answer for {2 * cfg.ack_timeout:.1f} s")
             if verdict is Health.PING:
-                with trio.fail_after(cfg.write_timeout):
-                    await stream.write(encode(Ping(), link.outbox.next_seq()))
+                async with link.write_lock:
+                    with trio.fail_after(cfg.write_timeout):
+                        await stream.write(encode(Ping(), link.outbox.next_seq()))
             if len(link.outbox):
                 idle_since = now
             elif now - idle_since >= cfg.idle_timeout:
@@ -437,8 +498,10 @@ class ActorTransport:
                 link.outbox.next_deadline() or math.inf,
                 idle_since + cfg.idle_timeout,
             )
+            link.writer_wake_at = wake_at
             with trio.move_on_at(wake_at):
                 await link.wakeup.wait()
+            link.writer_wake_at = -math.inf  # busy: senders must not count on it looking soon
             link.wakeup = trio.Event()
             self._expire(link)
 
@@ -462,7 +525,6 @@ class ActorTransport:
                     raise _LinkBroken(f"{env.msg.code}: {env.msg.message}")
                 elif not isinstance(env.msg, Pong):
                     raise _LinkBroken(f"unexpected {env.msg.TAG} frame on a link we opened")
-            link.wake()  # acks free window room; also lets the writer re-check liveness
 
     # --- receiving -------------------------------------------------------------------------------------------
 
@@ -488,7 +550,10 @@ class ActorTransport:
             if len(links) >= self.config.max_links_per_peer:
                 log.info("refusing a stream from %s: %d already open", peer[:16], len(links))
                 return
-            link = _InLink(peer, stream)
+            cfg = self.config
+            bucket = self._buckets.setdefault(peer, TokenBucket(cfg.frames_per_second, cfg.frame_burst))
+            peer_slots = self._peer_handlers.setdefault(peer, trio.Semaphore(cfg.max_handlers_per_peer))
+            link = _InLink(peer, stream, bucket, peer_slots)
             links.add(link)
             try:
                 with link.scope:
@@ -564,6 +629,9 @@ class ActorTransport:
         except WireError as e:
             await self._bad_frame(link, e, seq=e.seq or 0)
             return
+        if queue.statistics().current_buffer_used == 0 and self._try_admit_now(link, msg):
+            await self._reply(link, Ack(), env.seq)  # admitted from the reader: no hand-over to the dispatcher
+            return
         try:
             queue.send_nowait((env.seq, msg))
         except trio.WouldBlock:
@@ -615,21 +683,40 @@ class ActorTransport:
         except Exception:
             log.exception("on_penalise(%s) failed", peer[:16])
 
+    def _try_admit_now(self, link: _InLink, msg: Message) -> bool:
+        """Admit without waiting when the rate and both handler limits allow it at once."""
+        if not link.bucket.try_take(trio.current_time()):
+            return False
+        try:
+            link.peer_slots.acquire_nowait()
+        except trio.WouldBlock:
+            link.bucket.give_back()
+            return False
+        try:
+            self._handlers.acquire_nowait()
+        except trio.WouldBlock:
+            link.peer_slots.release()
+            link.bucket.give_back()
+            return False
+        self._admit(link.peer, msg, (link.peer_slots, self._handlers))
+        return True
+
     async def _reply(self, link: _InLink, msg: Message, seq: int) -> None:
         data = encode(msg, seq)
         try:
-            async with link.write_lock:
+            await _acquire(link.write_lock)
+            try:
                 with trio.fail_after(self.config.io_time(self.config.write_timeout, len(data))):
                     await link.stream.write(data)
+            finally:
+                link.write_lock.release()
         except trio.Cancelled:
             raise
         except Exception as e:
             raise _LinkBroken(f"cannot answer: {type(e).__name__}: {e}") from None
 
     async def _dispatch(self, link: _InLink, queue: trio.MemoryReceiveChannel[tuple[int, Message]]) -> None:
-        cfg, peer = self.config, link.peer
-        bucket = self._buckets.setdefault(peer, TokenBucket(cfg.frames_per_second, cfg.frame_burst))
-        peer_slots = self._peer_handlers.setdefault(peer, trio.Semaphore(cfg.max_handlers_per_peer))
+        peer, bucket, peer_slots = link.peer, link.bucket, link.peer_slots
         try:
             async for seq, msg in queue:
                 wait = bucket.take(trio.current_time())
@@ -703,6 +790,14 @@ class ActorTransport:
         }
 
 
+async def _acquire(lock: trio.Lock) -> None:
+    """Take `lock`, yielding to the scheduler only when it is held (trio's acquire always yields)."""
+    try:
+        lock.acquire_nowait()
+    except trio.WouldBlock:
+        await lock.acquire()
+
+
 def _as_sends(result: HandlerResult) -> tuple[Send, ...]:
     if result is None:
         return ()
@@ -766,7 +861,7 @@ class TrioStream:
         self.stream = stream
 
     async def read(self, max_bytes: int) -> bytes:
-        return bytes(await self.stream.receive_some(max_bytes))
+        return await self.stream.receive_some(max_bytes)  # bytes or bytearray: both feed a FrameDecoder
 
     async def write(self, data: bytes) -> None:
         await self.stream.send_all(data)

@@ -155,7 +155,8 @@ class FrameDecoder:
         end = HEADER.size + self._need
         if len(self._buf) < end:
             return None
-        body = bytes(self._buf[HEADER.size : end])
+        with memoryview(self._buf) as view:
+            body = bytes(view[HEADER.size : end])
         del self._buf[:end]
         self._need = None
         return body
