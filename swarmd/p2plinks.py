@@ -33,7 +33,8 @@ HELLO_TIMEOUT = 10.0
 
 
 class Plane(enum.Enum):
-    """Where activations travel: on the libp2p stream itself, or on the pinned TLS data plane."""
+    """Where activations travel: on the libp2p stream itself, or on the pinned TLS data plane (the default:
+    py-libp2p alone costs over 1 ms per hop, see docs/BENCHMARKS.md; libp2p stays the fallback)."""
 
     LIBP2P = "libp2p"
     TLS = "tls"
@@ -61,7 +62,7 @@ class Libp2pStream:
 class P2PLinks:
     """Opens and serves actor links on a libp2p host. Create it, give `open` to the ActorTransport, `start`."""
 
-    def __init__(self, host: Any, *, plane: Plane = Plane.LIBP2P, data_plane: DataPlaneConfig | None = None) -> None:
+    def __init__(self, host: Any, *, plane: Plane = Plane.TLS, data_plane: DataPlaneConfig | None = None) -> None:
         self.host = host
         self.plane = plane
         self.data_plane_config = data_plane or DataPlaneConfig()
@@ -104,7 +105,7 @@ class P2PLinks:
             hello = answer.msg
             if self.plane is Plane.TLS and hello.tls_token and self.data_plane is not None:
                 try:
-                    tls = await self.data_plane.dial(hello)
+                    tls = await self.data_plane.dial(hello, fallback_host=_remote_host(raw))
                 except Exception as e:
                     self.tls_fallbacks += 1
                     log.warning("TLS data plane to %s failed (%s: %s); staying on libp2p", peer[:16],
@@ -147,3 +148,11 @@ class P2PLinks:
         finally:
             await close_quietly(stream)
 
+
+def _remote_host(raw: Any) -> str:
+    """The address we reached the peer at over libp2p: where its data plane listens unless it says otherwise."""
+    try:
+        address = raw.get_remote_address()
+    except Exception:
+        return ""
+    return str(address[0]) if address else ""

@@ -109,6 +109,7 @@ class TransportConfig:
 
     max_frame: int = DEFAULT_MAX_FRAME
     window: int = 32  # unacked frames per destination; also what a receiver buffers per link
+    window_bytes: int = 64 << 20  # unacked bytes per destination (one larger frame may travel alone)
     send_timeout: float = 30.0  # default deadline of a send, retries included
     ack_timeout: float = 2.0  # unanswered this long: ping; ping unanswered as long: the link is dead
     connect_timeout: float = 10.0
@@ -132,6 +133,11 @@ class TransportConfig:
 
     def io_time(self, base: float, nbytes: int) -> float:
         return base + nbytes / self.min_rate
+
+    @property
+    def link_buffer_bytes(self) -> int:
+        """The most a well-behaved sender can have unacked, so the most a receiver buffers per link."""
+        return max(self.window_bytes, self.max_frame)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +186,8 @@ class _OutLink:
         self.peer = peer
         self.outbox = Outbox(cfg.window)
         self.room = trio.Semaphore(cfg.window)
+        self.unacked_bytes = 0
+        self.bytes_freed = trio.Event()
         self.wakeup = trio.Event()
         self.session = 0
         self.stream: ByteStream | None = None  # the open stream, while a session runs
@@ -210,6 +218,7 @@ class _InLink:
         self.scope = trio.CancelScope()
         self.bucket = bucket
         self.peer_slots = peer_slots
+        self.queued_bytes = 0  # received, not yet admitted
 
 
 class ActorTransport:
@@ -302,8 +311,12 @@ class ActorTransport:
             link.room.acquire_nowait()
         except trio.WouldBlock:
             return False
-        deadline = trio.current_time() + self.config.send_timeout
-        self._add(link, msg, deadline).context = msg
+        pending = self._make(link, msg, trio.current_time() + self.config.send_timeout)
+        if not self._bytes_room(link, pending):
+            link.room.release()
+            return False
+        pending.context = msg
+        self._push(link, pending)
         link.wake()
         return True
 
@@ -317,33 +330,57 @@ class ActorTransport:
         return link
 
     async def _enqueue(self, peer: str, msg: Message, deadline: float) -> tuple[_OutLink, Pending]:
+        """Wait for room in the window (frames, then bytes), then queue `msg` on the link to `peer`."""
+        link = await self._frame_room(peer, msg, deadline)
+        pending = self._make(link, msg, deadline)
+        if not self._bytes_room(link, pending):
+            with trio.move_on_at(deadline):
+                while not self._bytes_room(link, pending):
+                    try:
+                        await link.bytes_freed.wait()
+                    except BaseException:
+                        link.room.release()
+                        raise
+            if not self._bytes_room(link, pending):
+                link.room.release()
+                self.stats.expired += 1
+                raise DeliveryFailed(peer, msg, f"{link.unacked_bytes} bytes already waiting for acks")
+        self._push(link, pending)
+        return link, pending
+
+    async def _frame_room(self, peer: str, msg: Message, deadline: float) -> _OutLink:
         link = self._link(peer)
         try:  # the common case: room in the window, no need to wait
             link.room.acquire_nowait()
+            return link
         except trio.WouldBlock:
             pass
-        else:
-            return link, self._add(link, msg, deadline)
         with trio.move_on_at(deadline):
             while True:
                 link = self._link(peer)
                 await link.room.acquire()
                 if not link.retired:
-                    return link, self._add(link, msg, deadline)
+                    return link
                 link.room.release()
         self.stats.expired += 1
         raise DeliveryFailed(peer, msg, f"{self.config.window} frames already waiting for acks")
 
-    def _add(self, link: _OutLink, msg: Message, deadline: float) -> Pending:
+    def _make(self, link: _OutLink, msg: Message, deadline: float) -> Pending:
+        """Number and encode `msg` (its frame slot is held; released here if encoding fails)."""
         seq = link.outbox.next_seq()
         try:
             data = encode(msg, seq, max_frame=self.config.max_frame)
         except BaseException:
             link.room.release()
             raise
-        pending = Pending(seq, msg.key(), data, deadline, context=trio.Event())
+        return Pending(seq, msg.key(), data, deadline, context=trio.Event())
+
+    def _bytes_room(self, link: _OutLink, pending: Pending) -> bool:
+        return link.unacked_bytes == 0 or link.unacked_bytes + len(pending.frame) <= self.config.window_bytes
+
+    def _push(self, link: _OutLink, pending: Pending) -> None:
         link.outbox.add(pending)
-        return pending
+        link.unacked_bytes += len(pending.frame)
 
     def _kick(self, link: _OutLink, pending: Pending) -> None:
         """Wake the link task if it must write `pending`, or watch it sooner than it planned to."""
@@ -379,6 +416,9 @@ class ActorTransport:
 
     def _finish(self, link: _OutLink, pending: Pending) -> None:
         link.room.release()
+        link.unacked_bytes -= len(pending.frame)
+        link.bytes_freed.set()
+        link.bytes_freed = trio.Event()
         if pending.outcome is Outcome.ACKED:
             self.stats.sent += 1
         elif pending.outcome is Outcome.REFUSED:
@@ -569,7 +609,7 @@ class ActorTransport:
 
     async def _serve_link(self, link: _InLink) -> None:
         # Room for a full window; a sender that overruns it ignores the protocol.
-        send, receive = trio.open_memory_channel[tuple[int, Message]](self.config.window)
+        send, receive = trio.open_memory_channel[tuple[int, Message, int]](self.config.window)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._dispatch, link, receive)
             try:
@@ -581,7 +621,7 @@ class ActorTransport:
             finally:
                 nursery.cancel_scope.cancel()
 
-    async def _read_frames(self, link: _InLink, queue: trio.MemorySendChannel[tuple[int, Message]]) -> None:
+    async def _read_frames(self, link: _InLink, queue: trio.MemorySendChannel[tuple[int, Message, int]]) -> None:
         cfg = self.config
         decoder = FrameDecoder(cfg.max_frame)
         frame_started = 0.0
@@ -612,7 +652,7 @@ class ActorTransport:
                 if decoder.mid_frame:
                     frame_started = trio.current_time()
 
-    async def _on_frame(self, link: _InLink, body: bytes, queue: trio.MemorySendChannel[tuple[int, Message]]) -> None:
+    async def _on_frame(self, link: _InLink, body: bytes, queue: trio.MemorySendChannel[tuple[int, Message, int]]) -> None:
         try:
             env = decode(body)
             msg = env.msg
@@ -633,10 +673,14 @@ class ActorTransport:
             await self._reply(link, Ack(), env.seq)  # admitted from the reader: no hand-over to the dispatcher
             return
         try:
-            queue.send_nowait((env.seq, msg))
+            if link.queued_bytes + len(body) > self.config.link_buffer_bytes:
+                raise trio.WouldBlock
+            queue.send_nowait((env.seq, msg, len(body)))
+            link.queued_bytes += len(body)
         except trio.WouldBlock:
-            await self._bad_frame(link, WireError("window_exceeded", f"more than {self.config.window} frames "
-                                                  "sent without waiting for acks"), seq=env.seq, fatal=True)
+            await self._bad_frame(link, WireError("window_exceeded", f"more than {self.config.window} frames or "
+                                                  f"{self.config.link_buffer_bytes} bytes sent without waiting for "
+                                                  "acks"), seq=env.seq, fatal=True)
             raise _LinkBroken("window exceeded") from None
 
     def _check_expect(self, expect: Expect, env: Envelope) -> None:
@@ -715,10 +759,11 @@ class ActorTransport:
         except Exception as e:
             raise _LinkBroken(f"cannot answer: {type(e).__name__}: {e}") from None
 
-    async def _dispatch(self, link: _InLink, queue: trio.MemoryReceiveChannel[tuple[int, Message]]) -> None:
+    async def _dispatch(self, link: _InLink, queue: trio.MemoryReceiveChannel[tuple[int, Message, int]]) -> None:
         peer, bucket, peer_slots = link.peer, link.bucket, link.peer_slots
         try:
-            async for seq, msg in queue:
+            async for seq, msg, size in queue:
+                link.queued_bytes -= size
                 wait = bucket.take(trio.current_time())
                 if wait > 0:
                     await trio.sleep(wait)

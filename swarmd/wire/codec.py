@@ -38,6 +38,7 @@ DTYPES: dict[str, np.dtype] = {
 }
 FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 LOSSY_WIRE_DTYPES = frozenset({"float16", "bfloat16"})
+FLOAT16_MAX = 65504.0
 
 
 class WireError(RemoteProtocolError):
@@ -192,6 +193,14 @@ class WireTensor:
             raise LocalProtocolError(f"cannot send {array.dtype} data as {name}")
         if name == "bfloat16":
             raw = _float32_to_bfloat16_bits(np.asarray(array, dtype=np.float32))
+        elif name == "float16" and array.dtype != np.float16 and array.size:
+            # Residual streams carry outliers in the tens of thousands (SmolLM2: 2.3e4); past 65504 float16
+            # would turn them into inf without a word.
+            peak = float(np.nanmax(np.abs(np.where(np.isinf(array), 0, array)), initial=0.0))
+            if peak > FLOAT16_MAX:
+                raise LocalProtocolError(f"values up to {peak:.4g} do not fit float16 (max {FLOAT16_MAX}); "
+                                         "send this tensor as float32 or bfloat16")
+            raw = np.asarray(array, dtype=DTYPES[name])
         else:
             raw = np.asarray(array, dtype=DTYPES[name])
         return cls(name, tuple(int(d) for d in array.shape), np.ascontiguousarray(raw).tobytes())

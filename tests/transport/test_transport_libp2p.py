@@ -64,8 +64,9 @@ async def test_frames_flow_down_a_chain_and_results_come_back(p2p, plane):
     await tokens.wait_for(20)
     assert set(c_got.by_key.values()) == {1} and len(c_got.by_key) == 20
     assert a.links.tls_fallbacks == 0
-    if plane is Plane.TLS:
-        assert b.links.data_plane is not None and b.links.data_plane.port
+    if plane is Plane.TLS:  # the frames went over pinned TLS connections, one per neighbour
+        assert b.links.data_plane is not None and c.links.data_plane is not None
+        assert b.links.data_plane.connections(a.peer) == 1 and c.links.data_plane.connections(b.peer) == 1
 
 
 @pytest.mark.parametrize("plane", [Plane.LIBP2P, Plane.TLS])

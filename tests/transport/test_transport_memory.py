@@ -345,3 +345,47 @@ async def test_a_sender_ignoring_the_window_is_cut_short(net, autojump_clock):
     assert [e.msg.code for e in replies if isinstance(e.msg, Error)] == ["window_exceeded"]
     assert len(replies) <= 3  # at most one ack (the single handler slot) and the error
     got.gate.set()
+
+
+async def test_unacked_bytes_are_bounded_too_and_a_big_frame_travels_alone(net, autojump_clock):
+    frame_size = len(encode(fwd(0)))
+    cfg = TransportConfig(window_bytes=4 * frame_size + 10, max_handlers_per_peer=1)
+    a, b = await net.add("a", cfg), await net.add("b", cfg)
+    got = Recorder()
+    got.gate = trio.Event()
+    b.route(Forward, got)
+    posted = 0
+
+    async def producer():
+        nonlocal posted
+        for step in range(20):
+            await a.post("b", fwd(step), within=300)
+            posted += 1
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(producer)
+        await trio.sleep(5)
+        assert posted == 1 + 4  # one running, four frames' worth of bytes unacked
+        assert a.link_state()["b"]["unacked"] == 4
+        got.gate.set()
+    await a.send("b", fwd(99, width=HIDDEN * 100), within=10)  # larger than the byte window: sent alone
+    await trio.sleep(1)
+    assert len(got.got) == 21
+
+
+async def test_a_sender_ignoring_the_byte_window_is_cut_short(net, autojump_clock):
+    frame_size = len(encode(fwd(0)))
+    b = await net.add("b", TransportConfig(window_bytes=2 * frame_size, max_frame=3 * frame_size,
+                                           max_handlers_per_peer=1))
+    got = Recorder()
+    got.gate = trio.Event()
+    b.route(Forward, got)
+    link = net.raw_link("a", "b")
+    for seq in range(1, 7):  # one admitted, one at the dispatcher, three fit the buffer, the sixth does not
+        await link.send(fwd(seq), seq)
+    replies = []
+    while (env := await link.reply()) is not None:
+        replies.append(env)
+    assert [e.msg.code for e in replies if isinstance(e.msg, Error)] == ["window_exceeded"]
+    assert [e.seq for e in replies if isinstance(e.msg, Ack)] == [1]
+    got.gate.set()

@@ -33,6 +33,14 @@ def test_lossy_wire_dtypes_round_to_nearest(wire_dtype, max_rel):
     assert rel.max() <= max_rel * 1.0001
 
 
+def test_float16_refuses_values_it_would_turn_into_infinity():
+    x = np.array([[1.0, 22511.7, -65504.0]], np.float32)
+    assert np.array_equal(WireTensor.from_array(x, "float16").to_array(np.float32), np.round(x))
+    with pytest.raises(LocalProtocolError, match="do not fit float16"):
+        WireTensor.from_array(np.array([[7e4]], np.float32), "float16")
+    assert WireTensor.from_array(np.array([[7e4]], np.float32), "bfloat16").to_array()[0, 0] == pytest.approx(7e4, rel=1e-2)
+
+
 def test_bfloat16_rounds_half_to_even_and_keeps_nan():
     bits = lambda v: WireTensor.from_array(np.array([v], np.float32), "bfloat16").data  # noqa: E731
     assert bits(1.0) == (0x3F80).to_bytes(2, "little")
