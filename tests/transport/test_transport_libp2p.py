@@ -133,6 +133,21 @@ async def test_bad_frames_get_clear_errors_and_the_daemon_survives(p2p, bare_hos
     assert set(got.by_key) == {fwd(5).key(), fwd(6).key()}
 
 
+async def test_duplicated_and_reordered_frames_are_delivered_once_each(p2p, bare_host):
+    b = await p2p(2)
+    got = Counts()
+    b.transport.route(Forward, got)
+    stream = await raw_link(await bare_host(9), b)
+    order = [3, 1, 3, 2, 1, 1, 2]
+    for seq, step in enumerate(order, start=1):
+        await stream.write(encode(fwd(step), seq))
+    with trio.fail_after(5):
+        acks = [await read_frame(stream, 4096) for _ in order]
+    assert sorted(env.seq for env in acks if env.msg == Ack()) == list(range(1, len(order) + 1))
+    assert got.by_key == {fwd(s).key(): 1 for s in (1, 2, 3)}
+    assert b.transport.stats.duplicates == 4
+
+
 async def test_a_peer_that_keeps_sending_bad_frames_is_disconnected(p2p, bare_host):
     b = await p2p(2, config=TransportConfig(bad_frames=3))
     mallory = await bare_host(9)
