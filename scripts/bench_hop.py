@@ -85,8 +85,7 @@ async def serve_main(args: argparse.Namespace) -> None:
     from libp2p.network.config import ConnectionConfig
 
     from swarmd.dataplane import make_certificate, server_context
-    from swarmd.p2plinks import P2PLinks, Plane
-    from swarmd.transport import ActorTransport
+    from swarmd.p2plinks import Plane, start_actor_transport
     from swarmd.wire import Forward
 
     quiet_logs()
@@ -103,11 +102,8 @@ async def serve_main(args: argparse.Namespace) -> None:
         return None
 
     async with host.run(listen_addrs=listen), trio.open_nursery() as nursery:
-        links = P2PLinks(host, plane=Plane.TLS)  # has a data plane: offers it to dialers that ask
-        transport = ActorTransport(links.open)
+        transport, _ = await start_actor_transport(host, nursery, plane=Plane.TLS)  # offers TLS to who asks
         transport.route(Forward, accept)
-        await nursery.start(transport.run)
-        await links.start(transport, nursery)
         raw = await nursery.start(trio.serve_tcp, raw_ack_server, 0)
         tls = await nursery.start(trio.serve_tcp, raw_tls_server, 0)
         info = {
@@ -164,8 +160,7 @@ async def latency_main(args: argparse.Namespace) -> dict:
     from libp2p.peer.id import ID
 
     from swarmd.dataplane import pinned_client_context
-    from swarmd.p2plinks import P2PLinks, Plane
-    from swarmd.transport import ActorTransport
+    from swarmd.p2plinks import Plane, start_actor_transport
 
     quiet_logs()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -183,11 +178,7 @@ async def latency_main(args: argparse.Namespace) -> dict:
                 await nursery.start(_run_host, host, listen)
                 host.get_peerstore().add_addrs(ID.from_base58(info["peer"]),
                                                [multiaddr.Multiaddr(a) for a in info["addrs"]], 3600)
-                links = P2PLinks(host, plane=plane)
-                transport = ActorTransport(links.open)
-                await nursery.start(transport.run)
-                await links.start(transport, nursery)
-                transports[plane.value] = (transport, links)
+                transports[plane.value] = await start_actor_transport(host, nursery, plane=plane)
 
             raw_tcp = await trio.open_tcp_stream(LOOP, info["raw_port"])
             tls_tcp = await trio.open_tcp_stream(LOOP, info["tls_port"])

@@ -4,8 +4,12 @@
 exchange `Hello`, move to the TLS data plane when configured and offered), and `start(transport, nursery)`
 installs the stream handler that answers `Hello` and serves the stream with the transport:
 
+    transport, links = await start_actor_transport(host, nursery, config, plane=Plane.TLS)
+
+which is short for
+
     links = P2PLinks(host, plane=Plane.TLS)
-    transport = ActorTransport(links.open, config, on_penalise=links.disconnect)
+    transport = ActorTransport(links.open, config, local_peer=str(host.get_id()), on_penalise=links.disconnect)
     await nursery.start(transport.run)
     await links.start(transport, nursery)
  Follows the field notes on
@@ -23,7 +27,15 @@ import trio
 
 from swarmd.dataplane import DataPlane, DataPlaneConfig
 from swarmd.errors import LocalProtocolError
-from swarmd.transport import PROTOCOL, ActorTransport, ByteStream, LinkError, close_quietly, read_frame
+from swarmd.transport import (
+    PROTOCOL,
+    ActorTransport,
+    ByteStream,
+    LinkError,
+    TransportConfig,
+    close_quietly,
+    read_frame,
+)
 from swarmd.wire.messages import Hello, encode
 
 log = logging.getLogger(__name__)
@@ -147,6 +159,22 @@ class P2PLinks:
             log.info("inbound %s stream ended: %s: %s", PROTOCOL, type(e).__name__, e)
         finally:
             await close_quietly(stream)
+
+
+async def start_actor_transport(
+    host: Any,
+    nursery: trio.Nursery,
+    config: TransportConfig | None = None,
+    *,
+    plane: Plane = Plane.TLS,
+    data_plane: DataPlaneConfig | None = None,
+) -> tuple[ActorTransport, P2PLinks]:
+    """An ActorTransport serving and dialing `/swarmd/act/1.0.0` on a running libp2p host, its tasks in `nursery`."""
+    links = P2PLinks(host, plane=plane, data_plane=data_plane)
+    transport = ActorTransport(links.open, config, local_peer=str(host.get_id()), on_penalise=links.disconnect)
+    await nursery.start(transport.run)
+    await links.start(transport, nursery)
+    return transport, links
 
 
 def _remote_host(raw: Any) -> str:

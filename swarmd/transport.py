@@ -227,11 +227,13 @@ class ActorTransport:
         opener: Opener,
         config: TransportConfig | None = None,
         *,
+        local_peer: str = "",
         rng: random.Random | None = None,
         on_penalise: Callable[[str], Awaitable[None]] | None = None,
         on_undeliverable: Callable[[str, Message, str], None] | None = None,
     ) -> None:
         self.config = config or TransportConfig()
+        self.local_peer = local_peer  # messages to this peer id are handed over in-process
         self._open = opener
         self._rng = rng or random.Random()
         self._on_penalise = on_penalise
@@ -282,6 +284,9 @@ class ActorTransport:
 
     async def send(self, peer: str, msg: Message, *, within: float | None = None) -> None:
         """Deliver `msg` to `peer` and wait for its ack (retrying over broken links until the deadline)."""
+        if peer == self.local_peer:
+            await self._deliver_locally(msg)
+            return
         deadline = trio.current_time() + (self.config.send_timeout if within is None else within)
         link, pending = await self._enqueue(peer, msg, deadline)
         await self._write_now(link, pending)
@@ -298,14 +303,42 @@ class ActorTransport:
 
     async def post(self, peer: str, msg: Message, *, within: float | None = None) -> None:
         """Queue `msg` for `peer` (waits only for window room); failures go to `on_undeliverable`."""
+        if peer == self.local_peer:
+            try:
+                await self._deliver_locally(msg)
+            except Refused as e:
+                self._on_undeliverable(peer, msg, e.error.message)
+            return
         deadline = trio.current_time() + (self.config.send_timeout if within is None else within)
         link, pending = await self._enqueue(peer, msg, deadline)
         pending.context = msg  # no waiter: the link reports a failure itself
         await self._write_now(link, pending)
         self._kick(link, pending)
 
+    async def _deliver_locally(self, msg: Message) -> None:
+        """A message to an actor of this daemon: the same checks, limits and de-duplication, no network."""
+        route = self._routes.get(type(msg))
+        if route is None:
+            raise Refused(self.local_peer, Error("unhandled", f"no actor here takes {msg.TAG} messages"))
+        if route.expect is not None:
+            try:
+                self._check_expect(route.expect, Envelope(0, msg))
+            except WireError as e:
+                raise Refused(self.local_peer, Error(e.code, e.message, request_id=e.request_id)) from None
+        peer_slots = self._peer_handlers.setdefault(self.local_peer,
+                                                    trio.Semaphore(self.config.max_handlers_per_peer))
+        await peer_slots.acquire()
+        try:
+            await self._handlers.acquire()
+        except BaseException:
+            peer_slots.release()
+            raise
+        self._admit(self.local_peer, msg, (peer_slots, self._handlers))
+
     def _post_nowait(self, peer: str, msg: Message) -> bool:
         """Queue without waiting; False when the window is full (used for replays, which are best effort)."""
+        if peer == self.local_peer:
+            return False  # a local result was delivered in-process; there is no lost frame to make up for
         link = self._link(peer)
         try:
             link.room.acquire_nowait()

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import trio
 
-from swarmd.p2plinks import P2PLinks, Plane
+from swarmd.p2plinks import P2PLinks, Plane, start_actor_transport
 from swarmd.transport import ActorTransport, TransportConfig
 
 
@@ -58,10 +58,7 @@ async def p2p() -> AsyncIterator[StartNode]:
         # Each host lives in a task of its own: its run() context is entered and left by that task.
         host, listen = make_host(seed)
         async with host.run(listen_addrs=listen), trio.open_nursery() as nursery:
-            links = P2PLinks(host, plane=plane)
-            transport = ActorTransport(links.open, config, on_penalise=links.disconnect)
-            await nursery.start(transport.run)
-            await links.start(transport, nursery)
+            transport, links = await start_actor_transport(host, nursery, config, plane=plane)
             introduce(host, hosts)
             hosts.append(host)
             task_status.started(P2PNode(host, str(host.get_id()), transport, links))

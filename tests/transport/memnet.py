@@ -32,7 +32,7 @@ class MemoryNet:
         self._ends: list[trio.abc.Stream] = []
 
     async def add(self, name: str, config: TransportConfig | None = None, **kwargs) -> ActorTransport:
-        transport = ActorTransport(partial(self._open, name), config, rng=random.Random(name), **kwargs)
+        transport = ActorTransport(partial(self._open, name), config, local_peer=name, rng=random.Random(name), **kwargs)
         await self.nursery.start(transport.run)
         self.transports[name] = transport
         return transport

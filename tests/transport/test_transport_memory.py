@@ -389,3 +389,19 @@ async def test_a_sender_ignoring_the_byte_window_is_cut_short(net, autojump_cloc
     assert [e.msg.code for e in replies if isinstance(e.msg, Error)] == ["window_exceeded"]
     assert [e.seq for e in replies if isinstance(e.msg, Ack)] == [1]
     got.gate.set()
+
+
+async def test_a_message_to_this_daemon_is_handed_over_in_process_with_the_same_checks(net, autojump_clock):
+    a = await net.add("a")
+    got = Recorder()
+    a.route(Forward, got, expect=ExpectForward(hop=1, hidden_size=HIDDEN, vocab_size=100))
+    await a.send("a", fwd(1))
+    await a.post("a", fwd(1))  # a duplicate: not handled twice
+    await trio.lowlevel.checkpoint()
+    assert got.keys == [fwd(1).key()]
+    assert net.dials[("a", "a")] == 0 and a.stats.duplicates == 1
+    with pytest.raises(Refused) as info:
+        await a.send("a", fwd(2, width=HIDDEN + 1))
+    assert info.value.error.code == "bad_shape"
+    with pytest.raises(Refused, match="unhandled"):
+        await a.send("a", Token("req", 0, 1))
