@@ -5,21 +5,25 @@ libp2p streams (`swarmd.p2plinks`), the TLS data plane (`swarmd.dataplane`) and 
 in unit tests. State that decides (sequence numbers, acks, retry, liveness, de-duplication, limits) lives in
 `swarmd.delivery`; this module only does the I/O around it.
 
-Sending: `await transport.send(peer, msg)` returns once the peer acked the frame, raises `Refused` if the
-peer answered it with an `Error` (bad frame, no handler...), `DeliveryFailed` when the deadline passes.
-`await transport.post(peer, msg)` returns once the frame is queued (at most `window` frames wait per peer:
-a slow receiver slows the sender, memory does not grow) and reports a failure to `on_undeliverable`.
-Each destination has one link task: it opens a stream, writes frames, reads acks; when the stream breaks it
-reconnects with exponential backoff and jitter and writes every unacked frame again, until each frame's
-deadline.
+Sending: `await transport.send(peer, msg)` returns once the peer acked the frame (the peer decoded and
+checked it and started its handler), raises `Refused` if the peer answered it with an `Error` (bad frame,
+no handler...), and `DeliveryFailed` when the deadline passes (the frame may still have arrived: whatever
+repeats it later is de-duplicated). `await transport.post(peer, msg)` returns once the frame is queued and
+reports a failure to `on_undeliverable`. At most `window` frames and `window_bytes` bytes wait for acks per
+destination, so a slow receiver slows the sender and memory does not grow. Each destination has one link
+task: it opens a stream, reads acks, pings a peer that stops answering; when the stream breaks it reconnects
+with exponential backoff and jitter and writes every unacked frame again, until each frame's deadline.
+While the link is up and idle a sender writes its frame itself (one task switch less per hop). A message
+to `local_peer` (this daemon) is handed to its handler in-process, with the same checks and de-duplication.
 
 Receiving: `transport.route(Forward, handler, expect=...)` registers `async handler(peer, msg)`. A link's
 reader task drains the stream at once (a libp2p sender whose window is not updated for 5 s resets the
-stream), checks every frame (size, CBOR, type, version, fields, tensors, `expect`), answers pings, and
-queues good frames; a dispatcher admits them under per-peer and global handler limits and a per-peer rate,
-acks each, and runs the handler in its own task. A frame whose key was seen is acked without a second
-delivery; if its handler has finished, its result is sent again. Bad frames get an `Error` reply; a peer
-with too many is cut off for a while. Handler exceptions never escape: they become `Error` messages.
+stream), checks every frame (size, CBOR, type, version, fields, tensors, `expect`) and answers pings. A good
+frame is admitted under per-peer and global handler limits and a per-peer rate — by the reader itself when
+nothing waits, otherwise by the link's dispatcher task — then acked, and its handler runs in a task of its
+own. A frame whose key was seen is acked without a second delivery; if its handler has finished, its result
+is sent again. Bad frames get an `Error` reply; a peer with too many is cut off for a while (`on_penalise`
+drops its connections). Handler exceptions never escape: they become `Error` messages to the sender.
 
 What a handler returns is its result: `None`, a `Send(peer, msg)` or a list of them. The transport posts
 them after the handler returns and caches them under the message's key for replay on a duplicate.
