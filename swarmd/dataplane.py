@@ -39,6 +39,7 @@ class DataPlaneConfig:
     token_ttl: float = 30.0  # a token not used within this long is void
     handshake_timeout: float = 10.0
     max_pending_tokens: int = 4096
+    max_handshakes: int = 64  # connections still in TLS set-up at once; more are closed at once
 
 
 def make_certificate(common_name: str) -> tuple[bytes, bytes]:
@@ -98,6 +99,7 @@ class DataPlane:
         self._client_ctx: dict[bytes, ssl.SSLContext] = {}
         self._tokens: dict[bytes, tuple[str, float]] = {}  # token -> (peer, expiry)
         self._inbound: dict[str, set[trio.SocketStream]] = {}  # attached connections by peer
+        self._handshakes = trio.Semaphore(self.config.max_handshakes)
         self.port = 0
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -152,15 +154,22 @@ class DataPlane:
         stream = TrioStream(tls)
         peer = None
         try:
-            with trio.fail_after(self.config.handshake_timeout):
-                await tls.do_handshake()
-                env = await read_frame(stream, 4096)
-                if isinstance(env.msg, Attach):
-                    peer = self._redeem(env.msg.token)
-                if peer is not None:
-                    await stream.write(encode(Ack()))
-        except Exception as e:
-            log.info("data-plane connection dropped during set-up: %s: %s", type(e).__name__, e)
+            self._handshakes.acquire_nowait()
+        except trio.WouldBlock:
+            log.info("data-plane connection refused: %d set-ups already running", self.config.max_handshakes)
+        else:
+            try:
+                with trio.fail_after(self.config.handshake_timeout):
+                    await tls.do_handshake()
+                    env = await read_frame(stream, 4096)
+                    if isinstance(env.msg, Attach):
+                        peer = self._redeem(env.msg.token)
+                    if peer is not None:
+                        await stream.write(encode(Ack()))
+            except Exception as e:
+                log.info("data-plane connection dropped during set-up: %s: %s", type(e).__name__, e)
+            finally:
+                self._handshakes.release()
         if peer is None:
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await tcp.aclose()

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import trio
 
-from swarmd.dataplane import make_certificate
+from swarmd.dataplane import make_certificate, pinned_client_context
 from swarmd.p2plinks import Libp2pStream, Plane
-from swarmd.transport import PROTOCOL, Send, TransportConfig, read_frame
-from swarmd.wire import Ack, Error, Forward, Hello, Token, WireTensor, encode
+from swarmd.transport import PROTOCOL, LinkError, Send, TransportConfig, TrioStream, read_frame
+from swarmd.wire import Ack, Attach, Error, Forward, Hello, Token, WireTensor, encode
 from swarmd.wire.codec import HEADER
 from swarmd.wire.expect import ExpectForward
 from tests.transport.conftest import eventually, introduce
@@ -223,3 +223,26 @@ async def test_a_data_plane_certificate_that_does_not_match_the_pin_is_not_used(
     await a.transport.send(b.peer, fwd(1))
     assert a.links.tls_fallbacks == 1  # refused the TLS connection, delivered over libp2p instead
     assert got.by_key == {fwd(1).key(): 1}
+
+
+async def test_the_data_plane_admits_only_connections_with_a_token_handed_out_over_libp2p(p2p):
+    a, b = await p2p(1, plane=Plane.TLS), await p2p(2, plane=Plane.TLS)
+    got = Counts()
+    b.transport.route(Forward, got)
+    plane = b.links.data_plane
+    assert plane is not None
+
+    plain = await trio.open_tcp_stream("127.0.0.1", plane.port)  # not even TLS
+    await plain.send_all(b"GET / HTTP/1.0\r\n\r\n")
+    with trio.fail_after(5):
+        assert await plain.receive_some(100) == b""
+
+    tcp = await trio.open_tcp_stream("127.0.0.1", plane.port)  # TLS, but a token nobody handed out
+    tls = trio.SSLStream(tcp, pinned_client_context(plane.cert_der))
+    stream = TrioStream(tls)
+    await stream.write(encode(Attach(b"forged-token-123")))
+    with trio.fail_after(5), pytest.raises((LinkError, trio.BrokenResourceError)):
+        await read_frame(stream, 4096)
+
+    await a.transport.send(b.peer, fwd(1))
+    assert got.by_key == {fwd(1).key(): 1} and plane.connections(a.peer) == 1
