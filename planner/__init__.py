@@ -4,8 +4,9 @@ from planner.arch import BUILTIN_ARCHS, ArchSpec, layout_from_arch
 from planner.errors import InfeasiblePlan, PlanSchemaError
 from planner.layout import BlockLayout, ModelLayout, MoESpec
 from planner.node import NodeDescriptor
+from planner.options import PlanOptions
 from planner.plan import Plan, Stage
-from planner.policies import PlanOptions, make_plan
+from planner.policies import make_plan
 
 __all__ = [
     "BUILTIN_ARCHS",
