@@ -173,7 +173,8 @@ def _experts(cm: CostModel, blk: int) -> int:
 def _allocate(members: list[int], free: np.ndarray, demand: int, policy: str, first: set[int]) -> dict[int, int]:
     """How many expert slots each member gives, at most `demand` in all.
 
-    balanced: in proportion to free slots, and at least one each while there are enough experts;
+    balanced: one each while there are enough experts (nodes without a stage first), the rest in
+    proportion to free slots;
     min-latency: stage nodes first, then the members with the most room."""
     avail = {n: int(free[n]) for n in members if free[n] > 0}
     total = sum(avail.values())
@@ -181,7 +182,9 @@ def _allocate(members: list[int], free: np.ndarray, demand: int, policy: str, fi
         return avail
     if policy == "balanced":
         nodes = sorted(avail)
-        base = {n: 1 for n in nodes} if demand >= len(nodes) else {}
+        # One expert each first, nodes without a stage before stage nodes, most room first.
+        firsts = sorted(nodes, key=lambda n: (n in first, -avail[n], n))[:demand]
+        base = dict.fromkeys(firsts, 1)
         rest = demand - sum(base.values())
         room = np.array([avail[n] - base.get(n, 0) for n in nodes], dtype=float)
         share = room / room.sum() * rest if room.sum() > 0 else np.zeros(len(nodes))

@@ -238,8 +238,14 @@ class Planner:
                 require_all = self.policy == "balanced" and everyone
                 chains.append((self.chain(order, 0, self.n_blocks, mode, require_all), "one chain"))
                 if require_all and chains[-1][0] is None:
-                    chains.append((self.chain(order, 0, self.n_blocks, mode, False),
-                                   "not every node could hold a stage"))
+                    # Nodes too small for even one block hold experts only; the rest still all get a stage.
+                    capable = [i for i in order if self._holds_a_block(i, mode)]
+                    if len(capable) < len(order):
+                        chains.append((self.chain(capable, 0, self.n_blocks, mode, True),
+                                       f"{len(order) - len(capable)} node(s) too small for a stage"))
+                    if chains[-1][0] is None:
+                        chains.append((self.chain(order, 0, self.n_blocks, mode, False),
+                                       "not every node could hold a stage"))
                 if mode == "spread" and len(groups) > 1 and not everyone:
                     chains.append((self.quota_chain(groups, mode), "blocks split over groups by memory"))
                 for stages, how in chains:
@@ -250,6 +256,11 @@ class Planner:
                         draft.notes.append(how)
                         drafts.append(draft)
         return drafts
+
+    def _holds_a_block(self, node: int, mode: str) -> bool:
+        """Whether `node` can hold a stage of one block somewhere in the model."""
+        need = self.need[mode]
+        return bool(min(need[b, b + 1] for b in range(self.n_blocks)) <= self.free[node])
 
     def with_experts(self, stages: list[tuple[int, int, int]], mode: str) -> Draft | None:
         if mode == "dense":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from hypothesis import strategies as st
 
 from planner import BlockLayout, ModelLayout, MoESpec, NodeDescriptor
@@ -56,14 +58,15 @@ def layouts(draw: st.DrawFn, moe: bool | None = None) -> ModelLayout:
 
 
 @st.composite
-def fleets(draw: st.DrawFn, min_nodes: int = 1, max_nodes: int = 6) -> list[NodeDescriptor]:
-    """Nodes with distinct ids, memory from 0.5 to 16 GiB, speeds within 10x, RTTs 0.1-80 ms."""
+def fleets(draw: st.DrawFn, min_nodes: int = 1, max_nodes: int = 6,
+           rtts: Sequence[float] = (0.2, 1.0, 5.0, 30.0, 80.0)) -> list[NodeDescriptor]:
+    """Nodes with distinct ids, memory from 0.5 to 16 GiB, speeds within 10x, RTTs from `rtts`."""
     count = draw(st.integers(min_nodes, max_nodes))
     ids = draw(st.lists(st.text("abcdefgh", min_size=1, max_size=4), min_size=count, max_size=count, unique=True))
     ids = [f"peer-{i}" for i in ids]
     nodes = []
     for i, peer in enumerate(ids):
-        rtt = {other: draw(st.sampled_from([0.2, 1.0, 5.0, 30.0, 80.0])) for other in ids[:i]}
+        rtt = {other: draw(st.sampled_from(list(rtts))) for other in ids[:i]}
         nodes.append(NodeDescriptor(
             peer_id=peer,
             memory_total=draw(st.integers(1, 32)) * GiB // 2,
