@@ -98,22 +98,22 @@ class CostModel:
         moe = self.top_k > 0
         if not moe.any():
             return lat, sends
+        k = self.top_k
         for members in self.topo.groups:
             idx = np.asarray(members)
             size = len(idx)
-            median_expert = np.median(self.expert_ms[idx], axis=0)
-            for node in idx:
-                k = self.top_k
-                if size == 1:
-                    lat[node] = k * self.expert_ms[node]
-                    continue
-                others = idx[idx != node]
-                hit = np.minimum(k, size).astype(float)  # distinct nodes one token reaches
-                far = float(np.quantile(self.topo.rtt[node, others], 0.9))
-                back = float(np.median(self.act_ms[others]))
-                lat[node] = far + 2 * self.opts.hop_overhead_ms + back + hit * self.act_ms[node] \
-                    + np.ceil(k / np.maximum(hit, 1)) * median_expert
-                sends[node] = hit * (size - 1) / size
+            if size == 1:
+                lat[idx[0]] = k * self.expert_ms[idx[0]]
+                continue
+            # A node's own RTT (0) sorts first in its row: the rest are its RTTs to the others.
+            to_others = np.sort(self.topo.rtt[np.ix_(idx, idx)], axis=1)[:, 1:]
+            far = np.quantile(to_others, 0.9, axis=1)
+            back = float(np.median(self.act_ms[idx]))
+            hit = np.minimum(k, size).astype(float)  # distinct nodes one token reaches
+            per_hit = np.ceil(k / np.maximum(hit, 1)) * np.median(self.expert_ms[idx], axis=0)
+            lat[idx] = (far + 2 * self.opts.hop_overhead_ms + back)[:, None] \
+                + hit[None, :] * self.act_ms[idx][:, None] + per_hit[None, :]
+            sends[idx] = hit * (size - 1) / size
         lat[:, ~moe] = 0.0
         sends[:, ~moe] = 0.0
         return lat, sends
@@ -131,12 +131,15 @@ class CostModel:
         e, k = moe.n_experts, moe.top_k
         load = self.opts.load_of(block, e) or [1.0] * e
         n = len(self.nodes)
-        mass = np.zeros(n)
-        runs = np.zeros(n)
-        for x, hs in enumerate(holders):
-            mass[hs[0]] += load[x]
-            for h in hs:  # for throughput, replicas share their expert's tokens
-                runs[h] += k / e * load[x] / len(hs)
+        weight = np.asarray(load, dtype=float)
+        first = np.fromiter((hs[0] for hs in holders), dtype=np.int64, count=e)
+        copies = np.fromiter((len(hs) for hs in holders), dtype=np.int64, count=e)
+        mass = np.bincount(first, weights=weight, minlength=n)
+        single = copies == 1
+        runs = np.bincount(first[single], weights=weight[single] * k / e, minlength=n)
+        for x in np.flatnonzero(~single):  # for throughput, replicas share their expert's tokens
+            for h in holders[x]:
+                runs[h] += k / e * weight[x] / copies[x]
         reached = np.flatnonzero(mass > 0)
         p_hit = 1.0 - _none_picked(mass[reached], e, k)
         expect_runs = k * mass[reached] / e

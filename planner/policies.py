@@ -227,25 +227,24 @@ class Planner:
     def fresh(self) -> list[Draft]:
         drafts: list[Draft] = []
         modes = ["spread", "local"] if self.is_moe else ["dense"]
-        everyone = len(self.ready) <= self.n_blocks
+        balanced = self.policy == "balanced"
         for gset in self.group_sets():
             groups = [[i for i in self.topo.groups[g] if self.free[i] > 0] for g in gset]
             order = [i for g in groups for i in g]
             for mode in modes:
-                if mode == "local" and self.policy == "balanced" and not everyone:
+                # Nodes too small for even one block can only hold experts.
+                capable = [i for i in order if self._holds_a_block(i, mode)]
+                everyone = balanced and len(capable) <= self.n_blocks
+                if mode == "local" and balanced and len(order) > self.n_blocks:
                     continue  # balanced gives every node a stage or experts: local leaves some idle
                 chains: list[tuple[list[tuple[int, int, int]] | None, str]] = []
-                require_all = self.policy == "balanced" and everyone
-                chains.append((self.chain(order, 0, self.n_blocks, mode, require_all), "one chain"))
-                if require_all and chains[-1][0] is None:
-                    # Nodes too small for even one block hold experts only; the rest still all get a stage.
-                    capable = [i for i in order if self._holds_a_block(i, mode)]
-                    if len(capable) < len(order):
-                        chains.append((self.chain(capable, 0, self.n_blocks, mode, True),
-                                       f"{len(order) - len(capable)} node(s) too small for a stage"))
-                    if chains[-1][0] is None:
-                        chains.append((self.chain(order, 0, self.n_blocks, mode, False),
-                                       "not every node could hold a stage"))
+                if everyone:
+                    small = len(order) - len(capable)
+                    chains.append((self.chain(capable, 0, self.n_blocks, mode, True),
+                                   f"every node a stage, {small} too small for one" if small else "every node a stage"))
+                if not chains or chains[-1][0] is None:
+                    chains.append((self.chain(order, 0, self.n_blocks, mode, False),
+                                   "not every node could hold a stage" if everyone else "one chain"))
                 if mode == "spread" and len(groups) > 1 and not everyone:
                     chains.append((self.quota_chain(groups, mode), "blocks split over groups by memory"))
                 for stages, how in chains:

@@ -38,12 +38,13 @@ def rtt_matrix(nodes: Sequence[NodeDescriptor], default_ms: float) -> np.ndarray
     """Symmetric RTTs from what each node reports: the larger of the two directions when both
     are known (a conservative guess), the one known, or `default_ms`."""
     index = {n.peer_id: i for i, n in enumerate(nodes)}
-    m = np.full((len(nodes), len(nodes)), np.nan)
+    get = index.get
+    m = np.full((len(nodes), len(nodes) + 1), np.nan)  # the extra column takes unknown peers
     for i, node in enumerate(nodes):
-        for peer, ms in node.rtt_ms.items():
-            j = index.get(peer)
-            if j is not None:
-                m[i, j] = ms
+        if node.rtt_ms:
+            cols = np.fromiter([get(p, -1) for p in node.rtt_ms], dtype=np.int64, count=len(node.rtt_ms))
+            m[i, cols] = np.fromiter(node.rtt_ms.values(), dtype=float, count=len(node.rtt_ms))
+    m = m[:, :-1]
     m = np.fmax(m, m.T)
     m[np.isnan(m)] = default_ms
     np.fill_diagonal(m, 0.0)
