@@ -53,7 +53,7 @@ def place_spread(
     blocks_of_group: list[list[int]] = [[] for _ in range(n_groups)]
     for blk in moe_blocks:
         blocks_of_group[int(topo.group_of[stage_of[blk]])].append(blk)
-    demand = [sum(layout.blocks[b].moe.n_experts for b in bs) for bs in blocks_of_group]  # type: ignore[union-attr]
+    demand = [sum(_experts(cm, b) for b in bs) for bs in blocks_of_group]
     stage_nodes = {node for node, _, _ in stages}
 
     # 1. Each group serves its own blocks from its own nodes first.
@@ -102,8 +102,8 @@ def place_spread(
             _give_own(out, own, node, left)
         pairs = [(b, x) for b in blocks_of_group[g] for x, h in enumerate(out[b]) if h is None]
         home = [n for n in topo.groups[g] if left.get(n, 0) > 0]
-        members = set(topo.groups[g])
-        foreign = [n for n in left if left[n] > 0 and n not in members]
+        in_group = set(topo.groups[g])
+        foreign = [n for n in left if left[n] > 0 and n not in in_group]
         foreign.sort(key=lambda n: (gdist[g, int(topo.group_of[n])], topo.rank[n]))
         if policy == "balanced":
             sequence = _interleave(home, left) + [n for n in foreign for _ in range(left[n])]

@@ -27,7 +27,9 @@ class PlanOptions:
     # measured 1.2-1.4 ms for an 8 KiB activation hop (shared notes, py-libp2p.md, section 2).
     hop_overhead_ms: float = 1.0
     default_rtt_ms: float = 1.0  # a pair with no measurement in either direction
-    group_rtt_ms: float = 10.0  # nodes closer than this form one low-latency group
+    # Nodes closer than this form one low-latency group (or closer than 1.5 x the median
+    # nearest-neighbour RTT, when that is larger: see planner.topology.group_threshold).
+    group_rtt_ms: float = 10.0
     # --- prediction -----------------------------------------------------------------------
     # Decode reads the KV of the tokens so far; the prediction takes the middle of the budget.
     decode_context_fraction: float = 0.5

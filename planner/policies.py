@@ -37,6 +37,8 @@ from planner.topology import build_topology
 POLICIES = ("balanced", "min-latency")
 # Groups tried as the seed of a min-latency chain (largest memory first).
 MAX_SEED_GROUPS = 8
+# Candidates this close to the best by the policy's score compete on the other score.
+SCORE_SLACK = 0.05
 # Reasons list every stage up to this many; beyond, a summary line.
 MAX_STAGE_REASONS = 64
 
@@ -143,16 +145,17 @@ class Planner:
     # --- chains -----------------------------------------------------------------------------
     def chain_costs(self, order: Sequence[int], lo: int, hi: int, mode: str) -> ChainCosts:
         idx = np.asarray(order)
+        cols = np.arange(lo, hi)
         cm = self.cm
-        block = cm.block_ms[np.ix_(idx, range(lo, hi))]
+        block = cm.block_ms[np.ix_(idx, cols)]
         zeros = np.zeros_like(block)
         if mode == "local":
-            local = (cm.top_k[lo:hi] * cm.expert_ms[np.ix_(idx, range(lo, hi))])
+            local = (cm.top_k[lo:hi] * cm.expert_ms[np.ix_(idx, cols)])
             lat, busy_c, busy_u = block + local, block + local, zeros
         elif mode == "spread":
-            lat = block + self.fan_lat[np.ix_(idx, range(lo, hi))]
+            lat = block + self.fan_lat[np.ix_(idx, cols)]
             busy_c = block
-            busy_u = self.fan_sends[np.ix_(idx, range(lo, hi))] * cm.act_ms[idx][:, None]
+            busy_u = self.fan_sends[np.ix_(idx, cols)] * cm.act_ms[idx][:, None]
         else:
             lat, busy_c, busy_u = block, block, zeros
         return ChainCosts(
@@ -292,7 +295,11 @@ class Planner:
             # Every ready member holds something whenever some candidate manages that.
             drafts = [d for d in drafts if len(_used(d)) == len(self.ready)] or drafts
         scored = [(self.cm.evaluate(d), d) for d in drafts]
-        best_eval, best = min(scored, key=lambda ed: _key(ed[0].score(self.policy)))
+        # The best by the policy's first score, unless one within SCORE_SLACK of it is much
+        # better by the second (1 % more throughput is not worth 3x the latency).
+        first = min(ev.score(self.policy)[0] for ev, _ in scored)
+        near = [(ev, d) for ev, d in scored if ev.score(self.policy)[0] <= first * (1 + SCORE_SLACK) + 1e-12]
+        best_eval, best = min(near, key=lambda ed: _key(ed[0].score(self.policy)[::-1]))
         reasons = [f"policy {self.policy}: {len(drafts)} candidate plans; best: {self._describe(best)}"]
         if self.previous is not None:
             from planner.sticky import repair

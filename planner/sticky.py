@@ -39,7 +39,7 @@ def repair(p: Planner, previous: Plan) -> Draft | None:
             return None
         experts[blk] = [[i for i in (alive(h) for h in by[x]) if i is not None] for x in range(n_exp)]
 
-    kept = [[alive(s.peer_id), s.layers[0], s.layers[1]] for s in previous.stages]
+    kept = [(alive(s.peer_id), s.layers[0], s.layers[1]) for s in previous.stages]
     survivors: list[Stage3] = [[n, a, b] for n, a, b in kept if n is not None]
     if not survivors:
         return None

@@ -18,6 +18,7 @@ from planner.node import NodeDescriptor
 EXACT_TOUR_GROUPS = 8
 # Up to this many, 2-opt moves improve the nearest-neighbour tour (O(n^2) per round, pure Python).
 TWO_OPT_ITEMS = 100
+NEIGHBOUR_FACTOR = 1.5
 
 
 @dataclass(frozen=True)
@@ -118,9 +119,19 @@ def _two_opt(path: list[int], d: np.ndarray, max_rounds: int = 5) -> list[int]:
     return path
 
 
+def group_threshold(rtt: np.ndarray, floor_ms: float) -> float:
+    """Nodes closer than this form a group: `floor_ms`, or 1.5 x the median distance from a node to
+    its nearest neighbour when that is larger (homes in one metro area are 10-20 ms apart, and
+    are still each other's best neighbours)."""
+    if len(rtt) < 2:
+        return floor_ms
+    nearest = np.where(np.eye(len(rtt), dtype=bool), np.inf, rtt).min(axis=1)
+    return max(floor_ms, NEIGHBOUR_FACTOR * float(np.median(nearest)))
+
+
 def build_topology(nodes: Sequence[NodeDescriptor], *, default_rtt_ms: float, group_rtt_ms: float) -> Topology:
     rtt = rtt_matrix(nodes, default_rtt_ms)
-    groups = low_latency_groups(rtt, group_rtt_ms)
+    groups = low_latency_groups(rtt, group_threshold(rtt, group_rtt_ms))
     # Distance between groups: the median RTT between their members.
     g = len(groups)
     gdist = np.zeros((g, g))
