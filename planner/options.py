@@ -34,6 +34,9 @@ class PlanOptions:
     # Decode reads the KV of the tokens so far; the prediction takes the middle of the budget.
     decode_context_fraction: float = 0.5
     # --- experts ----------------------------------------------------------------------------
+    # "auto" tries both and keeps the better plan; "local" keeps every block's experts on its
+    # stage's node; "spread" puts them on the other nodes of the stage's group too.
+    expert_placement: str = "auto"
     # block -> load per routed expert (token counts or fractions); missing blocks are uniform.
     expert_load: Mapping[int, Sequence[float]] = field(default_factory=dict)
     hot_expert_factor: float = 2.0  # an expert with load >= factor x mean is hot
@@ -49,6 +52,8 @@ class PlanOptions:
             raise PlanSchemaError("context_length and concurrency must be at least 1")
         if self.runtime_overhead_bytes < 0 or self.hop_overhead_ms < 0 or self.replan_tolerance < 0:
             raise PlanSchemaError("overheads and tolerances cannot be negative")
+        if self.expert_placement not in ("auto", "local", "spread"):
+            raise PlanSchemaError(f"expert_placement must be auto, local or spread, not {self.expert_placement!r}")
         if self.max_replicas < 1:
             raise PlanSchemaError("max_replicas counts the original: at least 1")
 

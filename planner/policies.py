@@ -229,7 +229,9 @@ class Planner:
 
     def fresh(self) -> list[Draft]:
         drafts: list[Draft] = []
-        modes = ["spread", "local"] if self.is_moe else ["dense"]
+        modes = ["dense"]
+        if self.is_moe:
+            modes = ["spread", "local"] if self.opts.expert_placement == "auto" else [self.opts.expert_placement]
         balanced = self.policy == "balanced"
         for gset in self.group_sets():
             groups = [[i for i in self.topo.groups[g] if self.free[i] > 0] for g in gset]

@@ -98,3 +98,16 @@ def test_experts_that_do_not_fit_are_named():
     moe = MoESpec(n_experts=8, top_k=2, bytes_per_expert=GiB, flops_per_expert_token=1)
     with pytest.raises(InfeasiblePlan, match=r"needs .* GiB more memory for blocks"):
         make_plan(toy_layout(2, moe=moe), [node("a", 6), node("b", 6)], options=PLAIN)
+
+
+def test_expert_placement_can_be_forced():
+    # Three equal nodes, one MoE block of 6 experts: spread gives each node 2, the stage's own first.
+    moe = MoESpec(n_experts=6, top_k=2, bytes_per_expert=GiB // 4, flops_per_expert_token=10**8)
+    lay = toy_layout(3, moe=moe, moe_from=2)
+    nodes = [node(p, 8, rtt={q: 1.0 for q in "abc" if q != p}) for p in "abc"]
+    spread = make_plan(lay, nodes, options=PlanOptions(runtime_overhead_bytes=0, expert_placement="spread"))
+    assert "experts spread over each stage's group" in spread.reasons[0]
+    assert sorted(h for hs in spread.experts[2].values() for h in hs) == ["a", "a", "b", "b", "c", "c"]
+    local = make_plan(lay, nodes, options=PlanOptions(runtime_overhead_bytes=0, expert_placement="local"))
+    assert "experts with their stage" in local.reasons[0]
+    assert set(local.experts[2].values()) == {(local.stages[-1].peer_id,)}
