@@ -1,0 +1,108 @@
+"""Load the weights of one pipeline stage from a GGUF file: blocks [start, end), plus the embedding on
+the first stage and the output norm and head on the last.
+
+Only the bytes of those tensors are read from the file (tinygrad's `gguf_load` copies the whole file
+into memory first), so a node's memory follows its assignment. Dequantisation is tinygrad.llm's
+`ggml_data_to_tensor`; weights end up as float16, as in tinygrad.llm, and the Q/K rows are permuted
+the way `Transformer.from_gguf` does, from GGUF's interleaved RoPE pairs to tinygrad's half-split.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from models.errors import ModelError
+from models.gguf_meta import GGUFHeader, TensorInfo
+
+if TYPE_CHECKING:
+    from tinygrad import Tensor
+
+# The tensors of one Llama block, by GGUF name without the `blk.{i}.` prefix.
+BLOCK_TENSORS = (
+    "attn_norm.weight",
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_output.weight",
+    "ffn_norm.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+)
+
+
+def tensor_nbytes(info: TensorInfo) -> int:
+    """Bytes the tensor occupies in the file."""
+    from tinygrad.llm.gguf import _GGML_NATIVE, _GGML_QUANT
+
+    if (dtype := _GGML_NATIVE.get(info.ggml_type)) is not None:
+        return info.n_elements * dtype.itemsize
+    if (quant := _GGML_QUANT.get(info.ggml_type)) is not None:
+        per_block, block_bytes = quant
+        return info.n_elements // per_block * block_bytes
+    raise ModelError(f"tensor {info.name}: GGML type {info.ggml_type} is not supported by tinygrad's GGUF reader")
+
+
+def head_tensor_name(header: GGUFHeader) -> str:
+    """`output.weight`, or `token_embd.weight` when the head is tied to the embedding."""
+    return "output.weight" if "output.weight" in header.tensors else "token_embd.weight"
+
+
+def stage_tensor_names(header: GGUFHeader, start: int, end: int, n_blocks: int) -> list[str]:
+    """The GGUF tensors stage [start, end) of an `n_blocks` model needs, in file order of loading."""
+    names = ["token_embd.weight"] if start == 0 else []
+    names += [f"blk.{i}.{t}" for i in range(start, end) for t in BLOCK_TENSORS]
+    if end == n_blocks:
+        names += ["output_norm.weight", head_tensor_name(header)]
+    if "rope_freqs.weight" in header.tensors:  # Llama 3's RoPE frequency factors, used by every block
+        names.append("rope_freqs.weight")
+    missing = [n for n in names if n not in header.tensors]
+    if missing:
+        raise ModelError(f"{header.path.name}: tensors missing from the file: {', '.join(missing[:4])}")
+    return list(dict.fromkeys(names))
+
+
+def read_tensor(header: GGUFHeader, name: str, device: str | None = None) -> Tensor:
+    """One tensor, dequantised (float32 for quantised types) on `device`, reading only its bytes."""
+    from tinygrad import Tensor
+    from tinygrad.llm.gguf import ggml_data_to_tensor
+
+    info = header.tensors[name]
+    nbytes = tensor_nbytes(info)
+    raw = np.fromfile(header.path, dtype=np.uint8, count=nbytes, offset=info.offset)
+    if raw.size != nbytes:
+        raise ModelError(f"{header.path.name}: file ends inside tensor {name}; the download is incomplete")
+    return ggml_data_to_tensor(Tensor(raw, device=device), info.n_elements, info.ggml_type).reshape(info.shape)
+
+
+def interleaved_to_half_split(w: Tensor, n_heads: int) -> Tensor:
+    """Permute a Q or K projection's rows per head from GGUF's (hd/2, 2) RoPE pairs to (2, hd/2),
+    the same rearrangement `tinygrad.llm.model.Transformer.from_gguf` applies for `llama`."""
+    heads = w.reshape(n_heads, w.shape[0] // n_heads, -1)
+    return heads.rearrange("n (h two) d -> n (two h) d", two=2).reshape(-1, w.shape[-1])
+
+
+def load_stage_weights(
+    header: GGUFHeader, config, start: int, end: int, *, device: str | None = None, dtype: str = "float16"
+) -> dict[str, Tensor]:
+    """Realised weights of stage [start, end), keyed by GGUF name; the tied head is `output.weight`."""
+    from tinygrad import Tensor
+
+    if config.rope_dim != config.head_dim:
+        raise ModelError(f"{header.path.name}: partial RoPE ({config.rope_dim} of {config.head_dim}) is not supported")
+    weights: dict[str, Tensor] = {}
+    for name in stage_tensor_names(header, start, end, config.num_blocks):
+        t = read_tensor(header, name, device)
+        if name.endswith("attn_q.weight"):
+            t = interleaved_to_half_split(t, config.n_heads)
+        elif name.endswith("attn_k.weight"):
+            t = interleaved_to_half_split(t, config.n_kv_heads)
+        # RoPE frequency factors stay float32: they scale angles, not activations.
+        t = t.cast("float32" if name == "rope_freqs.weight" else dtype).contiguous().realize()
+        weights[name] = t
+    if end == config.num_blocks and "output.weight" not in weights:
+        weights["output.weight"] = weights["token_embd.weight"] if start == 0 else weights.pop("token_embd.weight")
+    Tensor.realize(*weights.values())
+    return weights

@@ -1,0 +1,72 @@
+"""Per-request KV caches of a pipeline stage.
+
+`SlotTable` is the bookkeeping (pure Python): which request holds which slot of the pool and how many
+tokens its cache holds. `KVPool` holds the tensors: per layer one (2, slots + 1, kv_heads, rows, head_dim)
+tensor allocated once; the extra last slot is scratch space for the padding rows of a decode batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from models.errors import ModelError
+
+
+class KVCacheFull(ModelError):
+    """Every KV slot of the stage is taken; free a request or retry later."""
+
+
+@dataclass
+class SlotTable:
+    n_slots: int
+    _slots: dict[str, int] = field(default_factory=dict)
+    _lengths: dict[str, int] = field(default_factory=dict)
+
+    def add(self, request_id: str) -> int:
+        """Reserve a slot for `request_id` (an already known request keeps its slot and its cache)."""
+        if request_id in self._slots:
+            return self._slots[request_id]
+        free = sorted(set(range(self.n_slots)) - set(self._slots.values()))
+        if not free:
+            raise KVCacheFull(f"all {self.n_slots} KV cache slots are in use; free a request first")
+        self._slots[request_id] = free[0]
+        self._lengths[request_id] = 0
+        return free[0]
+
+    def free(self, request_id: str) -> None:
+        self._slots.pop(request_id, None)
+        self._lengths.pop(request_id, None)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._slots
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def slot(self, request_id: str) -> int:
+        if request_id not in self._slots:
+            raise ModelError(f"unknown request {request_id!r}: add_request() it first")
+        return self._slots[request_id]
+
+    def length(self, request_id: str) -> int:
+        self.slot(request_id)
+        return self._lengths[request_id]
+
+    def set_length(self, request_id: str, n: int) -> None:
+        self.slot(request_id)
+        self._lengths[request_id] = n
+
+
+class KVPool:
+    """One float32 KV tensor per layer; rows [0, max_context + pad_rows) per slot."""
+
+    def __init__(self, layers: range, n_slots: int, n_kv_heads: int, max_context: int, head_dim: int,
+                 device: str, pad_rows: int = 0):
+        from tinygrad import Tensor
+
+        self.scratch_slot = n_slots
+        shape = (2, n_slots + 1, n_kv_heads, max_context + pad_rows, head_dim)
+        self.layers = {i: Tensor.zeros(*shape, device=device).contiguous().realize() for i in layers}
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes() for t in self.layers.values())

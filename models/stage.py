@@ -1,0 +1,325 @@
+"""A pipeline stage: blocks [start, end) of a Llama model on tinygrad, with a KV cache per request.
+
+The weights live in tinygrad.llm's own `TransformerBlock`s (GGUF names: `blk[i].attn_q`, ...) and its
+norms and feed-forward are called as they are. What is written here is the attention call around them:
+each request owns a slot of a per-layer KV pool, so requests at different positions share a stage, and
+decode steps of several requests run as one batch through one jitted step (one jit per padded batch
+size; slots and positions are bound symbolic variables, so nothing recompiles as positions move).
+Prefill runs in chunks with a symbolic start and token count, as `tinygrad.llm`'s `generate` does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from models.errors import ModelError
+from models.kv_cache import KVCacheFull, KVPool, SlotTable
+
+if TYPE_CHECKING:
+    from tinygrad import Tensor, TinyJit
+    from tinygrad.uop.ops import UOp
+
+__all__ = ["KVCacheFull", "StageInput", "StageModel"]
+
+
+@dataclass(frozen=True)
+class StageInput:
+    request_id: str
+    start_pos: int  # position of data[0]; KV rows [start_pos, start_pos+T) are (over)written
+    data: np.ndarray  # first stage: int token ids (T,); other stages: float32 hidden (T, hidden)
+    all_logits: bool = False  # last stage only: (T, vocab) logits instead of the last position's (vocab,)
+
+
+def rope_table(config, rows: int, freq_factors: np.ndarray | None = None) -> np.ndarray:
+    """(rows, rope_dim) float32: cos of each position's angles, then their sin (tinygrad.llm's layout)."""
+    half = config.rope_dim // 2
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(half, dtype=np.float64) * 2 / config.rope_dim))
+    if freq_factors is not None:  # Llama 3 scaling: llama.cpp divides each frequency by its factor
+        inv_freq = inv_freq / freq_factors.astype(np.float64)
+    angles = np.arange(rows, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Half-split RoPE, as tinygrad.llm.model.apply_rope, with angles broadcast over heads."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x1 * cos - x2 * sin).cat(x2 * cos + x1 * sin, dim=-1)
+
+
+class StageModel:
+    """Blocks [start, end) of a model; embeds on the first stage, produces logits on the last."""
+
+    def __init__(self, config, weights: dict[str, Tensor], start: int, end: int, *, max_context: int = 2048,
+                 max_requests: int = 8, device: str | None = None, prefill_chunk: int = 32):
+        from tinygrad import Device, Tensor, nn
+        from tinygrad.llm.model import TransformerBlock
+
+        if not 0 <= start < end <= config.num_blocks:
+            raise ModelError(f"bad block range [{start}, {end}) for a model of {config.num_blocks} blocks")
+        if max_requests < 1 or max_context < 2:
+            raise ModelError("a stage needs max_requests >= 1 and max_context >= 2")
+        self.device = Device.canonicalize(device)
+        self.start, self.end, self.n_blocks = start, end, end - start
+        self.is_first, self.is_last = start == 0, end == config.num_blocks
+        self.max_context, self.max_requests, self.prefill_chunk = max_context, max_requests, prefill_chunk
+        self.config = replace(config, max_context=max_context)
+        self.hidden_size, self.vocab_size = config.dim, config.vocab_size
+
+        self.blk = {i: TransformerBlock(self.config) for i in range(start, end)}
+        if self.is_first:
+            self.token_embd = nn.Embedding(config.vocab_size, config.dim)
+        if self.is_last:
+            self.output_norm = nn.RMSNorm(config.dim, config.norm_eps)
+            self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        weights = dict(weights)
+        factors = weights.pop("rope_freqs.weight", None)
+        held = self._weight_holders()
+        nn.state.load_state_dict(held, {k: v.to(self.device) for k, v in weights.items()}, verbose=False,
+                                 realize=False)
+        for t in nn.state.get_parameters(held):
+            t.replace(t.contiguous())
+        Tensor.realize(*nn.state.get_parameters(held))
+
+        freq_factors = None if factors is None else factors.float().numpy()
+        rows = max_context + prefill_chunk  # a symbolic chunk may reach past the context in its bounds
+        self._rope = Tensor(rope_table(self.config, rows, freq_factors), device=self.device).realize()
+        self.kv = KVPool(range(start, end), max_requests, config.n_kv_heads, max_context, config.head_dim,
+                         self.device, pad_rows=prefill_chunk)
+        self.slots = SlotTable(max_requests)
+        self._decode_jits: dict[int, TinyJit] = {}
+        self._prefill_jits: dict[bool, TinyJit] = {}
+
+    # ----- construction -----
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, start: int = 0, end: int | None = None, *, max_context: int = 2048,
+                  max_requests: int = 8, device: str | None = None) -> StageModel:
+        """Load blocks [start, end) (default: to the last block) of a GGUF model, reading only their bytes."""
+        from models.config import config_from_header
+        from models.gguf_loader import load_stage_weights
+        from models.gguf_meta import read_header
+
+        header = read_header(path)
+        config = config_from_header(header, max_context)
+        end = config.num_blocks if end is None else end
+        if not 0 <= start < end <= config.num_blocks:
+            raise ModelError(f"bad block range [{start}, {end}) for a model of {config.num_blocks} blocks")
+        weights = load_stage_weights(header, config, start, end, device=device)
+        return cls(config, weights, start, end, max_context=config.max_context, max_requests=max_requests,
+                   device=device)
+
+    @classmethod
+    def random(cls, config, seed: int, start: int = 0, end: int | None = None, **kwargs: Any) -> StageModel:
+        """A stage of a model with seeded random weights; block i's weights depend only on (seed, i), so
+        any split of the model into stages gives the same model."""
+        end = config.num_blocks if end is None else end
+        return cls(config, random_weights(config, seed, start, end), start, end, **kwargs)
+
+    def _weight_holders(self) -> dict[str, Any]:
+        held: dict[str, Any] = {"blk": self.blk}
+        if self.is_first:
+            held["token_embd"] = self.token_embd
+        if self.is_last:
+            held.update(output_norm=self.output_norm, output=self.output)
+        return held
+
+    def weight_bytes(self) -> int:
+        """Bytes of the realised weights this stage holds (a tied head shared with the embedding counts once)."""
+        from tinygrad import nn
+
+        seen: dict[int, int] = {}
+        for t in nn.state.get_parameters(self._weight_holders()):
+            seen[id(t.uop.base)] = t.nbytes()
+        return sum(seen.values())
+
+    # ----- requests -----
+
+    def add_request(self, request_id: str) -> None:
+        """Reserve a KV slot for `request_id`; raises KVCacheFull when every slot is taken."""
+        self.slots.add(request_id)
+
+    def free_request(self, request_id: str) -> None:
+        self.slots.free(request_id)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.slots
+
+    def position(self, request_id: str) -> int:
+        """How many tokens of `request_id` the cache holds."""
+        return self.slots.length(request_id)
+
+    # ----- compute -----
+
+    def forward(self, items: Sequence[StageInput]) -> list[np.ndarray]:
+        """Run the stage on each item; decode items (T == 1) run together as one batch."""
+        ids = [it.request_id for it in items]
+        if len(set(ids)) != len(ids):
+            raise ModelError("a request may appear only once per forward() call")
+        for it in items:
+            self._check(it)
+        out: list[np.ndarray | None] = [None] * len(items)
+        decodes = [i for i, it in enumerate(items) if len(it.data) == 1]
+        for i, it in enumerate(items):
+            if len(it.data) > 1:
+                out[i] = self._prefill(it)
+        if decodes:
+            for i, res in zip(decodes, self._decode([items[i] for i in decodes]), strict=True):
+                out[i] = res
+        for it in items:
+            self.slots.set_length(it.request_id, it.start_pos + len(it.data))
+        return [o for o in out if o is not None]
+
+    def _check(self, it: StageInput) -> None:
+        have = self.position(it.request_id)
+        n = len(it.data)
+        if n < 1:
+            raise ModelError(f"request {it.request_id!r}: empty input")
+        if not 0 <= it.start_pos <= have:
+            raise ModelError(f"request {it.request_id!r}: start_pos {it.start_pos} is past its cache ({have} tokens)")
+        if it.start_pos + n > self.max_context:
+            raise ModelError(f"request {it.request_id!r}: {it.start_pos + n} tokens exceed the context of "
+                             f"{self.max_context}")
+        want = (n,) if self.is_first else (n, self.hidden_size)
+        if it.data.shape != want:
+            raise ModelError(f"request {it.request_id!r}: input shape {it.data.shape}, expected {want}")
+        if it.all_logits and not self.is_last:
+            raise ModelError("all_logits is only meaningful on the last stage")
+
+    def _input(self, rows: np.ndarray) -> Tensor:
+        from tinygrad import Tensor
+
+        data = rows.astype(np.int32) if self.is_first else rows.astype(np.float32)
+        return Tensor(data, device=self.device).realize()
+
+    def _decode(self, items: list[StageInput]) -> list[np.ndarray]:
+        from tinygrad import TinyJit, UOp
+
+        batch = self._bucket(len(items))
+        pad = batch - len(items)
+        rows = np.stack([it.data[0] for it in items] + [np.zeros_like(items[0].data[0])] * pad)
+        slots = [self.slots.slot(it.request_id) for it in items] + [self.kv.scratch_slot] * pad
+        starts = [it.start_pos for it in items] + [0] * pad
+        svars = [UOp.variable(f"slot{b}", 0, self.kv.scratch_slot).bind(s) for b, s in enumerate(slots)]
+        pvars = [UOp.variable(f"pos{b}", 0, self.max_context - 1).bind(p) for b, p in enumerate(starts)]
+        if batch not in self._decode_jits:
+            self._decode_jits[batch] = TinyJit(self._decode_step)
+        res = self._decode_jits[batch](self._input(rows), *svars, *pvars).numpy()
+        return [res[b].copy() for b in range(len(items))]
+
+    def _bucket(self, n: int) -> int:
+        """Decode batches are padded to a power of two (capped at max_requests): few shapes to compile."""
+        return min(1 << (n - 1).bit_length(), self.max_requests)
+
+    def _prefill(self, it: StageInput) -> np.ndarray:
+        from tinygrad import TinyJit, UOp
+
+        chunk, n, slot = self.prefill_chunk, len(it.data), self.slots.slot(it.request_id)
+        jit = self._prefill_jits.setdefault(it.all_logits, TinyJit(self._prefill_step))
+        svar = UOp.variable("slot0", 0, self.kv.scratch_slot).bind(slot)
+        outs = []
+        for lo in range(0, n, chunk):
+            part = it.data[lo:lo + chunk]
+            padded = np.concatenate([part, np.zeros((chunk - len(part), *part.shape[1:]), dtype=part.dtype)])
+            sp = UOp.variable("start", 0, self.max_context - 1).bind(it.start_pos + lo)
+            nt = UOp.variable("ntok", 1, chunk).bind(len(part))
+            res = jit(self._input(padded), svar, sp, nt, all_logits=it.all_logits).numpy()
+            outs.append(res[:len(part)].copy() if res.ndim == 2 else res.copy())
+        if self.is_last and not it.all_logits:
+            return outs[-1]
+        return np.concatenate(outs)
+
+    # ----- the jitted graphs -----
+
+    def _decode_step(self, inp: Tensor, *variables: UOp) -> Tensor:
+        batch = inp.shape[0]
+        slots, starts = variables[:batch], variables[batch:]
+        x = self.token_embd(inp).float() if self.is_first else inp
+        x = x.reshape(batch, 1, self.hidden_size)
+        angles = self._rope[starts[0]:starts[0] + 1]
+        for p in starts[1:]:
+            angles = angles.cat(self._rope[p:p + 1])
+        angles = angles.reshape(batch, 1, 1, -1).realize()
+        for i in self.blk:
+            x = self._block(i, x.realize(), slots, starts, 1, angles)
+        if self.is_last:
+            return self.output(self.output_norm(x)).reshape(batch, self.vocab_size).realize()
+        return x.reshape(batch, self.hidden_size).realize()
+
+    def _prefill_step(self, inp: Tensor, slot: UOp, start: UOp, ntok: UOp, *, all_logits: bool) -> Tensor:
+        from tinygrad import Tensor
+
+        x = self.token_embd(inp[:ntok]).float() if self.is_first else inp[:ntok]
+        x = x.reshape(1, ntok, self.hidden_size)
+        angles = self._rope[start:start + ntok].reshape(1, 1, ntok, -1)
+        for i in self.blk:
+            x = self._block(i, x.realize(), (slot,), (start,), ntok, angles)
+        if self.is_last and not all_logits:
+            return self.output(self.output_norm(x[:, ntok - 1:ntok])).reshape(self.vocab_size).realize()
+        res = self.output(self.output_norm(x)) if self.is_last else x
+        res = res.reshape(ntok, res.shape[-1])
+        out = Tensor.empty(self.prefill_chunk, res.shape[-1], device=self.device)
+        return Tensor(out.uop.after(out[0:ntok].uop.store(res.uop))).realize()
+
+    def _block(self, i: int, x: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,
+               angles: Tensor) -> Tensor:
+        """One block for `len(slots)` requests of T tokens each: x (B, T, dim) -> (B, T, dim)."""
+        from tinygrad import Tensor
+
+        blk, c, kv = self.blk[i], self.config, self.kv.layers[i]
+        batch = x.shape[0]
+        h = blk.attn_norm(x)
+        q = blk.attn_q(h).reshape(batch, T, c.n_heads, c.head_dim).transpose(1, 2)
+        k = blk.attn_k(h).reshape(batch, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        v = blk.attn_v(h).reshape(batch, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        cos, sin = angles.chunk(2, dim=-1)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        # write each request's new rows into its own slot, then read its cache back through the stores
+        stores = [kv[:, s:s + 1, :, p:p + T, :].uop.store(k[b:b + 1].stack(v[b:b + 1]).uop)
+                  for b, (s, p) in enumerate(zip(slots, starts, strict=True))]
+        cache = Tensor(kv.uop.after(*stores))
+        outs = []
+        for b, (s, p) in enumerate(zip(slots, starts, strict=True)):
+            keys, values = cache[0, s:s + 1, :, 0:p + T, :], cache[1, s:s + 1, :, 0:p + T, :]
+            mask = None
+            if not isinstance(T, int) or T > 1:  # decode (one token) attends to the whole cache
+                mask = Tensor.full((1, 1, T, p + T), float("-inf"), device=self.device, buffer=False).triu(p + 1)
+            outs.append(q[b:b + 1].scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True))
+        attn = outs[0].cat(*outs[1:]) if batch > 1 else outs[0]
+        h = x + blk.attn_output(attn.transpose(1, 2).reshape(batch, T, c.n_heads * c.head_dim))
+        return h + blk._feed_forward(blk.ffn_norm(h))
+
+
+def random_weights(config, seed: int, start: int, end: int, dtype: str = "float16") -> dict[str, Tensor]:
+    """Seeded random weights for blocks [start, end) (and the embedding/head where the stage needs them),
+    GGUF-named; each tensor is drawn from its own generator keyed by (seed, name)."""
+    from tinygrad import Tensor
+
+    c = config
+    shapes = {"attn_norm.weight": (c.dim,), "attn_q.weight": (c.n_heads * c.head_dim, c.dim),
+              "attn_k.weight": (c.n_kv_heads * c.head_dim, c.dim),
+              "attn_v.weight": (c.n_kv_heads * c.head_dim, c.dim),
+              "attn_output.weight": (c.dim, c.n_heads * c.head_dim), "ffn_norm.weight": (c.dim,),
+              "ffn_gate.weight": (c.hidden_dim, c.dim), "ffn_up.weight": (c.hidden_dim, c.dim),
+              "ffn_down.weight": (c.dim, c.hidden_dim)}
+    named = {f"blk.{i}.{n}": s for i in range(start, end) for n, s in shapes.items()}
+    if start == 0:
+        named["token_embd.weight"] = (c.vocab_size, c.dim)
+    if end == c.num_blocks:
+        named.update({"output_norm.weight": (c.dim,), "output.weight": (c.vocab_size, c.dim)})
+    return {name: Tensor(random_array(seed, name, shape)).cast(dtype).realize() for name, shape in named.items()}
+
+
+def random_array(seed: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Deterministic float32 values for tensor `name`: norms near 1, matrices scaled by 1/sqrt(fan-in)."""
+    import zlib
+
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    if len(shape) == 1:
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    return (rng.standard_normal(shape) / math.sqrt(shape[-1])).astype(np.float32)
