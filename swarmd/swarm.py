@@ -126,6 +126,7 @@ class SwarmService:
         self._warned: dict[tuple[str, str], float] = {}
         self._nursery: trio.Nursery | None = None
         self._leaving = False
+        self._discovered: dict[str, tuple[str, ...]] = {}  # found by mDNS, dialed until they are members
         self.state_listeners: list[Callable[[StateChanged], None]] = []
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -171,6 +172,11 @@ class SwarmService:
             log.info("left swarm %r", self.settings.swarm)
             await trio.sleep(t.leave_grace)
 
+    def add_discovered(self, peer_id: str, addresses: tuple[str, ...]) -> None:
+        """A peer found outside the gossip (mDNS): dial it, and gossip does the rest."""
+        if peer_id != self.peer_id and peer_id not in self.membership.members:
+            self._discovered[peer_id] = addresses
+
     # --- queries ----------------------------------------------------------------------------
     @property
     def admitted(self) -> bool:
@@ -198,7 +204,8 @@ class SwarmService:
         now = trio.current_time()
         me = self.describe_self()
         members = [self._member_row(me, State.ALIVE, 0.0, None, self.assignment_status(), "self")]
-        for p, m in sorted(self.membership.members.items()):
+        for peer in sorted(self.membership.members):
+            m = self.membership.members[peer]
             members.append(self._member_row(m.descriptor, m.state, now - m.last_heard, m.rtt_ms,
                                             m.heartbeat.assignment, m.reason))
         return {
@@ -396,7 +403,8 @@ class SwarmService:
             await trio.sleep(min(0.5, self.timings.heartbeat_interval))
 
     def _dial_targets(self) -> list[tuple[str, tuple[str, ...], bool]]:
-        targets: dict[str, tuple[tuple[str, ...], bool]] = {}
+        targets: dict[str, tuple[tuple[str, ...], bool]] = {
+            p: (a, False) for p, a in self._discovered.items() if p not in self.membership.members}
         if not self.admitted:
             for peer, addr in self.settings.bootstrap:
                 targets[peer] = ((addr if "/p2p/" in addr else f"{addr}/p2p/{peer}",), True)
