@@ -126,6 +126,7 @@ class SwarmService:
         self._warned: dict[tuple[str, str], float] = {}
         self._nursery: trio.Nursery | None = None
         self._leaving = False
+        self._learned_at: dict[str, float] = {}  # when a member was (re)learned: see _dial_targets
         self._discovered: dict[str, tuple[str, ...]] = {}  # found by mDNS, dialed until they are members
         self.state_listeners: list[Callable[[StateChanged], None]] = []
 
@@ -271,6 +272,7 @@ class SwarmService:
                 self._spawn(self._probe, a.peer_id)
             elif isinstance(a, Dial):
                 self._next_dial.pop(a.peer_id, None)
+                self._learned_at[a.peer_id] = trio.current_time()
             elif isinstance(a, StateChanged):
                 self.stats[f"transitions_to_{a.new}"] += 1
                 level = logging.WARNING if a.new != State.ALIVE else logging.INFO
@@ -408,9 +410,17 @@ class SwarmService:
         if not self.admitted:
             for peer, addr in self.settings.bootstrap:
                 targets[peer] = ((addr if "/p2p/" in addr else f"{addr}/p2p/{peer}",), True)
+        # Two peers dialing each other at once end up with two connections and streams that break
+        # while one closes; so the lower peer id dials, and the higher one only if no connection
+        # came up after a grace time (the lower one may not be able to reach it).
+        grace = 3 * self.timings.heartbeat_interval
+        now = trio.current_time()
         for peer, m in self.membership.members.items():
-            if not m.left:  # dead ones too, with backoff: a healed partition must reconnect
-                targets[peer] = (m.descriptor.addresses, peer in targets)
+            if m.left:  # dead ones are dialed too, with backoff: a healed partition must reconnect
+                continue
+            if peer < self.peer_id and now - self._learned_at.get(peer, 0.0) < grace and peer not in targets:
+                continue
+            targets[peer] = (m.descriptor.addresses, peer in targets)
         return [(p, a, b) for p, (a, b) in targets.items()]
 
     async def _dial(self, peer: str, addresses: tuple[str, ...], is_bootstrap: bool) -> None:
