@@ -208,7 +208,14 @@ class Node:
                 return Response("starting\n", status_code=503)
             return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
+        async def leave(request: Request) -> JSONResponse:
+            if self._nursery is None:
+                return JSONResponse({"leaving": False, "error": "not started"}, status_code=503)
+            self._nursery.start_soon(self.leave)
+            return JSONResponse({"leaving": True, "peer_id": self.peer_id})
+
         self.api.add_route("/api/v0/status", status)
+        self.api.add_route("/api/v0/leave", leave, methods=("POST",))
         self.api.add_route("/health", health)
         self.api.add_route("/metrics", metrics)
 

@@ -90,27 +90,36 @@ def run(args: argparse.Namespace) -> int:
     for addr in config.bootstrap:
         split_peer_addr(addr, "--bootstrap")
     try:
-        return trio.run(_serve, config)
+        return trio.run(serve, config)
     except BaseExceptionGroup as group:
         raise _user_facing(group) from None
 
 
-async def _serve(config) -> int:
+async def serve(config, extensions: tuple = ()) -> int:
+    """Run a daemon until a signal or `swarmd leave`; `extensions` go to `Node.add_extension`."""
     import trio
 
     from swarmd.node import Node
 
     node = Node(config)
+    for ext in extensions:
+        node.add_extension(ext)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_leave_on_signal, signals, node, nursery)
-            await nursery.start(node.run)
+            await nursery.start(_run_node, node, nursery)
             say(f"Peer ID: {node.peer_id}")
             for addr in node.network.bound_addresses():
                 say(f"Swarm listening on {addr}")
             say(f"API server listening on {node.api_url}")
             say("Daemon is ready")
     return 0
+
+
+async def _run_node(node, nursery, task_status) -> None:
+    """Run the node; once it stops (`swarmd leave`), stop waiting for signals too."""
+    await node.run(task_status=task_status)
+    nursery.cancel_scope.cancel()
 
 
 async def _leave_on_signal(signals: Any, node, nursery) -> None:

@@ -80,3 +80,19 @@ def test_a_member_of_another_model_is_refused_on_both_sides(daemons, tmp_path):
     assert b.status()["admitted"] is False and b.status()["leader"] is None
     assert [m["peer_id"] for m in a.status()["members"]] == [a.peer_id]
     assert "refused" in b.status_cli().stdout
+
+
+def test_swarmd_leave_stops_the_daemon_and_the_others_see_it_leave(daemons):
+    a = daemons("a").start().wait_ready()
+    b = daemons("b").start(bootstrap=(a.addresses[0],)).wait_ready()
+    wait_until(lambda: len([m for m in a.status()["members"] if m["state"] == "alive"]) == 2, 30, "b to join")
+    done = b.status_cli()  # through b's home, as a user would
+    assert done.returncode == 0
+    import os
+
+    left = subprocess.run([sys.executable, "-m", "swarmd", "leave"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SWARMD_HOME": str(b.home)})
+    assert left.returncode == 0 and "left the swarm" in left.stdout, left.stderr
+    assert b.proc.wait(timeout=15) == 0
+    member = next(m for m in a.status()["members"] if m["peer_id"] == b.peer_id)
+    assert member["state"] == "dead" and member["reason"] == "left the swarm"
