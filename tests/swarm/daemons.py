@@ -21,7 +21,7 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
 class Daemon:
-    def __init__(self, home: Path, model: Path, *, bench_file: Path | None = None, swarm: str = "test",
+    def __init__(self, home: Path, model: Path | None, *, bench_file: Path | None = None, swarm: str = "test",
                  extra: tuple[str, ...] = ()) -> None:
         self.home, self.model, self.swarm, self.extra = home, model, swarm, extra
         self.home.mkdir(parents=True, exist_ok=True)
@@ -33,14 +33,17 @@ class Daemon:
         self.api = ""
         self.stdout_lines: list[str] = []
 
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "swarmd", "join"]
+
     @property
     def log_path(self) -> Path:
         return self.home / "daemon.log"
 
     def start(self, *, bootstrap: tuple[str, ...] = (), listen: str = LOOPBACK, api: str = "127.0.0.1:0",
               extra: tuple[str, ...] = ()) -> Daemon:
-        cmd = [sys.executable, "-m", "swarmd", "join", "--home", str(self.home), "--listen", listen,
-               "--api", api, "--model", str(self.model), "--swarm", self.swarm, *self.extra, *extra]
+        cmd = [*self.command(), "--home", str(self.home), "--listen", listen, "--api", api, "--swarm", self.swarm,
+               *(["--model", str(self.model)] if self.model is not None else []), *self.extra, *extra]
         for b in bootstrap:
             cmd += ["--bootstrap", b]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
