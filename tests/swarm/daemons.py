@@ -104,14 +104,15 @@ class Daemon:
         self.proc.wait(timeout=10)
 
     def terminate(self, timeout: float = 15.0) -> int:
+        """SIGTERM, and the exit code; kill -9 (and its code) if it has not stopped within `timeout`."""
         assert self.proc is not None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout=timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.kill9()
+        except subprocess.TimeoutExpired:
+            self.kill9()
+            return self.proc.returncode
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
