@@ -126,7 +126,8 @@ class Node:
             await nursery.start(self.swarm.run)
             if cfg.mdns:
                 nursery.start_soon(self._follow_mdns)
-            self.metrics = NodeMetrics(self.status, lambda: dict(self.swarm.stats))
+            swarm = self.swarm
+            self.metrics = NodeMetrics(self.status, lambda: dict(swarm.stats))
             for ext in self.extensions:
                 await nursery.start(ext, self)
             self.api_url = await nursery.start(self.api.serve, cfg.api)
@@ -156,6 +157,7 @@ class Node:
         return make_plan(self.model.layout, action.nodes, epoch=action.epoch, previous=action.previous)
 
     async def _follow_mdns(self) -> None:
+        assert self.network is not None and self.swarm is not None
         async for peer, addresses in self.network.discovered():
             if peer != self.peer_id:
                 self.swarm.add_discovered(peer, tuple(addresses))

@@ -115,6 +115,7 @@ async def serve(config, extensions: tuple = ()) -> int:
             nursery.start_soon(_leave_on_signal, signals, node, nursery)
             await nursery.start(_run_node, node, nursery)
             say(f"Peer ID: {node.peer_id}")
+            assert node.network is not None
             for addr in node.network.bound_addresses():
                 say(f"Swarm listening on {addr}")
             say(f"API server listening on {node.api_url}")

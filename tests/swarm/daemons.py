@@ -136,6 +136,10 @@ def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: fl
 
 
 def view(status: dict[str, Any]) -> tuple[Any, ...]:
-    """What all members of a converged swarm agree on: leader, plan epoch, and who is alive."""
+    """What all members of a converged swarm agree on: leader, plan epoch, and who is alive.
+
+    The epoch counts only once the plan covers exactly the alive members (else it is None)."""
     alive = frozenset(m["peer_id"] for m in status["members"] if m["state"] == "alive")
-    return status["leader"], (status["plan"] or {}).get("epoch"), alive
+    plan = status["plan"] or {"stages": []}
+    planned = frozenset(s["peer_id"] for s in plan["stages"])
+    return status["leader"], plan.get("epoch") if planned == alive else None, alive
