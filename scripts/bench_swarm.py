@@ -37,22 +37,32 @@ POLL = 0.05
 
 # --- the daemon with a compute load ---------------------------------------------------------------
 async def burn(node, *, task_status=None) -> None:
-    """Run the node's stage without pause in a worker thread (what serving requests does)."""
+    """Once `POST /bench/load` arrives, run the node's stage without pause in a worker thread (what
+    serving requests does). An extension with its own route and metrics, as the pipeline will add."""
     import trio
     from prometheus_client import Counter
+    from starlette.responses import JSONResponse
 
     passes = Counter("swarmd_bench_forward_passes", "forward passes run by the benchmark load",
                      registry=node.metrics.registry)
     busy = Counter("swarmd_bench_compute_seconds", "seconds spent in forward passes", registry=node.metrics.registry)
+    go = trio.Event()
+
+    async def start(request):
+        go.set()
+        return JSONResponse({"load": "on"})
+
+    node.api.add_route("/bench/load", start, methods=("POST",))
     if task_status is not None:
         task_status.started()
+    await go.wait()
     while True:
         stage = node.stage
         if stage is None:
             await trio.sleep(0.2)
             continue
         t0 = time.perf_counter()
-        await trio.to_thread.run_sync(forward_once, stage)
+        await trio.to_thread.run_sync(forward_once, stage, abandon_on_cancel=True)
         busy.inc(time.perf_counter() - t0)
         passes.inc()
 
@@ -106,10 +116,15 @@ def start_swarm(root: Path, n: int, bench: Path, burn: bool = False) -> list[Ben
         d = BenchDaemon(root / f"d{i}", model=None, bench_file=bench, swarm="bench")
         d.burn = burn
         ds.append(d)
-    ds[0].start().wait_ready(120)
-    for d in ds[1:]:
-        d.start(bootstrap=(ds[0].addresses[0],)).wait_ready(120)
-    settle(ds)
+    try:
+        ds[0].start().wait_ready(120)
+        for d in ds[1:]:
+            d.start(bootstrap=(ds[0].addresses[0],)).wait_ready(120)
+        settle(ds)
+    except BaseException:
+        for d in ds:
+            d.stop()
+        raise
     return ds
 
 
@@ -124,7 +139,15 @@ def settle(ds: list[BenchDaemon], timeout: float = 180) -> tuple:
         ready = all(doc["assignment"]["state"] == "ready" for doc in docs)
         return (leader, epoch, alive) if leader and epoch and len(alive) == len(ds) and ready else None
 
-    return wait_until(check, timeout, "the swarm to settle", interval=0.5)
+    try:
+        return wait_until(check, timeout, "the swarm to settle", interval=0.5)
+    except AssertionError:
+        for d in ds:
+            doc = d.status()
+            print(f"{d.peer_id[-6:]}: leader {doc['leader']} epoch {(doc['plan'] or {}).get('epoch')} "
+                  f"assignment {doc['assignment']} members "
+                  f"{[(m['peer_id'][-6:], m['state']) for m in doc['members']]}", file=sys.stderr)
+        raise
 
 
 def state_of(doc: dict, peer: str) -> str | None:
@@ -214,8 +237,12 @@ def counters(d: BenchDaemon) -> dict[str, float]:
 
 
 def measure_suspicions(root: Path, n: int, bench: Path, seconds: float) -> dict:
+    import httpx
+
     ds = start_swarm(root, n, bench, burn=True)
     try:
+        for d in ds:
+            httpx.post(f"{d.api}/bench/load", timeout=5)
         wait_until(lambda: all(counters(d)["swarmd_bench_forward_passes_total"] > 0 for d in ds), 120,
                    "the compute load to start", interval=1.0)
         before = [counters(d) for d in ds]

@@ -80,6 +80,7 @@ class DaemonConfig:
     device_label: str = ""
     mdns: bool = False
     uplink_mbps: float | None = None  # None: read the interface speed, else 1000
+    plan: Path | None = None  # a Plan JSON file the founding daemon adopts instead of planning
     max_context: int = 2048
     max_requests: int = 4
     timings: Timings = LAN
@@ -160,7 +161,7 @@ def config_changes(doc: dict[str, Any], source: str = "config") -> dict[str, Any
             out[key] = tuple(items)
         elif key in _STR_KEYS:
             out[key] = str(value)
-        elif key == "home":
+        elif key in ("home", "plan"):
             out[key] = Path(str(value)).expanduser()
         elif key == "memory_limit":
             out[key] = parse_size(value)

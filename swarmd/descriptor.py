@@ -9,6 +9,7 @@ play a fleet of smaller GPUs) and `--device-label` names the device in status ta
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from planner.node import NodeDescriptor
@@ -120,7 +121,7 @@ def measure_device(device: str, budget_s: float = 2.0) -> DeviceBench:
         a = Tensor.rand(n, n, dtype=dtypes.float32, device=device).realize()
         b = Tensor.rand(n, n, dtype=dtypes.float32, device=device).realize()
         (a @ b).realize()  # compile
-        dt = best_of(lambda a=a, b=b: (a @ b).realize(), 3)
+        dt = best_of(functools.partial(_matmul, a, b), 3)
         flops = 2 * n**3 / dt
         if dt > 0.02 or n >= 4096 or time.perf_counter() - t_start > budget_s / 2:
             break
@@ -131,6 +132,10 @@ def measure_device(device: str, budget_s: float = 2.0) -> DeviceBench:
     dt = best_of(lambda: (x * 2).realize(), 3)
     return DeviceBench(flops=flops, mem_bandwidth=2 * 4 * m / dt, matmul_n=n,
                        seconds=round(time.perf_counter() - t_start, 3))
+
+
+def _matmul(a, b) -> None:
+    (a @ b).realize()
 
 
 def load_or_measure(home: Path, device: str, name: str) -> DeviceBench:
@@ -200,7 +205,7 @@ class LocalDescriptor:
     incarnation: int
     uplink: float
     addresses: Callable[[], list[str]]
-    load: Callable[[], float] = lambda: 0.0
+    load: Callable[[], float] = field(default=lambda: 0.0)
     memory_refresh_s: float = 5.0
     _memory: tuple[float, int, int] = (float("-inf"), 0, 0)
 

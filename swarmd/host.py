@@ -16,12 +16,16 @@ import contextlib
 import ipaddress
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import trio
 
 from swarmd.config import LAN, Timings
 from swarmd.errors import UserError
 from swarmd.netseam import GossipMessage, PeerUnreachable, Stream, StreamClosed, StreamHandler
+
+if TYPE_CHECKING:
+    from libp2p.abc import INotifee
 
 log = logging.getLogger("swarmd.host")
 
@@ -121,8 +125,8 @@ class Libp2pNetwork:
         self._mdns = mdns
         self._disconnect_send, self._disconnect_recv = trio.open_memory_channel[str](256)
         self._discovered_send, self._discovered_recv = trio.open_memory_channel[tuple[str, list[str]]](256)
-        self.host = None
-        self.pubsub = None
+        self.host: Any = None  # libp2p's IHost, once run() has started
+        self.pubsub: Any = None
         self._nursery: trio.Nursery | None = None
         self._handlers: dict[str, StreamHandler] = {}
 
@@ -153,7 +157,7 @@ class Libp2pNetwork:
                 raise UserError(f"could not listen on {wanted}: the port is in use or the address is not local")
             async with background_trio_service(pubsub), background_trio_service(gossipsub):
                 await pubsub.wait_until_ready()
-                host.get_network().register_notifee(_DisconnectNotifee(self))
+                host.get_network().register_notifee(cast("INotifee", _DisconnectNotifee(self)))
                 self._nursery = nursery
                 if self._mdns:
                     self._watch_mdns()

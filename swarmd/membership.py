@@ -217,11 +217,11 @@ class Membership:
             return []
         reason = incompatibility(self.local, hb.descriptor)
         if reason:
-            out = self._refuse(peer, reason)
-            m = self.members.pop(peer, None)
-            if m is not None:
-                out.append(StateChanged(peer, m.state, State.DEAD, f"refused: {reason}"))
-            return out
+            refusal = self._refuse(peer, reason)
+            gone = self.members.pop(peer, None)
+            if gone is not None:
+                refusal.append(StateChanged(peer, gone.state, State.DEAD, f"refused: {reason}"))
+            return refusal
         self.refused.pop(peer, None)
         out: list[MembershipAction] = []
         m = self.members.get(peer)

@@ -21,20 +21,31 @@ log = logging.getLogger("swarmd.memnet")
 
 
 class _MemoryStream:
-    def __init__(self, inner: trio.StapledStream) -> None:
-        self._inner = inner
+    def __init__(self, send: trio.testing.MemorySendStream, receive: trio.testing.MemoryReceiveStream) -> None:
+        self._send, self._receive = send, receive
 
     async def read(self, n: int = -1) -> bytes:
-        return await self._inner.receive_some(n if n > 0 else None)
+        return await self._receive.receive_some(n if n > 0 else None)
 
     async def write(self, data: bytes) -> None:
-        await self._inner.send_all(data)
+        await self._send.send_all(data)
 
     async def close(self) -> None:
-        await self._inner.aclose()
+        self.break_()
+        await trio.lowlevel.checkpoint()
 
     async def reset(self) -> None:
-        await self._inner.aclose()
+        await self.close()
+
+    def break_(self) -> None:
+        self._send.close()
+        self._receive.close()
+
+
+def _stream_pair() -> tuple[_MemoryStream, _MemoryStream]:
+    a_send, b_receive = trio.testing.memory_stream_one_way_pair()
+    b_send, a_receive = trio.testing.memory_stream_one_way_pair()
+    return _MemoryStream(a_send, a_receive), _MemoryStream(b_send, b_receive)
 
 
 class MemoryHub:
@@ -85,8 +96,7 @@ class MemoryHub:
             if broken(a, b):
                 for s in (sa, sb):
                     with contextlib.suppress(Exception):
-                        s._inner.send_stream.close()
-                        s._inner.receive_stream.close()
+                        s.break_()
             else:
                 keep.append((a, b, sa, sb))
         self._streams = keep
@@ -157,8 +167,7 @@ class MemoryNetwork:
         handler = target._handlers.get(protocol)
         if handler is None:
             raise PeerUnreachable(f"{peer_id[-6:]} does not speak {protocol}")
-        a, b = trio.testing.memory_stream_pair()
-        mine, theirs = _MemoryStream(a), _MemoryStream(b)
+        mine, theirs = _stream_pair()
         self.hub._streams.append((self._peer_id, peer_id, mine, theirs))
         self.hub._spawn(self._guarded, handler, protocol, theirs)
         return mine

@@ -41,6 +41,7 @@ from swarmd.descriptor import (
     resolve_device,
     uplink_bps,
 )
+from swarmd.fixed_plan import FixedPlan, load_plan_file
 from swarmd.host import Libp2pNetwork, split_peer_addr
 from swarmd.identity import Signer, load_or_create_identity, peer_id_of, short_id
 from swarmd.metrics import CONTENT_TYPE, NodeMetrics
@@ -72,6 +73,7 @@ class Node:
         self.descriptor: LocalDescriptor | None = None
         self.metrics: NodeMetrics | None = None
         self.api_url: str | None = None
+        self.fixed_plan: FixedPlan | None = None
         self._nursery: trio.Nursery | None = None
         self._add_routes()
 
@@ -96,6 +98,11 @@ class Node:
         key_pair = load_or_create_identity(self.home)
         self.peer_id = peer_id_of(key_pair)
         self.model = await trio.to_thread.run_sync(served_model, cfg.model)
+        if cfg.plan is not None:
+            plan = load_plan_file(cfg.plan, self.model.layout)
+            self.fixed_plan = FixedPlan(plan, self.model.layout, cfg.plan.name)
+            log.info("will adopt the plan in %s (epoch %d, %d stages) once its peers have joined", cfg.plan,
+                     plan.epoch, len(plan.stages))
         device = resolve_device(cfg.device)
         name = device_name(device)
         bench = await trio.to_thread.run_sync(load_or_measure, self.home, device, name)
@@ -119,7 +126,8 @@ class Node:
             await nursery.start(self.swarm.run)
             if cfg.mdns:
                 nursery.start_soon(self._follow_mdns)
-            self.metrics = NodeMetrics(self.status, lambda: dict(self.swarm.stats))
+            swarm = self.swarm
+            self.metrics = NodeMetrics(self.status, lambda: dict(swarm.stats))
             for ext in self.extensions:
                 await nursery.start(ext, self)
             self.api_url = await nursery.start(self.api.serve, cfg.api)
@@ -140,10 +148,16 @@ class Node:
             self._nursery.cancel_scope.cancel()
 
     def _make_plan(self, action: MakePlan) -> Plan:
+        if self.fixed_plan is not None:
+            return self.fixed_plan.make(action, self._compute_plan)
+        return self._compute_plan(action)
+
+    def _compute_plan(self, action: MakePlan) -> Plan:
         assert self.model is not None
         return make_plan(self.model.layout, action.nodes, epoch=action.epoch, previous=action.previous)
 
     async def _follow_mdns(self) -> None:
+        assert self.network is not None and self.swarm is not None
         async for peer, addresses in self.network.discovered():
             if peer != self.peer_id:
                 self.swarm.add_discovered(peer, tuple(addresses))

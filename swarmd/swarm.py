@@ -395,6 +395,8 @@ class SwarmService:
     async def _dial_loop(self) -> None:
         while True:
             now = trio.current_time()
+            if not self.admitted and now - self.started_at > 5.0:
+                self._say_not_admitted()
             for peer, addresses, is_bootstrap in self._dial_targets():
                 if peer == self.peer_id or peer in self._dialing or self.network.is_connected(peer):
                     continue
@@ -403,6 +405,13 @@ class SwarmService:
                 self._dialing.add(peer)
                 self._spawn(self._dial, peer, addresses, is_bootstrap)
             await trio.sleep(min(0.5, self.timings.heartbeat_interval))
+
+    def _say_not_admitted(self) -> None:
+        connected = [short_id(p) for p, _ in self.settings.bootstrap if self.network.is_connected(p)]
+        why = "; ".join(f"refused by {short_id(p)}: {r}" for p, r in self.membership.refused.items())
+        detail = why or (f"connected to {', '.join(connected)}, waiting for a member to accept this node"
+                         if connected else "no bootstrap peer reachable yet")
+        self._warn_once("admission", f"not admitted to swarm {self.settings.swarm!r} yet: {detail}", every=10.0)
 
     def _dial_targets(self) -> list[tuple[str, tuple[str, ...], bool]]:
         targets: dict[str, tuple[tuple[str, ...], bool]] = {

@@ -33,6 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-limit", metavar="SIZE", help="memory this daemon may use, e.g. 12GiB")
     p.add_argument("--device-label", metavar="TEXT", help="name shown for this device, e.g. 'RTX 3060 12GB'")
     p.add_argument("--mdns", action="store_true", default=None, help="also find peers on the LAN with mDNS")
+    p.add_argument("--plan", type=Path, metavar="FILE",
+                   help="founding daemon only: adopt this Plan (JSON, e.g. from `swarmd plan --json`) once the "
+                        "peers it names have joined, instead of computing one")
     p.add_argument("--timings", metavar="PRESET", help="timing preset: lan (default) or local-test")
     p.add_argument("--config", type=Path, metavar="FILE", help="TOML file with the same keys as these options")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default: info")
@@ -64,6 +67,7 @@ def build_config(args: argparse.Namespace):
         device_label=args.device_label,
         mdns=args.mdns,
         timings=parse_timings(args.timings) if args.timings else None,
+        plan=args.plan.expanduser() if args.plan else None,
         log_level=level,
     )
 
@@ -89,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         parse_multiaddr(addr, "--listen")
     for addr in config.bootstrap:
         split_peer_addr(addr, "--bootstrap")
+    if config.plan is not None and config.bootstrap:
+        raise UserError("--plan is for the daemon that founds the swarm (one started without --bootstrap)")
     try:
         return trio.run(serve, config)
     except BaseExceptionGroup as group:
@@ -109,6 +115,7 @@ async def serve(config, extensions: tuple = ()) -> int:
             nursery.start_soon(_leave_on_signal, signals, node, nursery)
             await nursery.start(_run_node, node, nursery)
             say(f"Peer ID: {node.peer_id}")
+            assert node.network is not None
             for addr in node.network.bound_addresses():
                 say(f"Swarm listening on {addr}")
             say(f"API server listening on {node.api_url}")

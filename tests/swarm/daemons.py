@@ -104,14 +104,15 @@ class Daemon:
         self.proc.wait(timeout=10)
 
     def terminate(self, timeout: float = 15.0) -> int:
+        """SIGTERM, and the exit code; kill -9 (and its code) if it has not stopped within `timeout`."""
         assert self.proc is not None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout=timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.kill9()
+        except subprocess.TimeoutExpired:
+            self.kill9()
+            return self.proc.returncode
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -135,6 +136,10 @@ def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: fl
 
 
 def view(status: dict[str, Any]) -> tuple[Any, ...]:
-    """What all members of a converged swarm agree on: leader, plan epoch, and who is alive."""
+    """What all members of a converged swarm agree on: leader, plan epoch, and who is alive.
+
+    The epoch counts only once the plan covers exactly the alive members (else it is None)."""
     alive = frozenset(m["peer_id"] for m in status["members"] if m["state"] == "alive")
-    return status["leader"], (status["plan"] or {}).get("epoch"), alive
+    plan = status["plan"] or {"stages": []}
+    planned = frozenset(s["peer_id"] for s in plan["stages"])
+    return status["leader"], plan.get("epoch") if planned == alive else None, alive

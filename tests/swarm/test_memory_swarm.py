@@ -151,3 +151,34 @@ async def test_leaving_leader_hands_over_a_plan_without_itself(swarm, autojump_c
     for s in swarm.services.values():
         assert founder.peer_id not in {st.peer_id for st in s.plan.stages}
         assert s.membership.state_of(founder.peer_id) == "dead"
+
+
+async def test_bad_messages_are_rejected_with_one_line_and_the_swarm_carries_on(swarm, autojump_clock, caplog):
+    import cbor2
+
+    from swarmd.gossip import encode
+    from swarmd.swarm import gossip_topic
+
+    founder = await swarm.start(1)
+    member = await swarm.start(2, bootstrap=founder.peer_id)
+    await settle(swarm)
+    rogue = swarm.hub.endpoint(peer_id_of(key(9)))
+    await rogue.connect(founder.peer_id, ())
+    topic = gossip_topic("test")
+    await rogue.publish(topic, b"\xff\xfe not cbor")
+    await rogue.publish(topic, cbor2.dumps({"v": 1, "t": "hb"}))
+    forged = cbor2.loads(encode(heartbeat_of(member), Signer(key(2)), "test"))
+    forged["body"]["seq"] += 1000  # changed after signing, sent on the member's own connection
+    await member.network.publish(topic, cbor2.dumps(forged))
+    await settle(swarm, 3)
+    assert founder.stats["rejected_messages"] >= 3
+    lines = [r.getMessage() for r in caplog.records if r.name == "swarmd.swarm" and "rejected" in r.getMessage()]
+    for reason in ("not CBOR", "envelope: missing body, from, sig, swarm", "bad signature"):
+        assert any(reason in line for line in lines), reason
+    assert all("\n" not in line for line in lines)
+    [(leader, _, _, live)] = swarm.views()
+    assert leader == founder.peer_id and live == {founder.peer_id, member.peer_id}
+
+
+def heartbeat_of(svc: SwarmService):
+    return svc._heartbeat()
