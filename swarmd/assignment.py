@@ -18,6 +18,7 @@ import trio
 
 from swarmd.gossip import AssignmentStatus, PlanAnnouncement
 from swarmd.model_source import ServedModel
+from swarmd.model_thread import run_model
 
 log = logging.getLogger("swarmd.assignment")
 
@@ -100,11 +101,10 @@ class Assignment:
         self.load_started = trio.current_time()
         log.info("loading blocks %d-%d of %s (plan epoch %d)", a, b - 1, self.model.name, epoch)
         try:
-            # abandon_on_cancel: a daemon that is told to stop does not wait for a load to finish
-            # (trio-typing's stubs predate abandon_on_cancel)
-            stage = await trio.to_thread.run_sync(  # type: ignore[call-arg]
-                self.loader, self.model, a, b, self.device, self.max_context, self.max_requests,
-                abandon_on_cancel=True)
+            # on the one thread all tinygrad work uses (it is not thread-safe); abandon_on_cancel: a daemon
+            # that is told to stop does not wait for a load to finish
+            stage = await run_model(self.loader, self.model, a, b, self.device, self.max_context,
+                                    self.max_requests, abandon_on_cancel=True)
         except Exception as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             self._set(AssignmentStatus(epoch, layers, experts, "failed", 0.0, reason))

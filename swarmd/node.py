@@ -46,6 +46,7 @@ from swarmd.host import Libp2pNetwork, split_peer_addr
 from swarmd.identity import Signer, load_or_create_identity, peer_id_of, short_id
 from swarmd.metrics import CONTENT_TYPE, NodeMetrics
 from swarmd.model_source import ServedModel, served_model
+from swarmd.model_thread import run_model
 from swarmd.planning import MakePlan
 from swarmd.swarm import SwarmService, SwarmSettings
 
@@ -105,7 +106,7 @@ class Node:
                      plan.epoch, len(plan.stages))
         device = resolve_device(cfg.device)
         name = device_name(device)
-        bench = await trio.to_thread.run_sync(load_or_measure, self.home, device, name)
+        bench = await run_model(load_or_measure, self.home, device, name)  # tinygrad: on the model thread
         incarnation = next_incarnation(self.home)
         network = Libp2pNetwork(key_pair, cfg.listen, cfg.announce, timings=cfg.timings, mdns=cfg.mdns)
         async with trio.open_nursery() as nursery:
