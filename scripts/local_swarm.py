@@ -94,7 +94,7 @@ class LocalSwarm:
     """N `swarmd join` processes on loopback with homes under one directory."""
 
     def __init__(self, n: int, *, model: str = "smollm2-135m", base: Path | None = None,
-                 extra: tuple[str, ...] = (), timings: str = "local-test", swarm: str = "local") -> None:
+                 extra: tuple[str, ...] = (), timings: str = "lan", swarm: str = "local") -> None:
         self.n, self.model, self.extra, self.timings, self.swarm = n, model, extra, timings, swarm
         self._own_base = base is None
         self.base = Path(tempfile.mkdtemp(prefix="swarmd-local-")) if base is None else base

@@ -61,8 +61,10 @@ class EventStream(Response):
 
 
 async def until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T | None:
-    """`await work()`, cancelled if the client disconnects first (then None)."""
-    result: list[T] = []
+    """`await work()`, cancelled if the client disconnects first (then None). What `work` raises is raised
+    as it is (not inside an exception group)."""
+    done: list[T] = []
+    failed: list[Exception] = []
     async with trio.open_nursery() as nursery:
 
         async def watch() -> None:
@@ -71,9 +73,14 @@ async def until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(watch)
-        result.append(await work())
+        try:
+            done.append(await work())
+        except Exception as e:
+            failed.append(e)
         nursery.cancel_scope.cancel()
-    return result[0] if result else None
+    if failed:
+        raise failed[0]
+    return done[0] if done else None
 
 
 async def read_json(request: Request) -> Any:

@@ -276,7 +276,8 @@ def _forward(jobs: Sequence[Job]) -> None:
     from models.stage import StageInput
 
     model = jobs[0].model
-    inputs = [StageInput(j.work.request_id, j.work.start_pos, j.work.data, j.work.all_logits) for j in jobs]
+    inputs = [StageInput(j.work.request_id, j.work.start_pos, j.work.data, j.work.all_logits and model.is_last)
+              for j in jobs]
     outputs = model.forward(inputs)
     for job, out in zip(jobs, outputs, strict=True):
         job.output = sample_step(out, job.work) if model.is_last else out.reshape(job.work.rows, model.hidden_size)
