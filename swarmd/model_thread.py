@@ -75,5 +75,10 @@ class ModelThread:
 MODEL_THREAD = ModelThread()
 
 
+def call_model(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on the model thread, from synchronous code (scripts, test fixtures); blocks until done."""
+    return MODEL_THREAD.submit(fn, *args).result()
+
+
 async def run_model(fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = False) -> T:
     return await MODEL_THREAD.run(fn, *args, abandon_on_cancel=abandon_on_cancel)

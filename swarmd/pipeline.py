@@ -33,7 +33,7 @@ from swarmd.registry import EMPTY, ChainStatus, Registry, chain_status
 from swarmd.stage import Loaded, StageActor
 from swarmd.transport import HandlerResult, Send, TransportConfig
 from swarmd.wire.codec import FLOAT_DTYPES, WireError
-from swarmd.wire.expect import ExpectForward, ExpectToken
+from swarmd.wire.expect import Expect, ExpectForward, ExpectToken
 from swarmd.wire.messages import Cancel, Error, Forward, Logprobs, Message, Token
 
 log = logging.getLogger("swarmd.pipeline")
@@ -110,12 +110,8 @@ class Pipeline:
     # --- transport routes -----------------------------------------------------------------------------------
 
     def install(self) -> None:
-        t = self.transport
-        t.route(Forward, self.stage.on_forward, expect=self._expect_forward)
-        t.route(Token, self._on_token, expect=self._expect_token)
-        t.route(Logprobs, self.head.on_logprobs)
-        t.route(Cancel, self.stage.on_cancel)
-        t.route(Error, self._on_error)
+        install_actor_routes(self.transport, self.stage, self.head, peer_id=self.node.peer_id,
+                             expect_forward=self._expect_forward, expect_token=self._expect_token)
 
     def _expect_forward(self, msg: Message) -> None:
         loaded = self.loaded()
@@ -129,24 +125,6 @@ class Pipeline:
         served = self.node.model
         if served is not None:
             ExpectToken(served.layout.vocab_size)(msg)
-
-    async def _on_token(self, peer: str, msg: Token) -> HandlerResult:
-        if msg.hop == 0:
-            return await self.stage.on_token(peer, msg)
-        if msg.hop == 1:
-            await self.head.on_token(peer, msg)
-            return None
-        raise WireError("wrong_hop", f"a token copy is for stage 0 (hop 0) or the head (hop 1), not hop {msg.hop}",
-                        request_id=msg.request_id)
-
-    async def _on_error(self, peer: str, msg: Error) -> HandlerResult:
-        if self.head.on_error(msg):
-            return None
-        head = self.stage.head_of(msg.request_id)
-        if head is not None and head != self.node.peer_id and head != peer:
-            return Send(head, msg)  # a stage further down failed: its head must hear it
-        log.info("error about %s from %s: %s: %s", msg.request_id or "-", peer[:16], msg.code, msg.message)
-        return None
 
     # --- status ----------------------------------------------------------------------------------------------
 
@@ -163,6 +141,35 @@ class Pipeline:
             "transport": {k: v for k, v in vars(self.transport.stats).items()},
             "links": self.transport.link_state(),
         }
+
+
+def install_actor_routes(transport: Any, stage: StageActor, head: HeadService, *, peer_id: str,
+                         expect_forward: Expect | None = None, expect_token: Expect | None = None) -> None:
+    """Route the pipeline's messages on `transport` to this daemon's stage and head actors."""
+
+    async def on_token(peer: str, msg: Token) -> HandlerResult:
+        if msg.hop == 0:
+            return await stage.on_token(peer, msg)
+        if msg.hop == 1:
+            await head.on_token(peer, msg)
+            return None
+        raise WireError("wrong_hop", f"a token copy is for stage 0 (hop 0) or the head (hop 1), not hop {msg.hop}",
+                        request_id=msg.request_id)
+
+    async def on_error(peer: str, msg: Error) -> HandlerResult:
+        if head.on_error(msg):
+            return None
+        request_head = stage.head_of(msg.request_id)
+        if request_head is not None and request_head not in (peer_id, peer):
+            return Send(request_head, msg)  # a stage further down failed: its head must hear it
+        log.info("error about %s from %s: %s: %s", msg.request_id or "-", peer[:16], msg.code, msg.message)
+        return None
+
+    transport.route(Forward, stage.on_forward, expect=expect_forward)
+    transport.route(Token, on_token, expect=expect_token)
+    transport.route(Logprobs, head.on_logprobs)
+    transport.route(Cancel, stage.on_cancel)
+    transport.route(Error, on_error)
 
 
 async def run_pipeline(node: Any, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

@@ -36,6 +36,8 @@ from swarmd.wire.messages import Cancel, Error, Forward, Token
 log = logging.getLogger("swarmd.stage")
 
 PROMPT_SCORE_ROWS = 64  # rows of (rows, vocab) logits turned into log-probs at a time (bounds the memory)
+SETTLE = 0.002  # s a stage waits for the rest of a convoy of decode steps sent together by the previous stage
+MAX_GATHER = 1.0  # s stage 0 waits at most for other requests' tokens to form one batch
 
 
 @dataclass
@@ -101,6 +103,8 @@ class StageActor:
         self._jobs: list[Job] = []
         self._frees: list[tuple[Any, str]] = []  # (model, request id) whose KV caches to free
         self._wake = trio.Event()
+        self._first_queued = 0.0
+        self.periods: deque[float] = deque(maxlen=64)  # stage 0: recent times for a token to come round
         self.stats = StageStats()
 
     # --- handlers --------------------------------------------------------------------------------------
@@ -117,6 +121,9 @@ class StageActor:
         """Stage 0's copy of a sampled token: run the next step."""
         try:
             loaded, book = self._book()
+            state = book.requests.get(msg.request_id)
+            if state is not None and not state.busy and msg.step > 0:
+                self.periods.append(trio.current_time() - state.last_active)  # once round the rest of the chain
             work = book.on_token(msg, trio.current_time())
         except StageRefusal as e:
             head = self.book.head_of(msg.request_id) if self.book else None
@@ -158,6 +165,8 @@ class StageActor:
 
     async def _run(self, loaded: Loaded, book: StageBook, work: Work) -> HandlerResult:
         job = Job(work, loaded.model)
+        if not self._jobs:
+            self._first_queued = trio.current_time()
         self._jobs.append(job)
         self._wake.set()
         await job.done.wait()
@@ -213,16 +222,39 @@ class StageActor:
                 await self._wake.wait()
                 self._wake = trio.Event()
                 while self._jobs or self._frees:
+                    await self._gather()
                     frees, self._frees = self._frees, []
                     jobs = self._take_batch() if self._jobs else []
                     started = time.perf_counter()
                     try:
                         await run_model(run_batch, jobs, frees)
+                    except Exception as e:  # a bug in the model code: these requests fail, the daemon goes on
+                        log.exception("stage batch of %d failed", len(jobs))
+                        for job in jobs:
+                            if job.output is None and job.error is None:
+                                job.error = ("internal", f"the stage failed: {type(e).__name__}: {e}")
                     finally:
                         for job in jobs:
                             job.done.set()
                     if jobs:
                         self.stats.record(jobs, time.perf_counter() - started)
+
+    async def _gather(self) -> None:
+        """Let the decode steps of other requests here catch up, so that they run as one batch.
+
+        Requests this stage holds that are not queued are elsewhere in the chain. Stage 0 waits for them up to
+        the time a token takes to come round (once they arrive together they stay together: a convoy); the
+        other stages wait only for frames of the same convoy still landing (SETTLE). A lone request, or a
+        prefill, never waits."""
+        book = self.book
+        if book is None or not self._jobs or any(j.work.rows != 1 for j in self._jobs):
+            return
+        window = min(statistics.median(self.periods), MAX_GATHER) if book.is_first and self.periods else SETTLE
+        deadline = self._first_queued + window
+        while any(not st.busy for st in book.requests.values()) and trio.current_time() < deadline:
+            with trio.move_on_at(deadline):
+                await self._wake.wait()
+            self._wake = trio.Event()
 
     async def _expire_idle(self) -> None:
         while True:
