@@ -94,8 +94,10 @@ class LocalSwarm:
     """N `swarmd join` processes on loopback with homes under one directory."""
 
     def __init__(self, n: int, *, model: str = "smollm2-135m", base: Path | None = None,
-                 extra: tuple[str, ...] = (), timings: str = "lan", swarm: str = "local") -> None:
+                 extra: tuple[str, ...] = (), timings: str = "lan", swarm: str = "local",
+                 first_extra: tuple[str, ...] = ()) -> None:
         self.n, self.model, self.extra, self.timings, self.swarm = n, model, extra, timings, swarm
+        self.first_extra = first_extra  # options for the founding daemon only (e.g. --plan FILE)
         self._own_base = base is None
         self.base = Path(tempfile.mkdtemp(prefix="swarmd-local-")) if base is None else base
         self.daemons: list[Daemon] = []
@@ -114,6 +116,8 @@ class LocalSwarm:
                *self.extra]
         if self.daemons:
             cmd += ["--bootstrap", self.daemons[0].address]
+        else:
+            cmd += list(self.first_extra)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("SWARMD_BOOTSTRAP", None)
         with open(home / "daemon.log", "a") as log:
