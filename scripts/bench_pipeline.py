@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -147,7 +148,7 @@ def raw_tcp_ms(payload: int, n: int) -> float:
                     await stream.send_all(b"ack!")
 
         async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(trio.serve_tcp, serve, 0, "127.0.0.1")
+            listeners = await nursery.start(partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
             port = listeners[0].socket.getsockname()[1]
             stream = await trio.open_tcp_stream("127.0.0.1", port)
             data = header.pack(payload) + bytes(payload)

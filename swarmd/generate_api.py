@@ -25,7 +25,7 @@ from swarmd.api import Api
 from swarmd.head import HeadError, HeadRequest, HeadService, ModelInfo, check_request
 from swarmd.head_session import Failed, Finished, TokenOut
 from swarmd.http_stream import EventStream, Write, ndjson, read_json
-from swarmd.openai_api import render_chat
+from swarmd.openai_api import guarded, render_chat
 from swarmd.openai_format import ApiError, integer_field, number_field, stop_field
 
 DEFAULT_MAX_TOKENS = 128
@@ -73,7 +73,7 @@ class GenerateRoute:
         self.head = head
 
     def install(self, api: Api) -> None:
-        api.add_route("/api/v0/generate", self.generate, methods=("POST",))
+        api.add_route("/api/v0/generate", guarded(self.generate), methods=("POST",))
 
     async def generate(self, request: Request) -> Response:
         try:

@@ -55,10 +55,10 @@ class OpenAIRoutes:
         self.created = int(time.time())
 
     def install(self, api: Api) -> None:
-        api.add_route("/v1/models", self.models)
-        api.add_route("/v1/models/{model:path}", self.model)
-        api.add_route("/v1/completions", self.completions, methods=("POST",))
-        api.add_route("/v1/chat/completions", self.chat, methods=("POST",))
+        api.add_route("/v1/models", guarded(self.models))
+        api.add_route("/v1/models/{model:path}", guarded(self.model))
+        api.add_route("/v1/completions", guarded(self.completions), methods=("POST",))
+        api.add_route("/v1/chat/completions", guarded(self.chat), methods=("POST",))
 
     # --- models ----------------------------------------------------------------------------------------------
 
@@ -236,6 +236,19 @@ class OpenAIRoutes:
         if body is None:  # the client went away; the request was cancelled
             return Response(status_code=499)
         return JSONResponse(body)
+
+
+def guarded(route: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """An unexpected failure still answers in OpenAI's error shape (a 500), and is logged with its traceback."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await route(request)
+        except Exception as e:
+            log.exception("%s %s failed", request.method, request.url.path)
+            return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}", code="internal"))
+
+    return endpoint
 
 
 async def _json(request: Request) -> Any:

@@ -328,7 +328,8 @@ def sample_step(logits: np.ndarray, work: Work) -> Sampled:
     params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
     last = logits[-1] if logits.ndim == 2 else logits
     token = sample(last, params, seed=s.seed, step=work.step)
-    logprob, top = None, ()
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
     if s.logprobs:
         logprob = token_logprob(last, token)
         top = tuple(top_logprobs(last, s.logprobs))
@@ -354,7 +355,7 @@ def score_rows(logits: np.ndarray, targets: np.ndarray | None, k: int) -> tuple[
         if k:
             part = np.argpartition(-logp, k - 1, axis=1)[:, :k]
             for r in rows:
-                order = sorted(part[r], key=lambda i, r=r: (-logp[r, i], i))
+                order = part[r][np.lexsort((part[r], -logp[r, part[r]]))]  # most likely first, then lower id
                 ids[lo + r] = order
                 tops[lo + r] = logp[r, order]
     return lps, ids, tops

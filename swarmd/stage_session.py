@@ -153,7 +153,7 @@ class StageBook:
             return msg.tokens.to_array().astype(np.int32)
         if msg.hidden is None:
             raise StageRefusal("bad_shape", f"stage {self.hop} takes hidden states")
-        return msg.hidden.to_array(np.float32)
+        return msg.hidden.to_array("float32")
 
     def _ready(self, request_id: str, step: int) -> RequestState:
         state = self.requests.get(request_id)

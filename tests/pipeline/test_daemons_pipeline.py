@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from tests.pipeline.daemon_swarm import DaemonSwarm
+from tests.swarm.daemons import Daemon, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -212,6 +213,25 @@ async def test_bad_frames_on_the_actor_protocol_get_clear_errors_and_no_daemon_d
     assert swarm.pipeline(1)["chain"]["ready"]
 
 
+def test_a_client_that_goes_away_cancels_its_request_and_every_stage_frees_its_cache(swarm):
+    swarm.shrink_to(4)
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 400, "temperature": 0, "stream": True}
+    chunks = 0
+    with httpx.stream("POST", f"{swarm.running[0].api}/v1/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            chunks += line.startswith("data: {")
+            if chunks == 3:
+                break  # and hang up
+    cancelled = swarm.pipeline(0)["head"]["cancelled"]
+
+    def freed() -> bool:
+        return swarm.pipeline(0)["head"]["cancelled"] >= 1 and \
+            all(swarm.pipeline(i)["stage"]["requests"] == 0 for i in range(4))
+
+    wait_until(freed, 60, "the request to be cancelled at every stage")
+    assert cancelled <= 1
+
+
 def test_three_daemons_generate_token_for_token_what_swarmd_run_generates(swarm, ref):
     assert len(swarm.shrink_to(3)["stages"]) == 3
     check_greedy(swarm, ref)
@@ -220,3 +240,14 @@ def test_three_daemons_generate_token_for_token_what_swarmd_run_generates(swarm,
 def test_two_daemons_generate_token_for_token_what_swarmd_run_generates(swarm, ref):
     assert len(swarm.shrink_to(2)["stages"]) == 2
     check_greedy(swarm, ref)
+
+
+def test_a_prompt_sent_before_the_swarm_is_ready_waits_and_says_so_on_stderr(tmp_path, bench_file):
+    daemon = Daemon(tmp_path / "early", None, bench_file=bench_file, swarm="early").start().wait_ready(60)
+    try:
+        done = swarmd_cli("submit-prompt", "--api", daemon.api, "--wait", "1", "Hello")
+    finally:
+        daemon.stop()
+    assert done.returncode != 0 and done.stdout == ""
+    assert done.stderr.startswith("waiting for the swarm: ")
+    assert "not ready after 1 s" in done.stderr and "Traceback" not in done.stderr

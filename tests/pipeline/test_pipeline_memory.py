@@ -18,7 +18,7 @@ from models.sampling import SamplingParams
 from models.stage import StageInput, StageModel
 from models.tokenizer import Tokenizer
 from swarmd.config import Timings
-from swarmd.head import HeadRequest, HeadService, ModelInfo
+from swarmd.head import HeadError, HeadRequest, HeadService, ModelInfo
 from swarmd.head_session import Failed, Finished, PromptScores, TokenOut
 from swarmd.model_thread import call_model
 from swarmd.pipeline import install_actor_routes
@@ -80,6 +80,7 @@ class MemorySwarm:
         self.registry = Registry(1, ("s0", "s1", "s2"), SPLITS, {"stage-0": "s0", "stage-1": "s1", "stage-2": "s2"})
         self.heads: dict[str, HeadService] = {}
         self.stages: dict[str, StageActor] = {}
+        self.chain = ChainStatus(True, "plan epoch 1: 3 stages ready")  # what the swarm says of its chain
 
     async def start(self, nursery: trio.Nursery) -> MemorySwarm:
         info = ModelInfo("tiny", self.tiny.tokenizer, CONTEXT, self.tiny.tokenizer.vocab_size)
@@ -89,7 +90,7 @@ class MemorySwarm:
             hop = self.registry.hop_of(name)
             loaded = None if hop is None else Loaded(self.tiny.stages[hop], hop, self.registry)
             stage = StageActor(lambda loaded=loaded: loaded, max_context=CONTEXT, wire_dtype=None, idle_timeout=600)
-            head = HeadService(name, transport, chain=lambda: ChainStatus(True, "ready"), registry=lambda: self.registry,
+            head = HeadService(name, transport, chain=lambda: self.chain, registry=lambda: self.registry,
                                timings=timings, load_model=lambda: info)
             await nursery.start(stage.run)
             await nursery.start(head.run)
@@ -201,3 +202,31 @@ async def test_teacher_forcing_scores_every_prompt_token_as_the_whole_model_does
     assert np.allclose(scores.token_logprobs, want, atol=1e-4)
     assert [top[0][0] for top in scores.top] == [int(np.argmax(row)) for row in logits[:-1]]
     assert events[-1] == Finished("length")
+
+
+async def test_a_request_waits_for_the_chain_saying_what_it_waits_for_then_runs(swarm, tiny, nursery):
+    loading = ChainStatus(False, "plan epoch 1: loading stage 1 (blocks 2-2, s1)")
+    swarm.chain = loading
+    said: list[str] = []
+
+    async def on_wait(detail: str) -> None:
+        said.append(detail)
+
+    async def ready_soon() -> None:
+        await trio.sleep(0.5)
+        swarm.chain = ChainStatus(True, "plan epoch 1: 3 stages ready")
+
+    nursery.start_soon(ready_soon)
+    tokens = []
+    async with swarm.heads["h"].open(swarm.request(PROMPTS[0], 4), on_wait=on_wait) as handle:
+        tokens = [ev.token_id async for ev in handle if isinstance(ev, TokenOut)]
+    assert said == [loading.detail] and handle.timing.sent - handle.timing.opened >= 0.4
+    assert tokens == reference(tiny, PROMPTS[0], 4)
+
+
+async def test_a_chain_that_stays_unready_fails_the_request_after_the_deadline(swarm):
+    swarm.chain = ChainStatus(False, "waiting for a new plan: stage 2 (blocks 3-3, s2) gone")
+    with pytest.raises(HeadError) as e:
+        async with swarm.heads["s0"].open(swarm.request(PROMPTS[0], 4), ready_timeout=0.3):
+            pass
+    assert e.value.status == 503 and e.value.code == "not_ready" and "stage 2 (blocks 3-3, s2) gone" in e.value.message
