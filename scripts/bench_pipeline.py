@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import trio
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,64 +103,83 @@ def start_swarm(n: int, context: int, max_requests: int) -> LocalSwarm:
 
 
 def generate(api: str, prompt: str, tokens: int) -> dict[str, Any]:
-    """One greedy request; the head's token times (trace instants, microseconds) and its timings."""
+    """One greedy request; its id, the head's token times (trace instants, microseconds) and its timings."""
     body = {"prompt": prompt, "max_tokens": tokens, "trace": True}
+    request_id = ""
     with httpx.stream("POST", f"{api}/api/v0/generate", json=body, timeout=httpx.Timeout(30, read=900)) as r:
         for line in r.iter_lines():
             event = json.loads(line)
-            if event["event"] == "done":
+            if event["event"] == "start":
+                request_id = event["request_id"]
+            elif event["event"] == "done":
                 times = [e["ts"] for e in event["trace"] if e["name"] == "token"]
-                return {"token_us": times, "usage": event["usage"], "timings": event["timings"]}
-            if event["event"] == "error":
+                return {"request_id": request_id, "token_us": times, "usage": event["usage"],
+                        "timings": event["timings"]}
+            elif event["event"] == "error":
                 raise RuntimeError(f"{event['code']}: {event['message']}")
     raise RuntimeError("the stream ended early")
 
 
-def stage_decode_ms(swarm: LocalSwarm, steps: int) -> list[float]:
-    """Median decode compute (batches of one) of each stage over its last `steps` batches."""
-    out = []
+def step_breakdown(swarm: LocalSwarm, request_id: str) -> dict[str, list[float]]:
+    """Per decode step of one request, from every stage's step times (ms): model compute, the stage's own
+    overhead (queue, thread hand-over, building the output) and each hop (sent -> received by the next)."""
+    n = len(swarm.daemons)
+    steps: list[dict[int, dict[str, float]]] = []
     for d in swarm.daemons:
-        stage = httpx.get(f"{d.api}/api/v0/pipeline", timeout=10).json()["stage"]
-        recent = stage["recent_decode_ms"][-steps:]
-        out.append(statistics.median(recent))
+        recent = httpx.get(f"{d.api}/api/v0/pipeline", timeout=10).json()["stage"]["recent_steps"]
+        steps.append({s["step"]: s for s in recent if s["request_id"] == request_id and s["rows"] == 1})
+    out: dict[str, list[float]] = {"compute": [], "stage_overhead": [], "hop": []}
+    for step in sorted(steps[0]):
+        if step + 1 not in steps[0] or not all(step in by_step for by_step in steps):
+            continue
+        for i in range(n):
+            s = steps[i][step]
+            out["compute"].append((s["ended"] - s["started"]) * 1e3)
+            out["stage_overhead"].append(((s["started"] - s["received"]) + (s["sent"] - s["ended"])) * 1e3)
+            nxt = steps[i + 1][step] if i + 1 < n else steps[0][step + 1]
+            out["hop"].append((nxt["received"] - s["sent"]) * 1e3)
     return out
 
 
 # --- raw TCP -----------------------------------------------------------------------------------------------
 
 
-def raw_tcp_ms(payload: int, n: int) -> float:
-    """Median of n request/responses over one loopback TCP connection: `payload` bytes there, 4 back."""
+def tcp_server() -> None:
+    """`--tcp-server`: answer each length-prefixed frame with 4 bytes; print the port on stdout."""
+    header = struct.Struct(">I")
+
+    async def serve(stream: trio.SocketStream) -> None:
+        buf = bytearray()
+        while chunk := await stream.receive_some(1 << 16):
+            buf += chunk
+            while len(buf) >= 4 and len(buf) >= 4 + header.unpack_from(buf)[0]:
+                del buf[:4 + header.unpack_from(buf)[0]]
+                await stream.send_all(b"ack!")
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
+            print(listeners[0].socket.getsockname()[1], flush=True)
+
+    trio.run(main)
+
+
+def raw_tcp_ms(port: int, payload: int, n: int) -> float:
+    """Median of n request/responses to the server process: `payload` bytes there, 4 back, one connection."""
     header = struct.Struct(">I")
 
     async def main() -> float:
-        async def serve(stream: trio.SocketStream) -> None:
-            buf = bytearray()
-            while True:
-                chunk = await stream.receive_some(1 << 16)
-                if not chunk:
-                    return
-                buf += chunk
-                while len(buf) >= 4 and len(buf) >= 4 + header.unpack_from(buf)[0]:
-                    size = header.unpack_from(buf)[0]
-                    del buf[:4 + size]
-                    await stream.send_all(b"ack!")
-
-        async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
-            port = listeners[0].socket.getsockname()[1]
-            stream = await trio.open_tcp_stream("127.0.0.1", port)
-            data = header.pack(payload) + bytes(payload)
-            times = []
-            for _ in range(n):
-                t = time.perf_counter()
-                await stream.send_all(data)
-                got = b""
-                while len(got) < 4:
-                    got += await stream.receive_some(4 - len(got))
-                times.append(time.perf_counter() - t)
-            await stream.aclose()
-            nursery.cancel_scope.cancel()
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        data = header.pack(payload) + bytes(payload)
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            await stream.send_all(data)
+            got = b""
+            while len(got) < 4:
+                got += await stream.receive_some(4 - len(got))
+            times.append(time.perf_counter() - t)
+        await stream.aclose()
         return statistics.median(times) * 1e3
 
     return trio.run(main)
@@ -184,27 +202,47 @@ def aggregate(api_of: list[str], concurrent: int, tokens: int) -> float:
     return total / (time.perf_counter() - start)
 
 
+def batch_sizes(swarm: LocalSwarm, since: float) -> list[float]:
+    """Mean size of the decode batches each stage ran since `since` (perf_counter: one clock per machine)."""
+    out = []
+    for d in swarm.daemons:
+        steps = httpx.get(f"{d.api}/api/v0/pipeline", timeout=10).json()["stage"]["recent_steps"]
+        sizes = [s["batch"] for s in steps if s["rows"] == 1 and s["received"] >= since]
+        out.append(statistics.fmean(sizes) if sizes else 0.0)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=48, help="tokens per request (default: 48)")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--tcp-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.tcp_server:
+        tcp_server()
+        return 0
 
+    server = subprocess.Popen([sys.executable, __file__, "--tcp-server"], stdout=subprocess.PIPE, text=True)
+    assert server.stdout is not None
+    port = int(server.stdout.readline())
     say("loading the single-process model")
     single = SingleProcess(args.context)
     say("starting swarms of 2 and 4 daemons")
-    swarms = {n: start_swarm(n, args.context, 8) for n in (2, 4)}
-    results: dict[str, Any] = {"decode": {1: [], 2: [], 4: []}, "hop_ms": [], "raw_tcp_ms": [], "compute_ms": [],
-                               "token_ms": [], "aggregate": {1: [], 4: [], 8: []}}
+    swarms: dict[int, LocalSwarm] = {}
+    results: dict[str, Any] = {"decode": {1: [], 2: [], 4: []}, "raw_tcp_ms": [], "token_ms": [],
+                               "breakdown": {"compute": [], "stage_overhead": [], "hop": []},
+                               "aggregate": {1: [], 4: [], 8: []}, "batch": {4: [], 8: []}}
     try:
-        say("warming up (kernel compile, JIT capture)")
+        for n in (2, 4):
+            swarms[n] = start_swarm(n, args.context, 8)
+        say("warming up (kernel compile, JIT capture of every batch size)")
         single.decode_rate(PROMPTS[0], 8)
-        for swarm in swarms.values():
-            generate(swarm.api, PROMPTS[0], 8)
-            for c in (4, 8):
-                aggregate([d.api for d in swarm.daemons], c, 4)  # the batched decode shapes too
+        apis = [d.api for d in swarms[4].daemons]
+        generate(swarms[2].api, PROMPTS[0], 8)
+        for c in (1, 2, 4, 8):
+            aggregate(apis, c, 12)
         for r in range(args.rounds):
             prompt = PROMPTS[r % len(PROMPTS)]
             results["decode"][1].append(single.decode_rate(prompt, args.tokens))
@@ -212,21 +250,23 @@ def main() -> int:
                 run = generate(swarm.api, prompt, args.tokens)
                 results["decode"][n].append(decode_rate(run["token_us"]))
                 if n == 4:
-                    per_token = statistics.median(np.diff(run["token_us"]) / 1e3)
-                    compute = stage_decode_ms(swarm, args.tokens - 1)
-                    results["token_ms"].append(per_token)
-                    results["compute_ms"].append(sum(compute))
-                    results["hop_ms"].append((per_token - sum(compute)) / 4)
-            results["raw_tcp_ms"].append(raw_tcp_ms(HIDDEN_BYTES, 200))
-            apis = [d.api for d in swarms[4].daemons]
+                    results["token_ms"].append((run["token_us"][-1] - run["token_us"][0]) / 1e3
+                                               / (len(run["token_us"]) - 1))
+                    for part, values in step_breakdown(swarm, run["request_id"]).items():
+                        results["breakdown"][part] += values
+            results["raw_tcp_ms"].append(raw_tcp_ms(port, HIDDEN_BYTES, 200))
             for c in (1, 4, 8):
+                since = time.perf_counter()
                 results["aggregate"][c].append(aggregate(apis, c, args.tokens))
+                if c > 1:
+                    results["batch"][c].append(batch_sizes(swarms[4], since))
             say(f"round {r + 1}: decode tok/s N=1 {results['decode'][1][-1]:.2f}, N=2 {results['decode'][2][-1]:.2f}, "
-                f"N=4 {results['decode'][4][-1]:.2f}; hop {results['hop_ms'][-1]:.2f} ms; aggregate "
+                f"N=4 {results['decode'][4][-1]:.2f}; aggregate "
                 + ", ".join(f"{c}: {results['aggregate'][c][-1]:.2f}" for c in (1, 4, 8)))
     finally:
         for swarm in swarms.values():
             swarm.stop()
+        server.kill()
     report(results, args)
     return 0
 
@@ -234,10 +274,12 @@ def main() -> int:
 def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     med = {k: statistics.median(v) for k, v in results["decode"].items()}
     agg = {k: statistics.median(v) for k, v in results["aggregate"].items()}
-    hop, raw = statistics.median(results["hop_ms"]), statistics.median(results["raw_tcp_ms"])
+    parts = {k: statistics.median(v) for k, v in results["breakdown"].items()}
+    means = {k: statistics.fmean(v) for k, v in results["breakdown"].items()}
+    raw = statistics.median(results["raw_tcp_ms"])
     if args.json:
-        print(json.dumps({"decode_tok_s": med, "aggregate_tok_s": agg, "hop_ms": hop, "raw_tcp_ms": raw,
-                          "raw": results}, indent=2))
+        print(json.dumps({"decode_tok_s": med, "aggregate_tok_s": agg, "breakdown_median_ms": parts,
+                          "raw_tcp_ms": raw, "raw": results}, indent=2))
         return
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"Command: `.venv/bin/python scripts/bench_pipeline.py --rounds {args.rounds} --tokens {args.tokens}`  ")
@@ -249,14 +291,24 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
         rounds = ", ".join(f"{x:.2f}" for x in results["decode"][n])
         print(f"| {n} | {med[n]:.2f} | {rounds} | {med[n] / med[1]:.2f} |")
     print()
-    print(f"N = 4: median {statistics.median(results['token_ms']):.1f} ms per token, of which "
-          f"{statistics.median(results['compute_ms']):.1f} ms stage compute; per hop {hop:.2f} ms against "
-          f"{raw:.3f} ms for a raw TCP request/response of {HIDDEN_BYTES} B: **{hop - raw:+.2f} ms per hop**.\n")
-    print("| requests at once (N = 4) | aggregate tok/s (median) | rounds | × one request |")
-    print("|---|---|---|---|")
+    token = statistics.median(results["token_ms"])
+    print(f"N = 4, one request: {token:.1f} ms per token (mean per round, median over rounds). Per stage and "
+          "decode step, from the stages' step times (medians; means in brackets):\n")
+    print("| part | median ms | mean ms |")
+    print("|---|---|---|")
+    print(f"| model compute, one stage | {parts['compute']:.2f} | {means['compute']:.2f} |")
+    print(f"| stage overhead (queue, thread hand-over, output) | {parts['stage_overhead']:.3f} | "
+          f"{means['stage_overhead']:.3f} |")
+    print(f"| hop (sent -> received by the next stage) | {parts['hop']:.3f} | {means['hop']:.3f} |")
+    print(f"| raw TCP request/response of {HIDDEN_BYTES} B, second process | {raw:.3f} | |")
+    added = parts["hop"] + parts["stage_overhead"] - raw
+    print(f"\nAdded per hop over raw TCP (hop + stage overhead - raw TCP): **{added:.3f} ms** (median).\n")
+    print("| requests at once (N = 4) | aggregate tok/s (median) | rounds | × one request | mean decode batch per stage |")
+    print("|---|---|---|---|---|")
     for c in (1, 4, 8):
         rounds = ", ".join(f"{x:.2f}" for x in results["aggregate"][c])
-        print(f"| {c} | {agg[c]:.2f} | {rounds} | {agg[c] / agg[1]:.2f} |")
+        batch = ", ".join(f"{b:.2f}" for b in results["batch"][c][-1] if b) if c > 1 and results["batch"][c] else "1"
+        print(f"| {c} | {agg[c]:.2f} | {rounds} | {agg[c] / agg[1]:.2f} | {batch} |")
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ class GenerateRoute:
                         done: dict[str, Any] = {"event": "done", "finish_reason": ev.reason, "text": ev.text,
                                                 "usage": handle.usage(), "timings": handle.timing.to_json()}
                         if handle.tracer is not None:
-                            done["trace"] = handle.tracer.events
+                            done["trace"] = handle.trace_events()
                         await write(ndjson(done))
                     elif isinstance(ev, Failed):
                         await write(ndjson({"event": "error", "code": ev.code, "message": ev.message}))

@@ -134,7 +134,7 @@ class RequestHandle:
                 self.timing.last = now
                 self.timing.tokens += 1
                 if self.tracer is not None:
-                    self.tracer.instant("token", step=ev.step, token=ev.token_id)
+                    self.tracer.instant("token", step=ev.step, token=ev.token_id, request_id=self.request_id)
             assert self._send is not None
             self._send.send_nowait(ev)
 
@@ -156,6 +156,19 @@ class RequestHandle:
         if isinstance(event, Failed) or (self.session.done and self._recv.statistics().current_buffer_used == 0):
             self._over = True
         return event
+
+    def trace_events(self) -> list[dict[str, Any]]:
+        """The request's spans so far (Chrome trace events): waiting, prefill (to the first token), decode."""
+        if self.tracer is None:
+            return []
+        t, us = self.timing, 1e6
+        if t.first:
+            self.tracer.complete("head.prefill", t.sent * us, t.first * us, request_id=self.request_id,
+                                 prompt_tokens=self.prompt_tokens)
+        if t.tokens > 1:
+            self.tracer.complete("head.decode", t.first * us, t.last * us, request_id=self.request_id,
+                                 tokens=t.tokens - 1)
+        return self.tracer.events
 
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.session.prompt_len, "completion_tokens": self.session.completion_tokens,

@@ -44,9 +44,13 @@ MAX_GATHER = 1.0  # s stage 0 waits at most for other requests' tokens to form o
 class Job:
     work: Work
     model: Any
+    received: float = 0.0  # perf_counter seconds (one clock for every process of a machine): message in,
+    started: float = 0.0  # the model began the batch, the model was done, the handler handed its output over
+    ended: float = 0.0
     done: trio.Event = field(default_factory=trio.Event)
     output: np.ndarray | Sampled | None = None
     error: tuple[str, str] | None = None  # (code, message)
+    batch: int = 1
 
 
 @dataclass(frozen=True)
@@ -59,33 +63,41 @@ class Loaded:
 
 
 class StageStats:
-    """Counters for status and benchmarks: batches, their sizes, and recent decode compute times."""
+    """Counters for status and benchmarks: batches and their sizes, and the times of recent steps.
 
-    def __init__(self, keep: int = 512) -> None:
+    A step's times are perf_counter seconds, one clock for all processes of a machine, so the steps of one
+    request on different daemons line up: the gap between one stage's `sent` and the next stage's
+    `received` is the hop (encode, write, read, decode, checks, admission)."""
+
+    def __init__(self, keep: int = 1024) -> None:
         self.batches = 0
         self.jobs = 0
         self.largest_batch = 0
-        self.decode_ms: deque[float] = deque(maxlen=keep)  # one entry per batch of decode steps only
-        self.decode_batch: deque[int] = deque(maxlen=keep)
+        self.decode_batch: deque[int] = deque(maxlen=keep)  # sizes of recent batches of decode steps
+        self.steps: deque[tuple[str, int, int, int, float, float, float, float]] = deque(maxlen=keep)
 
-    def record(self, jobs: Sequence[Job], seconds: float) -> None:
+    def record_batch(self, jobs: Sequence[Job]) -> None:
         self.batches += 1
         self.jobs += len(jobs)
         self.largest_batch = max(self.largest_batch, len(jobs))
         if all(j.work.rows == 1 for j in jobs):
-            self.decode_ms.append(seconds * 1e3)
             self.decode_batch.append(len(jobs))
+
+    def record_step(self, job: Job, sent: float) -> None:
+        w = job.work
+        self.steps.append((w.request_id, w.step, w.rows, job.batch, job.received, job.started, job.ended, sent))
 
     def to_json(self) -> dict[str, Any]:
         return {
             "batches": self.batches,
             "jobs": self.jobs,
             "largest_batch": self.largest_batch,
-            "decode_ms_median": round(statistics.median(self.decode_ms), 3) if self.decode_ms else None,
             "decode_batch_mean": round(statistics.fmean(self.decode_batch), 3) if self.decode_batch else None,
-            "recent_decode_ms": [round(x, 3) for x in self.decode_ms],
-            "recent_decode_batch": list(self.decode_batch),
+            "recent_steps": [dict(zip(STEP_FIELDS, step, strict=True)) for step in self.steps],
         }
+
+
+STEP_FIELDS = ("request_id", "step", "rows", "batch", "received", "started", "ended", "sent")
 
 
 class StageActor:
@@ -110,15 +122,17 @@ class StageActor:
     # --- handlers --------------------------------------------------------------------------------------
 
     async def on_forward(self, peer: str, msg: Forward) -> HandlerResult:
+        received = time.perf_counter()
         try:
             loaded, book = self._book()
             work = book.on_forward(msg, trio.current_time())
         except StageRefusal as e:
             return _refusal(msg.head or peer, msg.request_id, msg.step, msg.hop, e)
-        return await self._run(loaded, book, work)
+        return await self._run(loaded, book, work, received)
 
     async def on_token(self, peer: str, msg: Token) -> HandlerResult:
         """Stage 0's copy of a sampled token: run the next step."""
+        received = time.perf_counter()
         try:
             loaded, book = self._book()
             state = book.requests.get(msg.request_id)
@@ -128,7 +142,7 @@ class StageActor:
         except StageRefusal as e:
             head = self.book.head_of(msg.request_id) if self.book else None
             return _refusal(head or peer, msg.request_id, msg.step + 1, 0, e)
-        return await self._run(loaded, book, work)
+        return await self._run(loaded, book, work, received)
 
     async def on_cancel(self, peer: str, msg: Cancel) -> None:
         if self.book is not None and self.book.cancel(msg.request_id):
@@ -163,8 +177,8 @@ class StageActor:
 
     # --- the worker ------------------------------------------------------------------------------------
 
-    async def _run(self, loaded: Loaded, book: StageBook, work: Work) -> HandlerResult:
-        job = Job(work, loaded.model)
+    async def _run(self, loaded: Loaded, book: StageBook, work: Work, received: float) -> HandlerResult:
+        job = Job(work, loaded.model, received)
         if not self._jobs:
             self._first_queued = trio.current_time()
         self._jobs.append(job)
@@ -192,6 +206,7 @@ class StageActor:
             self._free(loaded.model, work.request_id)
             return Send(head, Error("internal", f"stage {book.hop} could not build its output: {e}",
                                     request_id=work.request_id, step=work.step, hop=book.hop))
+        self.stats.record_step(job, time.perf_counter())
         return [Send(o.peer, o.msg) for o in outs]
 
     def _free(self, model: Any, request_id: str) -> None:
@@ -225,7 +240,6 @@ class StageActor:
                     await self._gather()
                     frees, self._frees = self._frees, []
                     jobs = self._take_batch() if self._jobs else []
-                    started = time.perf_counter()
                     try:
                         await run_model(run_batch, jobs, frees)
                     except Exception as e:  # a bug in the model code: these requests fail, the daemon goes on
@@ -237,7 +251,7 @@ class StageActor:
                         for job in jobs:
                             job.done.set()
                     if jobs:
-                        self.stats.record(jobs, time.perf_counter() - started)
+                        self.stats.record_batch(jobs)
 
     async def _gather(self) -> None:
         """Let the decode steps of other requests here catch up, so that they run as one batch.
@@ -310,9 +324,13 @@ def _forward(jobs: Sequence[Job]) -> None:
     model = jobs[0].model
     inputs = [StageInput(j.work.request_id, j.work.start_pos, j.work.data, j.work.all_logits and model.is_last)
               for j in jobs]
+    started = time.perf_counter()
     outputs = model.forward(inputs)
     for job, out in zip(jobs, outputs, strict=True):
         job.output = sample_step(out, job.work) if model.is_last else out.reshape(job.work.rows, model.hidden_size)
+    ended = time.perf_counter()
+    for job in jobs:
+        job.started, job.ended, job.batch = started, ended, len(jobs)
 
 
 def _stage_name(model: Any) -> str:

@@ -135,7 +135,8 @@ def test_submit_prompt_streams_only_the_completion_to_stdout_and_a_summary_to_st
     assert doc["token_ids"] == ref.greedy[ref.chat_text] and doc["finish_reason"] in ("stop", "length")
     assert doc["usage"]["prompt_tokens"] == len(ref.tokenizer.encode(ref.chat_text))
     events = json.loads(trace.read_text())["traceEvents"]
-    assert {"submit_prompt", "token"} <= {e["name"] for e in events}
+    assert {"submit_prompt", "head.wait_for_chain", "head.prefill", "head.decode", "token"} <= \
+        {e["name"] for e in events}
     empty = swarmd_cli("submit-prompt", "", "--api", daemon.api)
     assert empty.returncode != 0 and "prompt is empty" in empty.stderr and "Traceback" not in empty.stderr
 
