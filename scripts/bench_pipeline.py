@@ -128,7 +128,7 @@ def step_breakdown(swarm: LocalSwarm, request_id: str) -> dict[str, list[float]]
     for d in swarm.daemons:
         recent = httpx.get(f"{d.api}/api/v0/pipeline", timeout=10).json()["stage"]["recent_steps"]
         steps.append({s["step"]: s for s in recent if s["request_id"] == request_id and s["rows"] == 1})
-    out: dict[str, list[float]] = {"compute": [], "stage_overhead": [], "hop": []}
+    out: dict[str, list[float]] = {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": []}
     for step in sorted(steps[0]):
         if step + 1 not in steps[0] or not all(step in by_step for by_step in steps):
             continue
@@ -136,6 +136,7 @@ def step_breakdown(swarm: LocalSwarm, request_id: str) -> dict[str, list[float]]
             s = steps[i][step]
             out["compute"].append((s["ended"] - s["started"]) * 1e3)
             out["stage_overhead"].append(((s["started"] - s["received"]) + (s["sent"] - s["ended"])) * 1e3)
+            out["thread_handoff"].append((s["started"] - s["taken"]) * 1e3)
             nxt = steps[i + 1][step] if i + 1 < n else steps[0][step + 1]
             out["hop"].append((nxt["received"] - s["sent"]) * 1e3)
     return out
@@ -232,7 +233,7 @@ def main() -> int:
     say("starting swarms of 2 and 4 daemons")
     swarms: dict[int, LocalSwarm] = {}
     results: dict[str, Any] = {"decode": {1: [], 2: [], 4: []}, "raw_tcp_ms": [], "token_ms": [],
-                               "breakdown": {"compute": [], "stage_overhead": [], "hop": []},
+                               "breakdown": {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": []},
                                "aggregate": {1: [], 4: [], 8: []}, "batch": {4: [], 8: []}}
     try:
         for n in (2, 4):
@@ -299,6 +300,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"| model compute, one stage | {parts['compute']:.2f} | {means['compute']:.2f} |")
     print(f"| stage overhead (queue, thread hand-over, output) | {parts['stage_overhead']:.3f} | "
           f"{means['stage_overhead']:.3f} |")
+    print(f"| of which the hand-over to the model thread | {parts['thread_handoff']:.3f} | "
+          f"{means['thread_handoff']:.3f} |")
     print(f"| hop (sent -> received by the next stage) | {parts['hop']:.3f} | {means['hop']:.3f} |")
     print(f"| raw TCP request/response of {HIDDEN_BYTES} B, second process | {raw:.3f} | |")
     added = parts["hop"] + parts["stage_overhead"] - raw

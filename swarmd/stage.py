@@ -45,7 +45,8 @@ class Job:
     work: Work
     model: Any
     received: float = 0.0  # perf_counter seconds (one clock for every process of a machine): message in,
-    started: float = 0.0  # the model began the batch, the model was done, the handler handed its output over
+    taken: float = 0.0  # handed to the model thread in a batch, the model began the batch, the model was done
+    started: float = 0.0
     ended: float = 0.0
     done: trio.Event = field(default_factory=trio.Event)
     output: np.ndarray | Sampled | None = None
@@ -74,7 +75,7 @@ class StageStats:
         self.jobs = 0
         self.largest_batch = 0
         self.decode_batch: deque[int] = deque(maxlen=keep)  # sizes of recent batches of decode steps
-        self.steps: deque[tuple[str, int, int, int, float, float, float, float]] = deque(maxlen=keep)
+        self.steps: deque[tuple[str, int, int, int, float, float, float, float, float]] = deque(maxlen=keep)
 
     def record_batch(self, jobs: Sequence[Job]) -> None:
         self.batches += 1
@@ -85,7 +86,8 @@ class StageStats:
 
     def record_step(self, job: Job, sent: float) -> None:
         w = job.work
-        self.steps.append((w.request_id, w.step, w.rows, job.batch, job.received, job.started, job.ended, sent))
+        self.steps.append((w.request_id, w.step, w.rows, job.batch, job.received, job.taken, job.started, job.ended,
+                           sent))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -97,7 +99,7 @@ class StageStats:
         }
 
 
-STEP_FIELDS = ("request_id", "step", "rows", "batch", "received", "started", "ended", "sent")
+STEP_FIELDS = ("request_id", "step", "rows", "batch", "received", "taken", "started", "ended", "sent")
 
 
 class StageActor:
@@ -240,6 +242,9 @@ class StageActor:
                     await self._gather()
                     frees, self._frees = self._frees, []
                     jobs = self._take_batch() if self._jobs else []
+                    taken = time.perf_counter()
+                    for job in jobs:
+                        job.taken = taken
                     try:
                         await run_model(run_batch, jobs, frees)
                     except Exception as e:  # a bug in the model code: these requests fail, the daemon goes on
