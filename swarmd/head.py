@@ -248,8 +248,8 @@ class HeadService:
             if tracer:
                 tracer.complete("head.wait_for_chain", start, tracer.now_us())
             self.requests[request_id] = handle
+            sent = True  # from here on the stages may hold the request, even if sending seems to fail
             await self._send_prompt(handle, req, model)
-            sent = True
             yield handle
         except HeadError:
             crashed = True

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -19,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+log = logging.getLogger("swarmd.api")
 Write = Callable[[bytes], Awaitable[None]]
 T = TypeVar("T")
 
@@ -54,6 +56,8 @@ class EventStream(Response):
                 await self.produce(write)
             except OSError:  # the connection broke under a write
                 gone = True
+            except Exception:  # the status is sent: all that is left is to end the body and log why
+                log.exception("a streamed response failed")
             nursery.cancel_scope.cancel()
         if not gone:
             with contextlib.suppress(OSError):

@@ -9,7 +9,8 @@ process's one model thread and waits for it without holding a trio worker thread
     outputs = await run_model(stage.forward, items)
 
 Calls run one at a time in the order they were queued. The thread is a daemon thread, so a stopping daemon
-does not wait for a long load it abandoned.
+does not wait for a long load it abandoned. The thread opens tinygrad's kernel cache for any thread (it is
+still used by one at a time), so a process where other code already touched tinygrad (a test session) works.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class ModelThread:
         return future
 
     def _loop(self) -> None:
+        share_kernel_cache()
         while True:
             fn, args, future = self._jobs.get()
             if not future.set_running_or_notify_cancel():
@@ -70,6 +72,31 @@ class ModelThread:
             with trio.CancelScope(shield=True):
                 await done.wait()
         return future.result()
+
+
+_shared = threading.Lock()
+_shared_done = False
+
+
+def share_kernel_cache() -> None:
+    """Replace tinygrad's kernel-cache connection (sqlite, bound to the thread that opened it) with one any
+    thread may use, once per process. Calls stay serialised: through the model thread, or a test's own."""
+    global _shared_done
+    import contextlib
+    import os
+    import sqlite3
+
+    from tinygrad import helpers
+
+    with _shared:
+        if _shared_done:
+            return
+        os.makedirs(os.path.dirname(helpers.CACHEDB), exist_ok=True)
+        connection = sqlite3.connect(helpers.CACHEDB, timeout=60, isolation_level="IMMEDIATE", check_same_thread=False)
+        with contextlib.suppress(sqlite3.OperationalError):
+            connection.execute("PRAGMA journal_mode=WAL").fetchone()
+        helpers._db_connection = connection  # type: ignore[assignment]
+        _shared_done = True
 
 
 MODEL_THREAD = ModelThread()

@@ -192,7 +192,8 @@ class StageActor:
             out = book.fail(work, *job.error)
             self._free(loaded.model, work.request_id)
             return Send(out.peer, out.msg) if out else None
-        assert job.output is not None
+        if job.output is None:
+            return None  # the daemon is stopping: the batch was abandoned
         registry = loaded.registry
         outs = book.complete(work, job.output, next_peer=registry.next_peer(book.hop),
                              first_peer=registry.stage_peer(0), now=trio.current_time())
@@ -245,8 +246,8 @@ class StageActor:
                     taken = time.perf_counter()
                     for job in jobs:
                         job.taken = taken
-                    try:
-                        await run_model(run_batch, jobs, frees)
+                    try:  # abandoned only when the daemon stops: it need not wait for a long prefill
+                        await run_model(run_batch, jobs, frees, abandon_on_cancel=True)
                     except Exception as e:  # a bug in the model code: these requests fail, the daemon goes on
                         log.exception("stage batch of %d failed", len(jobs))
                         for job in jobs:

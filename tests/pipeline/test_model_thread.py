@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -54,3 +57,17 @@ async def test_a_cancelled_caller_waits_for_the_call_unless_it_abandons_it():
 
 def test_synchronous_code_can_call_the_model_thread():
     assert call_model(threading.current_thread) is not threading.current_thread()
+
+
+def test_the_model_thread_works_after_another_thread_opened_tinygrads_kernel_cache(tmp_path):
+    script = """
+from tinygrad import Tensor
+from tinygrad.helpers import db_connection
+from swarmd.model_thread import call_model
+db_connection()  # opened by the main thread, as a test fixture or a device benchmark would
+print(call_model(lambda: (Tensor([1.0, 2.0, 3.0]) * 2).sum().item()))
+"""
+    env = {**os.environ, "CACHEDB": str(tmp_path / "cache.db")}  # a cold cache: the kernel is compiled and stored
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "12.0"
