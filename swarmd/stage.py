@@ -148,7 +148,7 @@ class StageActor:
 
     async def on_cancel(self, peer: str, msg: Cancel) -> None:
         if self.book is not None and self.book.cancel(msg.request_id):
-            self._free(self._book_model(), msg.request_id)
+            self._free(self._model, msg.request_id)
 
     def head_of(self, request_id: str) -> str | None:
         return self.book.head_of(request_id) if self.book else None
@@ -162,7 +162,7 @@ class StageActor:
         key = (id(loaded.model), loaded.hop, loaded.registry.n_stages)
         if key != self._book_key:
             if self.book is not None:
-                old = self._book_model()
+                old = self._model
                 for rid in self.book.clear():
                     self._free(old, rid)
                 log.info("stage %d of %d now (blocks %d-%d); requests of the old stage dropped", loaded.hop,
@@ -173,9 +173,6 @@ class StageActor:
             self._model = loaded.model
         assert self.book is not None
         return loaded, self.book
-
-    def _book_model(self) -> Any:
-        return self._model
 
     # --- the worker ------------------------------------------------------------------------------------
 
@@ -282,7 +279,7 @@ class StageActor:
             if self.book is not None:
                 for rid in self.book.expire(trio.current_time(), self.idle_timeout):
                     log.info("request %s idle for %.0f s: freed its KV cache", rid, self.idle_timeout)
-                    self._free(self._book_model(), rid)
+                    self._free(self._model, rid)
 
 
 def _refusal(head: str, request_id: str, step: int, hop: int, e: StageRefusal) -> Send:
