@@ -77,9 +77,11 @@ def _build_hf_tokenizer(tokens: Sequence[str], types: Sequence[int], merges: Ite
     from tokenizers import models as hf_models
 
     vocab = {text: i for i, text in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = [(a, b) for a, _, b in (m.partition(" ") for m in merges)]
     tk = Tokenizer(hf_models.BPE(vocab, pairs, ignore_merges=preset.ignore_merges))
-    steps = [pre_tokenizers.Digits(individual_digits=True)] if preset.digits_first else []
+    steps: list[pre_tokenizers.PreTokenizer] = []
+    if preset.digits_first:
+        steps.append(pre_tokenizers.Digits(individual_digits=True))
     if preset.split == GPT2_SPLIT:
         steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
     else:
