@@ -132,6 +132,8 @@ class StageModel:
         self.max_context, self.max_requests, self.prefill_chunk = max_context, max_requests, prefill_chunk
         self.config = replace(config, max_context=max_context)
         self.hidden_size, self.vocab_size = config.dim, config.vocab_size
+        sample = weights[f"blk.{start}.attn_q.weight"].dtype
+        self.weight_dtype = {"half": "float16", "float": "float32"}.get(sample.name, sample.name)
 
         self.blk = {i: TransformerBlock(self.config) for i in range(start, end)}
         if self.is_first:
@@ -180,11 +182,12 @@ class StageModel:
                    device=device)
 
     @classmethod
-    def random(cls, config, seed: int, start: int = 0, end: int | None = None, **kwargs: Any) -> StageModel:
+    def random(cls, config, seed: int, start: int = 0, end: int | None = None, *, dtype: str = "float16",
+               **kwargs: Any) -> StageModel:
         """A stage of a model with seeded random weights; block i's weights depend only on (seed, i), so
         any split of the model into stages gives the same model."""
         end = config.num_blocks if end is None else end
-        return cls(config, random_weights(config, seed, start, end), start, end, **kwargs)
+        return cls(config, random_weights(config, seed, start, end, dtype), start, end, **kwargs)
 
     def _weight_holders(self) -> dict[str, Any]:
         held: dict[str, Any] = {"blk": self.blk}
@@ -275,7 +278,8 @@ class StageModel:
         if batch not in self._decode_jits:
             self._decode_jits[batch] = TinyJit(self._decode_step)
         res = self._decode_jits[batch](self._input(rows), *svars, *pvars).numpy()
-        return [res[b].copy() for b in range(len(items))]
+        # the last stage gives each request's logits (vocab,); the others its hidden state (1, hidden)
+        return [res[b].copy() if self.is_last else res[b:b + 1].copy() for b in range(len(items))]
 
     def _bucket(self, n: int) -> int:
         """Decode batches are padded to a power of two (capped at max_requests): few shapes to compile."""
