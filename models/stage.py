@@ -100,7 +100,8 @@ def _split_matvec(x: Tensor, w: Tensor, *, split: int, opts: tuple | None) -> Te
     @function
     def kernel(x: Tensor, w: Tensor) -> Tensor:
         out_features, in_features = w.shape
-        parts = w.reshape(out_features, 1, in_features // split, split) * x.reshape(1, -1, in_features // split, split)
+        rows = x.shape[0]
+        parts = w.reshape(out_features, 1, in_features // split, split) * x.reshape(1, rows, in_features // split, split)
         y = parts.sum(2).sum(-1)  # (out, B)
         return y.contiguous(arg=opts) if opts else y.contiguous()
 
@@ -198,13 +199,13 @@ class StageModel:
         return held
 
     def weight_bytes(self) -> int:
-        """Bytes of the realised weights this stage holds (a tied head shared with the embedding counts once)."""
+        """Bytes of the device buffers holding this stage's weights (each buffer counted once: fused
+        projections and a tied head share theirs)."""
         from tinygrad import nn
 
-        seen: dict[int, int] = {}
-        for t in nn.state.get_parameters(self._weight_holders()):
-            seen[id(t.uop.base)] = t.nbytes()
-        return sum(seen.values())
+        buffers = {id(b): b.nbytes for t in nn.state.get_parameters(self._weight_holders())
+                   for b in [t.uop.base.buffer]}
+        return sum(buffers.values())
 
     # ----- requests -----
 
@@ -345,9 +346,7 @@ class StageModel:
         decode = isinstance(T, int) and T == 1
 
         def project(w: Tensor, h: Tensor) -> Tensor:
-            if decode:
-                return _matvec(h.reshape(batch, -1), w).reshape(batch, 1, -1)
-            return h.linear(w.transpose())
+            return _matvec(h.reshape(batch * T, h.shape[-1]), w).reshape(batch, T, w.shape[0])
 
         q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         q, k, v = project(self._qkv[i], blk.attn_norm(x)).split([q_dim, kv_dim, kv_dim], dim=-1)
