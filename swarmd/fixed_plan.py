@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from planner import ModelLayout, Plan, check_plan_against
+from planner import ModelLayout, Plan, PlanOptions, check_plan_against
 from planner.check import missing_peers
 from planner.errors import PlanSchemaError
 from swarmd.errors import UserError
@@ -41,8 +41,9 @@ def load_plan_file(path: Path, layout: ModelLayout) -> Plan:
 
 
 class FixedPlan:
-    def __init__(self, plan: Plan, layout: ModelLayout, source: str) -> None:
+    def __init__(self, plan: Plan, layout: ModelLayout, source: str, options: PlanOptions | None = None) -> None:
         self.plan = plan
+        self.options = options
         self.layout = layout
         self.source = source
         self.adopted = False
@@ -50,7 +51,7 @@ class FixedPlan:
     def make(self, action: MakePlan, fallback: Callable[[MakePlan], Plan]) -> Plan:
         """The file's plan under `action.epoch` once it fits the live members; until then wait (or,
         after a first adoption, let the planner plan around the missing peers)."""
-        problems = check_plan_against(self.plan, self.layout, list(action.nodes))
+        problems = check_plan_against(self.plan, self.layout, list(action.nodes), self.options)
         if not problems:
             if not self.adopted:
                 log.info("every peer named in %s has joined: adopting it", self.source)

@@ -27,7 +27,7 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from planner import make_plan
+from planner import PlanOptions, make_plan
 from planner.plan import Plan
 from swarmd import WIRE_VERSION, __version__
 from swarmd.api import Api
@@ -100,7 +100,7 @@ class Node:
         self.model = await trio.to_thread.run_sync(served_model, cfg.model)
         if cfg.plan is not None:
             plan = load_plan_file(cfg.plan, self.model.layout)
-            self.fixed_plan = FixedPlan(plan, self.model.layout, cfg.plan.name)
+            self.fixed_plan = FixedPlan(plan, self.model.layout, cfg.plan.name, self.plan_options)
             log.info("will adopt the plan in %s (epoch %d, %d stages) once its peers have joined", cfg.plan,
                      plan.epoch, len(plan.stages))
         device = resolve_device(cfg.device)
@@ -154,7 +154,13 @@ class Node:
 
     def _compute_plan(self, action: MakePlan) -> Plan:
         assert self.model is not None
-        return make_plan(self.model.layout, action.nodes, epoch=action.epoch, previous=action.previous)
+        return make_plan(self.model.layout, action.nodes, epoch=action.epoch, previous=action.previous,
+                         options=self.plan_options)
+
+    @property
+    def plan_options(self) -> PlanOptions:
+        """What the planner budgets per node: the KV cache this daemon's stages really allocate."""
+        return PlanOptions(context_length=self.config.max_context, concurrency=self.config.max_requests)
 
     async def _follow_mdns(self) -> None:
         assert self.network is not None and self.swarm is not None
