@@ -39,7 +39,7 @@ POLL = 0.05
 
 # --- the daemon with a compute load ---------------------------------------------------------------
 async def burn(node, *, task_status=None) -> None:
-    """Once `POST /bench/load` arrives, run the node's stage without pause in a worker thread (what
+    """Once `POST /bench/load` arrives, run the node's stage without pause on its compute thread (what
     serving requests does). An extension with its own route and metrics, as the pipeline will add."""
     import trio
     from prometheus_client import Counter
@@ -64,7 +64,7 @@ async def burn(node, *, task_status=None) -> None:
             await trio.sleep(0.2)
             continue
         t0 = time.perf_counter()
-        await trio.to_thread.run_sync(forward_once, stage, abandon_on_cancel=True)
+        await node.compute.run(forward_once, stage)
         busy.inc(time.perf_counter() - t0)
         passes.inc()
 

@@ -7,6 +7,7 @@ from swarm_helpers import peer
 
 from planner.plan import ModelRef, Plan, Stage
 from swarmd.assignment import Assignment
+from swarmd.compute import ComputeThread
 from swarmd.gossip import PlanAnnouncement
 from swarmd.model_source import served_model
 
@@ -27,7 +28,7 @@ def announce(epoch: int, *stages: Stage) -> PlanAnnouncement:
 
 async def test_the_assigned_blocks_are_loaded_then_released_when_the_plan_moves_them(tiny_model):
     model = served_model(str(tiny_model))
-    a = Assignment(ME, model, "CPU", max_context=64, max_requests=1)
+    a = Assignment(ME, model, "CPU", ComputeThread(), max_context=64, max_requests=1)
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             await nursery.start(a.run)
@@ -48,7 +49,7 @@ async def test_the_assigned_blocks_are_loaded_then_released_when_the_plan_moves_
 
 async def test_a_load_that_fails_is_reported_with_its_reason(tiny_model):
     model = served_model(str(tiny_model))
-    a = Assignment(ME, model, "CPU", max_context=64, max_requests=1)
+    a = Assignment(ME, model, "CPU", ComputeThread(), max_context=64, max_requests=1)
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             await nursery.start(a.run)
