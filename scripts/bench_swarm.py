@@ -3,8 +3,10 @@
 
   detect      kill -9 of a member -> every survivor marks it dead (target <= 3 s)
   failover    kill -9 of the leader -> all survivors agree on a new leader, then on a new plan
+  hang        SIGSTOP of a member (connections stay open) -> every survivor marks it dead; SIGCONT ->
+              every survivor counts it alive again
   suspicions  false suspicions while every daemon computes without pause for --load-seconds (target 0)
-  all         the three, in that order
+  all         the four, in that order
 
 Each daemon serves the default model (SmolLM2-135M) and loads the stage the leader gives it. For
 `suspicions` every daemon runs its loaded stage (prefill of 32 tokens, then 8 decode steps, again
@@ -37,7 +39,7 @@ POLL = 0.05
 
 # --- the daemon with a compute load ---------------------------------------------------------------
 async def burn(node, *, task_status=None) -> None:
-    """Once `POST /bench/load` arrives, run the node's stage without pause in a worker thread (what
+    """Once `POST /bench/load` arrives, run the node's stage without pause on its compute thread (what
     serving requests does). An extension with its own route and metrics, as the pipeline will add."""
     import trio
     from prometheus_client import Counter
@@ -62,7 +64,7 @@ async def burn(node, *, task_status=None) -> None:
             await trio.sleep(0.2)
             continue
         t0 = time.perf_counter()
-        await trio.to_thread.run_sync(forward_once, stage, abandon_on_cancel=True)
+        await node.compute.run(forward_once, stage)
         busy.inc(time.perf_counter() - t0)
         passes.inc()
 
@@ -220,6 +222,40 @@ def measure_failover(ds: list[BenchDaemon], rounds: int) -> dict:
             "median_new_plan_s": statistics.median(plan) if plan else None}
 
 
+def seen_as(observers: list[BenchDaemon], peer: str, state: str, since: float) -> float | None:
+    """Seconds since `since` once every observer sees `peer` in `state`, else None."""
+    if all(state_of(d.status(), peer) == state for d in observers):
+        return time.monotonic() - since
+    return None
+
+
+def measure_hang(ds: list[BenchDaemon], rounds: int) -> dict:
+    import signal
+
+    out = []
+    for r in range(rounds):
+        leader = ds[0].status()["leader"]
+        victims = [d for d in ds if d.peer_id != leader]
+        victim = victims[r % len(victims)]
+        survivors = [d for d in ds if d is not victim]
+        victim.proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            dead_at = wait_until(lambda: seen_as(survivors, victim.peer_id, "dead", t0), 30,  # noqa: B023
+                                 "the hung member to be marked dead", interval=POLL)
+        finally:
+            victim.proc.send_signal(signal.SIGCONT)
+        t1 = time.monotonic()
+        back_at = wait_until(lambda: seen_as(survivors, victim.peer_id, "alive", t1), 30,  # noqa: B023
+                             "the resumed member to be alive", interval=POLL)
+        out.append({"all_dead_s": round(dead_at, 3), "alive_again_s": round(back_at, 3)})
+        print(f"hang round {r}: {out[-1]}", file=sys.stderr, flush=True)
+        settle(ds)
+    dead = [o["all_dead_s"] for o in out]
+    back = [o["alive_again_s"] for o in out]
+    return {"rounds": out, "median_all_dead_s": statistics.median(dead), "median_alive_again_s": statistics.median(back)}
+
+
 COUNTERS = ("swarmd_transitions_to_suspect_total", "swarmd_transitions_to_dead_total", "swarmd_probes_failed_total",
             "swarmd_bench_forward_passes_total", "swarmd_bench_compute_seconds_total", "swarmd_heartbeats_sent_total")
 
@@ -270,7 +306,7 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "daemon":
         return daemon_main(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["detect", "failover", "suspicions", "all"])
+    ap.add_argument("what", choices=["detect", "failover", "hang", "suspicions", "all"])
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--load-seconds", type=float, default=60.0)
@@ -286,13 +322,15 @@ def main() -> int:
         device = resolve_device("auto")
         load_or_measure(root, device, device_name(device))
         bench = root / BENCH_FILE
-        if args.what in ("detect", "failover", "all"):
+        if args.what in ("detect", "failover", "hang", "all"):
             ds = start_swarm(root / "swarm", args.nodes, bench)
             try:
                 if args.what in ("detect", "all"):
                     results["detect"] = measure_detection(ds, args.rounds)
                 if args.what in ("failover", "all"):
                     results["failover"] = measure_failover(ds, args.rounds)
+                if args.what in ("hang", "all"):
+                    results["hang"] = measure_hang(ds, args.rounds)
             finally:
                 for d in ds:
                     d.stop()

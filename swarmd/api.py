@@ -47,7 +47,7 @@ def api_url(host: str, port: int) -> str:
 
 
 class Api:
-    def __init__(self, title: str = "swarmd") -> None:
+    def __init__(self) -> None:
         self.app = Starlette(routes=[])
         self.url: str | None = None
 

@@ -1,7 +1,7 @@
 """What the plan gives this daemon, loaded: a `models.stage.StageModel` for its block range.
 
 The node calls `Assignment.apply(announcement)` whenever it accepts a plan; `run()` loads the
-stage in a worker thread (a load never blocks heartbeats), releasing the old one first so memory
+stage on the node's compute thread (a load never blocks heartbeats), releasing the old one first so memory
 follows the plan, and reports idle -> loading -> ready (or failed, with the reason) through
 `status()`, which goes into every heartbeat and into `swarmd status`. Other parts of the daemon
 get the loaded stage from `stage` once `await wait_ready()` returns.
@@ -16,9 +16,9 @@ from typing import Any
 
 import trio
 
+from swarmd.compute import ComputeThread
 from swarmd.gossip import AssignmentStatus, PlanAnnouncement
 from swarmd.model_source import ServedModel
-from swarmd.model_thread import run_model
 
 log = logging.getLogger("swarmd.assignment")
 
@@ -38,9 +38,10 @@ def load_stage(model: ServedModel, start: int, end: int, device: str, max_contex
 
 
 class Assignment:
-    def __init__(self, peer_id: str, model: ServedModel, device: str, *, max_context: int = 2048,
-                 max_requests: int = 4, loader: StageLoader = load_stage) -> None:
+    def __init__(self, peer_id: str, model: ServedModel, device: str, compute: ComputeThread, *,
+                 max_context: int = 2048, max_requests: int = 4, loader: StageLoader = load_stage) -> None:
         self.peer_id = peer_id
+        self.compute = compute
         self.model = model
         self.device = device
         self.max_context = max_context
@@ -101,10 +102,9 @@ class Assignment:
         self.load_started = trio.current_time()
         log.info("loading blocks %d-%d of %s (plan epoch %d)", a, b - 1, self.model.name, epoch)
         try:
-            # on the one thread all tinygrad work uses (it is not thread-safe); abandon_on_cancel: a daemon
-            # that is told to stop does not wait for a load to finish
-            stage = await run_model(self.loader, self.model, a, b, self.device, self.max_context,
-                                    self.max_requests, abandon_on_cancel=True)
+            # a daemon told to stop does not wait for a load to finish: run() returns when cancelled
+            stage = await self.compute.run(self.loader, self.model, a, b, self.device, self.max_context,
+                                           self.max_requests)
         except Exception as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             self._set(AssignmentStatus(epoch, layers, experts, "failed", 0.0, reason))

@@ -128,7 +128,6 @@ class Libp2pNetwork:
         self.host: Any = None  # libp2p's IHost, once run() has started
         self.pubsub: Any = None
         self._nursery: trio.Nursery | None = None
-        self._handlers: dict[str, StreamHandler] = {}
 
     # --- lifecycle ------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -266,7 +265,6 @@ class Libp2pNetwork:
                 with contextlib.suppress(Exception):
                     await stream.close()
 
-        self._handlers[protocol] = handler
         self.host.set_stream_handler(protocol, guarded)
 
     def disconnects(self) -> trio.MemoryReceiveChannel[str]:

@@ -1,7 +1,7 @@
 """Who is in the swarm: a sans-IO state machine (heartbeats and probe results in, actions out).
 
     (unknown) --compatible heartbeat--> alive
-    alive   --no heartbeat for the suspicion timeout, a lost connection, a failed probe--> suspect
+    alive   --no heartbeat for the suspicion timeout, or a lost connection--> suspect
     suspect --heartbeat or probe answer--> alive
     suspect --direct probe failed (or no answer for another timeout)--> dead
     dead    --higher incarnation (a restart), or a newer heartbeat confirmed by a probe--> alive
@@ -118,6 +118,7 @@ class Member:
     last_probe: float = 0.0
     rtt_ms: float | None = None
     newer_while_dead: bool = False  # a fresh heartbeat arrived while dead: a probe decides
+    failed_probes: int = 0  # routine probes that failed while heartbeats still arrived
     reason: str = ""
 
     @property
@@ -283,7 +284,13 @@ class Membership:
         if m.state == State.SUSPECT:
             return self._move(m, State.DEAD, now, f"direct probe failed{detail}")
         if m.state == State.ALIVE:
-            return [*self._move(m, State.SUSPECT, now, f"probe failed{detail}"), *self._probe(m, now)]
+            # A routine probe (an RTT measurement) that fails while heartbeats still arrive says the
+            # path is slow (a busy CPU), not that the member is gone: only silence makes it suspect.
+            if now - m.last_heard <= self.suspicion_timeout():
+                m.failed_probes += 1
+                return []
+            return [*self._move(m, State.SUSPECT, now, f"no heartbeat and probe failed{detail}"),
+                    *self._probe(m, now)]
         m.newer_while_dead = False
         return []
 

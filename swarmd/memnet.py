@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 import trio.testing
@@ -21,13 +21,18 @@ log = logging.getLogger("swarmd.memnet")
 
 
 class _MemoryStream:
-    def __init__(self, send: trio.testing.MemorySendStream, receive: trio.testing.MemoryReceiveStream) -> None:
+    def __init__(self, send: trio.testing.MemorySendStream, receive: trio.testing.MemoryReceiveStream,
+                 stalled: Callable[[], bool] = lambda: False) -> None:
         self._send, self._receive = send, receive
+        self._stalled = stalled  # a frozen peer on either end: bytes written vanish, as into a full window
 
     async def read(self, n: int = -1) -> bytes:
         return await self._receive.receive_some(n if n > 0 else None)
 
     async def write(self, data: bytes) -> None:
+        if self._stalled():
+            await trio.lowlevel.checkpoint()
+            return
         await self._send.send_all(data)
 
     async def close(self) -> None:
@@ -42,16 +47,17 @@ class _MemoryStream:
         self._receive.close()
 
 
-def _stream_pair() -> tuple[_MemoryStream, _MemoryStream]:
+def _stream_pair(stalled: Callable[[], bool]) -> tuple[_MemoryStream, _MemoryStream]:
     a_send, b_receive = trio.testing.memory_stream_one_way_pair()
     b_send, a_receive = trio.testing.memory_stream_one_way_pair()
-    return _MemoryStream(a_send, a_receive), _MemoryStream(b_send, b_receive)
+    return _MemoryStream(a_send, a_receive, stalled), _MemoryStream(b_send, b_receive, stalled)
 
 
 class MemoryHub:
     def __init__(self) -> None:
         self.endpoints: dict[str, MemoryNetwork] = {}
         self.down: set[str] = set()
+        self.frozen: set[str] = set()  # hung processes (SIGSTOP): connections stay open, nothing moves
         self.group_of: dict[str, int] = {}
         self._streams: list[tuple[str, str, _MemoryStream, _MemoryStream]] = []
         self._nursery: trio.Nursery | None = None
@@ -72,6 +78,13 @@ class MemoryHub:
     def reachable(self, a: str, b: str) -> bool:
         return (a not in self.down and b not in self.down and a in self.endpoints and b in self.endpoints
                 and self.group_of.get(a, 0) == self.group_of.get(b, 0))
+
+    def freeze(self, peer_id: str) -> None:
+        """The peer hangs: no gossip to or from it, dials to it never finish, its streams stall."""
+        self.frozen.add(peer_id)
+
+    def thaw(self, peer_id: str) -> None:
+        self.frozen.discard(peer_id)
 
     def crash(self, peer_id: str) -> None:
         self.down.add(peer_id)
@@ -133,12 +146,12 @@ class MemoryNetwork:
         await trio.lowlevel.checkpoint()
 
     def _component(self) -> set[str]:
-        if self._peer_id in self.hub.down:
+        if self._peer_id in self.hub.down or self._peer_id in self.hub.frozen:
             return set()
         seen, todo = {self._peer_id}, [self._peer_id]
         while todo:
             for nxt in self.hub.endpoints[todo.pop()].connections:
-                if nxt not in seen and self.hub.reachable(self._peer_id, nxt):
+                if nxt not in seen and nxt not in self.hub.frozen and self.hub.reachable(self._peer_id, nxt):
                     seen.add(nxt)
                     todo.append(nxt)
         return seen
@@ -150,6 +163,8 @@ class MemoryNetwork:
 
     async def connect(self, peer_id: str, addresses: Sequence[str]) -> None:
         await trio.lowlevel.checkpoint()
+        if peer_id in self.hub.frozen and peer_id not in self.connections:
+            await trio.sleep_forever()  # the kernel accepts, the process never answers the handshake
         if not self.hub.reachable(self._peer_id, peer_id):
             raise PeerUnreachable("connection refused")
         self.connections.add(peer_id)
@@ -167,7 +182,8 @@ class MemoryNetwork:
         handler = target._handlers.get(protocol)
         if handler is None:
             raise PeerUnreachable(f"{peer_id[-6:]} does not speak {protocol}")
-        mine, theirs = _stream_pair()
+        pair = {self._peer_id, peer_id}
+        mine, theirs = _stream_pair(lambda: bool(pair & self.hub.frozen))
         self.hub._streams.append((self._peer_id, peer_id, mine, theirs))
         self.hub._spawn(self._guarded, handler, protocol, theirs)
         return mine

@@ -19,7 +19,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class SwarmCollector(Collector):
     """Turns the node's status snapshot and swarm counters into metric families."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, Any]], counters: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, snapshot: Callable[[], dict[str, Any]], counters: Callable[[], dict[str, float]]) -> None:
         self.snapshot = snapshot
         self.counters = counters
 
@@ -52,7 +52,7 @@ class SwarmCollector(Collector):
 
 
 class NodeMetrics:
-    def __init__(self, snapshot: Callable[[], dict[str, Any]], counters: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, snapshot: Callable[[], dict[str, Any]], counters: Callable[[], dict[str, float]]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(SwarmCollector(snapshot, counters))
 

@@ -1,8 +1,8 @@
 """The model a swarm serves: its name, the digest every member must share, its weights and layout.
 
-Weights come from `models.names.resolve_model` (a known name, a .gguf path, an Ollama model). The
-layout the planner needs comes from `models.layout.layout_from_gguf` where that exists, else from
-the GGUF header's shape (`models.config`), else from the built-in architectures by name. A built-in
+Weights come from `models.names.resolve_model` (a known name, a .gguf path, an Ollama model); the
+layout the planner needs from the GGUF's header (`models.layout.layout_from_gguf`), named as the
+model is served so that plans, descriptors and `swarmd plan` agree on the name. A built-in
 architecture with no weights on this machine (e.g. `kimi-k2`) still plans: members are told their
 layers, and loading them fails with a clear reason.
 """
@@ -10,11 +10,11 @@ layers, and loading them fails with a clear reason.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from models.errors import ModelError
-from planner import BUILTIN_ARCHS, ArchSpec, ModelLayout, layout_from_arch
+from planner import BUILTIN_ARCHS, ModelLayout, layout_from_arch
 
 log = logging.getLogger("swarmd.model")
 
@@ -44,24 +44,7 @@ def served_model(spec: str) -> ServedModel:
 
 
 def layout_of(name: str, path: Path, digest: str) -> ModelLayout:
-    try:
-        from models.layout import layout_from_gguf  # type: ignore[import-not-found]
-    except ImportError:
-        layout_from_gguf = None
-    if layout_from_gguf is not None:
-        return layout_from_gguf(path)
-    if name in BUILTIN_ARCHS:
-        return layout_from_arch(BUILTIN_ARCHS[name], LAYOUT_DTYPE, digest=digest)
-    return layout_from_arch(arch_from_gguf(name, path), LAYOUT_DTYPE, digest=digest)
+    """The layout the GGUF's header gives (sizes as a StageModel holds them), under the served name."""
+    from models.layout import layout_from_gguf
 
-
-def arch_from_gguf(name: str, path: Path) -> ArchSpec:
-    """The shape of a dense Llama-family GGUF, read from its header only."""
-    from models.config import config_from_header
-    from models.gguf_meta import read_header
-
-    header = read_header(path)
-    c = config_from_header(header)
-    return ArchSpec(name, n_blocks=c.num_blocks, hidden=c.dim, ffn=c.hidden_dim, n_heads=c.n_heads,
-                    n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, vocab=c.vocab_size,
-                    tied_head="output.weight" not in header.tensors)
+    return replace(layout_from_gguf(path, digest=digest), name=name)

@@ -1,6 +1,6 @@
 """One daemon: a Node owns one trio nursery and starts its parts in dependency order.
 
-    identity, model, device  (blocking work in worker threads)
+    identity, model, device  (blocking work on the compute thread)
     network                  the libp2p host + gossipsub          await nursery.start(network.run)
     assignment               loads the stage the plan gives us    await nursery.start(assignment.run)
     swarm                    membership, election, planning       await nursery.start(swarm.run)
@@ -27,11 +27,12 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from planner import make_plan
+from planner import PlanOptions, make_plan
 from planner.plan import Plan
 from swarmd import WIRE_VERSION, __version__
 from swarmd.api import Api
 from swarmd.assignment import Assignment, StageLoader, load_stage
+from swarmd.compute import ComputeThread
 from swarmd.config import DaemonConfig
 from swarmd.descriptor import (
     LocalDescriptor,
@@ -46,7 +47,6 @@ from swarmd.host import Libp2pNetwork, split_peer_addr
 from swarmd.identity import Signer, load_or_create_identity, peer_id_of, short_id
 from swarmd.metrics import CONTENT_TYPE, NodeMetrics
 from swarmd.model_source import ServedModel, served_model
-from swarmd.model_thread import run_model
 from swarmd.planning import MakePlan
 from swarmd.swarm import SwarmService, SwarmSettings
 
@@ -64,6 +64,7 @@ class Node:
         self.api = Api()
         self.extensions: list[Extension] = []
         self.requests_in_flight = 0  # the pipeline raises and lowers it; gossiped as the node's load
+        self.compute = ComputeThread()  # every tinygrad call of this daemon runs on it
         self.ready = trio.Event()
         # set while running
         self.peer_id = ""
@@ -101,12 +102,12 @@ class Node:
         self.model = await trio.to_thread.run_sync(served_model, cfg.model)
         if cfg.plan is not None:
             plan = load_plan_file(cfg.plan, self.model.layout)
-            self.fixed_plan = FixedPlan(plan, self.model.layout, cfg.plan.name)
+            self.fixed_plan = FixedPlan(plan, self.model.layout, cfg.plan.name, self.plan_options)
             log.info("will adopt the plan in %s (epoch %d, %d stages) once its peers have joined", cfg.plan,
                      plan.epoch, len(plan.stages))
-        device = resolve_device(cfg.device)
+        device = await self.compute.run(resolve_device, cfg.device)
         name = device_name(device)
-        bench = await run_model(load_or_measure, self.home, device, name)  # tinygrad: on the model thread
+        bench = await self.compute.run(load_or_measure, self.home, device, name)
         incarnation = next_incarnation(self.home)
         network = Libp2pNetwork(key_pair, cfg.listen, cfg.announce, timings=cfg.timings, mdns=cfg.mdns)
         async with trio.open_nursery() as nursery:
@@ -117,8 +118,9 @@ class Node:
                 label=cfg.device_label, model_name=self.model.name, model_digest=self.model.digest,
                 incarnation=incarnation, uplink=uplink_bps(cfg.uplink_mbps), addresses=network.addresses,
                 load=lambda: self.requests_in_flight)
-            self.assignment = Assignment(self.peer_id, self.model, device, max_context=cfg.max_context,
-                                         max_requests=cfg.max_requests, loader=self.loader)
+            self.assignment = Assignment(self.peer_id, self.model, device, self.compute,
+                                         max_context=cfg.max_context, max_requests=cfg.max_requests,
+                                         loader=self.loader)
             await nursery.start(self.assignment.run)
             settings = SwarmSettings(cfg.swarm, cfg.timings, bootstrap)
             self.swarm = SwarmService(network, Signer(key_pair), settings, describe_self=self.descriptor,
@@ -128,7 +130,8 @@ class Node:
             if cfg.mdns:
                 nursery.start_soon(self._follow_mdns)
             swarm = self.swarm
-            self.metrics = NodeMetrics(self.status, lambda: dict(swarm.stats))
+            self.metrics = NodeMetrics(self.status, lambda: {**swarm.stats,
+                                                             "compute_busy_seconds": self.compute.busy_seconds})
             for ext in self.extensions:
                 await nursery.start(ext, self)
             self.api_url = await nursery.start(self.api.serve, cfg.api)
@@ -139,6 +142,7 @@ class Node:
                 await trio.sleep_forever()
             finally:
                 self._remove_api_file()
+                self.compute.close()
 
     async def leave(self) -> None:
         """Leave the swarm cleanly (a leader hands over a plan without itself), then stop."""
@@ -155,7 +159,13 @@ class Node:
 
     def _compute_plan(self, action: MakePlan) -> Plan:
         assert self.model is not None
-        return make_plan(self.model.layout, action.nodes, epoch=action.epoch, previous=action.previous)
+        return make_plan(self.model.layout, action.nodes, epoch=action.epoch, previous=action.previous,
+                         options=self.plan_options)
+
+    @property
+    def plan_options(self) -> PlanOptions:
+        """What the planner budgets per node: the KV cache this daemon's stages really allocate."""
+        return PlanOptions(context_length=self.config.max_context, concurrency=self.config.max_requests)
 
     async def _follow_mdns(self) -> None:
         assert self.network is not None and self.swarm is not None

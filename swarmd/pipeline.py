@@ -54,8 +54,8 @@ class Pipeline:
         self._registry: Registry = EMPTY
         self._plan_key: Any = None
         wire_dtype = None if cfg.wire_dtype in ("", "float32") else cfg.wire_dtype
-        self.stage = StageActor(self.loaded, max_context=cfg.max_context, wire_dtype=wire_dtype,
-                                idle_timeout=cfg.timings.request_idle_timeout)
+        self.stage = StageActor(self.loaded, compute=node.compute, max_context=cfg.max_context,
+                                wire_dtype=wire_dtype, idle_timeout=cfg.timings.request_idle_timeout)
         self.head = HeadService(node.peer_id, transport, chain=self.chain, registry=self.registry,
                                 timings=cfg.timings, load_model=self._load_model, in_flight=self._count)
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from swarmd.model_thread import run_model
+from swarmd.compute import ComputeThread
 from swarmd.registry import Registry
 from swarmd.stage_session import Sampled, StageBook, StageRefusal, Work
 from swarmd.transport import HandlerResult, Send
@@ -45,7 +45,7 @@ class Job:
     work: Work
     model: Any
     received: float = 0.0  # perf_counter seconds (one clock for every process of a machine): message in,
-    taken: float = 0.0  # handed to the model thread in a batch, the model began the batch, the model was done
+    taken: float = 0.0  # handed to the compute thread in a batch, the model began the batch, the model was done
     started: float = 0.0
     ended: float = 0.0
     done: trio.Event = field(default_factory=trio.Event)
@@ -105,9 +105,10 @@ STEP_FIELDS = ("request_id", "step", "rows", "batch", "received", "taken", "star
 class StageActor:
     """Serves `Forward`, `Token` (hop 0) and `Cancel` for the stage `current()` names."""
 
-    def __init__(self, current: Callable[[], Loaded | None], *, max_context: int, wire_dtype: str | None,
-                 idle_timeout: float) -> None:
+    def __init__(self, current: Callable[[], Loaded | None], *, compute: ComputeThread, max_context: int,
+                 wire_dtype: str | None, idle_timeout: float) -> None:
         self._current = current
+        self.compute = compute  # the daemon's one thread for tinygrad
         self.max_context = max_context
         self.wire_dtype = wire_dtype
         self.idle_timeout = idle_timeout
@@ -243,8 +244,8 @@ class StageActor:
                     taken = time.perf_counter()
                     for job in jobs:
                         job.taken = taken
-                    try:  # abandoned only when the daemon stops: it need not wait for a long prefill
-                        await run_model(run_batch, jobs, frees, abandon_on_cancel=True)
+                    try:  # cancelled only when the daemon stops: then it does not wait for a long prefill
+                        await self.compute.run(run_batch, jobs, frees)
                     except Exception as e:  # a bug in the model code: these requests fail, the daemon goes on
                         log.exception("stage batch of %d failed", len(jobs))
                         for job in jobs:

@@ -252,14 +252,15 @@ class SwarmService:
         dead = frozenset(p for p, x in m.members.items() if x.state == State.DEAD)
         changes = self.election.handle(MembersChanged(frozenset(m.live()), dead, m.admitted), now)
         self._on_election(changes, now)
-        failed = {(n.peer_id, n.incarnation) for n in self._candidate_nodes()
-                  if self._assignment_of(n.peer_id).state == "failed"}
-        self._on_planning(self.coordinator.handle(Candidates(self._candidate_nodes(), frozenset(failed)), now))
+        nodes = self._candidate_nodes()
+        failed = frozenset((n.peer_id, n.incarnation) for n in nodes
+                           if self._assignment_of(n.peer_id).state == "failed")
+        self._on_planning(self.coordinator.handle(Candidates(nodes, failed), now))
 
     def _candidate_nodes(self) -> tuple[NodeDescriptor, ...]:
-        me = self._self_descriptor()
-        others = [m.descriptor for p, m in self.membership.members.items() if m.state != State.DEAD]
-        return (me, *others)
+        """This node and every member not dead: who the leader plans over."""
+        others = [m.descriptor for m in self.membership.members.values() if m.state != State.DEAD]
+        return (self._self_descriptor(), *others)
 
     def _assignment_of(self, peer: str) -> AssignmentStatus:
         if peer == self.peer_id:

@@ -49,12 +49,11 @@ def ref(smollm2_gguf) -> Reference:
     from models.sampling import SamplingParams
     from models.stage import StageInput, StageModel
     from models.tokenizer import Tokenizer
-    from swarmd.model_thread import call_model
 
     tok = Tokenizer.from_gguf(smollm2_gguf)
     chat_text = ChatTemplate.for_tokenizer(tok).render([{"role": "user", "content": CHAT}])
 
-    def compute() -> Reference:
+    def compute() -> Reference:  # on this thread: no daemon runs yet
         model = StageModel.from_gguf(smollm2_gguf, max_context=CONTEXT, max_requests=1)
         greedy = {}
         for text in (*PROMPTS, chat_text):
@@ -67,7 +66,7 @@ def ref(smollm2_gguf) -> Reference:
         logits = model.forward([StageInput("forced", 0, np.asarray(forced, dtype=np.int32), all_logits=True)])[0]
         return Reference(tok, greedy, chat_text, forced, [int(i) for i in np.argmax(logits[:-1], axis=1)])
 
-    return call_model(compute)
+    return compute()
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,10 @@ from models.generate import generate
 from models.sampling import SamplingParams
 from models.stage import StageInput, StageModel
 from models.tokenizer import Tokenizer
+from swarmd.compute import ComputeThread
 from swarmd.config import Timings
 from swarmd.head import HeadError, HeadRequest, HeadService, ModelInfo
 from swarmd.head_session import Failed, Finished, PromptScores, TokenOut
-from swarmd.model_thread import call_model
 from swarmd.pipeline import install_actor_routes
 from swarmd.registry import ChainStatus, Registry
 from swarmd.stage import Loaded, StageActor
@@ -53,9 +53,8 @@ def tiny(tmp_path_factory) -> Tiny:
     config = TransformerConfig(num_blocks=4, dim=64, hidden_dim=128, n_heads=4, n_kv_heads=2, norm_eps=1e-5,
                                vocab_size=tokenizer.vocab_size, head_dim=16, rope_theta=10000.0, rope_dim=16,
                                v_head_dim=16, max_context=CONTEXT)
-    stages = [call_model(lambda a=a, b=b: StageModel.random(config, SEED, a, b, max_context=CONTEXT,
-                                                            max_requests=SLOTS)) for a, b in SPLITS]
-    whole = call_model(lambda: StageModel.random(config, SEED, 0, 4, max_context=CONTEXT, max_requests=1))
+    stages = [StageModel.random(config, SEED, a, b, max_context=CONTEXT, max_requests=SLOTS) for a, b in SPLITS]
+    whole = StageModel.random(config, SEED, 0, 4, max_context=CONTEXT, max_requests=1)
     return Tiny(tokenizer, config, stages, whole)
 
 
@@ -69,7 +68,7 @@ def reference(tiny: Tiny, prompt: str, max_tokens: int, **params) -> list[int]:
             pass
         return gen.token_ids
 
-    return call_model(run)
+    return run()  # on the test's thread while no stage computes
 
 
 class MemorySwarm:
@@ -81,6 +80,7 @@ class MemorySwarm:
         self.heads: dict[str, HeadService] = {}
         self.stages: dict[str, StageActor] = {}
         self.chain = ChainStatus(True, "plan epoch 1: 3 stages ready")  # what the swarm says of its chain
+        self.compute = ComputeThread()  # one for the three stages, as if they shared a process
 
     async def start(self, nursery: trio.Nursery) -> MemorySwarm:
         info = ModelInfo("tiny", self.tiny.tokenizer, CONTEXT, self.tiny.tokenizer.vocab_size)
@@ -89,7 +89,8 @@ class MemorySwarm:
             transport = await self.net.add(name)
             hop = self.registry.hop_of(name)
             loaded = None if hop is None else Loaded(self.tiny.stages[hop], hop, self.registry)
-            stage = StageActor(lambda loaded=loaded: loaded, max_context=CONTEXT, wire_dtype=None, idle_timeout=600)
+            stage = StageActor(lambda loaded=loaded: loaded, compute=self.compute, max_context=CONTEXT, wire_dtype=None,
+                               idle_timeout=600)
             head = HeadService(name, transport, chain=lambda: self.chain, registry=lambda: self.registry,
                                timings=timings, load_model=lambda: info)
             await nursery.start(stage.run)
@@ -194,7 +195,7 @@ async def test_teacher_forcing_scores_every_prompt_token_as_the_whole_model_does
         finally:
             tiny.whole.free_request("tf")
 
-    logits = call_model(whole_logits)
+    logits = whole_logits()
     x = logits.astype(np.float64)
     logp = x - x.max(axis=1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(axis=1, keepdims=True))

@@ -51,7 +51,7 @@ def test_plan_files_for_another_model_or_with_gaps_are_refused_at_start(tmp_path
     path.write_text(PLAN.dumps())
     assert load_plan_file(path, LAYOUT) == PLAN
     other = layout_from_arch(BUILTIN_ARCHS["llama-3.2-1b"], "f16")
-    with pytest.raises(UserError, match=r"is for model 'smollm2-135m', this daemon serves 'llama-3\.2-1b'"):
+    with pytest.raises(UserError, match=r"the plan is for model smollm2-135m, the swarm serves llama-3\.2-1b"):
         load_plan_file(path, other)
     short = Plan(epoch=1, model=ModelRef("smollm2-135m"), stages=(Stage(A, (0, 10)),))
     path.write_text(short.dumps())

@@ -89,3 +89,15 @@ async def test_a_stream_handler_that_fails_does_not_take_the_host_down(tmp_path)
             await write_frame(s, b"still here")
             assert await read_frame(s, 100) == b"still here"
             nursery.cancel_scope.cancel()
+
+
+async def test_peers_are_told_the_announced_address_and_the_log_shows_the_bound_one(tmp_path):
+    kp = load_or_create_identity(tmp_path / "a")
+    net = Libp2pNetwork(kp, ["/ip4/127.0.0.1/tcp/0"], ["/ip4/127.0.0.1/tcp/4999"], timings=TIMINGS)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(net.run)
+            assert net.addresses() == [f"/ip4/127.0.0.1/tcp/4999/p2p/{net.peer_id}"]
+            [bound] = net.bound_addresses()
+            assert bound.startswith("/ip4/127.0.0.1/tcp/") and "/tcp/0/" not in bound and "/tcp/4999/" not in bound
+            nursery.cancel_scope.cancel()

@@ -182,3 +182,33 @@ async def test_bad_messages_are_rejected_with_one_line_and_the_swarm_carries_on(
 
 def heartbeat_of(svc: SwarmService):
     return svc._heartbeat()
+
+
+async def test_a_hung_member_is_found_dead_by_probes_and_comes_back_when_it_resumes(swarm, autojump_clock):
+    founder = await swarm.start(1)
+    for n in range(2, 5):
+        await swarm.start(n, bootstrap=founder.peer_id)
+    await settle(swarm)
+    hung = next(p for p in swarm.services if p != founder.peer_id)
+    others = [s for p, s in swarm.services.items() if p != hung]
+    seen_dead: set[str] = set()
+    all_dead = trio.Event()
+
+    def watch(observer: str):
+        def listener(change):
+            if change.peer_id == hung and change.new == "dead":
+                seen_dead.add(observer)
+                if len(seen_dead) == len(others):
+                    all_dead.set()
+        return listener
+
+    for s in others:
+        s.state_listeners.append(watch(s.peer_id))
+    swarm.hub.freeze(hung)  # like SIGSTOP: its connections stay open, so no disconnect is seen
+    t0 = trio.current_time()
+    await all_dead.wait()
+    took = trio.current_time() - t0
+    assert LAN.probe_timeout < took <= LAN.suspect_after + 2 * LAN.probe_timeout + LAN.probe_interval, took
+    swarm.hub.thaw(hung)
+    await settle(swarm)
+    assert all(s.membership.state_of(hung) == "alive" for s in others)
