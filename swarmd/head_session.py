@@ -67,6 +67,7 @@ class HeadSession:
     stop_strings: Sequence[str] = ()
     want_prompt_scores: bool = False
     completion_tokens: int = 0  # sampled tokens, an end token included
+    tokens: list[int] = field(default_factory=list)  # the request's generated token history, in step order
     finish_reason: str = ""
     error: Failed | None = None
     _next_step: int = 0
@@ -126,6 +127,7 @@ class HeadSession:
 
     def _take(self, msg: Token) -> list[Event]:
         self.completion_tokens += 1
+        self.tokens.append(msg.token)
         top = tuple(zip(msg.top_ids, msg.top_logprobs, strict=True))
         if msg.finish == "stop":  # an end-of-generation token: not part of the text
             return self._finish("stop")

@@ -38,7 +38,7 @@ def test_tokens_that_arrive_out_of_order_or_twice_come_out_once_in_order(tok):
     assert s.on_token(Token("r", 0, ids[0])) == [] and s.on_token(Token("r", 1, ids[1])) == []
     rest = s.on_token(Token("r", 2, ids[2], finish="length"))
     assert text_of(first + rest) == " Paris is nice" and isinstance(rest[-1], Finished)
-    assert s.done and s.finish_reason == "length" and s.completion_tokens == 3
+    assert s.done and s.finish_reason == "length" and s.completion_tokens == 3 and s.tokens == ids[:3]
 
 
 def test_an_end_of_turn_token_ends_the_text_without_being_part_of_it(tok):
