@@ -21,9 +21,21 @@ from planner.plan import Plan
 from swarmd import WIRE_VERSION
 from swarmd.errors import RemoteProtocolError
 from swarmd.identity import Signer, short_id, verify_signature
+from swarmd.wire.codec import WireError, decode_cbor
 
 MAX_MESSAGE_BYTES = 1 << 20  # gossipsub's own inbound limit
+MAX_DEPTH = 16  # a plan nests 7 deep (envelope, body, plan, stages, stage, experts, list)
 ASSIGNMENT_STATES = ("idle", "loading", "ready", "failed")
+
+
+class ForgedMessage(RemoteProtocolError):
+    """A message that its claimed sender did not publish: a signature that does not verify ("forged"), or a
+    correctly signed message published again by another peer ("replayed")."""
+
+    def __init__(self, message: str, tag: Any, kind: str) -> None:
+        super().__init__(message)
+        self.tag = tag
+        self.kind = kind
 
 
 class IncompatibleVersion(RemoteProtocolError):
@@ -161,17 +173,21 @@ def decode(data: bytes, swarm: str, origin: str | None = None) -> GossipMessage:
     `origin` is the peer id the gossip layer authenticated as the publisher, when it knows one."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise RemoteProtocolError(f"gossip message of {len(data)} bytes is over the {MAX_MESSAGE_BYTES} limit")
-    try:
-        env = cbor2.loads(data)
-    except Exception as e:
-        raise RemoteProtocolError(f"gossip message is not CBOR: {e}") from None
+    try:  # strict: no tags, no indefinite lengths, no duplicate keys, bounded nesting
+        env = decode_cbor(data, max_depth=MAX_DEPTH)
+    except WireError as e:
+        raise RemoteProtocolError(f"gossip message is not CBOR: {e.message}") from None
     _expect_keys(env, {"v", "t", "from", "swarm", "body", "sig"}, "envelope")
     sender, sig = env["from"], env["sig"]
     if not isinstance(sender, str) or not isinstance(sig, bytes):
         raise RemoteProtocolError("envelope 'from' must be a peer id string and 'sig' bytes")
     if origin is not None and origin != sender:
-        raise RemoteProtocolError(f"message from {short_id(sender)} was published by {short_id(origin)}")
-    verify_signature(sender, _signed_part(env["v"], env["t"], sender, env["swarm"], env["body"]), sig)
+        raise ForgedMessage(f"a message signed by {short_id(sender)} was published by {short_id(origin)}",
+                            env["t"], "replayed")
+    try:
+        verify_signature(sender, _signed_part(env["v"], env["t"], sender, env["swarm"], env["body"]), sig)
+    except RemoteProtocolError as e:
+        raise ForgedMessage(str(e), env["t"], "forged") from None
     if env["v"] != WIRE_VERSION:
         raise IncompatibleVersion(sender, env["v"])
     if env["swarm"] != swarm:
