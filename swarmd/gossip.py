@@ -42,7 +42,8 @@ class IncompatibleVersion(RemoteProtocolError):
     """A correctly signed message from a daemon that speaks another wire version."""
 
     def __init__(self, peer_id: str, version: Any) -> None:
-        super().__init__(f"{short_id(peer_id)} speaks wire version {version!r}, this daemon speaks {WIRE_VERSION}")
+        self.shown = repr(version)[:24]  # whatever a peer put there, a status line stays short
+        super().__init__(f"{short_id(peer_id)} speaks wire version {self.shown}, this daemon speaks {WIRE_VERSION}")
         self.peer_id = peer_id
         self.version = version
 
@@ -71,22 +72,27 @@ class AssignmentStatus:
     @staticmethod
     def from_json(doc: Any) -> AssignmentStatus:
         _expect_keys(doc, {"epoch", "layers", "experts", "state", "progress", "error"}, "assignment")
-        layers = doc["layers"]
+        layers, experts, progress = doc["layers"], doc["experts"], doc["progress"]
         if layers is not None and not (isinstance(layers, list) and len(layers) == 2):
             raise RemoteProtocolError("assignment.layers must be [start, end] or null")
         if doc["state"] not in ASSIGNMENT_STATES:
-            raise RemoteProtocolError(f"unknown assignment state {doc['state']!r}")
-        try:
-            return AssignmentStatus(
-                epoch=int(doc["epoch"]),
-                layers=(int(layers[0]), int(layers[1])) if layers is not None else None,
-                experts={int(b): tuple(int(e) for e in es) for b, es in doc["experts"].items()},
-                state=str(doc["state"]),
-                progress=float(doc["progress"]),
-                error=str(doc["error"]),
-            )
-        except (TypeError, ValueError, AttributeError) as e:
-            raise RemoteProtocolError(f"bad assignment status: {e}") from None
+            raise RemoteProtocolError(f"unknown assignment state {str(doc['state'])[:40]!r}")
+        if not isinstance(experts, dict) or not all(
+                isinstance(b, str) and b.isdigit() and isinstance(es, list) for b, es in experts.items()):
+            raise RemoteProtocolError("assignment.experts must map block numbers to lists of experts")
+        if not isinstance(progress, int | float) or isinstance(progress, bool) or not 0.0 <= progress <= 1.0:
+            raise RemoteProtocolError("assignment.progress must be a number from 0 to 1")
+        if not isinstance(doc["error"], str):
+            raise RemoteProtocolError("assignment.error must be a string")
+        return AssignmentStatus(
+            epoch=_int(doc["epoch"], "assignment.epoch"),
+            layers=(_int(layers[0], "assignment.layers"), _int(layers[1], "assignment.layers"))
+            if layers is not None else None,
+            experts={int(b): tuple(_int(e, "assignment.experts") for e in es) for b, es in experts.items()},
+            state=doc["state"],
+            progress=float(progress),
+            error=doc["error"][:300],
+        )
 
 
 @dataclass(frozen=True)

@@ -394,7 +394,7 @@ class SwarmService:
         try:
             decoded = decode(msg.data, self.settings.swarm, origin=msg.origin)
         except IncompatibleVersion as e:
-            self._feed(RefusedMessage(e.peer_id, f"speaks wire version {e.version!r}, "
+            self._feed(RefusedMessage(e.peer_id, f"speaks wire version {e.shown}, "
                                                   f"this daemon speaks {WIRE_VERSION}"), now)
             return
         except RemoteProtocolError as e:
