@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from planner import make_plan
 from swarmd.config import LAN
-from swarmd.gossip import Heartbeat, Leave, PlanAnnouncement, _signed_part, encode
+from swarmd.gossip import Leave, PlanAnnouncement, _signed_part, encode
 from swarmd.identity import Signer, peer_id_of
 from swarmd.memnet import MemoryHub
 from swarmd.netseam import GossipMessage
