@@ -91,8 +91,8 @@ class StreamGuard:
         except RemoteProtocolError as e:
             self.stats["bad_frames"] += 1
             log.info("bad %s frame from %s: %s", protocol, short_id(peer), e)
-            await _reset(stream)
             gate.strike(peer, trio.current_time(), f"{protocol}: {e}")
+            await _reset(stream)
         except (StreamClosed, EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         except Exception as e:  # our bug, or a libp2p stream error type: never let it reach the host
