@@ -314,6 +314,9 @@ class Libp2pNetwork:
     # --- penalties ------------------------------------------------------------------------
     def _on_penalised(self, peer_id: str, reason: str) -> None:
         """The gate cut `peer_id` off: drop its gossip and its connections (reconnects are refused)."""
+        if peer_id.startswith("ip:"):  # an address opening connections too fast: refused before handshakes
+            log.warning("refusing connections from %s for %.0f s: %s", peer_id[3:], self.gate.limits.penalty, reason)
+            return
         log.warning("cutting off %s for %.0f s: %s", short_id(peer_id), self.gate.limits.penalty, reason)
         if self.pubsub is not None:
             with contextlib.suppress(Exception):

@@ -1,8 +1,10 @@
 """Where the peer gate meets py-libp2p 0.8.1: connections, every stream handler, and gossip.
 
-- `GatedUpgrader` wraps the swarm's transport upgrader. Right after the security handshake (the first moment
-  the remote peer id is authenticated, before any stream exists) a peer the gate refuses — not on the
-  allowlist, or penalised — is hung up on. Inbound and outbound connections both pass through it.
+- `GatedUpgrader` wraps the swarm's transport upgrader. Before the security handshake, an IP address that
+  opens connections faster than `handshakes_per_second` is hung up on (a handshake costs milliseconds of
+  CPU). Right after it (the first moment the remote peer id is authenticated, before any stream exists) a
+  peer the gate refuses — not on the allowlist, or penalised — is hung up on. Inbound and outbound
+  connections both pass through it.
 - `guard_all_handlers` makes every stream handler the host ever registers (identify, ping, gossipsub, ours)
   unable to take the host down: measured here, 21 bytes that are not a protobuf on `/meshsub/1.1.0` make
   gossipsub's handler raise `DecodeError`, which ends `host.run()` and every connection with it. The
@@ -40,6 +42,14 @@ class GatedUpgrader:
     async def upgrade_security(self, raw_conn: Any, is_initiator: bool, peer_id: Any = None) -> Any:
         from libp2p.transport.exceptions import SecurityUpgradeFailure
 
+        if not is_initiator:
+            ip, now, lim = _remote_ip(raw_conn), trio.current_time(), self._gate.limits
+            if ip and (self._gate.is_penalised(f"ip:{ip}", now) or not self._gate.within_rate(
+                    f"ip:{ip}", "handshake", now, lim.handshakes_per_second, lim.handshake_burst)):
+                self.refused += 1
+                with contextlib.suppress(Exception):
+                    await raw_conn.close()
+                raise SecurityUpgradeFailure(f"{ip} opens connections faster than {lim.handshakes_per_second:g}/s")
         secured = await self._inner.upgrade_security(raw_conn, is_initiator, peer_id)
         remote = secured.get_remote_peer().to_base58()
         refusal = self._gate.refusal(remote, trio.current_time())
@@ -53,6 +63,14 @@ class GatedUpgrader:
 
     async def upgrade_connection(self, conn: Any, peer_id: Any) -> Any:
         return await self._inner.upgrade_connection(conn, peer_id)
+
+
+def _remote_ip(raw_conn: Any) -> str:
+    try:
+        address = raw_conn.get_remote_address()
+    except Exception:
+        return ""
+    return str(address[0]) if address else ""
 
 
 def install_gate(host: Any, gate: PeerGate) -> GatedUpgrader:

@@ -32,6 +32,8 @@ class GuardLimits:
     read_timeout: float = 60.0  # every read on a served stream; probes come every few seconds
     probes_per_second: float = 10.0  # probe frames from one peer (one every probe interval, a few more for suspects)
     probe_burst: int = 20
+    handshakes_per_second: float = 20.0  # new connections from one IP address, before any handshake work
+    handshake_burst: int = 40
     gossip_per_second: float = 20.0  # messages per origin (a member sends a heartbeat a second and a few plans)
     gossip_burst: int = 100
     flood_drops: int = 200  # messages dropped over the rate within the flood window: a flood
