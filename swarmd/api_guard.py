@@ -5,7 +5,8 @@ A pure ASGI middleware around the daemon's Starlette app:
   <token>`, compared in constant time; otherwise 401;
 - a request body over `max_request_bytes` is refused with 413, by its Content-Length before it is read,
   or as soon as a chunked body goes over;
-- a JSON body asking for more than `max_tokens` (`max_tokens`, `max_completion_tokens`) is refused with 400.
+- a JSON body asking for more than `max_tokens` (`max_tokens`, `max_completion_tokens`) is refused with 400;
+  a chat request that names no limit (OpenAI's default: until the context is full) gets `max_tokens`.
 
 Errors have OpenAI's shape (`{"error": {"message", "type", "code", "param"}}`), which every client of this
 API reads: the OpenAI clients, `swarmd status` and `swarmd submit-prompt`.
@@ -26,6 +27,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/health"})
+UNBOUNDED_BY_DEFAULT = frozenset({"/v1/chat/completions"})  # the other routes default to a few tokens
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
@@ -69,11 +71,15 @@ class ApiGuard:
                 return
             if not message.get("more_body", False):
                 break
-        problem = self._over_token_limit(headers, bytes(body))
+        problem, capped = self._token_limit(scope["path"], headers, bytes(body))
         if problem is not None:
             self.stats["max_tokens"] += 1
             await _error(send, 400, problem, "invalid_request_error", "max_tokens_limit", param="max_tokens")
             return
+        if capped is not None:
+            body = bytearray(capped)
+            scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+                     + [(b"content-length", str(len(body)).encode())]}
         await self.app(scope, _replay(bytes(body), receive), send)
 
     def _authorised(self, headers: dict[bytes, bytes]) -> bool:
@@ -85,19 +91,24 @@ class ApiGuard:
         await _error(send, 413, f"the request body is over the {self.max_request_bytes}-byte limit "
                                 "(config key api-max-request-bytes)", "invalid_request_error", "request_too_large")
 
-    def _over_token_limit(self, headers: dict[bytes, bytes], body: bytes) -> str | None:
+    def _token_limit(self, path: str, headers: dict[bytes, bytes], body: bytes) -> tuple[str | None, bytes | None]:
+        """(why the body asks for too many tokens, or None; the body with a limit added, or None)."""
         if b"json" not in headers.get(b"content-type", b"json") or not body.lstrip().startswith(b"{"):
-            return None
+            return None, None
         try:
             doc = json.loads(body)
         except ValueError:
-            return None  # the route answers malformed JSON itself
+            return None, None  # the route answers malformed JSON itself
+        if not isinstance(doc, dict):
+            return None, None
         for field in TOKEN_FIELDS:
-            value = doc.get(field) if isinstance(doc, dict) else None
+            value = doc.get(field)
             if isinstance(value, int) and not isinstance(value, bool) and value > self.max_tokens:
                 return (f"'{field}' is {value}; this daemon allows at most {self.max_tokens} tokens per request "
-                        "(config key api-max-tokens)")
-        return None
+                        "(config key api-max-tokens)"), None
+        if path in UNBOUNDED_BY_DEFAULT and all(doc.get(f) is None for f in TOKEN_FIELDS):
+            return None, json.dumps({**doc, "max_tokens": self.max_tokens}).encode()
+        return None, None
 
 
 def _headers(scope: Scope) -> dict[bytes, bytes]:

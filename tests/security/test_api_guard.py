@@ -28,6 +28,7 @@ async def serve(nursery: trio.Nursery, **limits) -> str:
     api.add_route("/health", ok)
     api.add_route("/api/v0/status", ok)
     api.add_route("/v1/completions", echo, methods=("POST",))
+    api.add_route("/v1/chat/completions", echo, methods=("POST",))
     return await nursery.start(api.serve, "127.0.0.1:0")
 
 
@@ -67,6 +68,11 @@ async def test_oversized_bodies_and_too_many_tokens_are_refused_before_any_route
                 r = await client.post("/v1/completions", json={"prompt": "hi", field: 65})
                 assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
                 assert "at most 64" in r.json()["error"]["message"]
+            # A chat asks for no limit (OpenAI's default: until the context is full): it gets the daemon's.
+            r = await client.post("/v1/chat/completions", json={"messages": []})
+            assert r.json() == {"got": {"messages": [], "max_tokens": 64}}
+            r = await client.post("/v1/chat/completions", json={"messages": [], "max_completion_tokens": 5})
+            assert r.json() == {"got": {"messages": [], "max_completion_tokens": 5}}
         nursery.cancel_scope.cancel()
 
 
