@@ -73,6 +73,12 @@ def _remote_ip(raw_conn: Any) -> str:
     return str(address[0]) if address else ""
 
 
+def gate_of(host: Any) -> PeerGate | None:
+    """The gate installed on `host` (by `swarmd.host.Libp2pNetwork`), or None for a bare host."""
+    upgrader = getattr(host.get_network(), "upgrader", None)
+    return upgrader._gate if isinstance(upgrader, GatedUpgrader) else None
+
+
 def install_gate(host: Any, gate: PeerGate) -> GatedUpgrader:
     network = host.get_network()
     gated = GatedUpgrader(network.upgrader, gate)
