@@ -30,6 +30,7 @@ OPEN_PATHS = frozenset({"/health"})
 UNBOUNDED_BY_DEFAULT = frozenset({"/v1/chat/completions"})  # the other routes default to a few tokens
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+DRAIN_LIMIT = 16 * 1024 * 1024  # bytes of an over-limit body read and dropped before the 413
 
 
 class ApiGuard:
@@ -67,6 +68,10 @@ class ApiGuard:
                 return
             body += message.get("body", b"")
             if len(body) > self.max_request_bytes:
+                # Read the rest first (up to a bound): a reply sent while the client is still writing
+                # is often lost to it as a reset connection.
+                if message.get("more_body", False):
+                    await _discard_body(receive, DRAIN_LIMIT)
                 await self._too_large(send)
                 return
             if not message.get("more_body", False):
@@ -109,6 +114,15 @@ class ApiGuard:
         if path in UNBOUNDED_BY_DEFAULT and all(doc.get(f) is None for f in TOKEN_FIELDS):
             return None, json.dumps({**doc, "max_tokens": self.max_tokens}).encode()
         return None, None
+
+
+async def _discard_body(receive: Receive, limit: int) -> None:
+    discarded = 0
+    while discarded < limit:
+        message = await receive()
+        if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            return
+        discarded += len(message.get("body", b""))
 
 
 def _headers(scope: Scope) -> dict[bytes, bytes]:
