@@ -20,6 +20,7 @@ import numpy as np
 
 from models.errors import ModelError
 from models.kv_cache import KVCacheFull, KVPool, SlotTable
+from models.quant import BlockQuantized
 
 if TYPE_CHECKING:
     from tinygrad import Tensor, TinyJit
@@ -59,10 +60,15 @@ def _tune_cpu_renderer(device: str) -> None:
         Device[device].renderer.supports_float4 = False
 
 
-def _fuse(*layers) -> Tensor:
+def _fuse(layers: list, quantized: list[BlockQuantized | None]) -> Tensor:
     """Concatenate the layers' weight matrices into one and make each layer's weight a view of it: one
-    matvec then reads Q, K and V (or gate and up) in one pass, and the GGUF-named weights stay."""
-    fused = layers[0].weight.cat(*[layer.weight for layer in layers[1:]]).contiguous().realize()
+    matvec then reads Q, K and V (or gate and up) in one pass, and the GGUF-named weights stay.
+    Matrices quantised alike are fused as blocks; a mix falls back to float16."""
+    if all(q is not None for q in quantized) and len({q.kind for q in quantized}) == 1:
+        fused = BlockQuantized.cat(quantized).dequantized()  # type: ignore[arg-type]
+    else:
+        fused = layers[0].weight.cat(*[layer.weight for layer in layers[1:]])
+        fused = (fused.cast("float16") if any(q is not None for q in quantized) else fused).contiguous().realize()
     row = 0
     for layer in layers:
         n = layer.weight.shape[0]
@@ -71,38 +77,51 @@ def _fuse(*layers) -> Tensor:
     return fused
 
 
+def _dtype_name(w: Tensor | BlockQuantized) -> str:
+    if isinstance(w, BlockQuantized):
+        return "quantized"
+    return {"half": "float16", "float": "float32"}.get(w.dtype.name, w.dtype.name)
+
+
 def _matvec(x: Tensor, w: Tensor) -> Tensor:
-    """x (B, I) @ w.T for a few rows B, as a kernel a CPU compiler vectorises.
+    """x (rows, I) @ w.T for a few rows, as a kernel a CPU compiler vectorises.
 
-    A plain dot product is one serial chain of scalar FMAs. Here the reduction is split into SPLIT
+    A plain dot product is one serial chain of scalar FMAs. Here the reduction is split into 16
     independent partial sums (the unrolled innermost axis), which clang turns into vector
-    f16->f32 conversions and FMAs; rows of x are looped inside each weight row, so a weight is
-    read from memory once for the whole batch. On other devices tinygrad's heuristics choose."""
+    conversions and FMAs; rows of x are looped inside each weight row, so a weight (or its GGML
+    block, dequantised in the kernel) is read from memory once for all rows. The reduction runs over
+    (blocks of 32, 2 halves, 16): the layout of GGML's 4-bit blocks, whose two nibbles of a byte
+    hold values j and j+16. On other devices tinygrad's heuristics choose."""
+    from tinygrad.uop.ops import Ops
+
     out_features, in_features = w.shape
-    split = next((s for s in (16, 8, 4) if in_features % s == 0), 1)
-    return _split_matvec(x, w, split=split, opts=_cpu_matvec_opts(x.device, out_features))
+    # a dense matrix's reduction axes merge in the kernel; a dequantised block's (32, 2, 16) stay apart
+    if in_features % 32 == 0 and w.uop.base.op is not Ops.BUFFER:
+        view: tuple[int, ...] = (in_features // 32, 2, 16)
+    else:
+        view = next(((in_features // s, s) for s in (16, 8, 4) if in_features % s == 0), (in_features, 1))
+    return _split_matvec(x, w, view=view, opts=_cpu_matvec_opts(x.device, out_features, len(view)))
 
 
-def _cpu_matvec_opts(device: str, out_features: int) -> tuple | None:
+def _cpu_matvec_opts(device: str, out_features: int, n_reduce: int) -> tuple | None:
     from tinygrad.codegen.opt import Opt, OptOps
     from tinygrad.helpers import CPU_COUNT
 
     if not device.split(":")[0] == "CPU":
         return None
     threads = max(t for t in range(1, CPU_COUNT.value + 1) if out_features % t == 0)
-    opts = (Opt(OptOps.UNROLL, 1, 0),)
+    opts = (Opt(OptOps.UNROLL, n_reduce - 1, 0),)  # the innermost 16 (or fewer) partial sums
     return opts + ((Opt(OptOps.THREAD, 0, threads),) if threads > 1 else ())
 
 
-def _split_matvec(x: Tensor, w: Tensor, *, split: int, opts: tuple | None) -> Tensor:
+def _split_matvec(x: Tensor, w: Tensor, *, view: tuple[int, ...], opts: tuple | None) -> Tensor:
     from tinygrad import function
 
     @function
     def kernel(x: Tensor, w: Tensor) -> Tensor:
-        out_features, in_features = w.shape
-        rows = x.shape[0]
-        parts = w.reshape(out_features, 1, in_features // split, split) * x.reshape(1, rows, in_features // split, split)
-        y = parts.sum(2).sum(-1)  # (out, B)
+        out_features, rows = w.shape[0], x.shape[0]
+        parts = w.reshape(out_features, 1, *view) * x.reshape(1, rows, *view)
+        y = parts.sum(tuple(range(2, 1 + len(view)))).sum(-1)  # (out, rows)
         return y.contiguous(arg=opts) if opts else y.contiguous()
 
     return kernel(x.contiguous(), w).transpose(0, 1)
@@ -117,7 +136,8 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class StageModel:
     """Blocks [start, end) of a model; embeds on the first stage, produces logits on the last."""
 
-    def __init__(self, config, weights: dict[str, Tensor], start: int, end: int, *, max_context: int = 2048,
+    def __init__(self, config, weights: dict[str, Tensor | BlockQuantized], start: int, end: int, *,
+                 max_context: int = 2048,
                  max_requests: int = 8, device: str | None = None, prefill_chunk: int = 32):
         from tinygrad import Device, Tensor, nn
         from tinygrad.llm.model import TransformerBlock
@@ -133,8 +153,7 @@ class StageModel:
         self.max_context, self.max_requests, self.prefill_chunk = max_context, max_requests, prefill_chunk
         self.config = replace(config, max_context=max_context)
         self.hidden_size, self.vocab_size = config.dim, config.vocab_size
-        sample = weights[f"blk.{start}.attn_q.weight"].dtype
-        self.weight_dtype = {"half": "float16", "float": "float32"}.get(sample.name, sample.name)
+        self.weight_dtype = _dtype_name(weights[f"blk.{start}.attn_q.weight"])
 
         self.blk = {i: TransformerBlock(self.config) for i in range(start, end)}
         if self.is_first:
@@ -144,14 +163,18 @@ class StageModel:
             self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         weights = dict(weights)
         factors = weights.pop("rope_freqs.weight", None)
-        held = self._weight_holders()
-        nn.state.load_state_dict(held, {k: v.to(self.device) for k, v in weights.items()}, verbose=False,
-                                 realize=False)
-        for t in nn.state.get_parameters(held):
-            t.replace(t.contiguous())
-        Tensor.realize(*nn.state.get_parameters(held))
-        self._qkv = {i: _fuse(blk.attn_q, blk.attn_k, blk.attn_v) for i, blk in self.blk.items()}
-        self._gate_up = {i: _fuse(blk.ffn_gate, blk.ffn_up) for i, blk in self.blk.items()}
+        # quantised matrices enter the blocks as lazy dequantisation graphs over their codes, dense ones
+        # as realised buffers; either way under their GGUF names
+        quantized = {k: v for k, v in weights.items() if isinstance(v, BlockQuantized)}
+        dense = {k: v.to(self.device).contiguous() for k, v in weights.items() if not isinstance(v, BlockQuantized)}
+        Tensor.realize(*dense.values())
+        nn.state.load_state_dict(self._weight_holders(), dense | {k: v.dequantized() for k, v in quantized.items()},
+                                 verbose=False, realize=False)
+        self._qkv, self._gate_up = {}, {}
+        for i, blk in self.blk.items():
+            names = [f"blk.{i}.{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")]
+            self._qkv[i] = _fuse([blk.attn_q, blk.attn_k, blk.attn_v], [quantized.get(n) for n in names[:3]])
+            self._gate_up[i] = _fuse([blk.ffn_gate, blk.ffn_up], [quantized.get(n) for n in names[3:]])
 
         freq_factors = None if factors is None else factors.float().numpy()
         rows = max_context + prefill_chunk  # a symbolic chunk may reach past the context in its bounds
@@ -200,11 +223,12 @@ class StageModel:
 
     def weight_bytes(self) -> int:
         """Bytes of the device buffers holding this stage's weights (each buffer counted once: fused
-        projections and a tied head share theirs)."""
+        projections, quantisation codes and scales, a tied head shared with the embedding)."""
         from tinygrad import nn
+        from tinygrad.uop.ops import Ops
 
-        buffers = {id(b): b.nbytes for t in nn.state.get_parameters(self._weight_holders())
-                   for b in [t.uop.base.buffer]}
+        buffers = {u: u.buffer.nbytes for t in nn.state.get_parameters(self._weight_holders())
+                   for u in t.uop.toposort() if u.op is Ops.BUFFER}
         return sum(buffers.values())
 
     # ----- requests -----
