@@ -99,7 +99,8 @@ def load_stage_weights(
     """Weights of stage [start, end), keyed by GGUF name; the tied head is `output.weight`.
 
     `dtype` "float16" or "float32": realised dense matrices. "quantized": Q4_0/Q4_1/Q8_0 matrices stay in
-    their GGML blocks (`BlockQuantized`, dequantised inside the kernels), other tensors are float16."""
+    their GGML blocks (`BlockQuantized`, dequantised inside the kernels), other matrices are float16 and
+    norms float32."""
     from tinygrad import Tensor
 
     from models.quant import KERNEL_QUANT_TYPES, BlockQuantized, from_ggml_blocks
@@ -122,8 +123,9 @@ def load_stage_weights(
             blocks = from_ggml_blocks(read_raw(header, name), info.ggml_type, info.shape, device)
             weights[name] = blocks.map_rows(permute).realize()
             continue
-        # RoPE frequency factors stay float32: they scale angles, not activations.
-        cast = "float32" if name == "rope_freqs.weight" or dtype == "float32" else "float16"
+        # RoPE frequency factors stay float32 (they scale angles); with quantised matrices, so do the norms
+        keep32 = dtype == "float32" or name == "rope_freqs.weight" or (dtype == "quantized" and len(info.shape) == 1)
+        cast = "float32" if keep32 else "float16"
         weights[name] = permute(read_tensor(header, name, device)).cast(cast).contiguous().realize()
     if end == config.num_blocks and "output.weight" not in weights:
         weights["output.weight"] = weights["token_embd.weight"] if start == 0 else weights.pop("token_embd.weight")
