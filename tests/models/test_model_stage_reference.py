@@ -15,6 +15,9 @@ from reference.np_llama import NpLlama, load_gguf
 
 from models.stage import StageInput, StageModel
 
+# compiles and runs tinygrad kernels (seconds each on a cold kernel cache)
+pytestmark = pytest.mark.slow
+
 F32_TOL, F16_TOL = 1e-4, 0.1
 
 

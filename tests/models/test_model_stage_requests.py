@@ -12,6 +12,9 @@ from models.errors import ModelError
 from models.kv_cache import KVCacheFull
 from models.stage import StageInput, StageModel
 
+# compiles and runs tinygrad kernels (seconds each on a cold kernel cache)
+pytestmark = pytest.mark.slow
+
 CONFIG = TransformerConfig(num_blocks=2, dim=64, hidden_dim=128, n_heads=4, n_kv_heads=2, norm_eps=1e-5,
                            vocab_size=96, head_dim=16, rope_theta=10000.0, rope_dim=16, v_head_dim=16)
 PROMPTS = {"a": [5, 17, 42, 8, 91, 23], "b": [60, 2, 33], "c": [11, 12, 13, 14, 15, 16, 17, 18, 19]}
