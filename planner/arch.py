@@ -148,6 +148,7 @@ def layout_from_arch(
         hidden_size=h,
         vocab_size=arch.vocab,
         digest=digest,
+        tied_head=arch.tied_head,
     )
 
 

@@ -53,6 +53,7 @@ class ModelLayout:
     hidden_size: int
     vocab_size: int
     digest: str = ""
+    tied_head: bool = False  # the head is the embedding matrix: one copy when both sit on one node
 
     @property
     def n_blocks(self) -> int:

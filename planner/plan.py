@@ -6,8 +6,14 @@
      "stages": [{"peer_id": ..., "layers": [0, 10], "actors": ["stage-0", "moe-router-3"]}, ...],
      "experts": {"3": {"0": ["<peer id>", ...], ...}},
      "predicted": {"token_latency_ms": ..., "stream_tokens_per_s": ..., "aggregate_tokens_per_s": ...,
-                   "bottleneck": "..."},
+                   "saturated_tokens_per_s": ..., "bottleneck": "..."},
      "reasons": ["...", ...]}
+
+`layers` are [start, end) over block indices; the embedding travels with the first stage and the
+output head with the last. `experts` maps an MoE block to each routed expert's holders, nearest to
+the block's stage first: a router sends to the first live one. `aggregate_tokens_per_s` is what the
+configured number of concurrent streams would get; `saturated_tokens_per_s` what enough streams to
+keep the busiest node busy would get (no batching assumed in either).
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ class Prediction:
     stream_tokens_per_s: float = 0.0
     aggregate_tokens_per_s: float = 0.0
     bottleneck: str = ""
+    saturated_tokens_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,7 @@ class Plan:
                 "token_latency_ms": self.predicted.token_latency_ms,
                 "stream_tokens_per_s": self.predicted.stream_tokens_per_s,
                 "aggregate_tokens_per_s": self.predicted.aggregate_tokens_per_s,
+                "saturated_tokens_per_s": self.predicted.saturated_tokens_per_s,
                 "bottleneck": self.predicted.bottleneck,
             },
             "reasons": list(self.reasons),
@@ -155,12 +163,13 @@ class Plan:
                 predicted=Prediction(
                     float(p.get("token_latency_ms", 0.0)), float(p.get("stream_tokens_per_s", 0.0)),
                     float(p.get("aggregate_tokens_per_s", 0.0)), str(p.get("bottleneck", "")),
+                    float(p.get("saturated_tokens_per_s", 0.0)),
                 ),
                 reasons=tuple(str(r) for r in doc.get("reasons", ())),
                 policy=str(doc.get("policy", "balanced")),
             )
-        except (KeyError, TypeError, ValueError, IndexError) as e:
-            raise PlanSchemaError(f"bad Plan document: {e}") from e
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
+            raise PlanSchemaError(f"bad Plan document: {type(e).__name__}: {e}") from e
         validate_chain(plan)
         if "head" in doc and plan.stages and doc["head"] != plan.head:
             raise PlanSchemaError("Plan 'head' must be the last stage's peer")

@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Kimi-K2 at int4 over simulated fleets: the planner's plan, then the simulator's replay.
+
+Prints the Markdown tables of docs/SCALE.md. Every fleet, network and software constant used is
+defined here or in planner/fleet.py, and documented in docs/SCALE.md.
+
+    .venv/bin/python scripts/scale_kimi.py            # all tables (a few minutes on 2 cores)
+    .venv/bin/python scripts/scale_kimi.py --quick    # fewer simulated tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, field, replace
+
+from planner import BUILTIN_ARCHS, PlanOptions, layout_from_arch, make_plan
+from planner.fleet import make_fleet
+from planner.simulate import SimConfig, simulate
+
+# Round-trip times between eight cloud regions, in ms, rounded from commonly published
+# inter-region measurements (an assumption, not a measurement made here):
+# us-west, us-east, sa-east, eu-west, eu-central, ap-south, ap-southeast, ap-northeast.
+REGIONS = ["us-west", "us-east", "sa-east", "eu-west", "eu-central", "ap-south", "ap-southeast", "ap-northeast"]
+_PAIRS = {
+    ("us-west", "us-east"): 65, ("us-west", "sa-east"): 175, ("us-west", "eu-west"): 140,
+    ("us-west", "eu-central"): 150, ("us-west", "ap-south"): 220, ("us-west", "ap-southeast"): 170,
+    ("us-west", "ap-northeast"): 105, ("us-east", "sa-east"): 115, ("us-east", "eu-west"): 75,
+    ("us-east", "eu-central"): 90, ("us-east", "ap-south"): 190, ("us-east", "ap-southeast"): 215,
+    ("us-east", "ap-northeast"): 150, ("sa-east", "eu-west"): 185, ("sa-east", "eu-central"): 200,
+    ("sa-east", "ap-south"): 300, ("sa-east", "ap-southeast"): 320, ("sa-east", "ap-northeast"): 255,
+    ("eu-west", "eu-central"): 20, ("eu-west", "ap-south"): 110, ("eu-west", "ap-southeast"): 160,
+    ("eu-west", "ap-northeast"): 220, ("eu-central", "ap-south"): 110, ("eu-central", "ap-southeast"): 160,
+    ("eu-central", "ap-northeast"): 230, ("ap-south", "ap-southeast"): 60, ("ap-south", "ap-northeast"): 120,
+    ("ap-southeast", "ap-northeast"): 70,
+}
+# Two homes in the same region: two last miles and a metro network.
+HOME_TO_HOME_RTT_MS = 15.0
+
+
+def world_rtt() -> list[list[float]]:
+    table = [[0.0] * len(REGIONS) for _ in REGIONS]
+    for i, a in enumerate(REGIONS):
+        for j, b in enumerate(REGIONS):
+            table[i][j] = HOME_TO_HOME_RTT_MS if i == j else float(_PAIRS.get((a, b)) or _PAIRS[(b, a)])
+    return table
+
+
+@dataclass(frozen=True)
+class Fleet:
+    name: str
+    spec: str
+    regions: int = 1
+    rtt_ms: tuple[float, float] = (1.0, 1.0)
+    uplink_mbit: float = 1000.0
+    region_rtt: list[list[float]] | None = field(default=None, hash=False)
+
+    def nodes(self):
+        return make_fleet(self.spec, regions=self.regions, rtt_ms=self.rtt_ms, uplink_mbit=self.uplink_mbit,
+                          region_rtt_ms=self.region_rtt)
+
+
+FLEETS = [
+    Fleet("LAN cluster", "40x4090,8x3090,4x3060", rtt_ms=(0.5, 0.5), uplink_mbit=1000),
+    Fleet("3 regional clusters", "60x4090,60x3090,30x4060ti", regions=3, rtt_ms=(5.0, 40.0), uplink_mbit=100),
+    Fleet("global spread", "400x4090,300x3090,200x3060,100x4060ti", regions=8, uplink_mbit=50,
+          region_rtt=world_rtt()),
+    Fleet("5 Mac Studios", "5xm2ultra", rtt_ms=(0.5, 0.5), uplink_mbit=10000),
+]
+
+# What a faster transport would cost per message (a compiled framing/encryption path instead of
+# py-libp2p's ~1 ms); an assumption for the "what it would take" rows.
+FAST_HOP_MS = 0.1
+# A small draft model on the first stage's GPU (about 1 ms per drafted token) whose tokens the
+# chain accepts 70 % of the time; and a stronger one, like a multi-token-prediction head.
+SPECULATIVE = dict(speculative_tokens=3, acceptance=0.7, draft_ms_per_token=1.0)
+STRONG_DRAFT = dict(speculative_tokens=4, acceptance=0.85, draft_ms_per_token=1.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    tokens = 8 if args.quick else 24
+    layout = layout_from_arch(BUILTIN_ARCHS["kimi-k2"], "int4")
+    t0 = time.time()
+    print(f"kimi-k2 int4: {layout.total_bytes / 1e9:.0f} GB of weights, {layout.n_blocks} blocks\n")
+    print("| fleet | GPUs | policy | stages | nodes used | planner ms/token | sim ms/token | sim tokens/s per stream "
+          "| sim aggregate tokens/s (16 streams, batched) | where a token's time goes (sim) | busiest |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for fleet in FLEETS:
+        nodes = fleet.nodes()
+        for policy in ("balanced", "min-latency"):
+            plan = make_plan(layout, nodes, policy=policy)
+            one = simulate(plan, layout, nodes, SimConfig(streams=1, prompt_tokens=32, decode_tokens=tokens))
+            many = simulate(plan, layout, nodes, SimConfig(streams=16, prompt_tokens=1, decode_tokens=tokens // 2))
+            parts = ", ".join(f"{k} {v:.0f}" for k, v in one.breakdown_ms.items() if v >= 0.5)
+            busiest = many.bottleneck.split("busiest: ")[-1]
+            print(f"| {fleet.name} | {len(nodes)} | {policy} | {len(plan.stages)} | {len(plan.peers())} | "
+                  f"{plan.predicted.token_latency_ms:.0f} | {one.token_latency_ms:.0f} | {one.stream_tokens_per_s:.1f} | "
+                  f"{many.aggregate_tokens_per_s:.0f} | {parts} | {busiest} |")
+    print("\nWhat it would take (min-latency plans, one stream; each row adds to the one above):\n")
+    print("| fleet | change | stages | sim ms/token | sim tokens/s per stream |")
+    print("|---|---|---|---|---|")
+    fp8 = layout_from_arch(BUILTIN_ARCHS["kimi-k2"], "int4", activation_bytes_per_value=1)
+    for fleet in FLEETS:
+        fast = PlanOptions(hop_overhead_ms=FAST_HOP_MS)
+        fast_cfg = SimConfig(hop_overhead_ms=FAST_HOP_MS)
+        steps = [
+            ("as planned (py-libp2p, 1 ms per message)", fleet, layout, PlanOptions(), SimConfig()),
+            (f"transport at {FAST_HOP_MS} ms per message", fleet, layout, fast, fast_cfg),
+            ("+ 8-bit activations on the wire", fleet, fp8, fast, fast_cfg),
+        ]
+        if fleet.uplink_mbit < 1000:
+            steps.append(("+ 1 Gbit/s uplinks", replace(fleet, uplink_mbit=1000), fp8, fast, fast_cfg))
+        last = steps[-1]
+        steps.append(("+ speculative decoding (3 drafts, 70 % accepted)", last[1], fp8, fast,
+                      replace(fast_cfg, **SPECULATIVE)))
+        steps.append(("... or with 4 drafts, 85 % accepted", last[1], fp8, fast,
+                      replace(fast_cfg, **STRONG_DRAFT)))
+        for label, fl, lay, opts, cfg in steps:
+            nodes = fl.nodes()
+            plan = make_plan(lay, nodes, policy="min-latency", options=opts)
+            r = simulate(plan, lay, nodes, replace(cfg, streams=1, prompt_tokens=32, decode_tokens=tokens * 2))
+            print(f"| {fleet.name} | {label} | {len(plan.stages)} | {r.token_latency_ms:.1f} | "
+                  f"{r.stream_tokens_per_s:.1f} |")
+    print(f"\n(made in {time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

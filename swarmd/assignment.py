@@ -1,0 +1,130 @@
+"""What the plan gives this daemon, loaded: a `models.stage.StageModel` for its block range.
+
+The node calls `Assignment.apply(announcement)` whenever it accepts a plan; `run()` loads the
+stage on the node's compute thread (a load never blocks heartbeats), releasing the old one first so memory
+follows the plan, and reports idle -> loading -> ready (or failed, with the reason) through
+`status()`, which goes into every heartbeat and into `swarmd status`. Other parts of the daemon
+get the loaded stage from `stage` once `await wait_ready()` returns.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import trio
+
+from swarmd.compute import ComputeThread
+from swarmd.gossip import AssignmentStatus, PlanAnnouncement
+from swarmd.model_source import ServedModel
+
+log = logging.getLogger("swarmd.assignment")
+
+# (model, start, end, device, max_context, max_requests) -> a loaded stage
+StageLoader = Callable[[ServedModel, int, int, str, int, int], Any]
+
+
+def load_stage(model: ServedModel, start: int, end: int, device: str, max_context: int, max_requests: int):
+    """Blocks [start, end) of the model's GGUF, as a StageModel on `device` (blocking)."""
+    from models.errors import ModelError
+    from models.stage import StageModel
+
+    if model.path is None:
+        raise ModelError(f"no weights for {model.name} on this machine (it is known only to plan with)")
+    return StageModel.from_gguf(model.path, start, end, max_context=max_context, max_requests=max_requests,
+                                device=device)
+
+
+class Assignment:
+    def __init__(self, peer_id: str, model: ServedModel, device: str, compute: ComputeThread, *,
+                 max_context: int = 2048, max_requests: int = 4, loader: StageLoader = load_stage) -> None:
+        self.peer_id = peer_id
+        self.compute = compute
+        self.model = model
+        self.device = device
+        self.max_context = max_context
+        self.max_requests = max_requests
+        self.loader = loader
+        self.stage: Any = None  # the loaded StageModel, or None
+        self.loaded_layers: tuple[int, int] | None = None
+        self._status = AssignmentStatus()
+        self._wanted: tuple[int, tuple[int, int] | None, dict[int, tuple[int, ...]]] = (0, None, {})
+        self._wake = trio.Event()
+        self._ready = trio.Event()
+        self.load_started: float | None = None
+
+    def status(self) -> AssignmentStatus:
+        return self._status
+
+    def apply(self, ann: PlanAnnouncement) -> None:
+        """Take the part of an accepted plan that names this daemon (synchronous; loading happens in run)."""
+        plan = ann.plan
+        mine = [s.layers for s in plan.stages if s.peer_id == self.peer_id]
+        if len(mine) > 1:
+            log.warning("plan epoch %d gives this node %d stages; only the first is loaded", plan.epoch, len(mine))
+        layers = mine[0] if mine else None
+        experts = {b: tuple(es) for b, es in plan.experts_on(self.peer_id).items()}
+        self._wanted = (plan.epoch, layers, experts)
+        if layers == self.loaded_layers and self._status.state in ("ready", "idle"):
+            self._status = replace(self._status, epoch=plan.epoch, experts=experts)
+        self._wake.set()
+
+    async def wait_ready(self) -> Any:
+        """The loaded stage, once the current assignment is ready."""
+        while self._status.state != "ready" or self.stage is None:
+            await self._ready.wait()
+            if self._status.state != "ready":
+                self._ready = trio.Event()
+        return self.stage
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started(self)
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            epoch, layers, experts = self._wanted
+            if layers == self.loaded_layers:
+                state = "ready" if layers else "idle"
+                self._set(AssignmentStatus(epoch, layers, experts, state, 1.0 if layers else 0.0))
+                continue
+            self._release()
+            if layers is None:
+                self._set(AssignmentStatus(epoch, None, experts, "idle"))
+                log.info("plan epoch %d: no blocks for this node; released the stage", epoch)
+                continue
+            await self._load(epoch, layers, experts)
+
+    async def _load(self, epoch: int, layers: tuple[int, int], experts: dict[int, tuple[int, ...]]) -> None:
+        a, b = layers
+        self._set(AssignmentStatus(epoch, layers, experts, "loading", 0.0))
+        self.load_started = trio.current_time()
+        log.info("loading blocks %d-%d of %s (plan epoch %d)", a, b - 1, self.model.name, epoch)
+        try:
+            # a daemon told to stop does not wait for a load to finish: run() returns when cancelled
+            stage = await self.compute.run(self.loader, self.model, a, b, self.device, self.max_context,
+                                           self.max_requests)
+        except Exception as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self._set(AssignmentStatus(epoch, layers, experts, "failed", 0.0, reason))
+            log.warning("loading blocks %d-%d failed: %s", a, b - 1, reason)
+            return
+        took = trio.current_time() - self.load_started
+        if self._wanted[1] != layers:
+            log.info("blocks %d-%d loaded in %.1f s but the plan moved on; loading again", a, b - 1, took)
+            return  # the wake event is already set by apply()
+        self.stage, self.loaded_layers = stage, layers
+        epoch = self._wanted[0]
+        self._set(AssignmentStatus(epoch, layers, self._wanted[2], "ready", 1.0))
+        log.info("ready: blocks %d-%d loaded in %.1f s", a, b - 1, took)
+
+    def _release(self) -> None:
+        self.stage, self.loaded_layers = None, None
+
+    def _set(self, status: AssignmentStatus) -> None:
+        self._status = status
+        if status.state == "ready":
+            self._ready.set()
+        elif self._ready.is_set():
+            self._ready = trio.Event()

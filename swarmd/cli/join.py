@@ -1,0 +1,178 @@
+"""`swarmd join`: run a daemon in the foreground, founding a swarm or joining one."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from swarmd.errors import UserError
+
+ORDER = 10
+LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("join", help="start a daemon and join (or found) a swarm",
+                       description="Run a swarmd daemon in the foreground. Without --bootstrap it founds a swarm; "
+                                   "with it, it joins the swarm of the peers named.")
+    p.add_argument("--swarm", help="swarm name: a namespace and the gossip topic prefix (default: swarmd)")
+    p.add_argument("--listen", action="append", metavar="MULTIADDR",
+                   help="where to listen for peers, repeatable (default: /ip4/0.0.0.0/tcp/0)")
+    p.add_argument("--announce", action="append", metavar="MULTIADDR",
+                   help="what peers are told to dial instead of the listen addresses, repeatable")
+    p.add_argument("--bootstrap", action="append", metavar="MULTIADDR",
+                   help="a member to join through, ending in /p2p/<peer id>; repeatable (also SWARMD_BOOTSTRAP)")
+    p.add_argument("--model", help="model to serve: a known name, a .gguf path or an Ollama name (default: smollm2-135m)")
+    p.add_argument("--api", metavar="HOST:PORT", help="local HTTP API address (default: 127.0.0.1:8765)")
+    p.add_argument("--home", type=Path, help="state directory (default: $SWARMD_HOME or ~/.swarmd)")
+    p.add_argument("--device", help="tinygrad device: auto, CPU, CUDA, METAL, ... (default: auto)")
+    p.add_argument("--memory-limit", metavar="SIZE", help="memory this daemon may use, e.g. 12GiB")
+    p.add_argument("--device-label", metavar="TEXT", help="name shown for this device, e.g. 'RTX 3060 12GB'")
+    p.add_argument("--mdns", action="store_true", default=None, help="also find peers on the LAN with mDNS")
+    p.add_argument("--plan", type=Path, metavar="FILE",
+                   help="founding daemon only: adopt this Plan (JSON, e.g. from `swarmd plan --json`) once the "
+                        "peers it names have joined, instead of computing one")
+    p.add_argument("--swarm-key", type=Path, metavar="FILE",
+                   help="make the swarm private: only peers holding this key (from `swarmd keygen`) can connect")
+    p.add_argument("--allow-peer", action="append", metavar="PEER_ID",
+                   help="accept only these peer ids (repeatable; with or without --swarm-key)")
+    p.add_argument("--allow-peers-file", type=Path, metavar="FILE",
+                   help="more allowed peer ids, one per line (# starts a comment)")
+    p.add_argument("--api-token", metavar="TOKEN",
+                   help="bearer token the HTTP API requires (also SWARMD_API_TOKEN); needed to bind --api off loopback")
+    p.add_argument("--timings", metavar="PRESET", help="timing preset: lan (default) or local-test")
+    p.add_argument("--config", type=Path, metavar="FILE", help="TOML file with the same keys as these options")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default: info")
+    p.add_argument("-v", "--verbose", action="store_true", help="log level debug")
+    p.add_argument("-q", "--quiet", action="store_true", help="log level warning")
+    p.set_defaults(func=run)
+
+
+def build_config(args: argparse.Namespace):
+    """Defaults, then the config file, then the environment, then the command line."""
+    from swarmd.config import (
+        DaemonConfig,
+        api_token_from_env,
+        bootstrap_from_env,
+        load_config_file,
+        parse_size,
+        parse_timings,
+    )
+
+    config = DaemonConfig()
+    if args.config:
+        config = config.with_overrides(**load_config_file(args.config))
+    if env_boot := bootstrap_from_env():
+        config = config.with_overrides(bootstrap=env_boot)
+    if env_token := api_token_from_env():
+        config = config.with_overrides(api_token=env_token)
+    level = "debug" if args.verbose else "warning" if args.quiet else args.log_level
+    return config.with_overrides(
+        swarm=args.swarm,
+        listen=tuple(args.listen) if args.listen else None,
+        announce=tuple(args.announce) if args.announce else None,
+        bootstrap=tuple(args.bootstrap) if args.bootstrap else None,
+        model=args.model,
+        api=args.api,
+        home=args.home.expanduser() if args.home else None,
+        device=args.device,
+        memory_limit=parse_size(args.memory_limit) if args.memory_limit else None,
+        device_label=args.device_label,
+        mdns=args.mdns,
+        timings=parse_timings(args.timings) if args.timings else None,
+        plan=args.plan.expanduser() if args.plan else None,
+        swarm_key=args.swarm_key.expanduser() if args.swarm_key else None,
+        allow_peers=tuple(args.allow_peer) if args.allow_peer else None,
+        allow_peers_file=args.allow_peers_file.expanduser() if args.allow_peers_file else None,
+        api_token=args.api_token,
+        log_level=level,
+    )
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), format=LOG_FORMAT, stream=sys.stderr, force=True)
+    # py-libp2p warns a lot about routine things (resets, closed streams); keep its errors only.
+    logging.getLogger("libp2p").setLevel(logging.WARNING if level == "debug" else logging.ERROR)
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    import trio
+
+    config = build_config(args)
+    setup_logging(config.log_level)
+    from swarmd.host import parse_multiaddr, split_peer_addr
+
+    for addr in config.listen:
+        parse_multiaddr(addr, "--listen")
+    for addr in config.bootstrap:
+        split_peer_addr(addr, "--bootstrap")
+    if config.plan is not None and config.bootstrap:
+        raise UserError("--plan is for the daemon that founds the swarm (one started without --bootstrap)")
+    from swarmd.access import check_access
+
+    check_access(config)
+    try:
+        return trio.run(serve, config)
+    except BaseExceptionGroup as group:
+        raise _user_facing(group) from None
+
+
+async def serve(config, extensions: tuple = ()) -> int:
+    """Run a daemon until a signal or `swarmd leave`; `extensions` go to `Node.add_extension`."""
+    import trio
+
+    from swarmd.node import Node
+
+    node = Node(config)
+    for ext in extensions:
+        node.add_extension(ext)
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_leave_on_signal, signals, node, nursery)
+            await nursery.start(_run_node, node, nursery)
+            say(f"Peer ID: {node.peer_id}")
+            assert node.network is not None
+            for addr in node.network.bound_addresses():
+                say(f"Swarm listening on {addr}")
+            say(f"API server listening on {node.api_url}")
+            say("Daemon is ready")
+    return 0
+
+
+async def _run_node(node, nursery, task_status) -> None:
+    """Run the node; once it stops (`swarmd leave`), stop waiting for signals too."""
+    await node.run(task_status=task_status)
+    nursery.cancel_scope.cancel()
+
+
+async def _leave_on_signal(signals: Any, node, nursery) -> None:
+    async for signum in signals:
+        logging.getLogger("swarmd").info("%s: leaving the swarm", signal.Signals(signum).name)
+        break
+    if node.ready.is_set():
+        await node.leave()
+    nursery.cancel_scope.cancel()
+
+
+def _user_facing(group: BaseExceptionGroup) -> BaseException:
+    """The first error a user can act on inside a task group, else the group itself (a bug)."""
+    from models.errors import ModelError
+    from planner.errors import InfeasiblePlan, PlanSchemaError
+
+    wanted = (UserError, ModelError, InfeasiblePlan, PlanSchemaError, KeyboardInterrupt)
+    stack: list[BaseException] = [group]
+    while stack:
+        exc = stack.pop(0)
+        if isinstance(exc, BaseExceptionGroup):
+            stack.extend(exc.exceptions)
+        elif isinstance(exc, wanted):
+            return exc
+    return group

@@ -1,0 +1,52 @@
+"""`swarmd models`: the models this machine can use without fetching anything."""
+
+from __future__ import annotations
+
+import argparse
+
+ORDER = 70
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "models", help="list the models in the local cache and the local Ollama store",
+        description="List the models usable without fetching: known names already pulled into the local "
+                    "cache, and models found in the local Ollama store.")
+    p.set_defaults(func=list_models)
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    size = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        size /= 1024
+        if size < 1024 or unit == "TiB":
+            break
+    return f"{size:.1f} {unit}"
+
+
+def list_models(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from models.names import cached_models, known_names
+    from models.store import cache_dir
+
+    console = Console()
+    if not console.is_terminal:  # piped: whole paths on one line each, for scripts
+        console = Console(width=4096)
+    found = cached_models()
+    if not found:
+        console.print(f"no models cached in {cache_dir()}; fetch one with `swarmd pull "
+                      f"{known_names()[0] if known_names() else 'NAME'}`", highlight=False)
+        return 0
+    table = Table(box=None, pad_edge=False)
+    table.add_column("NAME", no_wrap=True)
+    table.add_column("SIZE", no_wrap=True, justify="right")
+    table.add_column("SOURCE", no_wrap=True)
+    table.add_column("PATH", overflow="fold")
+    for m in found:
+        table.add_row(m.name, _size(m.size), m.kind, str(m.path))
+    console.print(table, highlight=False)
+    return 0

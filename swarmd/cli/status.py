@@ -1,0 +1,182 @@
+"""`swarmd status`: ask the local daemon how the swarm is doing, as tables or as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from swarmd.api_client import add_token_option, auth_headers, check_authorised
+from swarmd.errors import UserError
+
+ORDER = 20
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="members, leader, plan and load of the local daemon's swarm",
+                       description="Show the swarm as the local daemon sees it. The daemon is found through "
+                                   "$SWARMD_HOME/api, or named with --api.")
+    p.add_argument("--api", metavar="HOST:PORT|URL", help="the daemon's API address (default: from $SWARMD_HOME/api)")
+    p.add_argument("--home", type=Path, help="the daemon's state directory (default: $SWARMD_HOME or ~/.swarmd)")
+    add_token_option(p)
+    p.add_argument("--json", action="store_true", help="print the status document as JSON")
+    p.add_argument("--watch", nargs="?", type=float, const=1.0, metavar="SECONDS",
+                   help="refresh every SECONDS (default 1) until Ctrl-C")
+    p.set_defaults(func=run)
+
+
+def daemon_url(api: str | None, home: Path | None) -> str:
+    """The API base URL: --api, else the URL the daemon wrote to its home."""
+    from swarmd.api import api_url, parse_api_address
+    from swarmd.config import default_home
+
+    if api:
+        if api.startswith(("http://", "https://")):
+            return api.rstrip("/")
+        return api_url(*parse_api_address(api))
+    home = (home or default_home()).expanduser()
+    path = home / "api"
+    try:
+        return str(json.loads(path.read_text())["url"]).rstrip("/")
+    except FileNotFoundError:
+        raise UserError(f"no daemon is running for {home} (no {path}): start one with `swarmd join`, "
+                        f"or name it with --api HOST:PORT") from None
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"{path} is unreadable: is `swarmd join` running with --home {home}?") from None
+
+
+def fetch_status(url: str, timeout: float = 5.0, token: str | None = None) -> dict[str, Any]:
+    import httpx
+
+    try:
+        response = httpx.get(f"{url}/api/v0/status", timeout=timeout, headers=auth_headers(token))
+    except httpx.HTTPError as e:
+        raise UserError(f"no daemon answers at {url} ({type(e).__name__}): is `swarmd join` running?") from None
+    check_authorised(response, url, token)
+    if response.status_code != 200:
+        raise UserError(f"the daemon at {url} answered {response.status_code}: {response.text.strip()[:200]}")
+    return response.json()
+
+
+def run(args: argparse.Namespace) -> int:
+    url = daemon_url(args.api, args.home)
+    token = args.api_token
+    if args.json and not args.watch:
+        print(json.dumps(fetch_status(url, token=token), indent=2), flush=True)
+        return 0
+    from rich.console import Console
+
+    console = Console()
+    if not args.watch:
+        console.print(render(fetch_status(url, token=token)))
+        return 0
+    from rich.live import Live
+
+    with Live(console=console, auto_refresh=False, screen=False) as live:
+        while True:
+            try:
+                doc = fetch_status(url, token=token)
+                view: Any = json.dumps(doc, indent=2) if args.json else render(doc)
+            except UserError as e:
+                view = f"[red]{e}[/red]"
+            live.update(view, refresh=True)
+            time.sleep(args.watch)
+
+
+# --- rendering ----------------------------------------------------------------------------------
+def _short(peer_id: str | None) -> str:
+    from swarmd.identity import short_id
+
+    return short_id(peer_id) if peer_id else "-"
+
+
+def _bytes(n: int | None) -> str:
+    if not n:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def _assignment(a: dict[str, Any]) -> tuple[str, str]:
+    layers = a.get("layers")
+    what = f"{layers[0]}-{layers[1] - 1}" if layers else "-"
+    if a.get("experts"):
+        what += f" +{sum(len(v) for v in a['experts'].values())} experts"
+    state = a.get("state", "idle")
+    if state == "failed":
+        state = f"failed: {a.get('error', '')}"
+    return what, state
+
+
+def access_line(swarm: dict[str, Any]) -> str:
+    """Who can join, in one line (rich markup): open swarms in red."""
+    if swarm.get("private"):
+        line = f"[green]private[/green] (swarm key {swarm.get('key_fingerprint')})"
+    else:
+        line = ("[bold red]OPEN[/bold red]: anyone who can reach this daemon's address can join, read the gossip "
+                "and receive a plan (start the swarm with --swarm-key FILE)")
+    if swarm.get("allowlist") is not None:
+        line += f"; allowlist of {len(swarm['allowlist'])} peer(s)"
+    if swarm.get("api_token_required"):
+        line += "; API needs a token"
+    return line
+
+
+def render(doc: dict[str, Any]):
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    me, plan = doc["self"], doc.get("plan")
+    top = Table.grid(padding=(0, 2))
+    top.add_column(style="bold")
+    top.add_column()
+    top.add_row("self", f"{me['peer_id']}  ({me.get('label') or me.get('device')}, {me['model']['name']})")
+    top.add_row("api", str(me.get("api")))
+    leader = doc.get("leader")
+    lead = _short(leader) + (" (this node)" if leader == me["peer_id"] else "") if leader else "none"
+    if not doc.get("admitted"):
+        lead += "  (not admitted yet: waiting for a member to accept this node)"
+    counts = {s: sum(1 for m in doc["members"] if m["state"] == s) for s in ("alive", "suspect", "dead")}
+    swarm = doc["swarm"] if isinstance(doc["swarm"], dict) else {"name": doc["swarm"]}
+    top.add_row("swarm", f"{swarm['name']}  leader {lead}  term {doc['term']}  "
+                         f"plan epoch {plan['epoch'] if plan else '-'}  members {counts['alive']} alive"
+                         + (f", {counts['suspect']} suspect" if counts["suspect"] else "")
+                         + (f", {counts['dead']} dead" if counts["dead"] else ""))
+    top.add_row("plan", doc.get("coverage", "-") + (f"  [red]({doc['plan_error']})[/red]" if doc.get("plan_error") else ""))
+    top.add_row("requests", f"{doc.get('requests_in_flight', 0)} in flight")
+    top.add_row("access", access_line(swarm))
+
+    table = Table(title="members", title_justify="left", expand=False)
+    for col in ("peer", "state", "last seen", "rtt", "device", "memory free", "layers", "stage"):
+        table.add_column(col)
+    styles = {"alive": "green", "suspect": "yellow", "dead": "red"}
+    for m in doc["members"]:
+        layers, stage = _assignment(m["assignment"])
+        peer = _short(m["peer_id"]) + (" *" if m["peer_id"] == me["peer_id"] else "")
+        table.add_row(peer, Text(m["state"], style=styles.get(m["state"], "")),
+                      "now" if m["peer_id"] == me["peer_id"] else f"{m['last_seen_s']:.1f} s ago",
+                      "-" if m.get("rtt_ms") is None else f"{m['rtt_ms']:.1f} ms",
+                      m.get("label") or m.get("device") or "-", _bytes(m.get("memory_free")), layers, stage)
+    parts: list[Any] = [top, table]
+    if swarm.get("penalised"):
+        box = Table(title="penalised peers", title_justify="left")
+        for col in ("peer", "for", "reason"):
+            box.add_column(col)
+        for p in swarm["penalised"]:
+            box.add_row(_short(p["peer_id"]), f"{p['seconds_left']:.0f} s", p["reason"])
+        parts.append(box)
+    if doc.get("refused"):
+        refused = Table(title="refused", title_justify="left")
+        refused.add_column("peer")
+        refused.add_column("reason")
+        for r in doc["refused"]:
+            refused.add_row(_short(r["peer_id"]), r["reason"])
+        parts.append(refused)
+    return Group(*parts)

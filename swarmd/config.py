@@ -1,0 +1,199 @@
+"""Every timing and setting of a daemon in one place: presets for the timings, TOML for the rest.
+
+Timings follow memberlist's habit: one frozen object with named presets (LAN for real use,
+LOCAL_TEST for fast tests on one machine) instead of literals scattered through the code.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from swarmd.errors import UserError
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds, all of them."""
+
+    heartbeat_interval: float = 1.0  # a signed descriptor on the gossip topic this often
+    suspect_after: float = 3.0  # silence after which a member is suspect (scaled by log N)
+    probe_timeout: float = 1.0  # a direct probe slower than this failed
+    probe_interval: float = 2.0  # routine direct probes (RTT and hung-peer detection)
+    dead_retention: float = 60.0  # how long a dead member stays in status before it is forgotten
+    replan_debounce: float = 1.0  # membership quiet for this long before the leader re-plans
+    plan_republish_interval: float = 3.0  # the leader repeats its plan for late joiners
+    dial_backoff_initial: float = 0.5  # first retry of a failed dial (bootstrap, members)
+    dial_backoff_max: float = 8.0
+    dial_timeout: float = 5.0
+    leave_grace: float = 0.5  # after publishing a leave, time for it to spread before closing
+
+    def suspicion_timeout(self, n_members: int) -> float:
+        """memberlist's rule: suspicion grows with log10 of the swarm size, never below the base."""
+        return self.suspect_after * max(1.0, math.log10(max(1, n_members)))
+
+
+LAN = Timings()
+LOCAL_TEST = Timings(
+    heartbeat_interval=0.25,
+    suspect_after=1.0,
+    probe_timeout=0.5,
+    probe_interval=1.0,
+    dead_retention=30.0,
+    replan_debounce=0.3,
+    plan_republish_interval=1.0,
+    dial_backoff_initial=0.2,
+    dial_backoff_max=2.0,
+    dial_timeout=3.0,
+    leave_grace=0.2,
+)
+PRESETS: dict[str, Timings] = {"lan": LAN, "local-test": LOCAL_TEST}
+
+DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"
+DEFAULT_API = "127.0.0.1:8765"
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_SWARM = "swarmd"
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a 128k-token prompt as a list of ids fits
+DEFAULT_MAX_TOKENS = 4096  # the most tokens one request may ask for
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("SWARMD_HOME") or Path.home() / ".swarmd")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """What `swarmd join` runs with: command line over environment over config file over defaults."""
+
+    swarm: str = DEFAULT_SWARM
+    listen: tuple[str, ...] = (DEFAULT_LISTEN,)
+    announce: tuple[str, ...] = ()
+    bootstrap: tuple[str, ...] = ()
+    model: str = DEFAULT_MODEL
+    api: str = DEFAULT_API
+    home: Path = field(default_factory=default_home)
+    device: str = "auto"
+    memory_limit: int | None = None  # bytes
+    device_label: str = ""
+    mdns: bool = False
+    uplink_mbps: float | None = None  # None: read the interface speed, else 1000
+    plan: Path | None = None  # a Plan JSON file the founding daemon adopts instead of planning
+    max_context: int = 2048
+    max_requests: int = 4
+    swarm_key: Path | None = None  # a private swarm: only peers holding this key can connect
+    allow_peers: tuple[str, ...] = ()  # if any: only these peer ids may connect (besides the key)
+    allow_peers_file: Path | None = None  # more allowed peer ids, one per line
+    api_token: str = ""  # bearer token the API wants on every route but /health; required off loopback
+    api_max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    api_max_tokens: int = DEFAULT_MAX_TOKENS
+    timings: Timings = LAN
+    log_level: str = "info"
+
+    @property
+    def founds_swarm(self) -> bool:
+        return not self.bootstrap
+
+    def with_overrides(self, **changes: Any) -> DaemonConfig:
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+          "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+
+
+def parse_size(text: str | int) -> int:
+    """'8GiB', '512MB', '12G', 1000 -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    if not m:
+        raise UserError(f"cannot read {text!r} as a size (examples: 8GiB, 512MB, 12G)")
+    unit = (m.group(2) or "").lower().removesuffix("b")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def parse_timings(value: Any) -> Timings:
+    """A preset name, or a table with `preset` and any Timings field (dashes or underscores)."""
+    if isinstance(value, str):
+        return _preset(value)
+    if not isinstance(value, dict):
+        raise UserError("config key 'timings' must be a preset name or a table")
+    table = {k.replace("-", "_"): v for k, v in value.items()}
+    base = _preset(str(table.pop("preset", "lan")))
+    known = {f.name for f in fields(Timings)}
+    unknown = set(table) - known
+    if unknown:
+        raise UserError(f"unknown timings keys: {', '.join(sorted(unknown))} (known: {', '.join(sorted(known))})")
+    try:
+        return replace(base, **{k: float(v) for k, v in table.items()})
+    except (TypeError, ValueError) as e:
+        raise UserError(f"bad timings value: {e}") from e
+
+
+def _preset(name: str) -> Timings:
+    try:
+        return PRESETS[name.lower()]
+    except KeyError:
+        raise UserError(f"unknown timings preset {name!r} (known: {', '.join(PRESETS)})") from None
+
+
+_LIST_KEYS = {"listen", "announce", "bootstrap", "allow_peers"}
+_STR_KEYS = {"swarm", "model", "api", "device", "device_label", "log_level", "api_token"}
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """Read a TOML file whose keys are `swarmd join`'s long options; return DaemonConfig changes."""
+    try:
+        doc = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"config file {path} is not valid TOML: {e}") from None
+    return config_changes(doc, source=str(path))
+
+
+def config_changes(doc: dict[str, Any], source: str = "config") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for raw_key, value in doc.items():
+        key = raw_key.replace("-", "_")
+        if key in _LIST_KEYS:
+            items = [value] if isinstance(value, str) else value
+            if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+                raise UserError(f"{source}: '{raw_key}' must be a string or a list of strings")
+            out[key] = tuple(items)
+        elif key in _STR_KEYS:
+            out[key] = str(value)
+        elif key in ("home", "plan", "swarm_key", "allow_peers_file"):
+            out[key] = Path(str(value)).expanduser()
+        elif key == "memory_limit":
+            out[key] = parse_size(value)
+        elif key in ("mdns",):
+            out[key] = bool(value)
+        elif key in ("uplink_mbps",):
+            out[key] = float(value)
+        elif key in ("max_context", "max_requests", "api_max_tokens"):
+            out[key] = int(value)
+        elif key == "api_max_request_bytes":
+            out[key] = parse_size(value)
+        elif key == "timings":
+            out[key] = parse_timings(value)
+        else:
+            raise UserError(f"{source}: unknown key '{raw_key}'")
+    return out
+
+
+def api_token_from_env() -> str:
+    """SWARMD_API_TOKEN: the API's bearer token, for the daemon and for the CLI clients alike."""
+    return os.environ.get("SWARMD_API_TOKEN", "").strip()
+
+
+def bootstrap_from_env() -> tuple[str, ...]:
+    """SWARMD_BOOTSTRAP: addresses separated by commas or whitespace."""
+    raw = os.environ.get("SWARMD_BOOTSTRAP", "")
+    return tuple(a for a in re.split(r"[,\s]+", raw) if a)

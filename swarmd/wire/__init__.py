@@ -1,0 +1,46 @@
+"""The wire format: length-prefixed CBOR frames, tensors, and the messages actors exchange."""
+
+from swarmd.wire.codec import DEFAULT_MAX_FRAME, FrameDecoder, WireError, WireTensor
+from swarmd.wire.messages import (
+    Ack,
+    Attach,
+    Cancel,
+    Envelope,
+    Error,
+    ExpertBatch,
+    ExpertResult,
+    Forward,
+    Hello,
+    Logprobs,
+    Message,
+    Ping,
+    Pong,
+    Sampling,
+    Token,
+    decode,
+    encode,
+)
+
+__all__ = [
+    "DEFAULT_MAX_FRAME",
+    "Ack",
+    "Attach",
+    "Cancel",
+    "Envelope",
+    "Error",
+    "ExpertBatch",
+    "ExpertResult",
+    "Forward",
+    "FrameDecoder",
+    "Hello",
+    "Logprobs",
+    "Message",
+    "Ping",
+    "Pong",
+    "Sampling",
+    "Token",
+    "WireError",
+    "WireTensor",
+    "decode",
+    "encode",
+]

@@ -1,0 +1,499 @@
+"""Wire messages: frozen dataclasses with a type tag and a version.
+
+Every frame is one CBOR map, the envelope `{"t": tag, "v": version, "seq": n, "body": {fields}}`. Decoding
+checks the tag (known), the version (the one we speak), the fields (no unknown, none missing, each of its
+declared type and range) and every tensor (dtype, shape and byte count agree). What the *receiver* expects
+beyond that — e.g. the hidden size of the Plan's model — is checked by an `Expect` function (see
+`swarmd.wire.expect`).
+
+Two groups share the envelope: actor messages (`Forward`, `Token`, ...), delivered to handlers exactly once
+by their `key()`, and link control (`Ack`, `Ping`, `Hello`, ...), consumed by the transport itself. `Error`
+is both: sent back on a link it rejects the frame whose `seq` it carries; sent as a message it tells an
+actor that a request failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+from swarmd.errors import LocalProtocolError
+from swarmd.wire.codec import (
+    DEFAULT_MAX_FRAME,
+    WireError,
+    WireTensor,
+    decode_cbor,
+    encode_cbor,
+    frame,
+)
+
+MAX_STR = 1024
+MAX_ITEMS = 4096
+MAX_INT = (1 << 63) - 1
+
+Key = tuple[str, str, int, int]
+
+
+class Message:
+    """Base of every wire message. Subclasses are frozen dataclasses registered with `@wire`."""
+
+    __slots__ = ()
+    TAG: ClassVar[str]
+    VERSION: ClassVar[int]
+    CONTROL: ClassVar[bool] = False
+
+    def key(self) -> Key | None:
+        """What the receiver de-duplicates on; None for link control."""
+        return None
+
+    def check(self) -> None:
+        """Value checks beyond types; raises WireError."""
+
+
+def request_id_of(msg: Message) -> str:
+    """The request a message belongs to ('' for link control)."""
+    return getattr(msg, "request_id", "")
+
+
+M = TypeVar("M", bound=type[Message])
+REGISTRY: dict[str, type[Message]] = {}
+_Decoder = Callable[[Any, str], Any]
+_FIELDS: dict[type, list[tuple[str, _Decoder, bool]]] = {}
+
+
+def wire(tag: str, version: int = 1, *, control: bool = False) -> Callable[[M], M]:
+    """Register a message class under `tag`; builds its field decoders once."""
+
+    def register(cls: M) -> M:
+        if tag in REGISTRY:
+            raise LocalProtocolError(f"message tag {tag!r} registered twice")
+        cls.TAG, cls.VERSION, cls.CONTROL = tag, version, control
+        _FIELDS[cls] = _field_decoders(cls)
+        REGISTRY[tag] = cls
+        return cls
+
+    return register
+
+
+# --- field decoding from annotations ------------------------------------------------------------------------
+
+
+def _field_decoders(cls: type) -> list[tuple[str, _Decoder, bool]]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        out.append((f.name, _decoder_for(hints[f.name]), required))
+    return out
+
+
+def _decoder_for(tp: Any) -> _Decoder:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (types.UnionType, typing.Union) and type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        dec = _decoder_for(inner)
+        return lambda v, what: None if v is None else dec(v, what)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        item = _decoder_for(args[0])
+
+        def tuple_of(v: Any, what: str) -> tuple:
+            if not isinstance(v, list) or len(v) > MAX_ITEMS:
+                raise WireError("bad_field", f"{what} must be a list of at most {MAX_ITEMS} items")
+            return tuple(item(x, what) for x in v)
+
+        return tuple_of
+    if tp is WireTensor:
+        return WireTensor.from_cbor
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        nested: type = tp
+        _FIELDS.setdefault(nested, _field_decoders(nested))
+        return lambda v, what: _decode_fields(nested, v, what)
+    simple = _SIMPLE.get(tp)
+    if simple is None:
+        raise LocalProtocolError(f"no wire decoder for field type {tp!r}")
+    return simple
+
+
+def _int(v: Any, what: str) -> int:
+    if type(v) is not int or not -MAX_INT <= v <= MAX_INT:
+        raise WireError("bad_field", f"{what} must be a 64-bit integer")
+    return v
+
+
+def _float(v: Any, what: str) -> float:
+    if type(v) not in (int, float):
+        raise WireError("bad_field", f"{what} must be a number")
+    return float(v)
+
+
+def _bool(v: Any, what: str) -> bool:
+    if type(v) is not bool:
+        raise WireError("bad_field", f"{what} must be true or false")
+    return v
+
+
+def _str(v: Any, what: str) -> str:
+    if type(v) is not str or len(v) > MAX_STR:
+        raise WireError("bad_field", f"{what} must be a string of at most {MAX_STR} characters")
+    return v
+
+
+def _bytes(v: Any, what: str) -> bytes:
+    if type(v) is not bytes:
+        raise WireError("bad_field", f"{what} must be a byte string")
+    return v
+
+
+_SIMPLE: dict[Any, _Decoder] = {int: _int, float: _float, bool: _bool, str: _str, bytes: _bytes}
+
+
+def _decode_fields(cls: type, body: Any, what: str) -> Any:
+    if not isinstance(body, dict):
+        raise WireError("bad_field", f"{what} must be a map")
+    fields = _FIELDS[cls]
+    known = {name for name, _, _ in fields}
+    unknown = [k for k in body if k not in known]
+    if unknown:
+        raise WireError("unknown_field", f"{what} has unknown field(s) {sorted(map(str, unknown))}")
+    kwargs = {}
+    for name, dec, required in fields:
+        if name in body:
+            kwargs[name] = dec(body[name], f"{what}.{name}")
+        elif required:
+            raise WireError("missing_field", f"{what} lacks field {name!r}")
+    return cls(**kwargs)
+
+
+def _to_cbor(value: Any) -> Any:
+    if isinstance(value, WireTensor):
+        return value.to_cbor()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_cbor(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple):
+        return [_to_cbor(x) for x in value]
+    return value
+
+
+# --- envelope ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """One decoded frame: the message and the sequence number the link gave it."""
+
+    seq: int
+    msg: Message
+
+
+def encode(msg: Message, seq: int = 0, *, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    """The length-prefixed frame carrying `msg`."""
+    try:
+        msg.check()
+    except WireError as e:
+        raise LocalProtocolError(f"refusing to send an invalid {msg.TAG}: {e}") from e
+    body = {"t": msg.TAG, "v": msg.VERSION, "seq": seq, "body": _to_cbor(msg)}
+    return frame(encode_cbor(body), max_frame)
+
+
+def decode(body: bytes) -> Envelope:
+    """Decode and validate one frame body (without its length prefix); raises WireError."""
+    value = decode_cbor(body)
+    if not isinstance(value, dict) or set(value) != {"t", "v", "seq", "body"}:
+        raise WireError("bad_envelope", "a frame must be a map with exactly t, v, seq and body")
+    tag, version, seq = value["t"], value["v"], value["seq"]
+    if type(seq) is not int or not 0 <= seq <= MAX_INT:
+        raise WireError("bad_envelope", "seq must be a non-negative 64-bit integer")
+    cls = REGISTRY.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise WireError("unknown_type", f"unknown message type {str(tag)[:40]!r}", seq=seq)
+    if type(version) is not int or version != cls.VERSION:
+        raise WireError("bad_version", f"{tag} version {str(version)[:20]} is not supported (we speak {cls.VERSION})",
+                        seq=seq)
+    try:
+        msg = _decode_fields(cls, value["body"], tag)
+        msg.check()
+    except WireError as e:
+        e.seq = seq
+        if not e.request_id and isinstance(value["body"], dict) and isinstance(value["body"].get("request_id"), str):
+            e.request_id = value["body"]["request_id"][:MAX_STR]
+        raise
+    return Envelope(seq, msg)
+
+
+# --- value checks used by the messages --------------------------------------------------------------------------
+
+
+def need(ok: bool, what: str, code: str = "bad_field") -> None:
+    if not ok:
+        raise WireError(code, what)
+
+
+def _check_request(request_id: str, step: int, hop: int) -> None:
+    need(0 < len(request_id) <= 128, "request_id must be 1 to 128 characters")
+    need(step >= 0, "step must be >= 0")
+    need(hop >= 0, "hop must be >= 0")
+
+
+def _check_rows(t: WireTensor, what: str, *, ndim: int, dtypes: frozenset[str]) -> None:
+    need(len(t.shape) == ndim, f"{what} must have {ndim} dimension(s), got shape {list(t.shape)}", "bad_shape")
+    need(t.dtype in dtypes, f"{what} dtype {t.dtype} is not one of {sorted(dtypes)}", "bad_dtype")
+
+
+_FLOATS = frozenset({"float32", "float16", "bfloat16"})
+_INTS = frozenset({"int32", "int64"})
+
+
+# --- actor messages ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """How the last stage picks a token (seeded per request and step, so a retried step gives the same one)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    logprobs: int = 0  # how many top alternatives to return with each token (0: none)
+
+    def check(self) -> None:
+        need(math.isfinite(self.temperature) and self.temperature >= 0, "sampling.temperature must be >= 0")
+        need(0 < self.top_p <= 1, "sampling.top_p must be in (0, 1]")
+        need(self.top_k >= 0, "sampling.top_k must be >= 0")
+        need(0 <= self.logprobs <= 20, "sampling.logprobs must be 0..20")
+
+
+@wire("forward")
+@dataclass(frozen=True, slots=True)
+class Forward(Message):
+    """Work for stage `hop` on a request: token ids for stage 0, hidden states for the rest.
+
+    `step` 0 is the prefill (rows = prompt positions from `start_pos`), step k the k-th decode step.
+    The last stage samples with `sampling` and sends a `Token` to stage 0 and to `head` (a peer id).
+    """
+
+    request_id: str
+    step: int
+    hop: int
+    start_pos: int
+    head: str
+    tokens: WireTensor | None = None  # int32 [n]
+    hidden: WireTensor | None = None  # [n, hidden_size], compute dtype unless a wire dtype is configured
+    epoch: int = 0  # the Plan epoch the sender routed by
+    all_logits: bool = False  # the last stage returns log-probs for every row (teacher forcing)
+    sampling: Sampling | None = None
+
+    def key(self) -> Key:
+        return ("forward", self.request_id, self.step, self.hop)
+
+    def check(self) -> None:
+        _check_request(self.request_id, self.step, self.hop)
+        need(self.start_pos >= 0, "start_pos must be >= 0")
+        need((self.tokens is None) != (self.hidden is None), "forward carries exactly one of tokens, hidden")
+        if self.tokens is not None:
+            _check_rows(self.tokens, "tokens", ndim=1, dtypes=_INTS)
+        if self.hidden is not None:
+            _check_rows(self.hidden, "hidden", ndim=2, dtypes=_FLOATS)
+        if self.sampling is not None:
+            self.sampling.check()
+
+    @property
+    def rows(self) -> int:
+        t = self.tokens if self.tokens is not None else self.hidden
+        return t.shape[0] if t is not None else 0
+
+
+@wire("token")
+@dataclass(frozen=True, slots=True)
+class Token(Message):
+    """The token sampled at `step` (sent by the last stage to stage 0 and to the head)."""
+
+    request_id: str
+    step: int
+    token: int
+    logprob: float | None = None
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+    hop: int = 0  # which copy: 0 to stage 0, 1 to the head (each is its own delivery)
+
+    def key(self) -> Key:
+        return ("token", self.request_id, self.step, self.hop)
+
+    def check(self) -> None:
+        _check_request(self.request_id, self.step, self.hop)
+        need(self.token >= 0, "token must be >= 0")
+        need(len(self.top_ids) == len(self.top_logprobs), "top_ids and top_logprobs differ in length")
+
+
+@wire("logprobs")
+@dataclass(frozen=True, slots=True)
+class Logprobs(Message):
+    """Per-row log-probs of a step run with all_logits: of the given next token and the top k alternatives."""
+
+    request_id: str
+    step: int
+    token_logprobs: WireTensor  # float32 [n]
+    top_ids: WireTensor  # int32 [n, k]
+    top_logprobs: WireTensor  # float32 [n, k]
+    hop: int = 0
+
+    def key(self) -> Key:
+        return ("logprobs", self.request_id, self.step, self.hop)
+
+    def check(self) -> None:
+        _check_request(self.request_id, self.step, self.hop)
+        _check_rows(self.token_logprobs, "token_logprobs", ndim=1, dtypes=frozenset({"float32"}))
+        _check_rows(self.top_ids, "top_ids", ndim=2, dtypes=_INTS)
+        _check_rows(self.top_logprobs, "top_logprobs", ndim=2, dtypes=frozenset({"float32"}))
+        n = self.token_logprobs.shape[0]
+        need(self.top_ids.shape == self.top_logprobs.shape and self.top_ids.shape[0] == n,
+             "logprobs tensors disagree on rows or k", "bad_shape")
+
+
+@wire("cancel")
+@dataclass(frozen=True, slots=True)
+class Cancel(Message):
+    """The request is over (finished, cancelled, timed out): free its KV caches along the chain."""
+
+    request_id: str
+    reason: str = "finished"
+    hop: int = 0
+
+    def key(self) -> Key:
+        return ("cancel", self.request_id, 0, self.hop)
+
+    def check(self) -> None:
+        _check_request(self.request_id, 0, self.hop)
+
+
+@wire("error")
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    """A failure. As a reply on a link: the frame `seq` was refused. As a message: a request failed."""
+
+    code: str
+    message: str
+    request_id: str = ""
+    step: int = 0
+    hop: int = 0
+
+    def key(self) -> Key | None:
+        return ("error", self.request_id, self.step, self.hop) if self.request_id else None
+
+    def check(self) -> None:
+        need(0 < len(self.code) <= 64, "error code must be 1 to 64 characters")
+
+
+@wire("expert_batch")
+@dataclass(frozen=True, slots=True)
+class ExpertBatch(Message):
+    """Rows of one MoE block for the experts a node holds: row i goes to experts `expert_ids[i]` with `gates[i]`.
+
+    Padding slots carry expert id -1. The reply is an `ExpertResult` with the gated sum per row.
+    """
+
+    batch_id: str
+    step: int
+    block: int
+    hidden: WireTensor  # [m, hidden_size]
+    expert_ids: WireTensor  # int32 [m, j]
+    gates: WireTensor  # float32 [m, j]
+
+    @property
+    def request_id(self) -> str:
+        return self.batch_id
+
+    def key(self) -> Key:
+        return ("expert_batch", self.batch_id, self.step, self.block)
+
+    def check(self) -> None:
+        _check_request(self.batch_id, self.step, self.block)
+        _check_rows(self.hidden, "hidden", ndim=2, dtypes=_FLOATS)
+        _check_rows(self.expert_ids, "expert_ids", ndim=2, dtypes=_INTS)
+        _check_rows(self.gates, "gates", ndim=2, dtypes=frozenset({"float32"}))
+        need(self.expert_ids.shape == self.gates.shape and self.expert_ids.shape[0] == self.hidden.shape[0],
+             "hidden, expert_ids and gates disagree on rows or slots", "bad_shape")
+
+
+@wire("expert_result")
+@dataclass(frozen=True, slots=True)
+class ExpertResult(Message):
+    """The gated sum of a node's experts for each row of an `ExpertBatch`."""
+
+    batch_id: str
+    step: int
+    block: int
+    hidden: WireTensor  # [m, hidden_size]
+
+    @property
+    def request_id(self) -> str:
+        return self.batch_id
+
+    def key(self) -> Key:
+        return ("expert_result", self.batch_id, self.step, self.block)
+
+    def check(self) -> None:
+        _check_request(self.batch_id, self.step, self.block)
+        _check_rows(self.hidden, "hidden", ndim=2, dtypes=_FLOATS)
+
+
+# --- link control -----------------------------------------------------------------------------------------------
+
+
+@wire("ack", control=True)
+@dataclass(frozen=True, slots=True)
+class Ack(Message):
+    """The frame with the envelope's seq was accepted (a duplicate is accepted too)."""
+
+
+@wire("ping", control=True)
+@dataclass(frozen=True, slots=True)
+class Ping(Message):
+    """Liveness probe; the envelope's seq is a nonce echoed by `Pong`."""
+
+
+@wire("pong", control=True)
+@dataclass(frozen=True, slots=True)
+class Pong(Message):
+    """Answer to `Ping`, sent by the receiver's reader at once, even while its handlers are busy."""
+
+
+@wire("hello", control=True)
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    """First frame each way on a new libp2p stream.
+
+    The dialer says whether it wants the TLS data plane; the listener answers with its limits and, if it
+    offers one, the data plane's address, its certificate (pinned by the dialer) and a one-time token that
+    binds the TLS connection to the dialer's libp2p peer id.
+    """
+
+    max_frame: int
+    want_tls: bool = False
+    tls_host: str = ""
+    tls_port: int = 0
+    tls_cert: bytes = b""
+    tls_token: bytes = b""
+
+    def check(self) -> None:
+        need(self.max_frame > 0, "max_frame must be > 0")
+        need(0 <= self.tls_port < 65536, "tls_port out of range")
+
+
+@wire("attach", control=True)
+@dataclass(frozen=True, slots=True)
+class Attach(Message):
+    """First frame on a TLS data-plane connection: the token the listener handed out in its `Hello`."""
+
+    token: bytes
+
+    def check(self) -> None:
+        need(0 < len(self.token) <= 64, "token must be 1 to 64 bytes")
+
+
+ACTOR_MESSAGES: tuple[type[Message], ...] = tuple(c for c in REGISTRY.values() if not c.CONTROL)

@@ -1,0 +1,59 @@
+"""A node loads what the plan gives it (a real StageModel of a tiny GGUF) and reports how far it got."""
+
+from __future__ import annotations
+
+import trio
+from swarm_helpers import peer
+
+from planner.plan import ModelRef, Plan, Stage
+from swarmd.assignment import Assignment
+from swarmd.compute import ComputeThread
+from swarmd.gossip import PlanAnnouncement
+from swarmd.model_source import served_model
+
+ME, OTHER = peer(1), peer(2)
+
+
+async def reaches(a: Assignment, state: str) -> None:
+    for _ in range(1000):
+        if a.status().state == state:
+            return
+        await trio.sleep(0.05)
+    raise AssertionError(f"still {a.status().state}, not {state}")
+
+
+def announce(epoch: int, *stages: Stage) -> PlanAnnouncement:
+    return PlanAnnouncement(OTHER, 1, Plan(epoch=epoch, model=ModelRef("tiny"), stages=stages))
+
+
+async def test_the_assigned_blocks_are_loaded_then_released_when_the_plan_moves_them(tiny_model):
+    model = served_model(str(tiny_model))
+    a = Assignment(ME, model, "CPU", ComputeThread(), max_context=64, max_requests=1)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(a.run)
+            assert a.status().state == "idle"
+            a.apply(announce(1, Stage(OTHER, (0, 5)), Stage(ME, (5, 8))))
+            stage = await a.wait_ready()
+            assert (stage.start, stage.end, stage.is_last) == (5, 8, True)
+            assert a.status().to_json() == {"epoch": 1, "layers": [5, 8], "experts": {}, "state": "ready",
+                                            "progress": 1.0, "error": ""}
+            a.apply(announce(2, Stage(OTHER, (0, 5)), Stage(ME, (5, 8))))
+            await trio.sleep(0.1)
+            assert a.stage is stage and a.status().epoch == 2  # same blocks: nothing reloads
+            a.apply(announce(3, Stage(OTHER, (0, 8))))
+            await reaches(a, "idle")
+            assert a.stage is None and a.status().epoch == 3
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_load_that_fails_is_reported_with_its_reason(tiny_model):
+    model = served_model(str(tiny_model))
+    a = Assignment(ME, model, "CPU", ComputeThread(), max_context=64, max_requests=1)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(a.run)
+            a.apply(announce(1, Stage(ME, (0, 12))))  # the model has 8 blocks
+            await reaches(a, "failed")
+            assert "bad block range [0, 12)" in a.status().error and a.stage is None
+            nursery.cancel_scope.cancel()

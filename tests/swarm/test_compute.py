@@ -1,0 +1,48 @@
+"""The compute thread: one thread for all tinygrad work, off the event loop."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import trio
+
+from swarmd.compute import ComputeThread
+
+
+async def test_jobs_run_in_order_on_one_other_thread_and_errors_come_back():
+    compute = ComputeThread()
+    names = [await compute.run(lambda: threading.current_thread().name) for _ in range(3)]
+    assert set(names) == {"swarmd-compute"} and threading.current_thread().name != "swarmd-compute"
+    with pytest.raises(ZeroDivisionError):
+        await compute.run(lambda: 1 / 0)
+    assert await compute.run(sum, [1, 2, 3]) == 6
+    compute.close()
+
+
+async def test_the_event_loop_keeps_ticking_during_a_long_job():
+    compute = ComputeThread()
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await trio.sleep(0.01)
+            ticks += 1
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+        await compute.run(time.sleep, 0.5)
+        nursery.cancel_scope.cancel()
+    assert ticks >= 20
+    compute.close()
+
+
+async def test_tinygrad_runs_there_after_it_ran_on_the_main_thread():
+    from tinygrad import Tensor
+
+    assert (Tensor([1.0, 2.0]) * 3).tolist() == [3.0, 6.0]  # opens tinygrad's kernel cache here
+    compute = ComputeThread()
+    assert await compute.run(lambda: (Tensor([1.0, 2.0]) + 5).tolist()) == [6.0, 7.0]
+    compute.close()

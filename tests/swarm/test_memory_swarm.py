@@ -1,0 +1,214 @@
+"""A whole swarm in one process on the in-memory network, in virtual time (trio's MockClock)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import trio
+from swarm_helpers import descriptor, key
+
+from planner import BUILTIN_ARCHS, layout_from_arch, make_plan
+from swarmd.config import LAN
+from swarmd.identity import Signer, peer_id_of
+from swarmd.memnet import MemoryHub
+from swarmd.planning import MakePlan
+from swarmd.swarm import SwarmService, SwarmSettings
+
+LAYOUT = layout_from_arch(BUILTIN_ARCHS["smollm2-135m"], "f16")
+
+
+def planner(action: MakePlan):
+    return make_plan(LAYOUT, action.nodes, epoch=action.epoch, previous=action.previous)
+
+
+class Swarm:
+    """Services on one hub; each runs in its own cancel scope so a test can kill it."""
+
+    def __init__(self, nursery: trio.Nursery, hub: MemoryHub) -> None:
+        self.nursery, self.hub = nursery, hub
+        self.services: dict[str, SwarmService] = {}
+        self.scopes: dict[str, trio.CancelScope] = {}
+
+    async def start(self, n: int, *, bootstrap: str | None = None, incarnation: int = 1,
+                    model: str = "smollm2-135m") -> SwarmService:
+        kp = key(n)
+        pid = peer_id_of(kp)
+        net = self.hub.endpoint(pid)
+        desc = replace(descriptor(pid, incarnation=incarnation, model=model), addresses=tuple(net.addresses()))
+        boot = ((bootstrap, f"/memory/{bootstrap}"),) if bootstrap else ()
+        svc = SwarmService(net, Signer(kp), SwarmSettings("test", LAN, boot), describe_self=lambda: desc,
+                           make_plan=planner)
+        scope = trio.CancelScope()
+
+        async def run(task_status=trio.TASK_STATUS_IGNORED):
+            with scope:
+                await svc.run(task_status=task_status)
+
+        await self.nursery.start(run)
+        self.services[pid], self.scopes[pid] = svc, scope
+        return svc
+
+    def kill(self, pid: str) -> None:
+        self.hub.crash(pid)
+        self.scopes.pop(pid).cancel()
+        self.services.pop(pid)
+
+    def views(self):
+        return {(s.leader, s.term, s.coordinator.epoch, frozenset(s.membership.live())) for s in self.services.values()}
+
+
+async def settle(swarm: Swarm, seconds: float = 10.0) -> None:
+    await trio.sleep(seconds)
+
+
+@pytest.fixture
+async def swarm(nursery):
+    hub = await nursery.start(MemoryHub().run)
+    return Swarm(nursery, hub)
+
+
+async def test_five_nodes_agree_on_members_leader_and_plan(swarm, autojump_clock):
+    founder = await swarm.start(1)
+    for n in range(2, 6):
+        await swarm.start(n, bootstrap=founder.peer_id)
+    await settle(swarm)
+    [(leader, term, epoch, live)] = swarm.views()
+    assert leader == founder.peer_id and term == 1 and len(live) == 5 and epoch >= 1
+    plans = {s.plan.to_json().__repr__() for s in swarm.services.values()}
+    assert len(plans) == 1
+    assert {st.peer_id for st in founder.plan.stages} == live
+
+
+async def test_a_killed_leader_is_replaced_by_the_lowest_survivor_with_a_newer_plan(swarm, autojump_clock):
+    founder = await swarm.start(1)
+    for n in range(2, 5):
+        await swarm.start(n, bootstrap=founder.peer_id)
+    await settle(swarm)
+    [(_, term, epoch, _)] = swarm.views()
+    swarm.kill(founder.peer_id)
+    await settle(swarm)
+    [(leader, new_term, new_epoch, live)] = swarm.views()
+    assert leader == min(swarm.services) and new_term > term and new_epoch > epoch
+    assert founder.peer_id not in live
+    assert founder.peer_id not in {st.peer_id for st in swarm.services[leader].plan.stages}
+
+
+async def test_a_joiner_whose_bootstrap_peer_is_gone_never_founds_its_own_swarm(swarm, autojump_clock):
+    founder = await swarm.start(1)
+    swarm.kill(founder.peer_id)
+    joiner = await swarm.start(2, bootstrap=founder.peer_id)
+    await settle(swarm, 20)
+    assert not joiner.admitted and joiner.leader is None and joiner.plan is None
+
+
+async def test_members_of_another_model_are_refused_on_both_sides(swarm, autojump_clock):
+    founder = await swarm.start(1)
+    other = await swarm.start(2, bootstrap=founder.peer_id, model="llama-3.2-1b")
+    await settle(swarm)
+    assert "serves model 'llama-3.2-1b'" in founder.membership.refused[other.peer_id]
+    assert "serves model 'smollm2-135m'" in other.membership.refused[founder.peer_id]
+    assert not other.admitted and founder.membership.live() == {founder.peer_id}
+
+
+async def test_partitioned_halves_converge_on_one_leader_once_healed(swarm, autojump_clock):
+    founder = await swarm.start(1)
+    for n in range(2, 5):
+        await swarm.start(n, bootstrap=founder.peer_id)
+    await settle(swarm)
+    ids = sorted(swarm.services)
+    swarm.hub.partition(ids[:2], ids[2:])
+    await settle(swarm, 15)
+    assert len({s.leader for s in swarm.services.values()}) == 2
+    swarm.hub.heal()
+    await settle(swarm, 30)
+    [(leader, _, _, live)] = swarm.views()
+    assert len(live) == 4 and leader in live
+
+
+async def test_a_restarted_node_rejoins_with_a_new_incarnation(swarm, autojump_clock):
+    founder = await swarm.start(1)
+    await swarm.start(2, bootstrap=founder.peer_id)
+    third = await swarm.start(3, bootstrap=founder.peer_id)
+    await settle(swarm)
+    swarm.kill(third.peer_id)
+    await settle(swarm)
+    assert founder.membership.state_of(third.peer_id) == "dead"
+    again = await swarm.start(3, bootstrap=founder.peer_id, incarnation=2)
+    await settle(swarm)
+    assert again.admitted and founder.membership.state_of(third.peer_id) == "alive"
+    assert len({v[2] for v in swarm.views()}) == 1 and len(next(iter(swarm.views()))[3]) == 3
+
+
+async def test_leaving_leader_hands_over_a_plan_without_itself(swarm, autojump_clock):
+    founder = await swarm.start(1)
+    for n in range(2, 4):
+        await swarm.start(n, bootstrap=founder.peer_id)
+    await settle(swarm)
+    await founder.leave()
+    swarm.kill(founder.peer_id)
+    await trio.sleep(0.1)
+    for s in swarm.services.values():
+        assert founder.peer_id not in {st.peer_id for st in s.plan.stages}
+        assert s.membership.state_of(founder.peer_id) == "dead"
+
+
+async def test_bad_messages_are_rejected_with_one_line_and_the_swarm_carries_on(swarm, autojump_clock, caplog):
+    import cbor2
+
+    from swarmd.gossip import encode
+    from swarmd.swarm import gossip_topic
+
+    founder = await swarm.start(1)
+    member = await swarm.start(2, bootstrap=founder.peer_id)
+    await settle(swarm)
+    rogue = swarm.hub.endpoint(peer_id_of(key(9)))
+    await rogue.connect(founder.peer_id, ())
+    topic = gossip_topic("test")
+    await rogue.publish(topic, b"\xff\xfe not cbor")
+    await rogue.publish(topic, cbor2.dumps({"v": 1, "t": "hb"}))
+    forged = cbor2.loads(encode(heartbeat_of(member), Signer(key(2)), "test"))
+    forged["body"]["seq"] += 1000  # changed after signing, sent on the member's own connection
+    await member.network.publish(topic, cbor2.dumps(forged))
+    await settle(swarm, 3)
+    assert founder.stats["rejected_messages"] >= 3
+    lines = [r.getMessage() for r in caplog.records if r.name == "swarmd.swarm" and "rejected" in r.getMessage()]
+    for reason in ("not CBOR", "envelope: missing body, from, sig, swarm", "bad signature"):
+        assert any(reason in line for line in lines), reason
+    assert all("\n" not in line for line in lines)
+    [(leader, _, _, live)] = swarm.views()
+    assert leader == founder.peer_id and live == {founder.peer_id, member.peer_id}
+
+
+def heartbeat_of(svc: SwarmService):
+    return svc._heartbeat()
+
+
+async def test_a_hung_member_is_found_dead_by_probes_and_comes_back_when_it_resumes(swarm, autojump_clock):
+    founder = await swarm.start(1)
+    for n in range(2, 5):
+        await swarm.start(n, bootstrap=founder.peer_id)
+    await settle(swarm)
+    hung = next(p for p in swarm.services if p != founder.peer_id)
+    others = [s for p, s in swarm.services.items() if p != hung]
+    seen_dead: set[str] = set()
+    all_dead = trio.Event()
+
+    def watch(observer: str):
+        def listener(change):
+            if change.peer_id == hung and change.new == "dead":
+                seen_dead.add(observer)
+                if len(seen_dead) == len(others):
+                    all_dead.set()
+        return listener
+
+    for s in others:
+        s.state_listeners.append(watch(s.peer_id))
+    swarm.hub.freeze(hung)  # like SIGSTOP: its connections stay open, so no disconnect is seen
+    t0 = trio.current_time()
+    await all_dead.wait()
+    took = trio.current_time() - t0
+    assert LAN.probe_timeout < took <= LAN.suspect_after + 2 * LAN.probe_timeout + LAN.probe_interval, took
+    swarm.hub.thaw(hung)
+    await settle(swarm)
+    assert all(s.membership.state_of(hung) == "alive" for s in others)

@@ -1,0 +1,248 @@
+"""The actor transport between real py-libp2p hosts on loopback (several hosts in one process)."""
+
+from __future__ import annotations
+
+import cbor2
+import numpy as np
+import pytest
+import trio
+
+from swarmd.dataplane import make_certificate, pinned_client_context
+from swarmd.p2plinks import Libp2pStream, Plane
+from swarmd.transport import PROTOCOL, LinkError, Send, TransportConfig, TrioStream, read_frame
+from swarmd.wire import Ack, Attach, Error, Forward, Hello, Token, WireTensor, encode
+from swarmd.wire.codec import HEADER
+from swarmd.wire.expect import ExpectForward
+from tests.transport.conftest import eventually, introduce
+
+HIDDEN = 576
+pytestmark = pytest.mark.slow  # real hosts: about a second each
+
+
+def fwd(step: int, request_id: str = "req", rows: int = 1, width: int = HIDDEN, dtype=np.float32) -> Forward:
+    hidden = np.full((rows, width), step, dtype=dtype)
+    return Forward(request_id, step, 1, step, "head", hidden=WireTensor.from_array(hidden))
+
+
+class Counts:
+    """A handler counting deliveries per key (a KV cache would append once per delivery)."""
+
+    def __init__(self, reply_to: str | None = None, delay: float = 0.0) -> None:
+        self.by_key: dict = {}
+        self.reply_to, self.delay = reply_to, delay
+        self.changed = trio.Event()
+
+    async def __call__(self, peer, msg):
+        self.by_key[msg.key()] = self.by_key.get(msg.key(), 0) + 1
+        self.changed.set()
+        self.changed = trio.Event()
+        if self.delay:
+            await trio.sleep(self.delay)
+        if self.reply_to:
+            return Send(self.reply_to, Token(msg.request_id, msg.step, msg.step, hop=1))
+        return None
+
+    async def wait_for(self, n: int, seconds: float = 10.0) -> None:
+        with trio.fail_after(seconds):
+            while len(self.by_key) < n:
+                await self.changed.wait()
+
+
+@pytest.mark.parametrize("plane", [Plane.LIBP2P, Plane.TLS])
+async def test_frames_flow_down_a_chain_and_results_come_back(p2p, plane):
+    a, b, c = [await p2p(seed, plane=plane) for seed in (1, 2, 3)]
+
+    async def stage_b(peer, msg):  # what a middle stage does: pass a result on to the next hop
+        return Send(c.peer, Forward(msg.request_id, msg.step, 2, msg.start_pos, msg.head, hidden=msg.hidden))
+
+    b.transport.route(Forward, stage_b)
+    c_got, tokens = Counts(reply_to=a.peer), Counts()
+    c.transport.route(Forward, c_got)
+    a.transport.route(Token, tokens)
+    for step in range(20):
+        await a.transport.send(b.peer, fwd(step))
+    await tokens.wait_for(20)
+    assert set(c_got.by_key.values()) == {1} and len(c_got.by_key) == 20
+    assert a.links.tls_fallbacks == 0
+    if plane is Plane.TLS:  # the frames went over pinned TLS connections, one per neighbour
+        assert b.links.data_plane is not None and c.links.data_plane is not None
+        assert b.links.data_plane.connections(a.peer) == 1 and c.links.data_plane.connections(b.peer) == 1
+
+
+@pytest.mark.parametrize("plane", [Plane.LIBP2P, Plane.TLS])
+async def test_a_connection_reset_mid_transfer_is_retried_and_delivered_exactly_once(p2p, plane):
+    cfg = TransportConfig(window=8, max_handlers_per_peer=2)  # frames queue unacked at b: some are in flight
+    a, b = await p2p(1, plane=plane, config=cfg), await p2p(2, plane=plane, config=cfg)
+    got = Counts(delay=0.01)  # 2 handlers of 10 ms: b admits 200 frames/s, a offers 500/s, so acks lag
+    b.transport.route(Forward, got)
+
+    async def reset_connections():
+        for _ in range(3):
+            await trio.sleep(0.15)
+            await b.links.disconnect(a.peer)  # closes the libp2p connection and any data-plane socket
+
+    n = 150
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reset_connections)
+        for step in range(n):
+            nursery.start_soon(a.transport.send, b.peer, fwd(step, rows=16))
+            await trio.sleep(0.002)
+    await got.wait_for(n)
+    assert sorted(got.by_key) == sorted(fwd(s).key() for s in range(n))
+    assert set(got.by_key.values()) == {1}  # exactly once, although frames were resent
+    assert a.transport.stats.reconnects >= 1 and a.transport.stats.resent >= 1
+
+
+async def raw_link(mallory, target) -> Libp2pStream:
+    """A stream into `target`'s transport from a host that writes frames by hand."""
+    from libp2p.peer.id import ID
+
+    introduce(mallory, [target.host])
+    stream = Libp2pStream(await mallory.new_stream(ID.from_base58(target.peer), [PROTOCOL]))
+    await stream.write(encode(Hello(1 << 20)))
+    assert isinstance((await read_frame(stream, 4096)).msg, Hello)
+    return stream
+
+
+async def answer(stream, body: bytes):
+    await stream.write(HEADER.pack(len(body)) + body)
+    with trio.fail_after(5):
+        return await read_frame(stream, 1 << 20)
+
+
+async def test_bad_frames_get_clear_errors_and_the_daemon_survives(p2p, bare_host):
+    a = await p2p(1)
+    b = await p2p(2, config=TransportConfig(max_frame=1 << 20))
+    got = Counts()
+    b.transport.route(Forward, got, expect=ExpectForward(hop=1, hidden_size=HIDDEN, vocab_size=49152))
+    stream = await raw_link(await bare_host(9), b)
+    cases = [
+        (b"\x00\x01 not cbor", "not_cbor"),
+        (cbor2.dumps({"t": "teleport", "v": 1, "seq": 2, "body": {}}), "unknown_type"),
+        (encode(fwd(3, width=HIDDEN - 1), 3)[4:], "bad_shape"),
+        (encode(fwd(4, dtype=np.float16), 4)[4:], "bad_dtype"),
+    ]
+    for body, code in cases:
+        reply = await answer(stream, body)
+        assert isinstance(reply.msg, Error) and reply.msg.code == code, reply
+    assert (await answer(stream, encode(fwd(5), 5)[4:])).msg == Ack()  # the same link still works
+    await stream.write(HEADER.pack((1 << 20) + 1))  # over the size limit: refused from its header
+    with trio.fail_after(5):
+        assert (await read_frame(stream, 4096)).msg.code == "frame_too_large"
+    await a.transport.send(b.peer, fwd(6))  # and the daemon serves others
+    assert set(got.by_key) == {fwd(5).key(), fwd(6).key()}
+
+
+async def test_duplicated_and_reordered_frames_are_delivered_once_each(p2p, bare_host):
+    b = await p2p(2)
+    got = Counts()
+    b.transport.route(Forward, got)
+    stream = await raw_link(await bare_host(9), b)
+    order = [3, 1, 3, 2, 1, 1, 2]
+    for seq, step in enumerate(order, start=1):
+        await stream.write(encode(fwd(step), seq))
+    with trio.fail_after(5):
+        acks = [await read_frame(stream, 4096) for _ in order]
+    assert sorted(env.seq for env in acks if env.msg == Ack()) == list(range(1, len(order) + 1))
+    assert got.by_key == {fwd(s).key(): 1 for s in (1, 2, 3)}
+    assert b.transport.stats.duplicates == 4
+
+
+async def test_a_peer_that_keeps_sending_bad_frames_is_disconnected(p2p, bare_host):
+    b = await p2p(2, config=TransportConfig(bad_frames=3))
+    mallory = await bare_host(9)
+    stream = await raw_link(mallory, b)
+    codes = [(await answer(stream, b"\xff" * 8)).msg.code for _ in range(4)]
+    assert codes == ["not_cbor"] * 4
+    with trio.fail_after(5):
+        assert (await read_frame(stream, 4096)).msg.code == "penalised"
+    await eventually(lambda: not mallory.get_network().get_connections(b.host.get_id()))
+    assert b.transport.penalised(str(mallory.get_id()))
+
+
+async def test_garbage_instead_of_hello_closes_the_stream_and_nothing_else(p2p, bare_host):
+    from libp2p.peer.id import ID
+
+    a, b = await p2p(1), await p2p(2)
+    got = Counts()
+    b.transport.route(Forward, got)
+    mallory = await bare_host(9)
+    introduce(mallory, [b.host])
+    stream = Libp2pStream(await mallory.new_stream(ID.from_base58(b.peer), [PROTOCOL]))
+    await stream.write(HEADER.pack(3) + b"abc")
+    with trio.fail_after(5):
+        assert await stream.read(100) == b""
+    await a.transport.send(b.peer, fwd(1))
+    assert got.by_key == {fwd(1).key(): 1}
+
+
+async def test_a_flood_from_one_peer_does_not_stop_the_others(p2p):
+    cfg = TransportConfig(frames_per_second=300, frame_burst=50, max_handlers_per_peer=4)
+    a, b, flooder = await p2p(1, config=cfg), await p2p(2, config=cfg), await p2p(3, config=cfg)
+    got = Counts()
+    b.transport.route(Forward, got)
+    flood_started = 0.0
+
+    async def flood():
+        nonlocal flood_started
+        flood_started = trio.current_time()
+        for step in range(100_000):
+            await flooder.transport.post(b.peer, fwd(step, request_id="flood"))
+
+    latencies = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(flood)
+        await trio.sleep(0.5)  # the flood is in full swing
+        for step in range(10):
+            start = trio.current_time()
+            await a.transport.send(b.peer, fwd(step, request_id="honest"), within=5)
+            latencies.append(trio.current_time() - start)
+        nursery.cancel_scope.cancel()
+    flood_seconds = trio.current_time() - flood_started
+    honest = [k for k in got.by_key if k[1] == "honest"]
+    assert len(honest) == 10
+    assert max(latencies) < 1.0, latencies
+    flooded = sum(1 for k in got.by_key if k[1] == "flood")
+    assert cfg.frame_burst < flooded <= cfg.frame_burst + cfg.frames_per_second * flood_seconds + 1  # held to its rate
+
+
+async def test_a_data_plane_certificate_that_does_not_match_the_pin_is_not_used(p2p):
+    a, b = await p2p(1, plane=Plane.TLS), await p2p(2, plane=Plane.TLS)
+    got = Counts()
+    b.transport.route(Forward, got)
+    assert b.links.data_plane is not None
+    honest_offer = b.links.data_plane.offer
+    impostor_cert, _ = make_certificate("impostor")
+
+    def forged_offer(peer, max_frame):  # the Hello pins a certificate the TLS listener does not hold
+        hello = honest_offer(peer, max_frame)
+        return Hello(hello.max_frame, tls_host=hello.tls_host, tls_port=hello.tls_port, tls_cert=impostor_cert,
+                     tls_token=hello.tls_token)
+
+    b.links.data_plane.offer = forged_offer
+    await a.transport.send(b.peer, fwd(1))
+    assert a.links.tls_fallbacks == 1  # refused the TLS connection, delivered over libp2p instead
+    assert got.by_key == {fwd(1).key(): 1}
+
+
+async def test_the_data_plane_admits_only_connections_with_a_token_handed_out_over_libp2p(p2p):
+    a, b = await p2p(1, plane=Plane.TLS), await p2p(2, plane=Plane.TLS)
+    got = Counts()
+    b.transport.route(Forward, got)
+    plane = b.links.data_plane
+    assert plane is not None
+
+    plain = await trio.open_tcp_stream("127.0.0.1", plane.port)  # not even TLS
+    await plain.send_all(b"GET / HTTP/1.0\r\n\r\n")
+    with trio.fail_after(5):
+        assert await plain.receive_some(100) == b""
+
+    tcp = await trio.open_tcp_stream("127.0.0.1", plane.port)  # TLS, but a token nobody handed out
+    tls = trio.SSLStream(tcp, pinned_client_context(plane.cert_der))
+    stream = TrioStream(tls)
+    await stream.write(encode(Attach(b"forged-token-123")))
+    with trio.fail_after(5), pytest.raises((LinkError, trio.BrokenResourceError)):
+        await read_frame(stream, 4096)
+
+    await a.transport.send(b.peer, fwd(1))
+    assert got.by_key == {fwd(1).key(): 1} and plane.connections(a.peer) == 1
