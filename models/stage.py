@@ -1,16 +1,17 @@
 """A pipeline stage: blocks [start, end) of a Llama model on tinygrad, with a KV cache per request.
 
-The weights live in tinygrad.llm's own `TransformerBlock`s (GGUF names: `blk[i].attn_q`, ...) and its
-norms and feed-forward are called as they are. What is written here is the attention call around them:
-each request owns a slot of a per-layer KV pool, so requests at different positions share a stage, and
-decode steps of several requests run as one batch through one jitted step (one jit per padded batch
-size; slots and positions are bound symbolic variables, so nothing recompiles as positions move).
-Prefill runs in chunks with a symbolic start and token count, as `tinygrad.llm`'s `generate` does.
+The weights live in tinygrad.llm's own `TransformerBlock`s under their GGUF names (`blk[i].attn_q`,
+`ffn_gate`, ...), loaded by `models.gguf_loader`; its RMSNorms are called as they are. What is
+written here is the step around them that tinygrad.llm's blocks cannot do: each request owns a slot
+of a per-layer KV pool, so requests at different positions share a stage, and decode steps of
+several requests run as one batch through one jitted step (one jit per padded batch size; slots and
+positions are bound symbolic variables, so nothing recompiles as positions move). Prefill runs in
+chunks with a symbolic start and token count, as `tinygrad.llm`'s `generate` does. Projections go
+through `models.matvec` (fused Q/K/V and gate/up matrices, one pass each).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,7 +21,9 @@ import numpy as np
 
 from models.errors import ModelError
 from models.kv_cache import KVCacheFull, KVPool, SlotTable
+from models.matvec import matvec, tune_cpu_renderer
 from models.quant import BlockQuantized
+from models.synthetic import random_weights
 
 if TYPE_CHECKING:
     from tinygrad import Tensor, TinyJit
@@ -47,19 +50,6 @@ def rope_table(config, rows: int, freq_factors: np.ndarray | None = None) -> np.
     return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
 
 
-def _tune_cpu_renderer(device: str) -> None:
-    """On CPU, let tinygrad emit scalar loads instead of folding them into float4/half4 vector loads.
-
-    The clang backend devectorises arithmetic and relies on the compiler's SLP vectoriser, which gives
-    up on the lane extracts of folded vector loads: a float16 matvec then runs one scalar conversion
-    and FMA per weight. With scalar loads clang emits 8-wide conversions and FMAs (measured: the
-    SmolLM2 decode step ~2x faster). This setting is per device, for the whole process."""
-    from tinygrad import Device
-
-    if device.split(":")[0] == "CPU":
-        Device[device].renderer.supports_float4 = False
-
-
 def _fuse(layers: list, quantized: list[BlockQuantized | None]) -> Tensor:
     """Concatenate the layers' weight matrices into one and make each layer's weight a view of it: one
     matvec then reads Q, K and V (or gate and up) in one pass, and the GGUF-named weights stay.
@@ -83,50 +73,6 @@ def _dtype_name(w: Tensor | BlockQuantized) -> str:
     return {"half": "float16", "float": "float32"}.get(w.dtype.name, w.dtype.name)
 
 
-def _matvec(x: Tensor, w: Tensor) -> Tensor:
-    """x (rows, I) @ w.T for a few rows, as a kernel a CPU compiler vectorises.
-
-    A plain dot product is one serial chain of scalar FMAs. Here the reduction is split into 16
-    independent partial sums (the unrolled innermost axis), which clang turns into vector
-    conversions and FMAs; rows of x are looped inside each weight row, so a weight (or its GGML
-    block, dequantised in the kernel) is read from memory once for all rows. The reduction runs over
-    (blocks of 32, 2 halves, 16): the layout of GGML's 4-bit blocks, whose two nibbles of a byte
-    hold values j and j+16. On other devices tinygrad's heuristics choose."""
-    from tinygrad.uop.ops import Ops
-
-    out_features, in_features = w.shape
-    # a dense matrix's reduction axes merge in the kernel; a dequantised block's (32, 2, 16) stay apart
-    if in_features % 32 == 0 and w.uop.base.op is not Ops.BUFFER:
-        view: tuple[int, ...] = (in_features // 32, 2, 16)
-    else:
-        view = next(((in_features // s, s) for s in (16, 8, 4) if in_features % s == 0), (in_features, 1))
-    return _split_matvec(x, w, view=view, opts=_cpu_matvec_opts(x.device, out_features, len(view)))
-
-
-def _cpu_matvec_opts(device: str, out_features: int, n_reduce: int) -> tuple | None:
-    from tinygrad.codegen.opt import Opt, OptOps
-    from tinygrad.helpers import CPU_COUNT
-
-    if not device.split(":")[0] == "CPU":
-        return None
-    threads = max(t for t in range(1, CPU_COUNT.value + 1) if out_features % t == 0)
-    opts = (Opt(OptOps.UNROLL, n_reduce - 1, 0),)  # the innermost 16 (or fewer) partial sums
-    return opts + ((Opt(OptOps.THREAD, 0, threads),) if threads > 1 else ())
-
-
-def _split_matvec(x: Tensor, w: Tensor, *, view: tuple[int, ...], opts: tuple | None) -> Tensor:
-    from tinygrad import function
-
-    @function
-    def kernel(x: Tensor, w: Tensor) -> Tensor:
-        out_features, rows = w.shape[0], x.shape[0]
-        parts = w.reshape(out_features, 1, *view) * x.reshape(1, rows, *view)
-        y = parts.sum(tuple(range(2, 1 + len(view)))).sum(-1)  # (out, rows)
-        return y.contiguous(arg=opts) if opts else y.contiguous()
-
-    return kernel(x.contiguous(), w).transpose(0, 1)
-
-
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Half-split RoPE, as tinygrad.llm.model.apply_rope, with angles broadcast over heads."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -147,7 +93,7 @@ class StageModel:
         if max_requests < 1 or max_context < 2:
             raise ModelError("a stage needs max_requests >= 1 and max_context >= 2")
         self.device = Device.canonicalize(device)
-        _tune_cpu_renderer(self.device)
+        tune_cpu_renderer(self.device)
         self.start, self.end, self.n_blocks = start, end, end - start
         self.is_first, self.is_last = start == 0, end == config.num_blocks
         self.max_context, self.max_requests, self.prefill_chunk = max_context, max_requests, prefill_chunk
@@ -247,6 +193,30 @@ class StageModel:
         """How many tokens of `request_id` the cache holds."""
         return self.slots.length(request_id)
 
+    def warmup(self) -> None:
+        """Compile and capture every jitted graph (prefill, and decode at each padded batch size) with
+        throwaway requests, so that first requests do not wait for tinygrad's compiler."""
+        if len(self.slots):
+            raise ModelError("warmup() needs a stage with no requests")
+        row = np.zeros((2,), np.int64) if self.is_first else np.zeros((2, self.hidden_size), np.float32)
+        sizes = sorted({self._bucket(n) for n in range(1, self.max_requests + 1)})
+        ids = [f"warmup-{b}" for b in range(self.max_requests)]
+        try:
+            self.add_request(ids[0])
+            for all_logits in (False, True) if self.is_last else (False,):
+                for _ in range(2):  # tinygrad's jit runs a graph once, then captures it
+                    self.forward([StageInput(ids[0], 0, row, all_logits=all_logits)])
+            for size in sizes:
+                for rid in ids[:size]:
+                    self.add_request(rid)
+                for pos in range(2):
+                    self.forward([StageInput(rid, pos, row[:1]) for rid in ids[:size]])
+                for rid in ids[:size]:
+                    self.free_request(rid)
+        finally:
+            for rid in ids:
+                self.free_request(rid)
+
     # ----- compute -----
 
     def forward(self, items: Sequence[StageInput]) -> list[np.ndarray]:
@@ -342,7 +312,7 @@ class StageModel:
         for i in self.blk:
             x = self._block(i, x.realize(), slots, starts, 1, angles)
         if self.is_last:
-            return _matvec(self.output_norm(x).reshape(batch, -1), self.output.weight).realize()
+            return matvec(self.output_norm(x).reshape(batch, -1), self.output.weight).realize()
         return x.reshape(batch, self.hidden_size).realize()
 
     def _prefill_step(self, inp: Tensor, slot: UOp, start: UOp, ntok: UOp, *, all_logits: bool) -> Tensor:
@@ -370,7 +340,7 @@ class StageModel:
         decode = isinstance(T, int) and T == 1
 
         def project(w: Tensor, h: Tensor) -> Tensor:
-            return _matvec(h.reshape(batch * T, h.shape[-1]), w).reshape(batch, T, w.shape[0])
+            return matvec(h.reshape(batch * T, h.shape[-1]), w).reshape(batch, T, w.shape[0])
 
         q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         q, k, v = project(self._qkv[i], blk.attn_norm(x)).split([q_dim, kv_dim, kv_dim], dim=-1)
@@ -394,33 +364,3 @@ class StageModel:
         h = x + project(blk.attn_output.weight, attn.transpose(1, 2).reshape(batch, T, q_dim))
         gate, up = project(self._gate_up[i], blk.ffn_norm(h)).split([c.hidden_dim, c.hidden_dim], dim=-1)
         return h + project(blk.ffn_down.weight, gate.silu() * up)
-
-
-def random_weights(config, seed: int, start: int, end: int, dtype: str = "float16") -> dict[str, Tensor]:
-    """Seeded random weights for blocks [start, end) (and the embedding/head where the stage needs them),
-    GGUF-named; each tensor is drawn from its own generator keyed by (seed, name)."""
-    from tinygrad import Tensor
-
-    c = config
-    shapes = {"attn_norm.weight": (c.dim,), "attn_q.weight": (c.n_heads * c.head_dim, c.dim),
-              "attn_k.weight": (c.n_kv_heads * c.head_dim, c.dim),
-              "attn_v.weight": (c.n_kv_heads * c.head_dim, c.dim),
-              "attn_output.weight": (c.dim, c.n_heads * c.head_dim), "ffn_norm.weight": (c.dim,),
-              "ffn_gate.weight": (c.hidden_dim, c.dim), "ffn_up.weight": (c.hidden_dim, c.dim),
-              "ffn_down.weight": (c.dim, c.hidden_dim)}
-    named = {f"blk.{i}.{n}": s for i in range(start, end) for n, s in shapes.items()}
-    if start == 0:
-        named["token_embd.weight"] = (c.vocab_size, c.dim)
-    if end == c.num_blocks:
-        named.update({"output_norm.weight": (c.dim,), "output.weight": (c.vocab_size, c.dim)})
-    return {name: Tensor(random_array(seed, name, shape)).cast(dtype).realize() for name, shape in named.items()}
-
-
-def random_array(seed: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """Deterministic float32 values for tensor `name`: norms near 1, matrices scaled by 1/sqrt(fan-in)."""
-    import zlib
-
-    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    if len(shape) == 1:
-        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-    return (rng.standard_normal(shape) / math.sqrt(shape[-1])).astype(np.float32)

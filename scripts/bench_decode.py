@@ -51,9 +51,9 @@ def run_swarmd(path: str, batch: int, steps: int, plain: bool = False, dtype: st
     from models import stage
     from models.stage import StageInput, StageModel
 
-    if plain:  # tinygrad's own matmul and its default vector loads
-        stage._matvec = lambda x, w: x @ w.transpose()
-        stage._tune_cpu_renderer = lambda device: None
+    if plain:  # tinygrad's own matmul (on a realised input) and its default vector loads
+        stage.matvec = lambda x, w: x.contiguous() @ w.transpose()
+        stage.tune_cpu_renderer = lambda device: None
     t0 = time.perf_counter()
     kwargs = {"dtype": dtype} if dtype else {}
     model = StageModel.from_gguf(path, max_context=512, max_requests=max(batch, 1), **kwargs)
