@@ -6,7 +6,8 @@ written here is the step around them that tinygrad.llm's blocks cannot do: each 
 of a per-layer KV pool, so requests at different positions share a stage, and decode steps of
 several requests run as one batch through one jitted step (one jit per padded batch size; slots and
 positions are bound symbolic variables, so nothing recompiles as positions move). Prefill runs in
-chunks with a symbolic start and token count, as `tinygrad.llm`'s `generate` does. Projections go
+chunks with a symbolic start and token count, as `tinygrad.llm`'s `generate` does (the chunk's
+row count is fixed and padded). Projections go
 through `models.matvec` (fused Q/K/V and gate/up matrices, one pass each).
 """
 
@@ -293,7 +294,7 @@ class StageModel:
             sp = UOp.variable("start", 0, self.max_context - 1).bind(it.start_pos + lo)
             nt = UOp.variable("ntok", 1, chunk).bind(len(part))
             res = jit(self._input(padded), svar, sp, nt, all_logits=it.all_logits).numpy()
-            outs.append(res[:len(part)].copy() if res.ndim == 2 else res.copy())
+            outs.append(res[0].copy() if self.is_last and not it.all_logits else res[:len(part)].copy())
         if self.is_last and not it.all_logits:
             return outs[-1]
         return np.concatenate(outs)
@@ -316,19 +317,21 @@ class StageModel:
         return x.reshape(batch, self.hidden_size).realize()
 
     def _prefill_step(self, inp: Tensor, slot: UOp, start: UOp, ntok: UOp, *, all_logits: bool) -> Tensor:
-        from tinygrad import Tensor
-
-        x = self.token_embd(inp[:ntok]).float() if self.is_first else inp[:ntok]
-        x = x.reshape(1, ntok, self.hidden_size)
-        angles = self._rope[start:start + ntok].reshape(1, 1, ntok, -1)
+        """One chunk of `prefill_chunk` rows, the first `ntok` real. The padding rows run too (a concrete
+        row count compiles to ~3x faster kernels than a symbolic one); they come after the real rows,
+        so the causal mask hides them, and the KV rows they write lie past the request's length, where
+        every later step writes before it reads."""
+        chunk = self.prefill_chunk
+        x = self.token_embd(inp).float() if self.is_first else inp
+        x = x.reshape(1, chunk, self.hidden_size)
+        angles = self._rope[start:start + chunk].reshape(1, 1, chunk, -1)
         for i in self.blk:
-            x = self._block(i, x.realize(), (slot,), (start,), ntok, angles)
-        if self.is_last and not all_logits:
-            return self.output(self.output_norm(x[:, ntok - 1:ntok])).reshape(self.vocab_size).realize()
-        res = self.output(self.output_norm(x)) if self.is_last else x
-        res = res.reshape(ntok, res.shape[-1])
-        out = Tensor.empty(self.prefill_chunk, res.shape[-1], device=self.device)
-        return Tensor(out.uop.after(out[0:ntok].uop.store(res.uop))).realize()
+            x = self._block(i, x.realize(), (slot,), (start,), chunk, angles)
+        if not self.is_last:
+            return x.reshape(chunk, self.hidden_size).realize()
+        if not all_logits:
+            x = x[:, ntok - 1:ntok]
+        return matvec(self.output_norm(x).reshape(-1, self.hidden_size), self.output.weight).realize()
 
     def _block(self, i: int, x: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,
                angles: Tensor) -> Tensor:
