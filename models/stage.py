@@ -124,7 +124,7 @@ class StageModel:
             self._gate_up[i] = _fuse([blk.ffn_gate, blk.ffn_up], [quantized.get(n) for n in names[3:]])
 
         freq_factors = None if factors is None else factors.float().numpy()
-        rows = max_context + prefill_chunk  # a symbolic chunk may reach past the context in its bounds
+        rows = max_context + prefill_chunk  # a prefill chunk's padding rows may reach past the context
         self._rope = Tensor(rope_table(self.config, rows, freq_factors), device=self.device).realize()
         self.kv = KVPool(range(start, end), max_requests, config.n_kv_heads, max_context, config.head_dim,
                          self.device, pad_rows=prefill_chunk)
@@ -138,7 +138,10 @@ class StageModel:
     def from_gguf(cls, path: str | Path, start: int = 0, end: int | None = None, *, max_context: int = 2048,
                   max_requests: int = 8, device: str | None = None, dtype: str = "float16") -> StageModel:
         """Load blocks [start, end) (default: to the last block) of a GGUF model, reading only their bytes.
-        Weights are kept as `dtype` (float16 as in tinygrad.llm; float32 to measure what that costs)."""
+
+        `dtype`: "float16" (as tinygrad.llm), "float32" (to measure what float16 costs), or "quantized":
+        Q4_0/Q4_1/Q8_0 matrices stay in their GGML blocks and are dequantised inside the kernels (exact,
+        ~2.8x smaller, faster on CPU; see docs/BENCHMARKS.md)."""
         from models.config import config_from_header
         from models.gguf_loader import load_stage_weights
         from models.gguf_meta import read_header
@@ -252,6 +255,9 @@ class StageModel:
         want = (n,) if self.is_first else (n, self.hidden_size)
         if it.data.shape != want:
             raise ModelError(f"request {it.request_id!r}: input shape {it.data.shape}, expected {want}")
+        if self.is_first and not (np.issubdtype(it.data.dtype, np.integer)
+                                  and 0 <= it.data.min() and it.data.max() < self.vocab_size):
+            raise ModelError(f"request {it.request_id!r}: token ids must be integers in [0, {self.vocab_size})")
         if it.all_logits and not self.is_last:
             raise ModelError("all_logits is only meaningful on the last stage")
 

@@ -66,3 +66,22 @@ def test_greedy_decoding_follows_the_reference(model, reference):
         got = model.forward([StageInput("g", pos, np.array([token]))])[0]
         expected = ref.forward([token], pos)[-1]
     model.free_request("g")
+
+
+def test_llama3_rope_frequency_factors_are_applied(tmp_path, tiny_spec):
+    """Llama 3 GGUFs carry `rope_freqs.weight`: each RoPE frequency is divided by its factor."""
+    from tiny_gguf import tiny_weights, write_gguf
+
+    weights = tiny_weights(tiny_spec, seed=2)
+    weights["rope_freqs.weight"] = np.linspace(1.0, 8.0, tiny_spec.head_dim // 2).astype(np.float32)
+    path = write_gguf(tmp_path / "llama3ish.gguf", tiny_spec, weights)
+    model = StageModel.from_gguf(path, max_context=32, max_requests=1, dtype="float32")
+    ids = np.arange(1, 20) % tiny_spec.vocab
+    model.add_request("r")
+    got = model.forward([StageInput("r", 0, ids, all_logits=True)])[0]
+    want = NpLlama(*load_gguf(path), max_context=32).forward(ids, 0)
+    np.testing.assert_allclose(got, want, atol=F32_TOL, rtol=0)
+    without = dict(weights)
+    del without["rope_freqs.weight"]
+    plain = NpLlama(*load_gguf(write_gguf(tmp_path / "plain.gguf", tiny_spec, without)), max_context=32).forward(ids, 0)
+    assert np.abs(plain - want).max() > 100 * F32_TOL  # the factors matter at these positions

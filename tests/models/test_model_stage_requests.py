@@ -117,6 +117,8 @@ def test_slots_run_out_then_free_up(model):
     (StageInput("x", 0, np.zeros((2, 64), np.float32)), "input shape"),
     (StageInput("x", 0, np.arange(49)), "exceed the context"),
     (StageInput("nobody", 0, np.array([1])), "unknown request"),
+    (StageInput("x", 0, np.array([3, 96])), "token ids must be"),
+    (StageInput("x", 0, np.array([0.5, 1.0])), "token ids must be"),
 ])
 def test_bad_items_are_refused_before_any_compute(model, item, message):
     model.add_request("x")
