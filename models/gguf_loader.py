@@ -19,6 +19,8 @@ from models.gguf_meta import GGUFHeader, TensorInfo
 if TYPE_CHECKING:
     from tinygrad import Tensor
 
+    from models.quant import BlockQuantized
+
 # The tensors of one Llama block, by GGUF name without the `blk.{i}.` prefix.
 BLOCK_TENSORS = (
     "attn_norm.weight",
@@ -64,17 +66,24 @@ def stage_tensor_names(header: GGUFHeader, start: int, end: int, n_blocks: int) 
     return list(dict.fromkeys(names))
 
 
+def read_raw(header: GGUFHeader, name: str) -> np.ndarray:
+    """The bytes of one tensor, and only those."""
+    info = header.tensors[name]
+    nbytes = tensor_nbytes(info)
+    raw = np.fromfile(header.path, dtype=np.uint8, count=nbytes, offset=info.offset)
+    if raw.size != nbytes:
+        raise ModelError(f"{header.path.name}: file ends inside tensor {name}; the download is incomplete")
+    return raw
+
+
 def read_tensor(header: GGUFHeader, name: str, device: str | None = None) -> Tensor:
     """One tensor, dequantised (float32 for quantised types) on `device`, reading only its bytes."""
     from tinygrad import Tensor
     from tinygrad.llm.gguf import ggml_data_to_tensor
 
     info = header.tensors[name]
-    nbytes = tensor_nbytes(info)
-    raw = np.fromfile(header.path, dtype=np.uint8, count=nbytes, offset=info.offset)
-    if raw.size != nbytes:
-        raise ModelError(f"{header.path.name}: file ends inside tensor {name}; the download is incomplete")
-    return ggml_data_to_tensor(Tensor(raw, device=device), info.n_elements, info.ggml_type).reshape(info.shape)
+    raw = Tensor(read_raw(header, name), device=device)
+    return ggml_data_to_tensor(raw, info.n_elements, info.ggml_type).reshape(info.shape)
 
 
 def interleaved_to_half_split(w: Tensor, n_heads: int) -> Tensor:
@@ -86,23 +95,39 @@ def interleaved_to_half_split(w: Tensor, n_heads: int) -> Tensor:
 
 def load_stage_weights(
     header: GGUFHeader, config, start: int, end: int, *, device: str | None = None, dtype: str = "float16"
-) -> dict[str, Tensor]:
-    """Realised weights of stage [start, end), keyed by GGUF name; the tied head is `output.weight`."""
+) -> dict[str, Tensor | BlockQuantized]:
+    """Weights of stage [start, end), keyed by GGUF name; the tied head is `output.weight`.
+
+    `dtype` "float16" or "float32": realised dense matrices. "quantized": Q4_0/Q4_1/Q8_0 matrices stay in
+    their GGML blocks (`BlockQuantized`, dequantised inside the kernels), other matrices are float16 and
+    norms float32."""
     from tinygrad import Tensor
 
+    from models.quant import KERNEL_QUANT_TYPES, BlockQuantized, from_ggml_blocks
+
+    if dtype not in ("float16", "float32", "quantized"):
+        raise ModelError(f"unknown weight dtype {dtype!r}: use float16, float32 or quantized")
     if config.rope_dim != config.head_dim:
         raise ModelError(f"{header.path.name}: partial RoPE ({config.rope_dim} of {config.head_dim}) is not supported")
-    weights: dict[str, Tensor] = {}
+    heads = {"attn_q.weight": config.n_heads, "attn_k.weight": config.n_kv_heads}
+    weights: dict[str, Tensor | BlockQuantized] = {}
     for name in stage_tensor_names(header, start, end, config.num_blocks):
-        t = read_tensor(header, name, device)
-        if name.endswith("attn_q.weight"):
-            t = interleaved_to_half_split(t, config.n_heads)
-        elif name.endswith("attn_k.weight"):
-            t = interleaved_to_half_split(t, config.n_kv_heads)
-        # RoPE frequency factors stay float32: they scale angles, not activations.
-        t = t.cast("float32" if name == "rope_freqs.weight" else dtype).contiguous().realize()
-        weights[name] = t
+        info = header.tensors[name]
+        n_heads = heads.get(name.split(".", 2)[-1])
+
+        def permute(t: Tensor, n_heads: int | None = n_heads) -> Tensor:
+            return interleaved_to_half_split(t, n_heads) if n_heads else t
+
+        if dtype == "quantized" and info.ggml_type in KERNEL_QUANT_TYPES and len(info.shape) == 2 \
+                and info.shape[1] % 32 == 0:
+            blocks = from_ggml_blocks(read_raw(header, name), info.ggml_type, info.shape, device)
+            weights[name] = blocks.map_rows(permute).realize()
+            continue
+        # RoPE frequency factors stay float32 (they scale angles); with quantised matrices, so do the norms
+        keep32 = dtype == "float32" or name == "rope_freqs.weight" or (dtype == "quantized" and len(info.shape) == 1)
+        cast = "float32" if keep32 else "float16"
+        weights[name] = permute(read_tensor(header, name, device)).cast(cast).contiguous().realize()
     if end == config.num_blocks and "output.weight" not in weights:
         weights["output.weight"] = weights["token_embd.weight"] if start == 0 else weights.pop("token_embd.weight")
-    Tensor.realize(*weights.values())
+    Tensor.realize(*[t for w in weights.values() for t in (w.buffers() if isinstance(w, BlockQuantized) else [w])])
     return weights

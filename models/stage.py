@@ -1,16 +1,18 @@
 """A pipeline stage: blocks [start, end) of a Llama model on tinygrad, with a KV cache per request.
 
-The weights live in tinygrad.llm's own `TransformerBlock`s (GGUF names: `blk[i].attn_q`, ...) and its
-norms and feed-forward are called as they are. What is written here is the attention call around them:
-each request owns a slot of a per-layer KV pool, so requests at different positions share a stage, and
-decode steps of several requests run as one batch through one jitted step (one jit per padded batch
-size; slots and positions are bound symbolic variables, so nothing recompiles as positions move).
-Prefill runs in chunks with a symbolic start and token count, as `tinygrad.llm`'s `generate` does.
+The weights live in tinygrad.llm's own `TransformerBlock`s under their GGUF names (`blk[i].attn_q`,
+`ffn_gate`, ...), loaded by `models.gguf_loader`; its RMSNorms are called as they are. What is
+written here is the step around them that tinygrad.llm's blocks cannot do: each request owns a slot
+of a per-layer KV pool, so requests at different positions share a stage, and decode steps of
+several requests run as one batch through one jitted step (one jit per padded batch size; slots and
+positions are bound symbolic variables, so nothing recompiles as positions move). Prefill runs in
+chunks with a symbolic start and token count, as `tinygrad.llm`'s `generate` does (the chunk's
+row count is fixed and padded). Projections go
+through `models.matvec` (fused Q/K/V and gate/up matrices, one pass each).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,6 +22,9 @@ import numpy as np
 
 from models.errors import ModelError
 from models.kv_cache import KVCacheFull, KVPool, SlotTable
+from models.matvec import matvec, tune_cpu_renderer
+from models.quant import BlockQuantized
+from models.synthetic import random_weights
 
 if TYPE_CHECKING:
     from tinygrad import Tensor, TinyJit
@@ -46,23 +51,15 @@ def rope_table(config, rows: int, freq_factors: np.ndarray | None = None) -> np.
     return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
 
 
-def _tune_cpu_renderer(device: str) -> None:
-    """On CPU, let tinygrad emit scalar loads instead of folding them into float4/half4 vector loads.
-
-    The clang backend devectorises arithmetic and relies on the compiler's SLP vectoriser, which gives
-    up on the lane extracts of folded vector loads: a float16 matvec then runs one scalar conversion
-    and FMA per weight. With scalar loads clang emits 8-wide conversions and FMAs (measured: the
-    SmolLM2 decode step ~2x faster). This setting is per device, for the whole process."""
-    from tinygrad import Device
-
-    if device.split(":")[0] == "CPU":
-        Device[device].renderer.supports_float4 = False
-
-
-def _fuse(*layers) -> Tensor:
+def _fuse(layers: list, quantized: list[BlockQuantized | None]) -> Tensor:
     """Concatenate the layers' weight matrices into one and make each layer's weight a view of it: one
-    matvec then reads Q, K and V (or gate and up) in one pass, and the GGUF-named weights stay."""
-    fused = layers[0].weight.cat(*[layer.weight for layer in layers[1:]]).contiguous().realize()
+    matvec then reads Q, K and V (or gate and up) in one pass, and the GGUF-named weights stay.
+    Matrices quantised alike are fused as blocks; a mix falls back to float16."""
+    if all(q is not None for q in quantized) and len({q.kind for q in quantized}) == 1:
+        fused = BlockQuantized.cat(quantized).dequantized()  # type: ignore[arg-type]
+    else:
+        fused = layers[0].weight.cat(*[layer.weight for layer in layers[1:]])
+        fused = (fused.cast("float16") if any(q is not None for q in quantized) else fused).contiguous().realize()
     row = 0
     for layer in layers:
         n = layer.weight.shape[0]
@@ -71,41 +68,10 @@ def _fuse(*layers) -> Tensor:
     return fused
 
 
-def _matvec(x: Tensor, w: Tensor) -> Tensor:
-    """x (B, I) @ w.T for a few rows B, as a kernel a CPU compiler vectorises.
-
-    A plain dot product is one serial chain of scalar FMAs. Here the reduction is split into SPLIT
-    independent partial sums (the unrolled innermost axis), which clang turns into vector
-    f16->f32 conversions and FMAs; rows of x are looped inside each weight row, so a weight is
-    read from memory once for the whole batch. On other devices tinygrad's heuristics choose."""
-    out_features, in_features = w.shape
-    split = next((s for s in (16, 8, 4) if in_features % s == 0), 1)
-    return _split_matvec(x, w, split=split, opts=_cpu_matvec_opts(x.device, out_features))
-
-
-def _cpu_matvec_opts(device: str, out_features: int) -> tuple | None:
-    from tinygrad.codegen.opt import Opt, OptOps
-    from tinygrad.helpers import CPU_COUNT
-
-    if not device.split(":")[0] == "CPU":
-        return None
-    threads = max(t for t in range(1, CPU_COUNT.value + 1) if out_features % t == 0)
-    opts = (Opt(OptOps.UNROLL, 1, 0),)
-    return opts + ((Opt(OptOps.THREAD, 0, threads),) if threads > 1 else ())
-
-
-def _split_matvec(x: Tensor, w: Tensor, *, split: int, opts: tuple | None) -> Tensor:
-    from tinygrad import function
-
-    @function
-    def kernel(x: Tensor, w: Tensor) -> Tensor:
-        out_features, in_features = w.shape
-        rows = x.shape[0]
-        parts = w.reshape(out_features, 1, in_features // split, split) * x.reshape(1, rows, in_features // split, split)
-        y = parts.sum(2).sum(-1)  # (out, B)
-        return y.contiguous(arg=opts) if opts else y.contiguous()
-
-    return kernel(x.contiguous(), w).transpose(0, 1)
+def _dtype_name(w: Tensor | BlockQuantized) -> str:
+    if isinstance(w, BlockQuantized):
+        return "quantized"
+    return {"half": "float16", "float": "float32"}.get(w.dtype.name, w.dtype.name)
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -117,7 +83,8 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class StageModel:
     """Blocks [start, end) of a model; embeds on the first stage, produces logits on the last."""
 
-    def __init__(self, config, weights: dict[str, Tensor], start: int, end: int, *, max_context: int = 2048,
+    def __init__(self, config, weights: dict[str, Tensor | BlockQuantized], start: int, end: int, *,
+                 max_context: int = 2048,
                  max_requests: int = 8, device: str | None = None, prefill_chunk: int = 32):
         from tinygrad import Device, Tensor, nn
         from tinygrad.llm.model import TransformerBlock
@@ -127,14 +94,13 @@ class StageModel:
         if max_requests < 1 or max_context < 2:
             raise ModelError("a stage needs max_requests >= 1 and max_context >= 2")
         self.device = Device.canonicalize(device)
-        _tune_cpu_renderer(self.device)
+        tune_cpu_renderer(self.device)
         self.start, self.end, self.n_blocks = start, end, end - start
         self.is_first, self.is_last = start == 0, end == config.num_blocks
         self.max_context, self.max_requests, self.prefill_chunk = max_context, max_requests, prefill_chunk
         self.config = replace(config, max_context=max_context)
         self.hidden_size, self.vocab_size = config.dim, config.vocab_size
-        sample = weights[f"blk.{start}.attn_q.weight"].dtype
-        self.weight_dtype = {"half": "float16", "float": "float32"}.get(sample.name, sample.name)
+        self.weight_dtype = _dtype_name(weights[f"blk.{start}.attn_q.weight"])
 
         self.blk = {i: TransformerBlock(self.config) for i in range(start, end)}
         if self.is_first:
@@ -144,17 +110,21 @@ class StageModel:
             self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         weights = dict(weights)
         factors = weights.pop("rope_freqs.weight", None)
-        held = self._weight_holders()
-        nn.state.load_state_dict(held, {k: v.to(self.device) for k, v in weights.items()}, verbose=False,
-                                 realize=False)
-        for t in nn.state.get_parameters(held):
-            t.replace(t.contiguous())
-        Tensor.realize(*nn.state.get_parameters(held))
-        self._qkv = {i: _fuse(blk.attn_q, blk.attn_k, blk.attn_v) for i, blk in self.blk.items()}
-        self._gate_up = {i: _fuse(blk.ffn_gate, blk.ffn_up) for i, blk in self.blk.items()}
+        # quantised matrices enter the blocks as lazy dequantisation graphs over their codes, dense ones
+        # as realised buffers; either way under their GGUF names
+        quantized = {k: v for k, v in weights.items() if isinstance(v, BlockQuantized)}
+        dense = {k: v.to(self.device).contiguous() for k, v in weights.items() if not isinstance(v, BlockQuantized)}
+        Tensor.realize(*dense.values())
+        nn.state.load_state_dict(self._weight_holders(), dense | {k: v.dequantized() for k, v in quantized.items()},
+                                 verbose=False, realize=False)
+        self._qkv, self._gate_up = {}, {}
+        for i, blk in self.blk.items():
+            names = [f"blk.{i}.{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")]
+            self._qkv[i] = _fuse([blk.attn_q, blk.attn_k, blk.attn_v], [quantized.get(n) for n in names[:3]])
+            self._gate_up[i] = _fuse([blk.ffn_gate, blk.ffn_up], [quantized.get(n) for n in names[3:]])
 
         freq_factors = None if factors is None else factors.float().numpy()
-        rows = max_context + prefill_chunk  # a symbolic chunk may reach past the context in its bounds
+        rows = max_context + prefill_chunk  # a prefill chunk's padding rows may reach past the context
         self._rope = Tensor(rope_table(self.config, rows, freq_factors), device=self.device).realize()
         self.kv = KVPool(range(start, end), max_requests, config.n_kv_heads, max_context, config.head_dim,
                          self.device, pad_rows=prefill_chunk)
@@ -168,7 +138,10 @@ class StageModel:
     def from_gguf(cls, path: str | Path, start: int = 0, end: int | None = None, *, max_context: int = 2048,
                   max_requests: int = 8, device: str | None = None, dtype: str = "float16") -> StageModel:
         """Load blocks [start, end) (default: to the last block) of a GGUF model, reading only their bytes.
-        Weights are kept as `dtype` (float16 as in tinygrad.llm; float32 to measure what that costs)."""
+
+        `dtype`: "float16" (as tinygrad.llm), "float32" (to measure what float16 costs), or "quantized":
+        Q4_0/Q4_1/Q8_0 matrices stay in their GGML blocks and are dequantised inside the kernels (exact,
+        ~2.8x smaller, faster on CPU; see docs/BENCHMARKS.md)."""
         from models.config import config_from_header
         from models.gguf_loader import load_stage_weights
         from models.gguf_meta import read_header
@@ -200,11 +173,12 @@ class StageModel:
 
     def weight_bytes(self) -> int:
         """Bytes of the device buffers holding this stage's weights (each buffer counted once: fused
-        projections and a tied head share theirs)."""
+        projections, quantisation codes and scales, a tied head shared with the embedding)."""
         from tinygrad import nn
+        from tinygrad.uop.ops import Ops
 
-        buffers = {id(b): b.nbytes for t in nn.state.get_parameters(self._weight_holders())
-                   for b in [t.uop.base.buffer]}
+        buffers = {u: u.buffer.nbytes for t in nn.state.get_parameters(self._weight_holders())
+                   for u in t.uop.toposort() if u.op is Ops.BUFFER}
         return sum(buffers.values())
 
     # ----- requests -----
@@ -222,6 +196,30 @@ class StageModel:
     def position(self, request_id: str) -> int:
         """How many tokens of `request_id` the cache holds."""
         return self.slots.length(request_id)
+
+    def warmup(self) -> None:
+        """Compile and capture every jitted graph (prefill, and decode at each padded batch size) with
+        throwaway requests, so that first requests do not wait for tinygrad's compiler."""
+        if len(self.slots):
+            raise ModelError("warmup() needs a stage with no requests")
+        row = np.zeros((2,), np.int64) if self.is_first else np.zeros((2, self.hidden_size), np.float32)
+        sizes = sorted({self._bucket(n) for n in range(1, self.max_requests + 1)})
+        ids = [f"warmup-{b}" for b in range(self.max_requests)]
+        try:
+            self.add_request(ids[0])
+            for all_logits in (False, True) if self.is_last else (False,):
+                for _ in range(2):  # tinygrad's jit runs a graph once, then captures it
+                    self.forward([StageInput(ids[0], 0, row, all_logits=all_logits)])
+            for size in sizes:
+                for rid in ids[:size]:
+                    self.add_request(rid)
+                for pos in range(2):
+                    self.forward([StageInput(rid, pos, row[:1]) for rid in ids[:size]])
+                for rid in ids[:size]:
+                    self.free_request(rid)
+        finally:
+            for rid in ids:
+                self.free_request(rid)
 
     # ----- compute -----
 
@@ -257,6 +255,9 @@ class StageModel:
         want = (n,) if self.is_first else (n, self.hidden_size)
         if it.data.shape != want:
             raise ModelError(f"request {it.request_id!r}: input shape {it.data.shape}, expected {want}")
+        if self.is_first and not (np.issubdtype(it.data.dtype, np.integer)
+                                  and 0 <= it.data.min() and it.data.max() < self.vocab_size):
+            raise ModelError(f"request {it.request_id!r}: token ids must be integers in [0, {self.vocab_size})")
         if it.all_logits and not self.is_last:
             raise ModelError("all_logits is only meaningful on the last stage")
 
@@ -299,7 +300,7 @@ class StageModel:
             sp = UOp.variable("start", 0, self.max_context - 1).bind(it.start_pos + lo)
             nt = UOp.variable("ntok", 1, chunk).bind(len(part))
             res = jit(self._input(padded), svar, sp, nt, all_logits=it.all_logits).numpy()
-            outs.append(res[:len(part)].copy() if res.ndim == 2 else res.copy())
+            outs.append(res[0].copy() if self.is_last and not it.all_logits else res[:len(part)].copy())
         if self.is_last and not it.all_logits:
             return outs[-1]
         return np.concatenate(outs)
@@ -318,23 +319,25 @@ class StageModel:
         for i in self.blk:
             x = self._block(i, x.realize(), slots, starts, 1, angles)
         if self.is_last:
-            return _matvec(self.output_norm(x).reshape(batch, -1), self.output.weight).realize()
+            return matvec(self.output_norm(x).reshape(batch, -1), self.output.weight).realize()
         return x.reshape(batch, self.hidden_size).realize()
 
     def _prefill_step(self, inp: Tensor, slot: UOp, start: UOp, ntok: UOp, *, all_logits: bool) -> Tensor:
-        from tinygrad import Tensor
-
-        x = self.token_embd(inp[:ntok]).float() if self.is_first else inp[:ntok]
-        x = x.reshape(1, ntok, self.hidden_size)
-        angles = self._rope[start:start + ntok].reshape(1, 1, ntok, -1)
+        """One chunk of `prefill_chunk` rows, the first `ntok` real. The padding rows run too (a concrete
+        row count compiles to ~3x faster kernels than a symbolic one); they come after the real rows,
+        so the causal mask hides them, and the KV rows they write lie past the request's length, where
+        every later step writes before it reads."""
+        chunk = self.prefill_chunk
+        x = self.token_embd(inp).float() if self.is_first else inp
+        x = x.reshape(1, chunk, self.hidden_size)
+        angles = self._rope[start:start + chunk].reshape(1, 1, chunk, -1)
         for i in self.blk:
-            x = self._block(i, x.realize(), (slot,), (start,), ntok, angles)
-        if self.is_last and not all_logits:
-            return self.output(self.output_norm(x[:, ntok - 1:ntok])).reshape(self.vocab_size).realize()
-        res = self.output(self.output_norm(x)) if self.is_last else x
-        res = res.reshape(ntok, res.shape[-1])
-        out = Tensor.empty(self.prefill_chunk, res.shape[-1], device=self.device)
-        return Tensor(out.uop.after(out[0:ntok].uop.store(res.uop))).realize()
+            x = self._block(i, x.realize(), (slot,), (start,), chunk, angles)
+        if not self.is_last:
+            return x.reshape(chunk, self.hidden_size).realize()
+        if not all_logits:
+            x = x[:, ntok - 1:ntok]
+        return matvec(self.output_norm(x).reshape(-1, self.hidden_size), self.output.weight).realize()
 
     def _block(self, i: int, x: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,
                angles: Tensor) -> Tensor:
@@ -346,7 +349,7 @@ class StageModel:
         decode = isinstance(T, int) and T == 1
 
         def project(w: Tensor, h: Tensor) -> Tensor:
-            return _matvec(h.reshape(batch * T, h.shape[-1]), w).reshape(batch, T, w.shape[0])
+            return matvec(h.reshape(batch * T, h.shape[-1]), w).reshape(batch, T, w.shape[0])
 
         q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         q, k, v = project(self._qkv[i], blk.attn_norm(x)).split([q_dim, kv_dim, kv_dim], dim=-1)
@@ -370,33 +373,3 @@ class StageModel:
         h = x + project(blk.attn_output.weight, attn.transpose(1, 2).reshape(batch, T, q_dim))
         gate, up = project(self._gate_up[i], blk.ffn_norm(h)).split([c.hidden_dim, c.hidden_dim], dim=-1)
         return h + project(blk.ffn_down.weight, gate.silu() * up)
-
-
-def random_weights(config, seed: int, start: int, end: int, dtype: str = "float16") -> dict[str, Tensor]:
-    """Seeded random weights for blocks [start, end) (and the embedding/head where the stage needs them),
-    GGUF-named; each tensor is drawn from its own generator keyed by (seed, name)."""
-    from tinygrad import Tensor
-
-    c = config
-    shapes = {"attn_norm.weight": (c.dim,), "attn_q.weight": (c.n_heads * c.head_dim, c.dim),
-              "attn_k.weight": (c.n_kv_heads * c.head_dim, c.dim),
-              "attn_v.weight": (c.n_kv_heads * c.head_dim, c.dim),
-              "attn_output.weight": (c.dim, c.n_heads * c.head_dim), "ffn_norm.weight": (c.dim,),
-              "ffn_gate.weight": (c.hidden_dim, c.dim), "ffn_up.weight": (c.hidden_dim, c.dim),
-              "ffn_down.weight": (c.dim, c.hidden_dim)}
-    named = {f"blk.{i}.{n}": s for i in range(start, end) for n, s in shapes.items()}
-    if start == 0:
-        named["token_embd.weight"] = (c.vocab_size, c.dim)
-    if end == c.num_blocks:
-        named.update({"output_norm.weight": (c.dim,), "output.weight": (c.vocab_size, c.dim)})
-    return {name: Tensor(random_array(seed, name, shape)).cast(dtype).realize() for name, shape in named.items()}
-
-
-def random_array(seed: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """Deterministic float32 values for tensor `name`: norms near 1, matrices scaled by 1/sqrt(fan-in)."""
-    import zlib
-
-    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    if len(shape) == 1:
-        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-    return (rng.standard_normal(shape) / math.sqrt(shape[-1])).astype(np.float32)

@@ -6,6 +6,7 @@ planner does not use (addresses, versions, load) still live here so there is one
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -50,9 +51,13 @@ class NodeDescriptor:
         unknown = set(doc) - known
         if unknown:
             raise PlanSchemaError(f"unknown NodeDescriptor fields: {', '.join(sorted(unknown))}")
+        d = dict(doc)
+        if "addresses" in d and isinstance(d["addresses"], list):
+            d["addresses"] = tuple(d["addresses"])
+        for f in fields(NodeDescriptor):  # descriptors come from peers: every field has the type it says
+            if f.name in d and not _has_type(d[f.name], str(f.type)):
+                raise PlanSchemaError(f"NodeDescriptor field {f.name!r} must be {f.type}, not {type(d[f.name]).__name__}")
         try:
-            d = dict(doc)
-            d["addresses"] = tuple(d.get("addresses", ()))
             d["rtt_ms"] = {str(k): float(v) for k, v in d.get("rtt_ms", {}).items()}
             node = NodeDescriptor(**d)
         except (TypeError, ValueError) as e:
@@ -60,3 +65,21 @@ class NodeDescriptor:
         if not node.peer_id or node.memory_total < 0 or node.memory_free < 0:
             raise PlanSchemaError("a NodeDescriptor needs a peer_id and non-negative memory")
         return node
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _has_type(value: Any, annotation: str) -> bool:
+    if annotation == "str":
+        return isinstance(value, str)
+    if annotation == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation == "float":
+        return _number(value)
+    if annotation == "tuple[str, ...]":
+        return isinstance(value, tuple) and all(isinstance(v, str) for v in value)
+    if annotation == "dict[str, float]":
+        return isinstance(value, dict) and all(isinstance(k, str) and _number(v) for k, v in value.items())
+    raise TypeError(f"no check for NodeDescriptor fields of type {annotation}")  # a new field needs one

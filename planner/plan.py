@@ -168,8 +168,8 @@ class Plan:
                 reasons=tuple(str(r) for r in doc.get("reasons", ())),
                 policy=str(doc.get("policy", "balanced")),
             )
-        except (KeyError, TypeError, ValueError, IndexError) as e:
-            raise PlanSchemaError(f"bad Plan document: {e}") from e
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
+            raise PlanSchemaError(f"bad Plan document: {type(e).__name__}: {e}") from e
         validate_chain(plan)
         if "head" in doc and plan.stages and doc["head"] != plan.head:
             raise PlanSchemaError("Plan 'head' must be the last stage's peer")

@@ -2,7 +2,8 @@
 
 Other parts of the daemon add their routes before or after start with `Api.add_route` (the
 pipeline adds `/v1/*` and `/api/v0/generate`); the node adds `/api/v0/status`, `/health` and
-`/metrics`. The listening socket is bound here, so a port in use is one clear error line.
+`/metrics`. The listening socket is bound here, so a port in use is one clear error line. Every request
+passes `swarmd.api_guard.ApiGuard` first: the bearer token (when one is set) and the size limits.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import trio
 from starlette.applications import Starlette
 from starlette.routing import BaseRoute, Route
 
+from swarmd.api_guard import ApiGuard
+from swarmd.config import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
 from swarmd.errors import UserError
 
 log = logging.getLogger("swarmd.api")
@@ -47,9 +50,17 @@ def api_url(host: str, port: int) -> str:
 
 
 class Api:
-    def __init__(self) -> None:
+    def __init__(self, *, token: str = "", max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         self.app = Starlette(routes=[])
+        self.token = token
+        self.guard = ApiGuard(self.app, token=token, max_request_bytes=max_request_bytes, max_tokens=max_tokens)
         self.url: str | None = None
+
+    @property
+    def guard_stats(self) -> dict[str, int]:
+        """Requests refused before any route saw them, by reason."""
+        return dict(self.guard.stats)
 
     def add_route(self, path: str, endpoint: Callable[..., Any], methods: Sequence[str] = ("GET",),
                   name: str | None = None) -> None:
@@ -76,7 +87,7 @@ class Api:
         shutdown = trio.Event()
         self.url = api_url(bound_host, bound_port)
         async with trio.open_nursery() as nursery:
-            await nursery.start(_serve_task, serve, self.app, config, shutdown)
+            await nursery.start(_serve_task, serve, self.guard, config, shutdown)
             task_status.started(self.url)
             try:
                 await trio.sleep_forever()

@@ -64,6 +64,8 @@ DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"
 DEFAULT_API = "127.0.0.1:8765"
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_SWARM = "swarmd"
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a 128k-token prompt as a list of ids fits
+DEFAULT_MAX_TOKENS = 4096  # the most tokens one request may ask for
 
 
 def default_home() -> Path:
@@ -91,6 +93,12 @@ class DaemonConfig:
     max_requests: int = 4  # KV cache slots of this daemon's stage: requests it can hold at once
     wire_dtype: str = ""  # "" sends activations in their compute dtype (lossless); or float16, bfloat16
     data_plane: str = "tls"  # tls (pinned TLS sockets for tensors) or libp2p (everything on libp2p streams)
+    swarm_key: Path | None = None  # a private swarm: only peers holding this key can connect
+    allow_peers: tuple[str, ...] = ()  # if any: only these peer ids may connect (besides the key)
+    allow_peers_file: Path | None = None  # more allowed peer ids, one per line
+    api_token: str = ""  # bearer token the API wants on every route but /health; required off loopback
+    api_max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    api_max_tokens: int = DEFAULT_MAX_TOKENS
     timings: Timings = LAN
     log_level: str = "info"
 
@@ -151,8 +159,9 @@ def _preset(name: str) -> Timings:
         raise UserError(f"unknown timings preset {name!r} (known: {', '.join(PRESETS)})") from None
 
 
-_LIST_KEYS = {"listen", "announce", "bootstrap"}
-_STR_KEYS = {"swarm", "model", "api", "device", "device_label", "log_level", "wire_dtype", "data_plane"}
+_LIST_KEYS = {"listen", "announce", "bootstrap", "allow_peers"}
+_STR_KEYS = {"swarm", "model", "api", "device", "device_label", "log_level", "wire_dtype", "data_plane",
+             "api_token"}
 WIRE_DTYPES = ("", "float32", "float16", "bfloat16")
 DATA_PLANES = ("tls", "libp2p")
 
@@ -179,7 +188,7 @@ def config_changes(doc: dict[str, Any], source: str = "config") -> dict[str, Any
             out[key] = tuple(items)
         elif key in _STR_KEYS:
             out[key] = str(value)
-        elif key in ("home", "plan"):
+        elif key in ("home", "plan", "swarm_key", "allow_peers_file"):
             out[key] = Path(str(value)).expanduser()
         elif key == "memory_limit":
             out[key] = parse_size(value)
@@ -187,13 +196,20 @@ def config_changes(doc: dict[str, Any], source: str = "config") -> dict[str, Any
             out[key] = bool(value)
         elif key in ("uplink_mbps",):
             out[key] = float(value)
-        elif key in ("max_context", "max_requests"):
+        elif key in ("max_context", "max_requests", "api_max_tokens"):
             out[key] = int(value)
+        elif key == "api_max_request_bytes":
+            out[key] = parse_size(value)
         elif key == "timings":
             out[key] = parse_timings(value)
         else:
             raise UserError(f"{source}: unknown key '{raw_key}'")
     return out
+
+
+def api_token_from_env() -> str:
+    """SWARMD_API_TOKEN: the API's bearer token, for the daemon and for the CLI clients alike."""
+    return os.environ.get("SWARMD_API_TOKEN", "").strip()
 
 
 def bootstrap_from_env() -> tuple[str, ...]:

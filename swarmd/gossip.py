@@ -21,16 +21,29 @@ from planner.plan import Plan
 from swarmd import WIRE_VERSION
 from swarmd.errors import RemoteProtocolError
 from swarmd.identity import Signer, short_id, verify_signature
+from swarmd.wire.codec import WireError, decode_cbor
 
 MAX_MESSAGE_BYTES = 1 << 20  # gossipsub's own inbound limit
+MAX_DEPTH = 16  # a plan nests 7 deep (envelope, body, plan, stages, stage, experts, list)
 ASSIGNMENT_STATES = ("idle", "loading", "ready", "failed")
+
+
+class ForgedMessage(RemoteProtocolError):
+    """A message that its claimed sender did not publish: a signature that does not verify ("forged"), or a
+    correctly signed message published again by another peer ("replayed")."""
+
+    def __init__(self, message: str, tag: Any, kind: str) -> None:
+        super().__init__(message)
+        self.tag = tag
+        self.kind = kind
 
 
 class IncompatibleVersion(RemoteProtocolError):
     """A correctly signed message from a daemon that speaks another wire version."""
 
     def __init__(self, peer_id: str, version: Any) -> None:
-        super().__init__(f"{short_id(peer_id)} speaks wire version {version!r}, this daemon speaks {WIRE_VERSION}")
+        self.shown = repr(version)[:24]  # whatever a peer put there, a status line stays short
+        super().__init__(f"{short_id(peer_id)} speaks wire version {self.shown}, this daemon speaks {WIRE_VERSION}")
         self.peer_id = peer_id
         self.version = version
 
@@ -59,22 +72,27 @@ class AssignmentStatus:
     @staticmethod
     def from_json(doc: Any) -> AssignmentStatus:
         _expect_keys(doc, {"epoch", "layers", "experts", "state", "progress", "error"}, "assignment")
-        layers = doc["layers"]
+        layers, experts, progress = doc["layers"], doc["experts"], doc["progress"]
         if layers is not None and not (isinstance(layers, list) and len(layers) == 2):
             raise RemoteProtocolError("assignment.layers must be [start, end] or null")
         if doc["state"] not in ASSIGNMENT_STATES:
-            raise RemoteProtocolError(f"unknown assignment state {doc['state']!r}")
-        try:
-            return AssignmentStatus(
-                epoch=int(doc["epoch"]),
-                layers=(int(layers[0]), int(layers[1])) if layers is not None else None,
-                experts={int(b): tuple(int(e) for e in es) for b, es in doc["experts"].items()},
-                state=str(doc["state"]),
-                progress=float(doc["progress"]),
-                error=str(doc["error"]),
-            )
-        except (TypeError, ValueError, AttributeError) as e:
-            raise RemoteProtocolError(f"bad assignment status: {e}") from None
+            raise RemoteProtocolError(f"unknown assignment state {str(doc['state'])[:40]!r}")
+        if not isinstance(experts, dict) or not all(
+                isinstance(b, str) and b.isdigit() and isinstance(es, list) for b, es in experts.items()):
+            raise RemoteProtocolError("assignment.experts must map block numbers to lists of experts")
+        if not isinstance(progress, int | float) or isinstance(progress, bool) or not 0.0 <= progress <= 1.0:
+            raise RemoteProtocolError("assignment.progress must be a number from 0 to 1")
+        if not isinstance(doc["error"], str):
+            raise RemoteProtocolError("assignment.error must be a string")
+        return AssignmentStatus(
+            epoch=_int(doc["epoch"], "assignment.epoch"),
+            layers=(_int(layers[0], "assignment.layers"), _int(layers[1], "assignment.layers"))
+            if layers is not None else None,
+            experts={int(b): tuple(_int(e, "assignment.experts") for e in es) for b, es in experts.items()},
+            state=doc["state"],
+            progress=float(progress),
+            error=doc["error"][:300],
+        )
 
 
 @dataclass(frozen=True)
@@ -161,17 +179,21 @@ def decode(data: bytes, swarm: str, origin: str | None = None) -> GossipMessage:
     `origin` is the peer id the gossip layer authenticated as the publisher, when it knows one."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise RemoteProtocolError(f"gossip message of {len(data)} bytes is over the {MAX_MESSAGE_BYTES} limit")
-    try:
-        env = cbor2.loads(data)
-    except Exception as e:
-        raise RemoteProtocolError(f"gossip message is not CBOR: {e}") from None
+    try:  # strict: no tags, no indefinite lengths, no duplicate keys, bounded nesting
+        env = decode_cbor(data, max_depth=MAX_DEPTH)
+    except WireError as e:
+        raise RemoteProtocolError(f"gossip message is not CBOR: {e.message}") from None
     _expect_keys(env, {"v", "t", "from", "swarm", "body", "sig"}, "envelope")
     sender, sig = env["from"], env["sig"]
     if not isinstance(sender, str) or not isinstance(sig, bytes):
         raise RemoteProtocolError("envelope 'from' must be a peer id string and 'sig' bytes")
     if origin is not None and origin != sender:
-        raise RemoteProtocolError(f"message from {short_id(sender)} was published by {short_id(origin)}")
-    verify_signature(sender, _signed_part(env["v"], env["t"], sender, env["swarm"], env["body"]), sig)
+        raise ForgedMessage(f"a message signed by {short_id(sender)} was published by {short_id(origin)}",
+                            env["t"], "replayed")
+    try:
+        verify_signature(sender, _signed_part(env["v"], env["t"], sender, env["swarm"], env["body"]), sig)
+    except RemoteProtocolError as e:
+        raise ForgedMessage(str(e), env["t"], "forged") from None
     if env["v"] != WIRE_VERSION:
         raise IncompatibleVersion(sender, env["v"])
     if env["swarm"] != swarm:

@@ -8,6 +8,12 @@ Settings come from the measured notes on py-libp2p 0.8.1:
 - a failed dial blacklists the peer for 60 s: `unblock_peer` before every dial;
 - `read(n)` is a short read: framing lives in `swarmd.netseam`.
 The host serves identify and ping (libp2p's defaults), so other libp2p implementations can talk to it.
+
+A private swarm (`swarm_key`) uses py-libp2p's private network: every TCP connection is wrapped in a stream
+cipher keyed by the swarm key before multistream-select and noise, so a peer without the key cannot finish
+a handshake, let alone open a stream or read gossip (docs/SECURITY.md). The peer gate (`swarmd.peergate`)
+applies the allowlist and penalties right after the security handshake and to every stream and gossip
+message; see `swarmd.libp2p_guard`.
 """
 
 from __future__ import annotations
@@ -22,14 +28,23 @@ import trio
 
 from swarmd.config import LAN, Timings
 from swarmd.errors import UserError
-from swarmd.netseam import GossipMessage, PeerUnreachable, Stream, StreamClosed, StreamHandler
+from swarmd.guard import StreamGuard
+from swarmd.identity import short_id
+from swarmd.libp2p_guard import gossip_validator, guard_all_handlers, install_gate
+from swarmd.netseam import GossipMessage, PeerUnreachable, Stream, StreamHandler
+from swarmd.peergate import GuardLimits, PeerGate
 
 if TYPE_CHECKING:
     from libp2p.abc import INotifee
 
+    from swarmd.swarmkey import SwarmKey
+
 log = logging.getLogger("swarmd.host")
 
 GOSSIP_DEGREE = (6, 4, 12)  # D, D_lo, D_hi
+MAX_GOSSIP_BYTES = 1 << 20  # gossipsub's own inbound limit
+# Transports py-libp2p's private network does not wrap (QUIC and the like bring their own handshake).
+UNPROTECTED = {"quic", "quic-v1", "webtransport", "webrtc", "webrtc-direct", "ws", "wss", "tls"}
 
 
 def parse_multiaddr(text: str, what: str, *, need_peer_id: bool = False):
@@ -114,18 +129,29 @@ class Libp2pNetwork:
     """`swarmd.netseam.Network` over a py-libp2p host. Start it with `await nursery.start(net.run)`."""
 
     def __init__(self, key_pair, listen: Sequence[str], announce: Sequence[str] = (), *,
-                 timings: Timings = LAN, mdns: bool = False) -> None:
+                 timings: Timings = LAN, mdns: bool = False, swarm_key: SwarmKey | None = None,
+                 allow: frozenset[str] | None = None, limits: GuardLimits | None = None) -> None:
         from swarmd.identity import peer_id_of
 
         self._key_pair = key_pair
         self._peer_id = peer_id_of(key_pair)
         self._listen = [parse_multiaddr(a, "--listen") for a in listen]
+        self.swarm_key = swarm_key
+        if swarm_key is not None:
+            for ma in self._listen:
+                bad = UNPROTECTED & {p.name for p in ma.protocols()}
+                if bad:
+                    raise UserError(f"--listen {ma}: a private swarm listens on TCP only (py-libp2p's private "
+                                    f"network does not wrap {', '.join(sorted(bad))})")
+        self.gate = PeerGate(allow, limits, self_id=self._peer_id, on_penalised=self._on_penalised)
+        self.guard = StreamGuard(self.gate)
         self._announce = [parse_multiaddr(a, "--announce") for a in announce]
         self._timings = timings
         self._mdns = mdns
         self._disconnect_send, self._disconnect_recv = trio.open_memory_channel[str](256)
         self._discovered_send, self._discovered_recv = trio.open_memory_channel[tuple[str, list[str]]](256)
         self.host: Any = None  # libp2p's IHost, once run() has started
+        self._gated: Any = None
         self.pubsub: Any = None
         self._nursery: trio.Nursery | None = None
 
@@ -142,9 +168,13 @@ class Libp2pNetwork:
             key_pair=self._key_pair,
             listen_addrs=self._listen,
             announce_addrs=self._announce or None,
-            connection_config=ConnectionConfig(max_connections_per_peer=1, dial_timeout=t.dial_timeout),
+            connection_config=ConnectionConfig(max_connections_per_peer=1, dial_timeout=t.dial_timeout,
+                                               inbound_upgrade_timeout=max(t.dial_timeout, 2.0)),
             enable_mDNS=self._mdns,
+            psk=self.swarm_key.hex if self.swarm_key is not None else None,
         )
+        self._gated = install_gate(host, self.gate)
+        guard_all_handlers(host, self.gate)  # before gossipsub registers its handlers
         d, d_lo, d_hi = GOSSIP_DEGREE
         gossipsub = GossipSub(protocols=[PROTOCOL_ID_V11, PROTOCOL_ID], degree=d, degree_low=d_lo, degree_high=d_hi,
                               heartbeat_interval=1, adaptive_gossip_enabled=False, spam_protection_enabled=False)
@@ -158,6 +188,7 @@ class Libp2pNetwork:
                 await pubsub.wait_until_ready()
                 host.get_network().register_notifee(cast("INotifee", _DisconnectNotifee(self)))
                 self._nursery = nursery
+                nursery.start_soon(self._release_penalties)
                 if self._mdns:
                     self._watch_mdns()
                 task_status.started(self)
@@ -170,6 +201,11 @@ class Libp2pNetwork:
     @property
     def peer_id(self) -> str:
         return self._peer_id
+
+    @property
+    def connections_refused(self) -> int:
+        """Connections hung up on right after the security handshake (allowlist, penalties)."""
+        return self._gated.refused if self._gated is not None else 0
 
     def bound_addresses(self) -> list[str]:
         """The addresses we listen on, ports as bound, each ending in /p2p/<id>."""
@@ -189,6 +225,8 @@ class Libp2pNetwork:
     async def subscribe(self, topic: str) -> trio.MemoryReceiveChannel[GossipMessage]:
         from libp2p.peer.id import ID
 
+        # Checked before gossipsub delivers or forwards a message: its origin is admitted and within its rate.
+        self.pubsub.set_topic_validator(topic, gossip_validator(self.gate, self._peer_id, MAX_GOSSIP_BYTES), False)
         sub = await self.pubsub.subscribe(topic)
         send, recv = trio.open_memory_channel[GossipMessage](1024)
 
@@ -197,7 +235,7 @@ class Libp2pNetwork:
             while True:
                 msg = await sub.get()
                 origin = ID(msg.from_id).to_base58()
-                if origin == self._peer_id:
+                if origin == self._peer_id or not self.gate.admits(origin, trio.current_time()):
                     continue
                 try:
                     send.send_nowait(GossipMessage(origin, msg.data))
@@ -250,22 +288,21 @@ class Libp2pNetwork:
             raise PeerUnreachable(_dial_error(e)) from None
 
     def serve(self, protocol: str, handler: StreamHandler) -> None:
-        from libp2p.network.stream.exceptions import StreamError
+        """Serve `protocol` under the stream guard: refused peers, rates, read timeouts, strikes."""
+        guarded = self.guard.wrap(protocol, handler)
 
-        async def guarded(stream) -> None:
-            peer = "?"
+        async def adapter(stream) -> None:
             try:
-                peer = stream.muxed_conn.peer_id.to_base58()
-                await handler(peer, stream)
-            except (StreamError, StreamClosed, EOFError):
-                pass
-            except Exception as e:  # never let it reach the host: it would tear every connection down
-                log.warning("handler for %s from %s failed: %s", protocol, peer[-6:], one_line(e))
+                await guarded(stream.muxed_conn.peer_id.to_base58(), stream)
             finally:
                 with contextlib.suppress(Exception):
                     await stream.close()
 
-        self.host.set_stream_handler(protocol, guarded)
+        self.host.set_stream_handler(protocol, adapter)
+
+    def strike(self, peer_id: str, reason: str) -> None:
+        """`peer_id` sent something that failed its checks (enough strikes and it is cut off)."""
+        self.gate.strike(peer_id, trio.current_time(), reason)
 
     def disconnects(self) -> trio.MemoryReceiveChannel[str]:
         return self._disconnect_recv
@@ -273,6 +310,34 @@ class Libp2pNetwork:
     def discovered(self) -> trio.MemoryReceiveChannel[tuple[str, list[str]]]:
         """Peers found by mDNS (only with --mdns): (peer id, addresses)."""
         return self._discovered_recv
+
+    # --- penalties ------------------------------------------------------------------------
+    def _on_penalised(self, peer_id: str, reason: str) -> None:
+        """The gate cut `peer_id` off: drop its gossip and its connections (reconnects are refused)."""
+        if peer_id.startswith("ip:"):  # an address opening connections too fast: refused before handshakes
+            log.warning("refusing connections from %s for %.0f s: %s", peer_id[3:], self.gate.limits.penalty, reason)
+            return
+        log.warning("cutting off %s for %.0f s: %s", short_id(peer_id), self.gate.limits.penalty, reason)
+        if self.pubsub is not None:
+            with contextlib.suppress(Exception):
+                self.pubsub.add_to_blacklist(self._id(peer_id))
+        if self._nursery is not None:
+            self._nursery.start_soon(self._disconnect, peer_id)
+
+    async def _disconnect(self, peer_id: str) -> None:
+        with trio.move_on_after(5.0):
+            try:
+                await self.host.disconnect(self._id(peer_id))
+            except Exception as e:
+                log.debug("disconnecting %s: %s", short_id(peer_id), one_line(e))
+
+    async def _release_penalties(self) -> None:
+        while True:
+            await trio.sleep(1.0)
+            for peer_id in self.gate.expire(trio.current_time()):
+                log.info("penalty of %s is over", short_id(peer_id))
+                with contextlib.suppress(Exception):
+                    self.pubsub.remove_from_blacklist(self._id(peer_id))
 
     # --- helpers ----------------------------------------------------------------------------
     @staticmethod

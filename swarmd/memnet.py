@@ -3,7 +3,9 @@
 One `MemoryHub` stands for the wire: gossip reaches every subscribed endpoint connected to the
 publisher through some chain of connections (as gossipsub relays), streams
 are trio memory stream pairs, and the test can crash an endpoint or cut the hub into partitions
-(existing connections across the cut close, as TCP would). Nothing here is used by the daemon.
+(existing connections across the cut close, as TCP would). Each endpoint has the daemon's peer gate and
+stream guard (allowlist, penalties, rates, read timeouts), as the libp2p network has. Nothing here is used
+by the daemon.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from collections.abc import Callable, Sequence
 import trio
 import trio.testing
 
+from swarmd.guard import StreamGuard
 from swarmd.netseam import GossipMessage, PeerUnreachable, Stream, StreamClosed, StreamHandler
+from swarmd.peergate import GuardLimits, PeerGate
 
 log = logging.getLogger("swarmd.memnet")
 
@@ -68,10 +72,11 @@ class MemoryHub:
             task_status.started(self)
             await trio.sleep_forever()
 
-    def endpoint(self, peer_id: str) -> MemoryNetwork:
+    def endpoint(self, peer_id: str, *, allow: frozenset[str] | None = None,
+                 limits: GuardLimits | None = None) -> MemoryNetwork:
         """A (fresh) endpoint for `peer_id`; a crashed peer comes back up through this."""
         self.down.discard(peer_id)
-        net = MemoryNetwork(self, peer_id)
+        net = MemoryNetwork(self, peer_id, allow=allow, limits=limits)
         self.endpoints[peer_id] = net
         return net
 
@@ -96,6 +101,10 @@ class MemoryHub:
 
     def heal(self) -> None:
         self.group_of = {}
+
+    def hang_up(self, a: str, b: str) -> None:
+        """Close the connection between `a` and `b` (as a penalty does)."""
+        self._cut(lambda x, y: {x, y} == {a, b})
 
     def _cut(self, broken) -> None:
         for a, net in list(self.endpoints.items()):
@@ -122,9 +131,12 @@ class MemoryHub:
 class MemoryNetwork:
     """One peer's view of the hub; implements `swarmd.netseam.Network`."""
 
-    def __init__(self, hub: MemoryHub, peer_id: str) -> None:
+    def __init__(self, hub: MemoryHub, peer_id: str, *, allow: frozenset[str] | None = None,
+                 limits: GuardLimits | None = None) -> None:
         self.hub = hub
         self._peer_id = peer_id
+        self.gate = PeerGate(allow, limits, self_id=peer_id, on_penalised=self._on_penalised)
+        self.guard = StreamGuard(self.gate)
         self.connections: set[str] = set()
         self._subs: dict[str, list[trio.MemorySendChannel[GossipMessage]]] = {}
         self._handlers: dict[str, StreamHandler] = {}
@@ -139,7 +151,10 @@ class MemoryNetwork:
 
     async def publish(self, topic: str, data: bytes) -> None:
         """Gossip relays: every endpoint connected to us through any chain of connections gets it."""
+        now = trio.current_time()
         for other in self._component() - {self._peer_id}:
+            if not self.hub.endpoints[other].gate.admits(self._peer_id, now):
+                continue
             for ch in self.hub.endpoints[other]._subs.get(topic, []):
                 with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError):
                     ch.send_nowait(GossipMessage(self._peer_id, data))
@@ -167,6 +182,10 @@ class MemoryNetwork:
             await trio.sleep_forever()  # the kernel accepts, the process never answers the handshake
         if not self.hub.reachable(self._peer_id, peer_id):
             raise PeerUnreachable("connection refused")
+        now = trio.current_time()
+        refusal = self.gate.refusal(peer_id, now) or self.hub.endpoints[peer_id].gate.refusal(self._peer_id, now)
+        if refusal is not None:
+            raise PeerUnreachable(f"connection refused: {refusal}")
         self.connections.add(peer_id)
         self.hub.endpoints[peer_id].connections.add(self._peer_id)
 
@@ -200,7 +219,14 @@ class MemoryNetwork:
                 await stream.close()
 
     def serve(self, protocol: str, handler: StreamHandler) -> None:
-        self._handlers[protocol] = handler
+        self._handlers[protocol] = self.guard.wrap(protocol, handler)
 
     def disconnects(self) -> trio.MemoryReceiveChannel[str]:
         return self._disconnect_recv
+
+    def strike(self, peer_id: str, reason: str) -> None:
+        self.gate.strike(peer_id, trio.current_time(), reason)
+
+    def _on_penalised(self, peer_id: str, reason: str) -> None:
+        log.warning("%s cuts off %s: %s", self._peer_id[-6:], peer_id[-6:], reason)
+        self.hub.hang_up(self._peer_id, peer_id)

@@ -47,8 +47,17 @@ class SwarmCollector(Collector):
             if m["rtt_ms"] is not None:
                 rtt.add_metric([m["peer_id"]], m["rtt_ms"])
         yield rtt
+        labelled: dict[str, CounterMetricFamily] = {}
         for name, value in sorted(self.counters().items()):
-            yield CounterMetricFamily(f"swarmd_{name}", f"swarm counter {name.replace('_', ' ')}", value=value)
+            if ":" in name:  # "plans_rejected:stale" -> swarmd_plans_rejected_total{reason="stale"}
+                family, reason = name.split(":", 1)
+                if family not in labelled:
+                    labelled[family] = CounterMetricFamily(f"swarmd_{family}", f"{family.replace('_', ' ')} by reason",
+                                                           labels=["reason"])
+                labelled[family].add_metric([reason], value)
+            else:
+                yield CounterMetricFamily(f"swarmd_{name}", f"swarm counter {name.replace('_', ' ')}", value=value)
+        yield from labelled.values()
 
 
 class NodeMetrics:

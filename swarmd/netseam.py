@@ -10,9 +10,14 @@ from __future__ import annotations
 import struct
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import trio
+
+from swarmd.errors import RemoteProtocolError
+
+if TYPE_CHECKING:
+    from swarmd.peergate import PeerGate
 
 
 class Stream(Protocol):
@@ -38,6 +43,11 @@ class StreamClosed(Exception):
     """The other side closed or reset the stream, or the connection under it broke."""
 
 
+class BadFrame(StreamClosed, RemoteProtocolError):
+    """The peer sent a frame that breaks the protocol (too large, wrong shape): the stream is given up and
+    the peer gets a strike from the guard that serves it."""
+
+
 @dataclass(frozen=True)
 class GossipMessage:
     origin: str  # the publisher, as authenticated by the gossip layer
@@ -45,6 +55,8 @@ class GossipMessage:
 
 
 class Network(Protocol):
+    gate: PeerGate  # the allowlist, rates and penalties this endpoint enforces
+
     @property
     def peer_id(self) -> str: ...
 
@@ -78,6 +90,10 @@ class Network(Protocol):
         """Peer ids whose last connection to us closed."""
         ...
 
+    def strike(self, peer_id: str, reason: str) -> None:
+        """`peer_id` sent something that failed its checks; enough strikes cut it off for a while."""
+        ...
+
 
 # --- framing: 4-byte big-endian length, then the payload ------------------------------------
 LENGTH = struct.Struct(">I")
@@ -102,7 +118,7 @@ async def read_exact(stream: Stream, n: int) -> bytes:
 async def read_frame(stream: Stream, max_bytes: int) -> bytes:
     (n,) = LENGTH.unpack(await read_exact(stream, LENGTH.size))
     if n > max_bytes:
-        raise StreamClosed(f"frame of {n} bytes is over the {max_bytes} byte limit")
+        raise BadFrame(f"frame of {n} bytes is over the {max_bytes} byte limit")
     return await read_exact(stream, n)
 
 

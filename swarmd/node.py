@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 from planner import PlanOptions, make_plan
 from planner.plan import Plan
 from swarmd import WIRE_VERSION, __version__
+from swarmd.access import Access, load_access
 from swarmd.api import Api
 from swarmd.assignment import Assignment, StageLoader, load_stage
 from swarmd.compute import ComputeThread
@@ -61,7 +62,8 @@ class Node:
         self.config = config
         self.home = Path(config.home)
         self.loader = loader
-        self.api = Api()
+        self.api = Api(token=config.api_token, max_request_bytes=config.api_max_request_bytes,
+                       max_tokens=config.api_max_tokens)
         self.extensions: list[Extension] = []
         self.requests_in_flight = 0  # the pipeline raises and lowers it; gossiped as the node's load
         self.compute = ComputeThread()  # every tinygrad call of this daemon runs on it
@@ -76,6 +78,7 @@ class Node:
         self.metrics: NodeMetrics | None = None
         self.api_url: str | None = None
         self.fixed_plan: FixedPlan | None = None
+        self.access: Access | None = None
         self._nursery: trio.Nursery | None = None
         self._add_routes()
 
@@ -96,6 +99,10 @@ class Node:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
         bootstrap = tuple((split_peer_addr(a, "--bootstrap")[0], a) for a in cfg.bootstrap)
+        self.access = access = load_access(cfg)
+        for peer, _ in bootstrap:
+            if access.allow is not None and peer not in access.allow:
+                log.warning("bootstrap peer %s is not on the allowlist: it will be refused", short_id(peer))
         self.home.mkdir(parents=True, exist_ok=True)
         key_pair = load_or_create_identity(self.home)
         self.peer_id = peer_id_of(key_pair)
@@ -109,7 +116,9 @@ class Node:
         name = device_name(device)
         bench = await self.compute.run(load_or_measure, self.home, device, name)
         incarnation = next_incarnation(self.home)
-        network = Libp2pNetwork(key_pair, cfg.listen, cfg.announce, timings=cfg.timings, mdns=cfg.mdns)
+        network = Libp2pNetwork(key_pair, cfg.listen, cfg.announce, timings=cfg.timings, mdns=cfg.mdns,
+                                swarm_key=access.swarm_key, allow=access.allow)
+        (log.info if access.private else log.warning)(access.describe())
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self.network = await nursery.start(network.run)
@@ -130,7 +139,7 @@ class Node:
             if cfg.mdns:
                 nursery.start_soon(self._follow_mdns)
             swarm = self.swarm
-            self.metrics = NodeMetrics(self.status, lambda: {**swarm.stats,
+            self.metrics = NodeMetrics(self.status, lambda: {**swarm.stats, **self.security_counters(),
                                                              "compute_busy_seconds": self.compute.busy_seconds})
             for ext in self.extensions:
                 await nursery.start(ext, self)
@@ -143,6 +152,17 @@ class Node:
             finally:
                 self._remove_api_file()
                 self.compute.close()
+
+    def security_counters(self) -> dict[str, float]:
+        """Refusals, strikes and penalties of the peer gate, and the API's refusals, for /metrics."""
+        out: dict[str, float] = {}
+        if self.network is not None:
+            gate, guard = self.network.gate, self.network.guard
+            out.update({f"peer_gate:{k}": v for k, v in gate.stats.items()})
+            out.update({f"served_streams:{k}": v for k, v in guard.stats.items()})
+            out["peer_gate:connections_refused"] = self.network.connections_refused
+        out.update({f"api_refused:{k}": v for k, v in self.api.guard_stats.items()})
+        return out
 
     async def leave(self) -> None:
         """Leave the swarm cleanly (a leader hands over a plan without itself), then stop."""
@@ -177,7 +197,8 @@ class Node:
     def _write_api_file(self) -> None:
         path = self.home / API_FILE
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"url": self.api_url, "peer_id": self.peer_id, "pid": os.getpid()}) + "\n")
+        doc = {"url": self.api_url, "peer_id": self.peer_id, "pid": os.getpid(), "token_required": bool(self.api.token)}
+        tmp.write_text(json.dumps(doc) + "\n")
         os.replace(tmp, path)
 
     def _remove_api_file(self) -> None:
@@ -205,7 +226,8 @@ class Node:
                 "label": me["label"],
                 "model": {"name": self.model.name, "digest": self.model.digest},
             },
-            "swarm": snap["swarm"],
+            "swarm": {"name": snap["swarm"], **(self.access.status() if self.access else {}),
+                      "penalised": self.network.gate.penalised(trio.current_time()) if self.network else []},
             "admitted": snap["admitted"],
             "leader": snap["leader"],
             "term": snap["term"],

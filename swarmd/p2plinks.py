@@ -131,9 +131,15 @@ class P2PLinks:
             raise
 
     async def disconnect(self, peer: str) -> None:
-        """Drop every connection with `peer`: libp2p and data plane (the transport's `on_penalise`)."""
+        """Drop every connection with `peer`: libp2p and data plane (the transport's `on_penalise`). On a
+        daemon's host the peer gate penalises it too, so it is refused everywhere, not only on this protocol."""
         from libp2p.peer.id import ID
 
+        from swarmd.libp2p_guard import gate_of
+
+        gate = gate_of(self.host)
+        if gate is not None and not gate.is_penalised(peer, trio.current_time()):
+            gate.penalise(peer, trio.current_time(), "cut off by the actor transport (bad frames)")
         if self.data_plane is not None:
             await self.data_plane.drop(peer)
         await self.host.disconnect(ID.from_base58(peer))

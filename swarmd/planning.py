@@ -6,8 +6,12 @@ epoch it has seen, publishes it, and repeats it now and then for late joiners. L
 cause a re-plan: they are not part of the basis. A new leader always plans on taking office.
 
 Member side: only the current leader's plan for the current term is accepted, and only if it is
-newer (term, then epoch) than the one in force. A plan that arrives before its leader is known is
-kept and accepted once the election agrees.
+newer (term, then epoch) than the one in force. A plan that arrives before its leader is known, or
+for a term the election has not reached yet, is kept and accepted once the election agrees. Every
+other plan is rejected with a reason (`PlanRejected`): "stale" (an older term or epoch: a replay, or a
+late copy), "conflicting" (the leader's epoch in force with other contents), "not_leader" (signed by a
+member that does not lead the current term). Forged plans (bad signatures, published by another peer)
+never get here: `swarmd.gossip.decode` refuses them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from planner.node import NodeDescriptor
 from planner.plan import Plan
 from swarmd.config import Timings
 from swarmd.gossip import PlanAnnouncement
+from swarmd.identity import short_id
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,16 @@ class PlanError:
     reason: str
 
 
-PlanningAction = MakePlan | PublishPlan | PlanAccepted | PlanError
+@dataclass(frozen=True)
+class PlanRejected:
+    announcement: PlanAnnouncement
+    reason: str  # stale | conflicting | not_leader
+    detail: str
+
+
+PlanningAction = MakePlan | PublishPlan | PlanAccepted | PlanError | PlanRejected
+
+MAX_WAITING = 64  # plans held for a leader the election has not agreed on yet
 
 
 @dataclass
@@ -181,9 +195,25 @@ class PlanCoordinator:
         self.max_epoch_seen = max(self.max_epoch_seen, ann.plan.epoch)
         if ann.leader == self.self_id:
             return []  # our own, echoed by the gossip layer
+        cur = self.current
+        if cur is not None and (ann.leader, ann.term) == (cur.leader, cur.term):
+            if ann.plan.epoch == cur.plan.epoch:
+                if ann.plan == cur.plan:
+                    return []  # the leader repeating its plan for late joiners
+                return [PlanRejected(ann, "conflicting", f"epoch {ann.plan.epoch} of term {ann.term} is in force "
+                                                         "with other contents")]
+            if ann.plan.epoch < cur.plan.epoch:
+                return [PlanRejected(ann, "stale", f"epoch {ann.plan.epoch} is older than epoch "
+                                                   f"{cur.plan.epoch} in force")]
+        if ann.term < self.term:
+            return [PlanRejected(ann, "stale", f"term {ann.term} is over (the current term is {self.term})")]
+        if ann.term == self.term and self.leader is not None and ann.leader != self.leader:
+            return [PlanRejected(ann, "not_leader", f"the leader of term {self.term} is {short_id(self.leader)}")]
         held = self.waiting.get(ann.leader)
         if held is None or (ann.term, ann.plan.epoch) > (held.term, held.plan.epoch):
             self.waiting[ann.leader] = ann
+            if len(self.waiting) > MAX_WAITING:  # forget the plan of the lowest term
+                del self.waiting[min(self.waiting, key=lambda p: (self.waiting[p].term, p))]
         return self._accept_waiting()
 
     def _accept_waiting(self) -> list[PlanningAction]:

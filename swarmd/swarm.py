@@ -26,6 +26,7 @@ from swarmd.election import Claim, Election, LeaderChanged, MembersChanged
 from swarmd.errors import RemoteProtocolError
 from swarmd.gossip import (
     AssignmentStatus,
+    ForgedMessage,
     Heartbeat,
     IncompatibleVersion,
     Leave,
@@ -51,7 +52,16 @@ from swarmd.membership import (
     StateChanged,
     describe,
 )
-from swarmd.netseam import Network, PeerUnreachable, Stream, StreamClosed, read_frame, write_frame
+from swarmd.netseam import (
+    BadFrame,
+    GossipMessage,
+    Network,
+    PeerUnreachable,
+    Stream,
+    StreamClosed,
+    read_frame,
+    write_frame,
+)
 from swarmd.planning import (
     Announced,
     Candidates,
@@ -64,6 +74,7 @@ from swarmd.planning import (
     PlanFailed,
     PlanMade,
     PlanningAction,
+    PlanRejected,
     PublishPlan,
 )
 
@@ -314,6 +325,19 @@ class SwarmService:
                 self.on_plan(a.announcement)
             elif isinstance(a, PlanError):
                 log.warning("cannot plan: %s", a.reason)
+            elif isinstance(a, PlanRejected):
+                ann = a.announcement
+                self._plan_rejected(a.reason, ann.leader, f"epoch {ann.plan.epoch} of term {ann.term} from "
+                                                          f"{short_id(ann.leader)}: {a.detail}")
+
+    def _plan_rejected(self, reason: str, sender: str, detail: str) -> None:
+        """Count a plan refused by `reason` (forged, replayed, stale, conflicting, not_leader) and log it."""
+        self.stats[f"plans_rejected:{reason}"] += 1
+        message = f"rejected a plan ({reason}): {detail}"
+        if reason in ("stale", "not_leader"):  # also what a leader change leaves in flight
+            log.info(message)
+        else:
+            self._warn_once(f"plan-{reason}-{sender}", message)
 
     # --- tasks --------------------------------------------------------------------------------
     def _spawn(self, fn, *args) -> None:
@@ -362,31 +386,39 @@ class SwarmService:
 
     async def _receive_loop(self, messages) -> None:
         async for msg in messages:
-            now = trio.current_time()
-            try:
-                decoded = decode(msg.data, self.settings.swarm, origin=msg.origin)
-            except IncompatibleVersion as e:
-                self._feed(RefusedMessage(e.peer_id, f"speaks wire version {e.version!r}, "
-                                                      f"this daemon speaks {WIRE_VERSION}"), now)
-                continue
-            except RemoteProtocolError as e:
-                self.stats["rejected_messages"] += 1
+            self.ingest(msg, trio.current_time())
+
+    def ingest(self, msg: GossipMessage, now: float) -> None:
+        """One gossip message from the network: checked, then fed to the state machines. Never raises for
+        anything a peer sends; a message that fails its checks is a strike against its publisher."""
+        try:
+            decoded = decode(msg.data, self.settings.swarm, origin=msg.origin)
+        except IncompatibleVersion as e:
+            self._feed(RefusedMessage(e.peer_id, f"speaks wire version {e.shown}, "
+                                                  f"this daemon speaks {WIRE_VERSION}"), now)
+            return
+        except RemoteProtocolError as e:
+            self.stats["rejected_messages"] += 1
+            if isinstance(e, ForgedMessage) and e.tag == "plan":
+                self._plan_rejected(e.kind, msg.origin, str(e))
+            else:
                 self._warn_once(msg.origin, f"rejected a message from {short_id(msg.origin)}: {e}")
-                continue
-            self.stats["messages_received"] += 1
-            if isinstance(decoded, Heartbeat):
-                self._on_membership(self.membership.handle(HeartbeatReceived(decoded), now))
-                if decoded.peer_id in self.membership.members:
-                    claim = Claim(decoded.peer_id, decoded.term, decoded.leader)
-                    self._on_election(self.election.handle(claim, now), now)
-                    self.coordinator.handle(EpochSeen(decoded.plan_epoch), now)
-                self._sync(now)
-            elif isinstance(decoded, PlanAnnouncement):
-                if decoded.leader in self.membership.refused:
-                    continue
-                self._on_planning(self.coordinator.handle(Announced(decoded), now))
-            elif isinstance(decoded, Leave):
-                self._feed(LeaveReceived(decoded.peer_id, decoded.incarnation), now)
+            self.network.strike(msg.origin, f"gossip: {e}")
+            return
+        self.stats["messages_received"] += 1
+        if isinstance(decoded, Heartbeat):
+            self._on_membership(self.membership.handle(HeartbeatReceived(decoded), now))
+            if decoded.peer_id in self.membership.members:
+                claim = Claim(decoded.peer_id, decoded.term, decoded.leader)
+                self._on_election(self.election.handle(claim, now), now)
+                self.coordinator.handle(EpochSeen(decoded.plan_epoch), now)
+            self._sync(now)
+        elif isinstance(decoded, PlanAnnouncement):
+            if decoded.leader in self.membership.refused:
+                return
+            self._on_planning(self.coordinator.handle(Announced(decoded), now))
+        elif isinstance(decoded, Leave):
+            self._feed(LeaveReceived(decoded.peer_id, decoded.incarnation), now)
 
     async def _disconnect_loop(self) -> None:
         async for peer in self.network.disconnects():
@@ -487,8 +519,17 @@ class SwarmService:
         self._feed(ProbeResult(peer, ok, rtt, err), trio.current_time())
 
     async def _serve_probe(self, peer: str, stream: Stream) -> None:
+        """Echo 8-byte nonces, at most `probes_per_second` of them from one peer; anything else is a bad frame
+        (the guard around every served stream then resets it and counts a strike)."""
+        gate = self.network.gate
+        lim = gate.limits
         while True:
-            await write_frame(stream, await read_frame(stream, NONCE.size))
+            nonce = await read_frame(stream, NONCE.size)
+            if len(nonce) != NONCE.size:
+                raise BadFrame(f"a probe is {NONCE.size} bytes, not {len(nonce)}")
+            if not gate.within_rate(peer, "probe", trio.current_time(), lim.probes_per_second, lim.probe_burst):
+                raise BadFrame(f"probes faster than {lim.probes_per_second:g}/s")
+            await write_frame(stream, nonce)
 
     def _drop_probe_stream(self, peer: str) -> None:
         stream = self._probe_streams.pop(peer, None)

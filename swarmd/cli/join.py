@@ -44,6 +44,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="activations on the wire: float32 is lossless (the default); the others halve the bytes")
     p.add_argument("--data-plane", choices=["tls", "libp2p"],
                    help="tensors over pinned TLS sockets (default) or over the libp2p streams themselves")
+    p.add_argument("--swarm-key", type=Path, metavar="FILE",
+                   help="make the swarm private: only peers holding this key (from `swarmd keygen`) can connect")
+    p.add_argument("--allow-peer", action="append", metavar="PEER_ID",
+                   help="accept only these peer ids (repeatable; with or without --swarm-key)")
+    p.add_argument("--allow-peers-file", type=Path, metavar="FILE",
+                   help="more allowed peer ids, one per line (# starts a comment)")
+    p.add_argument("--api-token", metavar="TOKEN",
+                   help="bearer token the HTTP API requires (also SWARMD_API_TOKEN); needed to bind --api off loopback")
     p.add_argument("--timings", metavar="PRESET", help="timing preset: lan (default) or local-test")
     p.add_argument("--config", type=Path, metavar="FILE", help="TOML file with the same keys as these options")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default: info")
@@ -54,13 +62,22 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def build_config(args: argparse.Namespace):
     """Defaults, then the config file, then the environment, then the command line."""
-    from swarmd.config import DaemonConfig, bootstrap_from_env, load_config_file, parse_size, parse_timings
+    from swarmd.config import (
+        DaemonConfig,
+        api_token_from_env,
+        bootstrap_from_env,
+        load_config_file,
+        parse_size,
+        parse_timings,
+    )
 
     config = DaemonConfig()
     if args.config:
         config = config.with_overrides(**load_config_file(args.config))
     if env_boot := bootstrap_from_env():
         config = config.with_overrides(bootstrap=env_boot)
+    if env_token := api_token_from_env():
+        config = config.with_overrides(api_token=env_token)
     level = "debug" if args.verbose else "warning" if args.quiet else args.log_level
     return config.with_overrides(
         swarm=args.swarm,
@@ -80,6 +97,10 @@ def build_config(args: argparse.Namespace):
         max_context=args.max_context,
         wire_dtype=args.wire_dtype,
         data_plane=args.data_plane,
+        swarm_key=args.swarm_key.expanduser() if args.swarm_key else None,
+        allow_peers=tuple(args.allow_peer) if args.allow_peer else None,
+        allow_peers_file=args.allow_peers_file.expanduser() if args.allow_peers_file else None,
+        api_token=args.api_token,
         log_level=level,
     )
 
@@ -107,8 +128,10 @@ def run(args: argparse.Namespace) -> int:
         split_peer_addr(addr, "--bootstrap")
     if config.plan is not None and config.bootstrap:
         raise UserError("--plan is for the daemon that founds the swarm (one started without --bootstrap)")
+    from swarmd.access import check_access
     from swarmd.pipeline import run_pipeline
 
+    check_access(config)
     try:
         return trio.run(serve, config, (run_pipeline,))
     except BaseExceptionGroup as group:

@@ -6,6 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
+from swarmd.api_client import add_token_option, auth_headers, check_authorised
 from swarmd.errors import UserError
 
 ORDER = 30
@@ -17,6 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "without itself), then exits.")
     p.add_argument("--api", metavar="HOST:PORT|URL", help="the daemon's API address (default: from $SWARMD_HOME/api)")
     p.add_argument("--home", type=Path, help="the daemon's state directory (default: $SWARMD_HOME or ~/.swarmd)")
+    add_token_option(p)
     p.add_argument("--wait", type=float, default=15.0, metavar="SECONDS", help="how long to wait for it to stop")
     p.set_defaults(func=run)
 
@@ -28,7 +30,9 @@ def run(args: argparse.Namespace) -> int:
 
     url = daemon_url(args.api, args.home)
     try:
-        answer = httpx.post(f"{url}/api/v0/leave", timeout=5).json()
+        response = httpx.post(f"{url}/api/v0/leave", timeout=5, headers=auth_headers(args.api_token))
+        check_authorised(response, url, args.api_token)
+        answer = response.json()
     except (httpx.HTTPError, ValueError) as e:
         raise UserError(f"no daemon answers at {url} ({type(e).__name__}): is `swarmd join` running?") from None
     peer = answer.get("peer_id", "?")

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from swarmd.api_client import add_token_option, auth_headers, check_authorised
 from swarmd.errors import UserError
 
 ORDER = 20
@@ -19,6 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "$SWARMD_HOME/api, or named with --api.")
     p.add_argument("--api", metavar="HOST:PORT|URL", help="the daemon's API address (default: from $SWARMD_HOME/api)")
     p.add_argument("--home", type=Path, help="the daemon's state directory (default: $SWARMD_HOME or ~/.swarmd)")
+    add_token_option(p)
     p.add_argument("--json", action="store_true", help="print the status document as JSON")
     p.add_argument("--watch", nargs="?", type=float, const=1.0, metavar="SECONDS",
                    help="refresh every SECONDS (default 1) until Ctrl-C")
@@ -45,13 +47,14 @@ def daemon_url(api: str | None, home: Path | None) -> str:
         raise UserError(f"{path} is unreadable: is `swarmd join` running with --home {home}?") from None
 
 
-def fetch_status(url: str, timeout: float = 5.0) -> dict[str, Any]:
+def fetch_status(url: str, timeout: float = 5.0, token: str | None = None) -> dict[str, Any]:
     import httpx
 
     try:
-        response = httpx.get(f"{url}/api/v0/status", timeout=timeout)
+        response = httpx.get(f"{url}/api/v0/status", timeout=timeout, headers=auth_headers(token))
     except httpx.HTTPError as e:
         raise UserError(f"no daemon answers at {url} ({type(e).__name__}): is `swarmd join` running?") from None
+    check_authorised(response, url, token)
     if response.status_code != 200:
         raise UserError(f"the daemon at {url} answered {response.status_code}: {response.text.strip()[:200]}")
     return response.json()
@@ -59,21 +62,22 @@ def fetch_status(url: str, timeout: float = 5.0) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     url = daemon_url(args.api, args.home)
+    token = args.api_token
     if args.json and not args.watch:
-        print(json.dumps(fetch_status(url), indent=2), flush=True)
+        print(json.dumps(fetch_status(url, token=token), indent=2), flush=True)
         return 0
     from rich.console import Console
 
     console = Console()
     if not args.watch:
-        console.print(render(fetch_status(url)))
+        console.print(render(fetch_status(url, token=token)))
         return 0
     from rich.live import Live
 
     with Live(console=console, auto_refresh=False, screen=False) as live:
         while True:
             try:
-                doc = fetch_status(url)
+                doc = fetch_status(url, token=token)
                 view: Any = json.dumps(doc, indent=2) if args.json else render(doc)
             except UserError as e:
                 view = f"[red]{e}[/red]"
@@ -110,6 +114,20 @@ def _assignment(a: dict[str, Any]) -> tuple[str, str]:
     return what, state
 
 
+def access_line(swarm: dict[str, Any]) -> str:
+    """Who can join, in one line (rich markup): open swarms in red."""
+    if swarm.get("private"):
+        line = f"[green]private[/green] (swarm key {swarm.get('key_fingerprint')})"
+    else:
+        line = ("[bold red]OPEN[/bold red]: anyone who can reach this daemon's address can join, read the gossip "
+                "and receive a plan (start the swarm with --swarm-key FILE)")
+    if swarm.get("allowlist") is not None:
+        line += f"; allowlist of {len(swarm['allowlist'])} peer(s)"
+    if swarm.get("api_token_required"):
+        line += "; API needs a token"
+    return line
+
+
 def render(doc: dict[str, Any]):
     from rich.console import Group
     from rich.table import Table
@@ -126,12 +144,14 @@ def render(doc: dict[str, Any]):
     if not doc.get("admitted"):
         lead += "  (not admitted yet: waiting for a member to accept this node)"
     counts = {s: sum(1 for m in doc["members"] if m["state"] == s) for s in ("alive", "suspect", "dead")}
-    top.add_row("swarm", f"{doc['swarm']}  leader {lead}  term {doc['term']}  "
+    swarm = doc["swarm"] if isinstance(doc["swarm"], dict) else {"name": doc["swarm"]}
+    top.add_row("swarm", f"{swarm['name']}  leader {lead}  term {doc['term']}  "
                          f"plan epoch {plan['epoch'] if plan else '-'}  members {counts['alive']} alive"
                          + (f", {counts['suspect']} suspect" if counts["suspect"] else "")
                          + (f", {counts['dead']} dead" if counts["dead"] else ""))
     top.add_row("plan", doc.get("coverage", "-") + (f"  [red]({doc['plan_error']})[/red]" if doc.get("plan_error") else ""))
     top.add_row("requests", f"{doc.get('requests_in_flight', 0)} in flight")
+    top.add_row("access", access_line(swarm))
 
     table = Table(title="members", title_justify="left", expand=False)
     for col in ("peer", "state", "last seen", "rtt", "device", "memory free", "layers", "stage"):
@@ -145,6 +165,13 @@ def render(doc: dict[str, Any]):
                       "-" if m.get("rtt_ms") is None else f"{m['rtt_ms']:.1f} ms",
                       m.get("label") or m.get("device") or "-", _bytes(m.get("memory_free")), layers, stage)
     parts: list[Any] = [top, table]
+    if swarm.get("penalised"):
+        box = Table(title="penalised peers", title_justify="left")
+        for col in ("peer", "for", "reason"):
+            box.add_column(col)
+        for p in swarm["penalised"]:
+            box.add_row(_short(p["peer_id"]), f"{p['seconds_left']:.0f} s", p["reason"])
+        parts.append(box)
     if doc.get("refused"):
         refused = Table(title="refused", title_justify="left")
         refused.add_column("peer")

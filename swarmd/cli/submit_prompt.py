@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from swarmd.api_client import add_token_option, auth_headers, check_authorised
 from swarmd.errors import UserError
 
 ORDER = 30
@@ -59,6 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="how long to wait for the swarm to be ready (default: the daemon's, 120 s)")
     p.add_argument("--api", metavar="HOST:PORT|URL", help="the daemon's API address (default: from $SWARMD_HOME/api)")
     p.add_argument("--home", type=Path, help="the daemon's state directory (default: $SWARMD_HOME or ~/.swarmd)")
+    add_token_option(p)
     p.set_defaults(func=run)
 
 
@@ -102,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     wrote = False
     try:
         with httpx.stream("POST", f"{url}/api/v0/generate", json=body,
-                          timeout=httpx.Timeout(10.0, read=None)) as response:
+                          timeout=httpx.Timeout(10.0, read=None), headers=auth_headers(args.api_token)) as response:
+            check_authorised(response, url, args.api_token)
             if response.status_code != 200:
                 raise UserError(_http_error(response))
             for line in response.iter_lines():

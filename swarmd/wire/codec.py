@@ -81,7 +81,7 @@ def _refuse_tag(tag: cbor2.CBORTag, _immutable: bool) -> Any:  # unreachable whi
 _REJECT_TAGS = _RejectEveryTag()
 
 
-def decode_cbor(body: bytes) -> Any:
+def decode_cbor(body: bytes, max_depth: int = MAX_DEPTH) -> Any:
     """One strict CBOR value from `body` (all of it), or WireError('not_cbor')."""
     fp = io.BytesIO(body)
     try:
@@ -89,7 +89,7 @@ def decode_cbor(body: bytes) -> Any:
             fp,
             tag_hook=_refuse_tag,
             semantic_decoders=_REJECT_TAGS,
-            max_depth=MAX_DEPTH,
+            max_depth=max_depth,
             allow_indefinite=False,
             allow_duplicate_keys=False,
             strict_hashable_types=True,

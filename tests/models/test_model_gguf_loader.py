@@ -85,6 +85,22 @@ def test_quantised_tensors_dequantise_like_gguf_py(tiny_gguf, name):
     np.testing.assert_array_equal(read_tensor(read_header(tiny_gguf), name).numpy(), expected)
 
 
+def test_block_weights_dequantise_in_the_kernel_to_ggmls_values(tiny_gguf):
+    from models.quant import BlockQuantized
+
+    header = read_header(tiny_gguf)
+    loaded = load_stage_weights(header, config_from_header(header), 1, 4, dtype="quantized")
+    heads = {"attn_q": 4, "attn_k": 2}
+    for name in TINY_QUANT:
+        assert isinstance(loaded[name], BlockQuantized)
+        want = read_tensor(header, name)
+        if (n := heads.get(name.split(".")[2])) is not None:
+            want = interleaved_to_half_split(want, n)
+        np.testing.assert_array_equal(loaded[name].dequantized().numpy(), want.numpy())
+    assert loaded["blk.1.attn_norm.weight"].dtype.name == "float"  # norms stay float32
+    assert loaded["blk.1.attn_q.weight"].dtype.name == "half"  # float32 matrices become float16
+
+
 def test_qk_rows_go_from_interleaved_pairs_to_half_split_per_head():
     from tinygrad import Tensor
 

@@ -82,6 +82,17 @@ def test_greedy_decoding_follows_llamacpp_up_to_its_first_near_tie(model, numpy_
         assert int(ref.argmax()) == tokens[agree]
 
 
+def test_block_weights_dequantised_in_the_kernel_match_the_float32_reference(smollm2_gguf, numpy_weights):
+    quantized = StageModel.from_gguf(smollm2_gguf, max_context=64, max_requests=1, dtype="quantized")
+    case = CASES[3]
+    ids = case["prompt_ids"] + case["greedy_ids"][:8]
+    quantized.add_request("q")
+    got = quantized.forward([StageInput("q", 0, np.array(ids), all_logits=True)])[0]
+    want = NpLlama(*numpy_weights, max_context=64).forward(ids, 0)
+    np.testing.assert_allclose(got, want, atol=1e-3, rtol=0)  # measured 2.4e-4: exact weights, float32 sums
+    assert quantized.weight_bytes() < 0.4 * 269_030_016
+
+
 def test_a_stage_holds_only_the_weights_of_its_blocks(model, smollm2_gguf):
     inner = StageModel.from_gguf(smollm2_gguf, 8, 16, max_context=16, max_requests=1)
     block_bytes = inner.weight_bytes() // 8

@@ -12,6 +12,9 @@ from models.errors import ModelError
 from models.kv_cache import KVCacheFull
 from models.stage import StageInput, StageModel
 
+# compiles and runs tinygrad kernels (seconds each on a cold kernel cache)
+pytestmark = pytest.mark.slow
+
 CONFIG = TransformerConfig(num_blocks=2, dim=64, hidden_dim=128, n_heads=4, n_kv_heads=2, norm_eps=1e-5,
                            vocab_size=96, head_dim=16, rope_theta=10000.0, rope_dim=16, v_head_dim=16)
 PROMPTS = {"a": [5, 17, 42, 8, 91, 23], "b": [60, 2, 33], "c": [11, 12, 13, 14, 15, 16, 17, 18, 19]}
@@ -114,6 +117,8 @@ def test_slots_run_out_then_free_up(model):
     (StageInput("x", 0, np.zeros((2, 64), np.float32)), "input shape"),
     (StageInput("x", 0, np.arange(49)), "exceed the context"),
     (StageInput("nobody", 0, np.array([1])), "unknown request"),
+    (StageInput("x", 0, np.array([3, 96])), "token ids must be"),
+    (StageInput("x", 0, np.array([0.5, 1.0])), "token ids must be"),
 ])
 def test_bad_items_are_refused_before_any_compute(model, item, message):
     model.add_request("x")
@@ -129,3 +134,11 @@ def test_forward_runs_from_a_worker_thread(model, expected):
     worker.start()
     worker.join()
     assert result == expected["a"]
+
+
+def test_warmup_captures_every_graph_and_leaves_no_request(model, expected):
+    model.warmup()
+    assert len(model.slots) == 0
+    assert sorted(model._decode_jits) == [1, 2, 4]
+    assert all(jit.captured is not None for jit in model._decode_jits.values())
+    assert alone(model, "b2") == expected["b"]

@@ -10,6 +10,9 @@ from tinygrad.llm.model import TransformerConfig
 
 from models.stage import StageInput, StageModel
 
+# compiles and runs tinygrad kernels (seconds each on a cold kernel cache)
+pytestmark = pytest.mark.slow
+
 CONFIG = TransformerConfig(num_blocks=5, dim=64, hidden_dim=128, n_heads=4, n_kv_heads=2, norm_eps=1e-5,
                            vocab_size=96, head_dim=16, rope_theta=10000.0, rope_dim=16, v_head_dim=16)
 SPLITS = {2: [0, 3, 5], 3: [0, 1, 3, 5], 5: [0, 1, 2, 3, 4, 5]}

@@ -17,6 +17,7 @@ from swarmd.planning import (
     PlanCoordinator,
     PlanFailed,
     PlanMade,
+    PlanRejected,
     PublishPlan,
 )
 
@@ -78,15 +79,21 @@ def test_a_new_leader_plans_above_every_epoch_it_has_seen():
     assert make.epoch == 12 and make.term == 5
 
 
+def reasons(actions) -> list[str]:
+    return [a.reason for a in actions if isinstance(a, PlanRejected)]
+
+
 def test_members_accept_only_the_current_leaders_newer_plan():
     c = PlanCoordinator(B, LAN)
     c.handle(Leadership(2, A), now=0.0)
-    assert c.handle(Announced(PlanAnnouncement(ME, 2, plan(5, ME))), now=0.0) == []
-    assert c.handle(Announced(PlanAnnouncement(A, 1, plan(6, A))), now=0.0) == []
+    assert reasons(c.handle(Announced(PlanAnnouncement(ME, 2, plan(5, ME))), now=0.0)) == ["not_leader"]
+    assert reasons(c.handle(Announced(PlanAnnouncement(A, 1, plan(6, A))), now=0.0)) == ["stale"]
     [acc] = c.handle(Announced(PlanAnnouncement(A, 2, plan(3, A, B))), now=0.0)
     assert isinstance(acc, PlanAccepted) and c.epoch == 3
-    assert c.handle(Announced(PlanAnnouncement(A, 2, plan(3, A, B))), now=0.1) == []
-    assert c.handle(Announced(PlanAnnouncement(A, 2, plan(2, A))), now=0.1) == []
+    assert c.handle(Announced(PlanAnnouncement(A, 2, plan(3, A, B))), now=0.1) == []  # a republish
+    assert reasons(c.handle(Announced(PlanAnnouncement(A, 2, plan(2, A))), now=0.1)) == ["stale"]
+    assert reasons(c.handle(Announced(PlanAnnouncement(A, 2, plan(3, A))), now=0.1)) == ["conflicting"]
+    assert c.epoch == 3 and c.current.plan == plan(3, A, B)
 
 
 def test_a_plan_that_arrives_before_its_leader_is_known_is_accepted_when_the_election_agrees():

@@ -44,7 +44,8 @@ def test_the_human_view_shows_swarm_members_plan_and_refusals():
            "memory_free": 12 << 30, "assignment": {"layers": [0, 15], "state": "ready", "experts": {}}}
     doc = {"self": {"peer_id": me, "label": "RTX 3060 12GB", "device": "CPU", "api": "http://127.0.0.1:1",
                     "model": {"name": "smollm2-135m"}},
-           "swarm": "lab", "admitted": True, "leader": me, "term": 3, "plan": {"epoch": 7},
+           "swarm": {"name": "lab", "private": False, "key_fingerprint": None, "allowlist": None, "penalised": []},
+           "admitted": True, "leader": me, "term": 3, "plan": {"epoch": 7},
            "coverage": "layers 0-29 covered", "requests_in_flight": 2, "plan_error": None,
            "members": [{**row, "peer_id": me},
                        {**row, "peer_id": other, "state": "suspect",
@@ -55,5 +56,5 @@ def test_the_human_view_shows_swarm_members_plan_and_refusals():
     text = console.export_text()
     for expected in ("leader AAAAAA (this node)", "term 3", "plan epoch 7", "1 alive, 1 suspect",
                      "layers 0-29 covered", "2 in flight", "RTX 3060 12GB", "12.0 GiB", "0-14", "15-29",
-                     "loading", "1.2 ms", "serves model 'x'"):
+                     "loading", "1.2 ms", "serves model 'x'", "OPEN: anyone who can reach"):
         assert expected in text, expected

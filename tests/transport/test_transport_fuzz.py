@@ -19,7 +19,7 @@ from tests.transport.memnet import MemoryNet
 from tests.wire.wire_examples import EXAMPLES, VALID_BODIES, mutate
 
 pytestmark = pytest.mark.slow  # a few seconds
-FRAMES_PER_EXAMPLE = 40
+FRAMES_PER_EXAMPLE = 170
 
 
 async def answer_every_frame(bodies: list[bytes]) -> None:
@@ -49,7 +49,7 @@ async def answer_every_frame(bodies: list[bytes]) -> None:
 
 @settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.randoms(use_true_random=False))
-def test_random_and_mutated_frames_each_get_an_answer(rng: random.Random):  # 2,400 frames
+def test_random_and_mutated_frames_each_get_an_answer(rng: random.Random):  # 10,200 frames
     bodies = []
     for _ in range(FRAMES_PER_EXAMPLE):
         kind = rng.random()

@@ -1,0 +1,104 @@
+"""Weights kept in GGML's 32-value blocks (Q4_0, Q4_1, Q8_0) and dequantised inside the kernels that use
+them, so a decode step reads 0.56-1.06 bytes per weight instead of float16's 2.
+
+The bytes of each block are only rearranged on the host (scale, offset and codes into separate
+arrays); the arithmetic is ggml's: Q8_0 w = q*d, Q4_0 w = (q-8)*d (= q*d + m with m = -8d, exact),
+Q4_1 w = q*d + m, codes of a 4-bit block stored as 16 bytes whose low nibbles are values 0..15 and
+high nibbles values 16..31. The products are exact in float32, so the values equal
+`tinygrad.llm.gguf.ggml_data_to_tensor`'s bit for bit (tested).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from tinygrad import Tensor
+
+BLOCK = 32
+# ggml type -> (name, bytes per block)
+KERNEL_QUANT_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
+
+
+@dataclass
+class BlockQuantized:
+    """A (rows, cols) matrix as codes `q`, per-block scales `d` and offsets `m` (float16, (rows, cols/32))."""
+
+    q: Tensor  # Q8_0: (rows, cols) int8; Q4_x: (rows, cols/2) uint8, two codes per byte
+    d: Tensor
+    m: Tensor | None
+    cols: int
+
+    @property
+    def packed(self) -> bool:
+        return self.q.shape[1] * 2 == self.cols
+
+    @property
+    def rows(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def kind(self) -> tuple[bool, bool]:
+        return self.packed, self.m is not None
+
+    def buffers(self) -> list[Tensor]:
+        return [t for t in (self.q, self.d, self.m) if t is not None]
+
+    def dequantized(self) -> Tensor:
+        """The lazy float32 (rows, cols) matrix; realised only inside the kernels that consume it."""
+        from tinygrad import dtypes
+
+        rows, nb = self.rows, self.cols // BLOCK
+        if self.packed:
+            codes = self.q.reshape(rows, nb, 1, BLOCK // 2)
+            codes = codes.bitwise_and(15).cat(codes.rshift(4), dim=2)  # (rows, nb, 2, 16): values 0..15, 16..31
+        else:
+            codes = self.q.reshape(rows, nb, 2, BLOCK // 2)
+        w = codes.cast(dtypes.float32) * self.d.reshape(rows, nb, 1, 1).cast(dtypes.float32)
+        if self.m is not None:
+            w = w + self.m.reshape(rows, nb, 1, 1).cast(dtypes.float32)
+        return w.reshape(rows, self.cols)
+
+    def map_rows(self, fn) -> BlockQuantized:
+        """Apply a row rearrangement (e.g. the Q/K RoPE permutation) to codes, scales and offsets alike."""
+        return BlockQuantized(fn(self.q), fn(self.d), None if self.m is None else fn(self.m), self.cols)
+
+    def realize(self) -> BlockQuantized:
+        from tinygrad import Tensor
+
+        parts = [t.contiguous() for t in self.buffers()]
+        Tensor.realize(*parts)
+        q, d, *m = parts
+        return BlockQuantized(q, d, m[0] if m else None, self.cols)
+
+    @staticmethod
+    def cat(parts: list[BlockQuantized]) -> BlockQuantized:
+        """Stack matrices of the same kind and width along rows."""
+        first = parts[0]
+        m = first.m.cat(*[p.m for p in parts[1:]]) if first.m is not None else None
+        return BlockQuantized(first.q.cat(*[p.q for p in parts[1:]]), first.d.cat(*[p.d for p in parts[1:]]),
+                              m, first.cols).realize()
+
+
+def from_ggml_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...], device: str | None) -> BlockQuantized:
+    """Split the raw bytes of a Q4_0/Q4_1/Q8_0 (rows, cols) tensor into codes, scales and offsets."""
+    from tinygrad import Tensor
+
+    rows, cols = shape
+    _, block_bytes = KERNEL_QUANT_TYPES[ggml_type]
+    blocks = raw.reshape(rows, cols // BLOCK, block_bytes)
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(rows, -1)
+    if ggml_type == 8:  # Q8_0: d, 32 int8 codes
+        q, m = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, cols), None
+    elif ggml_type == 2:  # Q4_0: d, 16 bytes of codes; w = (q - 8) * d
+        q, m = blocks[..., 2:].reshape(rows, cols // 2), (d * np.float16(-8)).astype(np.float16)
+    else:  # Q4_1: d, m, 16 bytes of codes; w = q * d + m
+        q, m = blocks[..., 4:].reshape(rows, cols // 2), np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).reshape(rows, -1)
+
+    def put(a: np.ndarray) -> Tensor:
+        return Tensor(np.ascontiguousarray(a), device=device)
+
+    return BlockQuantized(put(q), put(d), None if m is None else put(m), cols).realize()
