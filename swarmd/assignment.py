@@ -27,10 +27,14 @@ StageLoader = Callable[[ServedModel, int, int, str, int, int], Any]
 
 
 def load_stage(model: ServedModel, start: int, end: int, device: str, max_context: int, max_requests: int):
-    """Blocks [start, end) of the model's GGUF, as a StageModel on `device` (blocking)."""
+    """Blocks [start, end) of the model's GGUF (or drawn from its seed), as a StageModel on `device` (blocking)."""
     from models.errors import ModelError
     from models.stage import StageModel
 
+    if model.seeded is not None:
+        config = model.seeded.config(max_context)
+        return StageModel.random(config, model.seeded.seed, start, end, max_context=config.max_context,
+                                 max_requests=max_requests, device=device)
     if model.path is None:
         raise ModelError(f"no weights for {model.name} on this machine (it is known only to plan with)")
     return StageModel.from_gguf(model.path, start, end, max_context=max_context, max_requests=max_requests,

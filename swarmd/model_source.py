@@ -2,9 +2,10 @@
 
 Weights come from `models.names.resolve_model` (a known name, a .gguf path, an Ollama model); the
 layout the planner needs from the GGUF's header (`models.layout.layout_from_gguf`), named as the
-model is served so that plans, descriptors and `swarmd plan` agree on the name. A built-in
-architecture with no weights on this machine (e.g. `kimi-k2`) still plans: members are told their
-layers, and loading them fails with a clear reason.
+model is served so that plans, descriptors and `swarmd plan` agree on the name. A seeded model
+(`random/llama-3.1-8b`, `models.seeded`) has no file: its layout comes from its architecture and
+each stage draws its own weights. A built-in architecture with no weights on this machine (e.g.
+`kimi-k2`) still plans: members are told their layers, and loading them fails with a clear reason.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from models.errors import ModelError
+from models.seeded import SeededModel, parse_seeded_name
 from planner import BUILTIN_ARCHS, ModelLayout, layout_from_arch
 
 log = logging.getLogger("swarmd.model")
@@ -25,14 +27,19 @@ LAYOUT_DTYPE = "f16"  # models.gguf_loader dequantises weights to float16
 class ServedModel:
     name: str
     digest: str
-    path: Path | None  # None: known by architecture only, no weights here
+    path: Path | None  # None: seeded, or known by architecture only (no weights here)
     layout: ModelLayout
+    seeded: SeededModel | None = None  # weights drawn from a seed, not read from `path`
 
 
 def served_model(spec: str) -> ServedModel:
     """Resolve `spec` (fetching a known model into the cache on first use); ModelError if unknown."""
     from models.names import resolve_model
 
+    seeded = parse_seeded_name(spec)
+    if seeded is not None:
+        layout = layout_from_arch(seeded.arch, LAYOUT_DTYPE, digest=seeded.digest, name=seeded.name)
+        return ServedModel(seeded.name, seeded.digest, None, layout, seeded)
     try:
         source = resolve_model(spec)
     except ModelError:

@@ -96,6 +96,10 @@ class Pipeline:
         from models.tokenizer import Tokenizer
 
         served = self.node.model
+        if served is not None and served.seeded is not None:
+            config = served.seeded.config(self.node.config.max_context)
+            return ModelInfo(served.name, Tokenizer(served.seeded.tokenizer_kv()), config.max_context,
+                             config.vocab_size)
         if served is None or served.path is None:
             raise HeadError("no_weights", f"this daemon has no weights for {served.name if served else 'its model'}: "
                                           "it can plan, not generate", 503)

@@ -3,7 +3,7 @@
 It starts N daemons on loopback with a plan file giving each an even share of the blocks (so the swarm forms
 once, without a re-plan per joiner), and shrinks by stopping daemons: the leader then re-plans over the rest,
 which is how one set of processes is tested as a chain of 6, 4, 3 and 2 stages. Every daemon serves the
-default model (smollm2-135m, from the model cache).
+default model (smollm2-135m, from the model cache) unless the swarm is given another name.
 """
 
 from __future__ import annotations
@@ -21,15 +21,16 @@ from tests.swarm.daemons import Daemon, wait_until
 N_BLOCKS = 30  # SmolLM2-135M
 
 
-def even_plan(peers: list[str], model: str = "smollm2-135m") -> Plan:
+def even_plan(peers: list[str], model: str = "smollm2-135m", n_blocks: int = N_BLOCKS) -> Plan:
     n = len(peers)
-    bounds = [round(i * N_BLOCKS / n) for i in range(n + 1)]
+    bounds = [round(i * n_blocks / n) for i in range(n + 1)]
     stages = tuple(Stage(p, (bounds[i], bounds[i + 1]), (stage_actor(i),)) for i, p in enumerate(peers))
     return Plan(epoch=1, model=ModelRef(model), stages=stages)
 
 
 class DaemonSwarm:
-    def __init__(self, base: Path, bench_file: Path, n: int, *, extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, base: Path, bench_file: Path, n: int, *, extra: tuple[str, ...] = (),
+                 model: str | None = None, n_blocks: int = N_BLOCKS) -> None:
         from swarmd.identity import load_or_create_identity, peer_id_of
 
         self.base = base
@@ -38,10 +39,11 @@ class DaemonSwarm:
             home = base / f"d{i}"
             home.mkdir(parents=True, exist_ok=True)
             load_or_create_identity(home)  # the peer id is known before the daemon starts: the plan names it
-            self.daemons.append(Daemon(home, None, bench_file=bench_file, swarm="pipeline", extra=extra))
+            named = ("--model", model) if model else ()
+            self.daemons.append(Daemon(home, None, bench_file=bench_file, swarm="pipeline", extra=(*named, *extra)))
         self.peers = [peer_id_of(load_or_create_identity(d.home)) for d in self.daemons]
         self.plan_file = base / "plan.json"
-        self.plan_file.write_text(even_plan(self.peers).dumps())
+        self.plan_file.write_text(even_plan(self.peers, model or "smollm2-135m", n_blocks).dumps())
 
     def start(self, timeout: float = 300.0) -> DaemonSwarm:
         first = self.daemons[0].start(extra=("--plan", str(self.plan_file))).wait_ready(60)
