@@ -24,7 +24,8 @@ import pytest
 from tests.pipeline.daemon_swarm import DaemonSwarm
 from tests.swarm.daemons import Daemon, wait_until
 
-pytestmark = pytest.mark.slow
+# The module's swarm of 6 starts in the first test's setup: on a loaded machine that alone can take minutes.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 CONTEXT = 512
 N_TOKENS = 12
