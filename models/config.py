@@ -61,3 +61,16 @@ def config_from_header(header: GGUFHeader, max_context: int | None = None):  # -
         v_head_dim=int(header.arch_key("attention.value_length", head_dim)),
         max_context=min(max_context, context) if max_context else context,
     )
+
+
+def config_from_arch(arch, max_context: int = 2048, rope_theta: float = 500000.0, norm_eps: float = 1e-5):
+    """The `TransformerConfig` of a dense built-in architecture (`planner.arch.ArchSpec`), for models with
+    seeded random weights: the shapes of the release, Llama 3's RoPE base and RMSNorm epsilon."""
+    from tinygrad.llm.model import TransformerConfig
+
+    if arch.is_moe or arch.kv_lora_rank:
+        raise ModelError(f"{arch.name}: only dense architectures with plain attention can be built as a stage")
+    return TransformerConfig(num_blocks=arch.n_blocks, dim=arch.hidden, hidden_dim=arch.ffn, n_heads=arch.n_heads,
+                             n_kv_heads=arch.n_kv_heads, norm_eps=norm_eps, vocab_size=arch.vocab,
+                             head_dim=arch.head_dim, rope_theta=rope_theta, rope_dim=arch.head_dim,
+                             v_head_dim=arch.head_dim, max_context=max_context)

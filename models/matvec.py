@@ -3,8 +3,12 @@
 tinygrad's clang backend turns a plain `x @ w.T` with few rows into one serial chain of scalar FMAs
 per output, and folds loads into float4/half4 vectors whose lane extracts stop clang's SLP vectoriser.
 The kernel here splits the reduction into 16 independent partial sums, pins its optimisations, and
-asks for scalar loads, which clang turns into 8-wide conversions and FMAs. On other devices
-tinygrad's own heuristics choose.
+asks for scalar loads, which clang turns into 8-wide conversions and FMAs.
+
+On GPUs tinygrad's matvec heuristic does not fire for float32 activations times float16 weights (the
+product holds a cast), and its fallback gives each thread whole rows: a few thousand threads for a
+4096-wide layer, a tenth of an H200's bandwidth. There the reduction is split over a thread group
+instead, with options measured per shape by scripts/bench_gpu.py (`GPU_MATVEC_OPTS`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ def matvec(x: Tensor, w: Tensor) -> Tensor:
     from tinygrad.uop.ops import Ops
 
     out_features, in_features = w.shape
+    if (gpu := gpu_matvec_opts(x.device, x.shape[0], out_features, in_features)) is not None:
+        return _split_matvec(x, w, view=(in_features,), opts=gpu or None)
     # a dense matrix's reduction axes merge in the kernel; a dequantised block's (32, 2, 16) stay apart
     if in_features % 32 == 0 and w.uop.base.op is not Ops.BUFFER:
         view: tuple[int, ...] = (in_features // 32, 2, 16)
@@ -70,3 +76,79 @@ def _split_matvec(x: Tensor, w: Tensor, *, view: tuple[int, ...], opts: tuple | 
         return y.contiguous(arg=opts) if opts else y.contiguous()
 
     return kernel(x.contiguous(), w).transpose(0, 1)
+
+
+# Options of the GPU matvec kernel (axis 0: output features, axis 1: rows; reduce axis 0: the inner
+# dimension), picked by scripts/bench_gpu.py's search on an H200 for Llama-shaped layers. Keys: the
+# row count bucket (decode batch) -> options; a matrix whose inner dimension the options do not divide
+# is left to tinygrad's heuristics.
+GPU_MATVEC_OPTS: dict[int, tuple[tuple[str, int, int], ...]] = {
+    1: (('UNROLL', 0, 4), ('GROUP', 0, 32)),
+    8: (('UNROLL', 0, 8), ('GROUP', 0, 64), ('UPCAST', 0, 4), ('UPCAST', 1, 8)),
+    32: (('UNROLL', 0, 4), ('GROUP', 0, 64), ('UPCAST', 0, 4), ('UPCAST', 1, 8)),
+}
+
+
+def gpu_matvec_opts(device: str, rows: int, out_features: int, in_features: int) -> tuple | None:
+    """Kernel options for the GPU matvec of `rows` rows: None off GPUs, () for tinygrad's heuristics.
+
+    `SWARMD_MATVEC_OPTS` (a JSON file of the same table) overrides the built-in one, for searches;
+    an empty table, `{}`, leaves every matvec to tinygrad's heuristics."""
+    from tinygrad.codegen.opt import Opt, OptOps
+
+    if device.split(":")[0] not in GPU_DEVICES:
+        return None
+    override = _override_table()
+    table = GPU_MATVEC_OPTS if override is None else override
+    bucket = next((b for b in sorted(table) if rows <= b), None)
+    if bucket is None:
+        return ()
+    opts = tuple(Opt(OptOps[op], axis, arg) for op, axis, arg in table[bucket])
+    return opts if opts_fit(opts, rows, out_features, in_features) else ()
+
+
+def opts_fit(opts: tuple, rows: int, out_features: int, in_features: int) -> bool:
+    """Whether each axis's splits divide it (tinygrad would refuse or pad the kernel otherwise)."""
+    import math
+
+    from tinygrad.codegen.opt import OptOps
+
+    def split(ops: tuple, axis: int) -> int:
+        return math.prod(o.arg for o in opts if o.op in ops and o.axis == axis)
+
+    reduce_ops = (OptOps.GROUP, OptOps.GROUPTOP, OptOps.UNROLL)
+    return (out_features % split((OptOps.LOCAL, OptOps.UPCAST), 0) == 0
+            and rows % split((OptOps.LOCAL, OptOps.UPCAST), 1) == 0
+            and in_features % split(reduce_ops, 0) == 0)
+
+
+GPU_DEVICES = ("CUDA", "NV", "AMD", "HIP", "METAL", "CL", "NULL")
+
+
+def _override_table() -> dict[int, tuple] | None:
+    import json
+    import os
+
+    path = os.environ.get("SWARMD_MATVEC_OPTS")
+    if not path:
+        return None
+    from pathlib import Path
+
+    return {int(k): tuple(tuple(o) for o in v) for k, v in json.loads(Path(path).read_text()).items()}
+
+
+def gpu_reduce(reduce_fn, opts: tuple[tuple[str, int, int], ...], *xs: Tensor) -> Tensor:
+    """`reduce_fn(*xs)` as its own kernel with the given options on GPUs (tinygrad's heuristics leave a
+    reduction with few outputs, or a symbolic length, to a few dozen threads); as is elsewhere."""
+    from tinygrad import function
+    from tinygrad.codegen.opt import Opt, OptOps
+
+    if xs[0].device.split(":")[0] not in GPU_DEVICES:
+        return reduce_fn(*xs)
+    pinned = tuple(Opt(OptOps[op], axis, arg) for op, axis, arg in opts)
+
+    @function
+    def kernel(*xs: Tensor) -> Tensor:
+        return reduce_fn(*xs).contiguous(arg=pinned)
+
+    return kernel(*(x.contiguous() for x in xs))

@@ -22,7 +22,7 @@ import numpy as np
 
 from models.errors import ModelError
 from models.kv_cache import KVCacheFull, KVPool, SlotTable
-from models.matvec import matvec, tune_cpu_renderer
+from models.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_renderer
 from models.quant import BlockQuantized
 from models.synthetic import random_weights
 
@@ -85,7 +85,8 @@ class StageModel:
 
     def __init__(self, config, weights: dict[str, Tensor | BlockQuantized], start: int, end: int, *,
                  max_context: int = 2048,
-                 max_requests: int = 8, device: str | None = None, prefill_chunk: int = 32):
+                 max_requests: int = 8, device: str | None = None, prefill_chunk: int = 32,
+                 attention_tile: int | None = None):
         from tinygrad import Device, Tensor, nn
         from tinygrad.llm.model import TransformerBlock
 
@@ -98,6 +99,13 @@ class StageModel:
         self.start, self.end, self.n_blocks = start, end, end - start
         self.is_first, self.is_last = start == 0, end == config.num_blocks
         self.max_context, self.max_requests, self.prefill_chunk = max_context, max_requests, prefill_chunk
+        self.on_gpu = on_gpu = self.device.split(":")[0] in GPU_DEVICES
+        if self.device.split(":")[0] == "CUDA":
+            from models.cuda_graph import fix_symbolic_launch_dims
+
+            fix_symbolic_launch_dims()
+        # decode attention over whole tiles of the cache (see _tiled_attention); on by default on GPUs
+        self.attention_tile = (128 if on_gpu else 0) if attention_tile is None else attention_tile
         self.config = replace(config, max_context=max_context)
         self.hidden_size, self.vocab_size = config.dim, config.vocab_size
         self.weight_dtype = _dtype_name(weights[f"blk.{start}.attn_q.weight"])
@@ -124,10 +132,14 @@ class StageModel:
             self._gate_up[i] = _fuse([blk.ffn_gate, blk.ffn_up], [quantized.get(n) for n in names[3:]])
 
         freq_factors = None if factors is None else factors.float().numpy()
-        rows = max_context + prefill_chunk  # a prefill chunk's padding rows may reach past the context
+        # a prefill chunk's padding rows, and the last attention tile, may reach past the context
+        tiled = -(-max_context // self.attention_tile) * self.attention_tile if self.attention_tile else 0
+        pad = max(prefill_chunk, tiled - max_context)
+        rows = max_context + pad
         self._rope = Tensor(rope_table(self.config, rows, freq_factors), device=self.device).realize()
+        self._positions = Tensor.arange(rows, device=self.device).realize()
         self.kv = KVPool(range(start, end), max_requests, config.n_kv_heads, max_context, config.head_dim,
-                         self.device, pad_rows=prefill_chunk)
+                         self.device, pad_rows=pad)
         self.slots = SlotTable(max_requests)
         self._decode_jits: dict[int, TinyJit] = {}
         self._prefill_jits: dict[bool, TinyJit] = {}
@@ -161,7 +173,7 @@ class StageModel:
         """A stage of a model with seeded random weights; block i's weights depend only on (seed, i), so
         any split of the model into stages gives the same model."""
         end = config.num_blocks if end is None else end
-        return cls(config, random_weights(config, seed, start, end, dtype), start, end, **kwargs)
+        return cls(config, random_weights(config, seed, start, end, dtype, kwargs.get("device")), start, end, **kwargs)
 
     def _weight_holders(self) -> dict[str, Any]:
         held: dict[str, Any] = {"blk": self.blk}
@@ -277,9 +289,12 @@ class StageModel:
         starts = [it.start_pos for it in items] + [0] * pad
         svars = [UOp.variable(f"slot{b}", 0, self.kv.scratch_slot).bind(s) for b, s in enumerate(slots)]
         pvars = [UOp.variable(f"pos{b}", 0, self.max_context - 1).bind(p) for b, p in enumerate(starts)]
+        tile = self.attention_tile
+        tvars = [UOp.variable(f"tiles{b}", 1, -(-self.max_context // tile)).bind(p // tile + 1)
+                 for b, p in enumerate(starts)] if tile else []
         if batch not in self._decode_jits:
             self._decode_jits[batch] = TinyJit(self._decode_step)
-        res = self._decode_jits[batch](self._input(rows), *svars, *pvars).numpy()
+        res = self._decode_jits[batch](self._input(rows), *svars, *pvars, *tvars).numpy()
         # the last stage gives each request's logits (vocab,); the others its hidden state (1, hidden)
         return [res[b].copy() if self.is_last else res[b:b + 1].copy() for b in range(len(items))]
 
@@ -309,7 +324,7 @@ class StageModel:
 
     def _decode_step(self, inp: Tensor, *variables: UOp) -> Tensor:
         batch = inp.shape[0]
-        slots, starts = variables[:batch], variables[batch:]
+        slots, starts, tiles = variables[:batch], variables[batch:2 * batch], variables[2 * batch:]
         x = self.token_embd(inp).float() if self.is_first else inp
         x = x.reshape(batch, 1, self.hidden_size)
         angles = self._rope[starts[0]:starts[0] + 1]
@@ -317,7 +332,7 @@ class StageModel:
             angles = angles.cat(self._rope[p:p + 1])
         angles = angles.reshape(batch, 1, 1, -1).realize()
         for i in self.blk:
-            x = self._block(i, x.realize(), slots, starts, 1, angles)
+            x = self._block(i, x.realize(), slots, starts, 1, angles, tiles)
         if self.is_last:
             return matvec(self.output_norm(x).reshape(batch, -1), self.output.weight).realize()
         return x.reshape(batch, self.hidden_size).realize()
@@ -340,7 +355,7 @@ class StageModel:
         return matvec(self.output_norm(x).reshape(-1, self.hidden_size), self.output.weight).realize()
 
     def _block(self, i: int, x: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,
-               angles: Tensor) -> Tensor:
+               angles: Tensor, tiles: Sequence[UOp] = ()) -> Tensor:
         """One block for `len(slots)` requests of T tokens each: x (B, T, dim) -> (B, T, dim)."""
         from tinygrad import Tensor
 
@@ -352,7 +367,7 @@ class StageModel:
             return matvec(h.reshape(batch * T, h.shape[-1]), w).reshape(batch, T, w.shape[0])
 
         q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        q, k, v = project(self._qkv[i], blk.attn_norm(x)).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q, k, v = project(self._qkv[i], self._norm(blk.attn_norm, x)).split([q_dim, kv_dim, kv_dim], dim=-1)
         q = q.reshape(batch, T, c.n_heads, c.head_dim).transpose(1, 2)
         k = k.reshape(batch, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
         v = v.reshape(batch, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
@@ -364,6 +379,9 @@ class StageModel:
         cache = Tensor(kv.uop.after(*stores))
         outs = []
         for b, (s, p) in enumerate(zip(slots, starts, strict=True)):
+            if decode and tiles:
+                outs.append(self._tiled_attention(q[b:b + 1], cache, s, p, tiles[b]))
+                continue
             keys, values = cache[0, s:s + 1, :, 0:p + T, :], cache[1, s:s + 1, :, 0:p + T, :]
             mask = None
             if not decode:  # causal within the chunk; a decoded token attends to the whole cache
@@ -371,5 +389,31 @@ class StageModel:
             outs.append(q[b:b + 1].scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True))
         attn = outs[0].cat(*outs[1:]) if batch > 1 else outs[0]
         h = x + project(blk.attn_output.weight, attn.transpose(1, 2).reshape(batch, T, q_dim))
-        gate, up = project(self._gate_up[i], blk.ffn_norm(h)).split([c.hidden_dim, c.hidden_dim], dim=-1)
+        gate, up = project(self._gate_up[i], self._norm(blk.ffn_norm, h)).split([c.hidden_dim, c.hidden_dim], dim=-1)
         return h + project(blk.ffn_down.weight, gate.silu() * up)
+
+    def _norm(self, norm, x: Tensor) -> Tensor:
+        """RMSNorm, its sum of squares over a whole thread group on GPUs (tinygrad gives it 16 threads)."""
+        if not self.on_gpu:
+            return norm(x)
+        sq = gpu_reduce(lambda t: t.square().sum(-1, keepdim=True), (("GROUPTOP", 0, 256),), x)
+        return x * (sq / x.shape[-1] + norm.eps).rsqrt() * norm.weight
+
+    def _tiled_attention(self, q: Tensor, cache: Tensor, slot: UOp, pos: UOp, tiles: UOp) -> Tensor:
+        """One decoded token's attention, q (1, heads, 1, head_dim), over its cache read as `tiles`
+        whole tiles of rows, the rows past `pos` masked. A length of pos+1 rows is a reduction axis
+        tinygrad cannot split over threads (nothing divides it), so softmax and the weighted sum ran
+        on a few dozen threads; tiles x 128 rows split (measured on an H200: docs/BENCHMARKS.md)."""
+        import math
+
+        c, tile = self.config, self.attention_tile
+        kvh, group, hd = c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim
+        keys = cache[0, slot:slot + 1, :, 0:tiles * tile, :].reshape(1, kvh, 1, tiles, tile, hd)
+        values = cache[1, slot:slot + 1, :, 0:tiles * tile, :].reshape(1, kvh, 1, tiles, tile, hd)
+        scores = (q.reshape(1, kvh, group, 1, 1, hd) * keys).sum(-1) * (1 / math.sqrt(hd))
+        visible = self._positions[0:tiles * tile].reshape(tiles, tile) <= pos
+        scores = visible.where(scores, -math.inf).contiguous()
+        weights = (scores - scores.max((-2, -1), keepdim=True)).exp()
+        total = weights.sum((-2, -1))
+        out = gpu_reduce(lambda w, v: (w.unsqueeze(-1) * v).sum((-3, -2)), (("GROUPTOP", 0, 16),), weights, values)
+        return (out / total.unsqueeze(-1)).reshape(1, c.n_heads, 1, hd)

@@ -1,12 +1,15 @@
 """Seeded random weights for synthetic models (tests, and benchmarks of shapes no file is at hand for).
 
 Each tensor is drawn from its own generator keyed by (seed, GGUF name), so block i has the same
-weights whichever stage holds it.
+weights whichever stage holds it. Tensors are drawn on a thread pool (numpy's generators release the
+GIL), so an 8B-parameter model takes seconds, not minutes, on a many-core host.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -14,12 +17,11 @@ import numpy as np
 if TYPE_CHECKING:
     from tinygrad import Tensor
 
+NUMPY_DTYPES = {"float16": np.float16, "float32": np.float32}
 
-def random_weights(config, seed: int, start: int, end: int, dtype: str = "float16") -> dict[str, Tensor]:
-    """Seeded random weights for blocks [start, end) (and the embedding/head where the stage needs them),
-    GGUF-named; each tensor is drawn from its own generator keyed by (seed, name)."""
-    from tinygrad import Tensor
 
+def weight_shapes(config, start: int, end: int) -> dict[str, tuple[int, ...]]:
+    """GGUF name -> shape of every tensor blocks [start, end) hold (and the embedding/head at the ends)."""
     c = config
     shapes = {"attn_norm.weight": (c.dim,), "attn_q.weight": (c.n_heads * c.head_dim, c.dim),
               "attn_k.weight": (c.n_kv_heads * c.head_dim, c.dim),
@@ -32,7 +34,31 @@ def random_weights(config, seed: int, start: int, end: int, dtype: str = "float1
         named["token_embd.weight"] = (c.vocab_size, c.dim)
     if end == c.num_blocks:
         named.update({"output_norm.weight": (c.dim,), "output.weight": (c.vocab_size, c.dim)})
-    return {name: Tensor(random_array(seed, name, shape)).cast(dtype).realize() for name, shape in named.items()}
+    return named
+
+
+def random_weights(config, seed: int, start: int, end: int, dtype: str = "float16",
+                   device: str | None = None) -> dict[str, Tensor]:
+    """Seeded random weights for blocks [start, end) (and the embedding/head where the stage needs them),
+    GGUF-named, realised on `device`; each tensor is drawn from its own generator keyed by (seed, name)."""
+    from tinygrad import Tensor
+
+    named = weight_shapes(config, start, end)
+    to = NUMPY_DTYPES.get(dtype, np.float32)
+
+    def draw(item: tuple[str, tuple[int, ...]]) -> np.ndarray:
+        return random_array(seed, *item).astype(to, copy=False)
+
+    out: dict[str, Tensor] = {}
+    items = list(named.items())
+    workers = min(16, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for lo in range(0, len(items), 2 * workers):  # a bounded number of host arrays alive at once
+            batch = items[lo:lo + 2 * workers]
+            for (name, _), arr in zip(batch, pool.map(draw, batch), strict=True):
+                t = Tensor(arr, device=device)
+                out[name] = (t if dtype in NUMPY_DTYPES else t.cast(dtype)).realize()
+    return out
 
 
 def random_array(seed: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -40,6 +66,10 @@ def random_array(seed: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
     import zlib
 
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    values = rng.standard_normal(shape, dtype=np.float32)
     if len(shape) == 1:
-        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-    return (rng.standard_normal(shape) / math.sqrt(shape[-1])).astype(np.float32)
+        values *= np.float32(0.1)
+        values += np.float32(1.0)
+    else:
+        values *= np.float32(1 / math.sqrt(shape[-1]))
+    return values

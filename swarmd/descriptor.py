@@ -57,13 +57,20 @@ def device_name(device: str) -> str:
     """The GPU's or CPU's model name, as well as this machine can tell."""
     base = device.split(":")[0]
     if base in ("CUDA", "NV") and shutil.which("nvidia-smi"):
-        index = device.split(":")[1] if ":" in device else "0"
-        out = _run(["nvidia-smi", f"--id={index}", "--query-gpu=name", "--format=csv,noheader"])
+        out = _run(["nvidia-smi", f"--id={smi_id(device)}", "--query-gpu=name", "--format=csv,noheader"])
         if out:
             return out.splitlines()[0].strip()
     if base in ("CPU", "CLANG", "LLVM"):
         return cpu_name()
     return base
+
+
+def smi_id(device: str) -> str:
+    """nvidia-smi's id of a CUDA device: CUDA numbers only the GPUs CUDA_VISIBLE_DEVICES lists (one
+    daemon per GPU sees its GPU as device 0), nvidia-smi numbers them all."""
+    index = int(device.split(":")[1]) if ":" in device else 0
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return visible[index] if index < len(visible) else str(index)
 
 
 def cpu_name() -> str:
@@ -82,8 +89,7 @@ def device_memory(device: str) -> tuple[int, int]:
 
     base = device.split(":")[0]
     if base in ("CUDA", "NV") and shutil.which("nvidia-smi"):
-        index = device.split(":")[1] if ":" in device else "0"
-        out = _run(["nvidia-smi", f"--id={index}", "--query-gpu=memory.total,memory.free",
+        out = _run(["nvidia-smi", f"--id={smi_id(device)}", "--query-gpu=memory.total,memory.free",
                     "--format=csv,noheader,nounits"])
         if out:
             total_mib, free_mib = (int(x) for x in out.splitlines()[0].split(","))
@@ -115,8 +121,11 @@ def measure_device(device: str, budget_s: float = 2.0) -> DeviceBench:
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    # Grow the matmul until one takes long enough to time well (or the budget runs out).
-    n, flops = 256, 0.0
+    # Grow the matmul until one takes long enough to time well (or the budget runs out). A GPU starts
+    # at the largest size: at 256 its first compile alone spent the budget on an H200, which then
+    # reported launch overhead (11 GFLOP/s) as its speed.
+    cpu = device.split(":")[0] in ("CPU", "CLANG", "LLVM")
+    n, flops = 256 if cpu else 4096, 0.0
     while True:
         a = Tensor.rand(n, n, dtype=dtypes.float32, device=device).realize()
         b = Tensor.rand(n, n, dtype=dtypes.float32, device=device).realize()
@@ -126,7 +135,7 @@ def measure_device(device: str, budget_s: float = 2.0) -> DeviceBench:
         if dt > 0.02 or n >= 4096 or time.perf_counter() - t_start > budget_s / 2:
             break
         n *= 2
-    m = 16 << 20 if device.split(":")[0] in ("CPU", "CLANG", "LLVM") else 64 << 20
+    m = 16 << 20 if cpu else 64 << 20
     x = Tensor.rand(m, dtype=dtypes.float32, device=device).realize()
     (x * 2).realize()
     dt = best_of(lambda: (x * 2).realize(), 3)
