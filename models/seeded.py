@@ -42,13 +42,9 @@ class SeededModel:
         return hashlib.sha256(text.encode()).hexdigest()
 
     def config(self, max_context: int | None = None):  # -> tinygrad.llm.model.TransformerConfig
-        from tinygrad.llm.model import TransformerConfig
+        from models.config import config_from_arch
 
-        a = self.arch
-        return TransformerConfig(num_blocks=a.n_blocks, dim=a.hidden, hidden_dim=a.ffn, n_heads=a.n_heads,
-                                 n_kv_heads=a.n_kv_heads, norm_eps=NORM_EPS, vocab_size=a.vocab, head_dim=a.head_dim,
-                                 rope_theta=ROPE_THETA, rope_dim=a.head_dim, v_head_dim=a.head_dim,
-                                 max_context=min(max_context or MAX_CONTEXT, MAX_CONTEXT))
+        return config_from_arch(self.arch, min(max_context or MAX_CONTEXT, MAX_CONTEXT), ROPE_THETA, NORM_EPS)
 
     def tokenizer_kv(self) -> dict[str, Any]:
         """GGUF tokenizer metadata for `models.tokenizer.Tokenizer`: byte tokens, then filler, then end of text."""

@@ -102,18 +102,20 @@ def start_swarm(n: int, context: int, max_requests: int) -> LocalSwarm:
 
 
 def generate(api: str, prompt: str, tokens: int) -> dict[str, Any]:
-    """One greedy request; its id, the head's token times (trace instants, microseconds) and its timings."""
+    """One greedy request; its id, token ids, the head's token times (trace instants, microseconds), timings."""
     body = {"prompt": prompt, "max_tokens": tokens, "trace": True}
-    request_id = ""
+    request_id, ids = "", []
     with httpx.stream("POST", f"{api}/api/v0/generate", json=body, timeout=httpx.Timeout(30, read=900)) as r:
         for line in r.iter_lines():
             event = json.loads(line)
             if event["event"] == "start":
                 request_id = event["request_id"]
+            elif event["event"] == "token":
+                ids.append(event["id"])
             elif event["event"] == "done":
                 times = [e["ts"] for e in event["trace"] if e["name"] == "token"]
                 return {"request_id": request_id, "token_us": times, "usage": event["usage"],
-                        "timings": event["timings"]}
+                        "timings": event["timings"], "ids": ids}
             elif event["event"] == "error":
                 raise RuntimeError(f"{event['code']}: {event['message']}")
     raise RuntimeError("the stream ended early")

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +96,9 @@ class LocalSwarm:
 
     def __init__(self, n: int, *, model: str = "smollm2-135m", base: Path | None = None,
                  extra: tuple[str, ...] = (), timings: str = "lan", swarm: str = "local",
-                 first_extra: tuple[str, ...] = ()) -> None:
+                 first_extra: tuple[str, ...] = (), env_of: Callable[[int], dict[str, str]] | None = None) -> None:
         self.n, self.model, self.extra, self.timings, self.swarm = n, model, extra, timings, swarm
+        self.env_of = env_of  # extra environment of daemon i (e.g. CUDA_VISIBLE_DEVICES)
         self.first_extra = first_extra  # options for the founding daemon only (e.g. --plan FILE)
         self._own_base = base is None
         self.base = Path(tempfile.mkdtemp(prefix="swarmd-local-")) if base is None else base
@@ -118,7 +120,7 @@ class LocalSwarm:
             cmd += ["--bootstrap", self.daemons[0].address]
         else:
             cmd += list(self.first_extra)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env_of(i) if self.env_of else {})}
         env.pop("SWARMD_BOOTSTRAP", None)
         with open(home / "daemon.log", "a") as log:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)

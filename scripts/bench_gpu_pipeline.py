@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Pipelines of `swarmd join` processes on GPUs: S stages over G GPUs, against one GPU holding the whole model.
+
+    python3 scripts/bench_gpu_pipeline.py --model random/llama-3.1-8b --layouts 1x1,2x2,4x2 --tokens 32
+
+A layout `SxG` runs S daemons on loopback, daemon i on GPU i*G//S (`CUDA_VISIBLE_DEVICES` per process),
+with a plan file splitting the blocks evenly (one stage each) and lossless float32 activations on the TLS
+data plane. The model is a seeded one (`models.seeded`: real shapes, seeded weights), so every layout
+serves the same weights. Per layout: greedy decode tokens/s of one request (median of --rounds, from the
+head's token times), the per-token breakdown from the stages' step times (compute, stage overhead, hops),
+aggregate tokens/s with each --concurrent count, and whether the greedy tokens equal the first layout's.
+`--deadline` (s) skips the layouts that would start after it. Markdown on stdout, JSON in --json-out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_pipeline import PROMPTS, aggregate, decode_rate, generate, step_breakdown  # noqa: E402
+from local_swarm import LocalSwarm, say  # noqa: E402
+
+
+def start(model: str, n_blocks: int, stages: int, gpus: int, context: int, max_requests: int,
+          device: str) -> LocalSwarm:
+    import tempfile
+
+    from planner.plan import ModelRef, Plan, Stage, stage_actor
+    from swarmd.identity import load_or_create_identity, peer_id_of
+
+    base = Path(tempfile.mkdtemp(prefix=f"swarmd-gpu-{stages}x{gpus}-"))
+    peers = []
+    for i in range(stages):
+        (base / f"daemon-{i}").mkdir(parents=True)
+        peers.append(peer_id_of(load_or_create_identity(base / f"daemon-{i}")))
+    bounds = [round(i * n_blocks / stages) for i in range(stages + 1)]
+    plan = Plan(1, ModelRef(model), tuple(Stage(p, (bounds[i], bounds[i + 1]), (stage_actor(i),))
+                                          for i, p in enumerate(peers)))
+    (base / "plan.json").write_text(plan.dumps())
+    swarm = LocalSwarm(stages, model=model, base=base, swarm=f"gpu{stages}x{gpus}",
+                       extra=("--device", device, "--max-context", str(context), "--max-requests", str(max_requests)),
+                       first_extra=("--plan", str(base / "plan.json")),
+                       env_of=lambda i: {"CUDA_VISIBLE_DEVICES": str(i * gpus // stages)})
+    try:
+        swarm.start(timeout=300)
+        swarm.wait_ready(timeout=900)
+    except BaseException:
+        swarm.stop()
+        raise
+    return swarm
+
+
+def run_layout(args: argparse.Namespace, n_blocks: int, stages: int, gpus: int) -> dict[str, Any]:
+    started = time.monotonic()
+    swarm = start(args.model, n_blocks, stages, gpus, args.context, max(args.concurrent_list), args.device)
+    out: dict[str, Any] = {"layout": f"{stages}x{gpus}", "start_s": time.monotonic() - started, "rates": [],
+                           "breakdown": {}, "aggregate": {}, "tokens": None}
+    try:
+        say(f"{stages}x{gpus}: up in {out['start_s']:.0f} s; warming up")
+        generate(swarm.api, PROMPTS[0], 4)
+        for c in args.concurrent_list:
+            aggregate([swarm.api], c, 4)  # compiles each batch size's graph before anything is timed
+        parts: dict[str, list[float]] = {}
+        for r in range(args.rounds):
+            got = generate(swarm.api, PROMPTS[0], args.tokens)
+            out["tokens"] = out["tokens"] or got
+            out["rates"].append(decode_rate(got["token_us"]))
+            for k, v in step_breakdown(swarm, got["request_id"]).items():
+                parts.setdefault(k, []).extend(v)
+            say(f"{stages}x{gpus}, round {r + 1}: {out['rates'][-1]:.1f} tok/s")
+        out["breakdown"] = {k: statistics.median(v) for k, v in parts.items() if v}
+        for c in args.concurrent_list:
+            out["aggregate"][c] = aggregate([swarm.api], c, args.tokens)
+            say(f"{stages}x{gpus}: {c} at once {out['aggregate'][c]:.1f} tok/s")
+    finally:
+        swarm.stop()
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="random/llama-3.1-8b")
+    parser.add_argument("--layouts", default="1x1,2x2", help="STAGESxGPUS, comma-separated (default: 1x1,2x2)")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrent", default="1,4", help="requests at once for the aggregate (default: 1,4)")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--device", default="CUDA", help="every daemon's --device (default: CUDA)")
+    parser.add_argument("--deadline", type=float, default=0.0, help="seconds; start no layout after it (0: none)")
+    parser.add_argument("--json-out", type=Path)
+    args = parser.parse_args()
+    args.concurrent_list = [int(c) for c in args.concurrent.split(",")]
+    from models.seeded import parse_seeded_name
+
+    seeded = parse_seeded_name(args.model)
+    if seeded is None:
+        parser.error("--model must name a seeded model, e.g. random/llama-3.1-8b")
+    t0 = time.monotonic()
+    results = []
+    for layout in args.layouts.split(","):
+        if args.deadline and time.monotonic() - t0 > args.deadline:
+            say(f"{layout}: skipped, past the deadline")
+            continue
+        stages, gpus = (int(x) for x in layout.split("x"))
+        results.append(run_layout(args, seeded.arch.n_blocks, stages, gpus))
+        if args.json_out:
+            args.json_out.write_text(json.dumps(results, indent=2))
+    base = results[0]
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True).stdout.strip().replace("\n", ", ")
+    except FileNotFoundError:
+        gpu = "none (no nvidia-smi)"
+    print(f"Model {args.model}; {args.tokens} greedy tokens; GPUs: {gpu}; {time.strftime('%Y-%m-%d %H:%M %Z')}\n")
+    print("| layout | decode tok/s (rounds) | x first layout | compute / stage overhead / hop per stage, ms | "
+          "same greedy tokens | " + " | ".join(f"{c} at once, tok/s" for c in args.concurrent_list) + " | start s |")
+    print("|---|---|---|---|---|" + "---|" * len(args.concurrent_list) + "---|")
+    for r in results:
+        b = r["breakdown"]
+        same = r["tokens"]["ids"] == base["tokens"]["ids"]
+        print(f"| {r['layout']} | {statistics.median(r['rates']):.1f} ({', '.join(f'{x:.1f}' for x in r['rates'])}) "
+              f"| {statistics.median(r['rates']) / statistics.median(base['rates']):.2f} | "
+              f"{b.get('compute', 0):.2f} / {b.get('stage_overhead', 0):.2f} / {b.get('hop', 0):.2f} | "
+              f"{'yes' if same else 'NO'} | " + " | ".join(f"{r['aggregate'][c]:.1f}" for c in args.concurrent_list)
+              + f" | {r['start_s']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
