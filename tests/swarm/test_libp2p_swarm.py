@@ -59,7 +59,9 @@ async def test_five_real_hosts_see_each_other_elect_one_leader_and_share_one_pla
             assert len({n.plan.to_json().__repr__() for n in nodes}) == 1
             # every member dials every other (soon after it learns of it): the mesh survives the loss of the
             # bootstrap node
-            while not all(set(n.network.connected_peers()) == ids - {n.peer_id} for n in nodes):
+            while True:
+                if all(set(n.network.connected_peers()) == ids - {n.peer_id} for n in nodes):
+                    break
                 await trio.sleep(0.2)
             await trio.sleep(2 * TIMINGS.probe_interval)  # direct probes measure round trips
             assert all(set(n.rtts()) == ids - {n.peer_id} for n in nodes)
