@@ -32,6 +32,12 @@ class Timings:
     dial_backoff_max: float = 8.0
     dial_timeout: float = 5.0
     leave_grace: float = 0.5  # after publishing a leave, time for it to spread before closing
+    # requests through the pipeline
+    ready_timeout: float = 120.0  # a request waits this long for the plan's stages to be ready
+    first_token_timeout: float = 900.0  # a prefill on a cold kernel cache compiles for minutes on a small CPU
+    token_timeout: float = 120.0  # the longest wait for the next token once the first came
+    request_idle_timeout: float = 1800.0  # a stage frees a request whose head has said nothing for this long
+    cancel_timeout: float = 10.0  # how long the head tries to tell a stage that a request is over
 
     def suspicion_timeout(self, n_members: int) -> float:
         """memberlist's rule: suspicion grows with log10 of the swarm size, never below the base."""
@@ -84,7 +90,9 @@ class DaemonConfig:
     uplink_mbps: float | None = None  # None: read the interface speed, else 1000
     plan: Path | None = None  # a Plan JSON file the founding daemon adopts instead of planning
     max_context: int = 2048
-    max_requests: int = 4
+    max_requests: int = 4  # KV cache slots of this daemon's stage: requests it can hold at once
+    wire_dtype: str = ""  # "" sends activations in their compute dtype (lossless); or float16, bfloat16
+    data_plane: str = "tls"  # tls (pinned TLS sockets for tensors) or libp2p (everything on libp2p streams)
     swarm_key: Path | None = None  # a private swarm: only peers holding this key can connect
     allow_peers: tuple[str, ...] = ()  # if any: only these peer ids may connect (besides the key)
     allow_peers_file: Path | None = None  # more allowed peer ids, one per line
@@ -97,6 +105,14 @@ class DaemonConfig:
     @property
     def founds_swarm(self) -> bool:
         return not self.bootstrap
+
+    def __post_init__(self) -> None:
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise UserError(f"wire dtype {self.wire_dtype!r} is not one of float32 (lossless), float16, bfloat16")
+        if self.data_plane not in DATA_PLANES:
+            raise UserError(f"data plane {self.data_plane!r} is not one of {', '.join(DATA_PLANES)}")
+        if self.max_requests < 1 or self.max_context < 2:
+            raise UserError("max_requests must be at least 1 and max_context at least 2")
 
     def with_overrides(self, **changes: Any) -> DaemonConfig:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -144,7 +160,10 @@ def _preset(name: str) -> Timings:
 
 
 _LIST_KEYS = {"listen", "announce", "bootstrap", "allow_peers"}
-_STR_KEYS = {"swarm", "model", "api", "device", "device_label", "log_level", "api_token"}
+_STR_KEYS = {"swarm", "model", "api", "device", "device_label", "log_level", "wire_dtype", "data_plane",
+             "api_token"}
+WIRE_DTYPES = ("", "float32", "float16", "bfloat16")
+DATA_PLANES = ("tls", "libp2p")
 
 
 def load_config_file(path: Path) -> dict[str, Any]:

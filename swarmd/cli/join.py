@@ -36,6 +36,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plan", type=Path, metavar="FILE",
                    help="founding daemon only: adopt this Plan (JSON, e.g. from `swarmd plan --json`) once the "
                         "peers it names have joined, instead of computing one")
+    p.add_argument("--max-requests", type=int, metavar="N",
+                   help="requests this daemon's stage holds at once (its KV cache slots; default 4)")
+    p.add_argument("--max-context", type=int, metavar="TOKENS",
+                   help="context per request, prompt plus completion (default 2048, capped at the model's)")
+    p.add_argument("--wire-dtype", choices=["float32", "float16", "bfloat16"],
+                   help="activations on the wire: float32 is lossless (the default); the others halve the bytes")
+    p.add_argument("--data-plane", choices=["tls", "libp2p"],
+                   help="tensors over pinned TLS sockets (default) or over the libp2p streams themselves")
     p.add_argument("--swarm-key", type=Path, metavar="FILE",
                    help="make the swarm private: only peers holding this key (from `swarmd keygen`) can connect")
     p.add_argument("--allow-peer", action="append", metavar="PEER_ID",
@@ -85,6 +93,10 @@ def build_config(args: argparse.Namespace):
         mdns=args.mdns,
         timings=parse_timings(args.timings) if args.timings else None,
         plan=args.plan.expanduser() if args.plan else None,
+        max_requests=args.max_requests,
+        max_context=args.max_context,
+        wire_dtype=args.wire_dtype,
+        data_plane=args.data_plane,
         swarm_key=args.swarm_key.expanduser() if args.swarm_key else None,
         allow_peers=tuple(args.allow_peer) if args.allow_peer else None,
         allow_peers_file=args.allow_peers_file.expanduser() if args.allow_peers_file else None,
@@ -117,10 +129,11 @@ def run(args: argparse.Namespace) -> int:
     if config.plan is not None and config.bootstrap:
         raise UserError("--plan is for the daemon that founds the swarm (one started without --bootstrap)")
     from swarmd.access import check_access
+    from swarmd.pipeline import run_pipeline
 
     check_access(config)
     try:
-        return trio.run(serve, config)
+        return trio.run(serve, config, (run_pipeline,))
     except BaseExceptionGroup as group:
         raise _user_facing(group) from None
 

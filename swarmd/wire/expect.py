@@ -23,6 +23,12 @@ def _hidden(t: WireTensor, what: str, hidden_size: int, dtypes: frozenset[str], 
     need(0 < t.shape[0] <= max_rows, f"{what} has {t.shape[0]} rows, accepted 1..{max_rows}", "bad_shape")
 
 
+def _token_ids(t: WireTensor, what: str, vocab_size: int) -> None:
+    ids = t.to_array()
+    need(bool(ids.size == 0 or (ids.min() >= 0 and ids.max() < vocab_size)),
+         f"{what} outside the vocabulary of {vocab_size}", "bad_token")
+
+
 @dataclass(frozen=True)
 class ExpectForward:
     """Stage `hop` of a model with `hidden_size`: stage 0 takes token ids, the others hidden states."""
@@ -44,13 +50,13 @@ class ExpectForward:
             assert msg.tokens is not None
             need(0 < msg.tokens.shape[0] <= self.max_rows, f"{msg.tokens.shape[0]} tokens, accepted 1..{self.max_rows}",
                  "bad_shape")
-            ids = msg.tokens.to_array()
-            need(bool(ids.size == 0 or (ids.min() >= 0 and ids.max() < self.vocab_size)),
-                 f"token ids outside the vocabulary of {self.vocab_size}", "bad_token")
+            _token_ids(msg.tokens, "token ids", self.vocab_size)
         else:
             need(msg.hidden is not None, f"stage {self.hop} takes hidden states, not token ids", "bad_shape")
             assert msg.hidden is not None
             _hidden(msg.hidden, "hidden", self.hidden_size, self.dtypes, self.max_rows)
+        if msg.targets is not None:
+            _token_ids(msg.targets, "targets", self.vocab_size)
 
 
 @dataclass(frozen=True)

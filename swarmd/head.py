@@ -1,0 +1,337 @@
+"""The head actor: the daemon that accepted a request sends it into the chain and streams what comes back.
+
+    async with head.open(HeadRequest(prompt_ids, max_tokens=64), on_wait=print) as request:
+        async for event in request:          # TokenOut, PromptScores, then Finished or Failed
+            ...
+
+`open` waits (up to `ready_timeout`) until every stage of the plan is alive and loaded, telling `on_wait`
+what it waits for; sends the prompt's token ids to stage 0 as a `Forward` carrying the sampling settings
+(seeded per request); and hands the `Token`s the last stage sends back to a `HeadSession`
+(`swarmd.head_session`), whose events the caller iterates. Leaving the block, however it is left (finished,
+a stop string, the client went away, an error), sends `Cancel` to every stage so that each frees the
+request's KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from swarmd.config import Timings
+from swarmd.head_session import Event, Failed, HeadSession, TokenOut
+from swarmd.registry import ChainStatus, Registry
+from swarmd.trace import Tracer
+from swarmd.transport import ActorTransport, DeliveryFailed, Refused
+from swarmd.wire.codec import WireTensor
+from swarmd.wire.messages import Cancel, Error, Forward, Logprobs, Sampling, Token
+
+log = logging.getLogger("swarmd.head")
+
+MAX_SEED = (1 << 63) - 1
+OnWait = Callable[[str], Awaitable[None]]  # told what the request waits for, each time that changes
+
+# The HTTP status of a failure code, where it is not a plain bad request (400).
+STATUS = {"not_ready": 503, "kv_cache_full": 503, "unreachable": 503, "timeout": 504, "internal": 500,
+          "model_error": 500, "unknown_request": 502, "out_of_order": 502, "not_a_stage": 503, "wrong_hop": 503}
+
+
+def status_of(code: str) -> int:
+    return STATUS.get(code, 400 if code in CLIENT_CODES else 502)
+
+
+CLIENT_CODES = {"empty_prompt", "context_length_exceeded", "context_full", "bad_token", "bad_max_tokens",
+                "bad_logprobs", "bad_seed"}
+
+
+class HeadError(Exception):
+    """A request that cannot be served; `status` is the HTTP status the API answers with."""
+
+    def __init__(self, code: str, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.code, self.message, self.status = code, message, status
+
+
+@dataclass(frozen=True)
+class HeadRequest:
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None  # None: a random seed for this request
+    stop: tuple[str, ...] = ()
+    logprobs: int = 0  # top alternatives per token; > 0 also returns each token's own log-prob
+    prompt_scores: bool = False  # teacher forcing: log-probs of every prompt token too (echo)
+    trace: bool = False
+
+
+@dataclass
+class Timing:
+    """Wall-clock points of one request (time.perf_counter seconds)."""
+
+    opened: float = 0.0
+    sent: float = 0.0  # the prompt went to stage 0 (after waiting for the chain)
+    first: float = 0.0  # the first token came back
+    last: float = 0.0  # the latest token came back
+    tokens: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        decode_s = self.last - self.first if self.tokens > 1 else 0.0
+        return {
+            "wait_s": round(self.sent - self.opened, 6) if self.sent else None,
+            "time_to_first_token_s": round(self.first - self.sent, 6) if self.first else None,
+            "decode_s": round(decode_s, 6),
+            "decode_tokens_per_s": round((self.tokens - 1) / decode_s, 3) if decode_s > 0 else None,
+            "total_s": round((self.last or time.perf_counter()) - self.opened, 6),
+        }
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    tokenizer: Any  # models.tokenizer.Tokenizer
+    max_context: int
+    vocab_size: int
+
+
+@dataclass
+class RequestHandle:
+    """One request in flight; iterate it for its events."""
+
+    request_id: str
+    session: HeadSession
+    seed: int
+    timings: Timings
+    registry: Registry = field(default_factory=lambda: Registry(0, (), (), {}))
+    timing: Timing = field(default_factory=Timing)
+    tracer: Tracer | None = None
+    _send: trio.MemorySendChannel[Event] | None = None
+    _recv: trio.MemoryReceiveChannel[Event] | None = None
+    _over: bool = False
+
+    def __post_init__(self) -> None:
+        self._send, self._recv = trio.open_memory_channel[Event](math.inf)  # bounded by the request's tokens
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.session.prompt_len
+
+    def push(self, events: list[Event]) -> None:
+        now = time.perf_counter()
+        for ev in events:
+            if isinstance(ev, TokenOut):
+                self.timing.first = self.timing.first or now
+                self.timing.last = now
+                self.timing.tokens += 1
+                if self.tracer is not None:
+                    self.tracer.instant("token", step=ev.step, token=ev.token_id, request_id=self.request_id)
+            assert self._send is not None
+            self._send.send_nowait(ev)
+
+    def __aiter__(self) -> RequestHandle:
+        return self
+
+    async def __anext__(self) -> Event:
+        """The next event; a Failed("timeout") when the swarm says nothing for too long; then the end."""
+        assert self._recv is not None
+        if self._over:
+            raise StopAsyncIteration
+        wait = self.timings.token_timeout if self.timing.first else self.timings.first_token_timeout
+        with trio.move_on_after(wait) as timer:
+            event = await self._recv.receive()
+        if timer.cancelled_caught:
+            what = "the next token" if self.timing.first else "the first token"
+            failed = self.session.fail("timeout", f"no answer from the swarm for {wait:.0f} s waiting for {what}")
+            event = failed[0] if failed else Failed("timeout", "no answer from the swarm")
+        if isinstance(event, Failed) or (self.session.done and self._recv.statistics().current_buffer_used == 0):
+            self._over = True
+        return event
+
+    def trace_events(self) -> list[dict[str, Any]]:
+        """The request's spans so far (Chrome trace events): waiting, prefill (to the first token), decode."""
+        if self.tracer is None:
+            return []
+        t, us = self.timing, 1e6
+        if t.first:
+            self.tracer.complete("head.prefill", t.sent * us, t.first * us, request_id=self.request_id,
+                                 prompt_tokens=self.prompt_tokens)
+        if t.tokens > 1:
+            self.tracer.complete("head.decode", t.first * us, t.last * us, request_id=self.request_id,
+                                 tokens=t.tokens - 1)
+        return self.tracer.events
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.session.prompt_len, "completion_tokens": self.session.completion_tokens,
+                "total_tokens": self.session.prompt_len + self.session.completion_tokens}
+
+
+class HeadService:
+    """The requests this daemon heads. Route `Token` (hop 1), `Logprobs` and `Error` messages to it."""
+
+    def __init__(self, peer_id: str, transport: ActorTransport, *, chain: Callable[[], ChainStatus],
+                 registry: Callable[[], Registry], timings: Timings, load_model: Callable[[], ModelInfo],
+                 in_flight: Callable[[int], None] = lambda delta: None) -> None:
+        self.peer_id = peer_id
+        self.transport = transport
+        self._chain = chain
+        self._registry = registry
+        self.timings = timings
+        self._load_model = load_model
+        self._in_flight = in_flight
+        self._model: ModelInfo | None = None
+        self._model_lock = trio.Lock()
+        self.requests: dict[str, RequestHandle] = {}
+        self._nursery: trio.Nursery | None = None
+        self.stats = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0, "tokens": 0}
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started(self)
+            await trio.sleep_forever()
+
+    async def model(self) -> ModelInfo:
+        """The served model's tokenizer and limits (read from its GGUF once, in a worker thread)."""
+        async with self._model_lock:
+            if self._model is None:
+                self._model = await trio.to_thread.run_sync(self._load_model)
+            return self._model
+
+    # --- waiting for the chain ---------------------------------------------------------------------------
+
+    async def wait_ready(self, within: float | None = None, on_wait: OnWait | None = None) -> Registry:
+        """The registry of a plan whose stages are all ready; HeadError (503) if none is within `within` s."""
+        timeout = self.timings.ready_timeout if within is None else within
+        deadline = trio.current_time() + timeout
+        said = ""
+        while True:
+            status = self._chain()
+            if status.ready:
+                return self._registry()
+            if on_wait is not None and status.detail != said:
+                await on_wait(status.detail)
+            said = status.detail
+            if trio.current_time() >= deadline:
+                raise HeadError("not_ready", f"the swarm is not ready after {timeout:.0f} s: {status.detail}", 503)
+            await trio.sleep(0.2)
+
+    # --- requests ------------------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def open(self, req: HeadRequest, *, on_wait: OnWait | None = None,
+                   ready_timeout: float | None = None) -> AsyncIterator[RequestHandle]:
+        model = await self.model()
+        check_request(req, model)
+        tracer = Tracer(f"head {self.peer_id[-6:]}") if req.trace else None
+        request_id = f"req-{uuid.uuid4().hex[:16]}"
+        seed = req.seed if req.seed is not None else secrets.randbits(63)
+        session = HeadSession(request_id, len(req.prompt_ids), req.max_tokens, model.tokenizer.stream_decoder(),
+                              req.stop, want_prompt_scores=req.prompt_scores)
+        handle = RequestHandle(request_id, session, seed, self.timings, tracer=tracer)
+        handle.timing.opened = time.perf_counter()
+        self.stats["requests"] += 1
+        self._in_flight(+1)
+        sent, crashed = False, False
+        try:
+            start = tracer.now_us() if tracer else 0.0
+            handle.registry = await self.wait_ready(ready_timeout, on_wait)
+            if tracer:
+                tracer.complete("head.wait_for_chain", start, tracer.now_us())
+            self.requests[request_id] = handle
+            sent = True  # from here on the stages may hold the request, even if sending seems to fail
+            await self._send_prompt(handle, req, model)
+            yield handle
+        except HeadError:
+            crashed = True
+            raise
+        finally:
+            self.requests.pop(request_id, None)
+            self._in_flight(-1)
+            if session.done and session.error is None:
+                outcome = "finished"
+            else:
+                outcome = "failed" if session.error is not None or crashed else "cancelled"
+            self.stats[outcome] += 1
+            self.stats["tokens"] += session.completion_tokens
+            if sent and self._nursery is not None:
+                self._nursery.start_soon(self._cancel_chain, request_id, handle.registry, outcome)
+
+    async def _send_prompt(self, handle: RequestHandle, req: HeadRequest, model: ModelInfo) -> None:
+        ids = np.asarray(req.prompt_ids, dtype=np.int32)
+        sampling = Sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=handle.seed,
+                            logprobs=req.logprobs, max_tokens=max(req.max_tokens, 1),
+                            stop_ids=tuple(sorted(model.tokenizer.stop_ids)))
+        targets = WireTensor.from_array(ids[1:]) if req.prompt_scores else None
+        msg = Forward(handle.request_id, 0, 0, 0, self.peer_id, tokens=WireTensor.from_array(ids),
+                      epoch=handle.registry.epoch, all_logits=req.prompt_scores, sampling=sampling, targets=targets)
+        stage0 = handle.registry.stage_peer(0)
+        handle.timing.sent = time.perf_counter()
+        try:
+            await self.transport.send(stage0, msg)
+        except Refused as e:
+            raise HeadError(e.error.code, f"stage 0 refused the request: {e.error.message}", 502) from None
+        except DeliveryFailed as e:
+            raise HeadError("unreachable", f"stage 0 ({stage0[-6:]}) did not take the request: {e.reason}",
+                            503) from None
+
+    async def _cancel_chain(self, request_id: str, registry: Registry, reason: str) -> None:
+        """Tell every stage the request is over, so that each frees its KV cache (best effort, bounded)."""
+
+        async def tell(hop: int, peer: str) -> None:
+            try:
+                await self.transport.send(peer, Cancel(request_id, reason, hop=hop), within=self.timings.cancel_timeout)
+            except (Refused, DeliveryFailed) as e:
+                log.info("could not tell stage %d that %s is over: %s", hop, request_id, e)
+
+        async with trio.open_nursery() as nursery:
+            for hop, peer in enumerate(registry.stages):
+                nursery.start_soon(tell, hop, peer)
+
+    # --- messages from the chain ----------------------------------------------------------------------------
+
+    async def on_token(self, peer: str, msg: Token) -> None:
+        handle = self.requests.get(msg.request_id)
+        if handle is not None:
+            handle.push(handle.session.on_token(msg))
+
+    async def on_logprobs(self, peer: str, msg: Logprobs) -> None:
+        handle = self.requests.get(msg.request_id)
+        if handle is not None:
+            handle.push(handle.session.on_logprobs(msg))
+
+    def on_error(self, msg: Error) -> bool:
+        """A stage says the request failed; False if this daemon does not head it."""
+        handle = self.requests.get(msg.request_id)
+        if handle is None:
+            return False
+        handle.push(handle.session.on_error(msg))
+        return True
+
+
+def check_request(req: HeadRequest, model: ModelInfo) -> None:
+    """Refuse what no stage could serve, in words a user can act on (HeadError, HTTP 400)."""
+    n = len(req.prompt_ids)
+    if n == 0:
+        raise HeadError("empty_prompt", "the prompt is empty: give some text (or token ids) to continue")
+    if n >= model.max_context:
+        raise HeadError("context_length_exceeded", f"the prompt is {n} tokens but the context holds "
+                                                   f"{model.max_context}: shorten the prompt")
+    bad = [i for i in req.prompt_ids if not 0 <= i < model.vocab_size]
+    if bad:
+        raise HeadError("bad_token", f"token id {bad[0]} is outside the vocabulary of {model.vocab_size}")
+    if req.max_tokens < 0 or (req.max_tokens == 0 and not req.prompt_scores):
+        raise HeadError("bad_max_tokens", "max_tokens must be at least 1 (0 only with echo and logprobs)")
+    if not 0 <= req.logprobs <= 20:
+        raise HeadError("bad_logprobs", "logprobs must be between 0 and 20")
+    if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
+        raise HeadError("bad_seed", f"seed must be between 0 and {MAX_SEED}")

@@ -1,0 +1,194 @@
+"""Pipeline inference on a daemon: the actor transport, the stage and head actors, and their HTTP routes.
+
+`run_pipeline` is a Node extension (`node.add_extension(run_pipeline)`; `swarmd join` adds it). It starts
+the actor transport on the node's libp2p host (tensors on the pinned TLS data plane unless `data_plane` is
+libp2p), and routes its messages:
+
+    Forward          -> stage      (checked against this daemon's stage: hop, hidden size, dtype, vocabulary)
+    Token hop 0      -> stage      (stage 0: the next step's input)
+    Token hop 1      -> head       (a token for a request this daemon heads)
+    Logprobs         -> head
+    Cancel           -> stage      (free the request's KV cache)
+    Error            -> head, or passed on to the request's head by a stage that knows it
+
+The registry (actor -> peer) follows the node's current plan; the stage actor follows the node's loaded
+assignment. Routes: `/v1/*` (OpenAI-compatible), `/api/v0/generate` (for `swarmd submit-prompt`) and
+`/api/v0/pipeline` (this daemon's stage and head counters).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from swarmd.generate_api import GenerateRoute
+from swarmd.head import HeadError, HeadService, ModelInfo
+from swarmd.openai_api import OpenAIRoutes
+from swarmd.p2plinks import Plane, start_actor_transport
+from swarmd.registry import EMPTY, ChainStatus, Registry, chain_status
+from swarmd.stage import Loaded, StageActor
+from swarmd.transport import HandlerResult, Send, TransportConfig
+from swarmd.wire.codec import FLOAT_DTYPES, WireError
+from swarmd.wire.expect import Expect, ExpectForward, ExpectToken
+from swarmd.wire.messages import Cancel, Error, Forward, Logprobs, Message, Token
+
+log = logging.getLogger("swarmd.pipeline")
+
+
+def transport_config(max_requests: int) -> TransportConfig:
+    """Windows and handler limits above the requests a stage can hold (below them the chain would deadlock)."""
+    return TransportConfig(window=max(32, 4 * max_requests), max_handlers_per_peer=max(64, 8 * max_requests),
+                           max_handlers=max(256, 32 * max_requests))
+
+
+class Pipeline:
+    def __init__(self, node: Any, transport: Any, links: Any) -> None:
+        self.node = node
+        self.transport = transport
+        self.links = links
+        cfg = node.config
+        self._registry: Registry = EMPTY
+        self._plan_key: Any = None
+        wire_dtype = None if cfg.wire_dtype in ("", "float32") else cfg.wire_dtype
+        self.stage = StageActor(self.loaded, compute=node.compute, max_context=cfg.max_context,
+                                wire_dtype=wire_dtype, idle_timeout=cfg.timings.request_idle_timeout)
+        self.head = HeadService(node.peer_id, transport, chain=self.chain, registry=self.registry,
+                                timings=cfg.timings, load_model=self._load_model, in_flight=self._count)
+
+    # --- what the plan and the assignment say now ---------------------------------------------------------
+
+    def registry(self) -> Registry:
+        plan = self.node.plan
+        key = (plan.epoch, id(plan)) if plan is not None else None
+        if key != self._plan_key:
+            self._registry, self._plan_key = Registry.from_plan(plan), key
+        return self._registry
+
+    def loaded(self) -> Loaded | None:
+        """This daemon's stage, if the current plan gives it one and its blocks are loaded."""
+        registry = self.registry()
+        hop = registry.hop_of(self.node.peer_id)
+        assignment = self.node.assignment
+        if hop is None or assignment is None or assignment.stage is None:
+            return None
+        if assignment.loaded_layers != registry.layers[hop]:
+            return None
+        return Loaded(assignment.stage, hop, registry)
+
+    def chain(self) -> ChainStatus:
+        swarm = self.node.swarm
+        if swarm is None:
+            return ChainStatus(False, "the daemon is starting")
+        snap = swarm.snapshot()
+        return chain_status(snap["plan"], snap["members"])
+
+    def _count(self, delta: int) -> None:
+        self.node.requests_in_flight += delta
+
+    def _load_model(self) -> ModelInfo:
+        from models.config import config_from_header
+        from models.errors import ModelError
+        from models.gguf_meta import read_header
+        from models.tokenizer import Tokenizer
+
+        served = self.node.model
+        if served is None or served.path is None:
+            raise HeadError("no_weights", f"this daemon has no weights for {served.name if served else 'its model'}: "
+                                          "it can plan, not generate", 503)
+        try:
+            header = read_header(served.path)
+            tokenizer = Tokenizer(header.kv)
+            config = config_from_header(header, self.node.config.max_context)
+        except ModelError as e:
+            raise HeadError("model_error", f"{served.name}: {e}", 503) from None
+        return ModelInfo(served.name, tokenizer, config.max_context, config.vocab_size)
+
+    # --- transport routes -----------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        install_actor_routes(self.transport, self.stage, self.head, peer_id=self.node.peer_id,
+                             expect_forward=self._expect_forward, expect_token=self._expect_token)
+
+    def _expect_forward(self, msg: Message) -> None:
+        loaded = self.loaded()
+        if loaded is None:
+            return  # the stage actor answers the head with a clear error instead of refusing the frame
+        model = loaded.model
+        ExpectForward(hop=loaded.hop, hidden_size=model.hidden_size, vocab_size=model.vocab_size,
+                      dtypes=FLOAT_DTYPES, max_pos=model.max_context)(msg)
+
+    def _expect_token(self, msg: Message) -> None:
+        served = self.node.model
+        if served is not None:
+            ExpectToken(served.layout.vocab_size)(msg)
+
+    # --- status ----------------------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        loaded = self.loaded()
+        book = self.stage.book
+        chain = self.chain()
+        return {
+            "stage": None if loaded is None else {
+                "hop": loaded.hop, "of": loaded.registry.n_stages, "blocks": [loaded.model.start, loaded.model.end],
+                "requests": len(book.requests) if book else 0, **self.stage.stats.to_json()},
+            "head": {"in_flight": len(self.head.requests), **self.head.stats},
+            "chain": {"ready": chain.ready, "detail": chain.detail},
+            "transport": {k: v for k, v in vars(self.transport.stats).items()},
+            "links": self.transport.link_state(),
+        }
+
+
+def install_actor_routes(transport: Any, stage: StageActor, head: HeadService, *, peer_id: str,
+                         expect_forward: Expect | None = None, expect_token: Expect | None = None) -> None:
+    """Route the pipeline's messages on `transport` to this daemon's stage and head actors."""
+
+    async def on_token(peer: str, msg: Token) -> HandlerResult:
+        if msg.hop == 0:
+            return await stage.on_token(peer, msg)
+        if msg.hop == 1:
+            await head.on_token(peer, msg)
+            return None
+        raise WireError("wrong_hop", f"a token copy is for stage 0 (hop 0) or the head (hop 1), not hop {msg.hop}",
+                        request_id=msg.request_id)
+
+    async def on_error(peer: str, msg: Error) -> HandlerResult:
+        if head.on_error(msg):
+            return None
+        request_head = stage.head_of(msg.request_id)
+        if request_head is not None and request_head not in (peer_id, peer):
+            return Send(request_head, msg)  # a stage further down failed: its head must hear it
+        log.info("error about %s from %s: %s: %s", msg.request_id or "-", peer[:16], msg.code, msg.message)
+        return None
+
+    transport.route(Forward, stage.on_forward, expect=expect_forward)
+    transport.route(Token, on_token, expect=expect_token)
+    transport.route(Logprobs, head.on_logprobs)
+    transport.route(Cancel, stage.on_cancel)
+    transport.route(Error, on_error)
+
+
+async def run_pipeline(node: Any, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """The Node extension: serve pipeline requests until the node stops."""
+    cfg = node.config
+    plane = Plane.TLS if cfg.data_plane == "tls" else Plane.LIBP2P
+    async with trio.open_nursery() as nursery:
+        transport, links = await start_actor_transport(node.network.host, nursery, transport_config(cfg.max_requests),
+                                                       plane=plane)
+        pipeline = Pipeline(node, transport, links)
+        pipeline.install()
+        await nursery.start(pipeline.stage.run)
+        await nursery.start(pipeline.head.run)
+        OpenAIRoutes(pipeline.head).install(node.api)
+        GenerateRoute(pipeline.head).install(node.api)
+
+        async def status(request: Request) -> JSONResponse:
+            return JSONResponse(pipeline.status())
+
+        node.api.add_route("/api/v0/pipeline", status)
+        task_status.started(pipeline)
+        await trio.sleep_forever()

@@ -1,0 +1,383 @@
+"""The stage actor: runs this daemon's blocks for every request passing through, batching what waits together.
+
+Messages come from the actor transport: a `Forward` (token ids on stage 0, hidden states on the others), on
+stage 0 the `Token` the last stage sampled (the input of the next step), and `Cancel`. `StageBook`
+(`swarmd.stage_session`) decides what each means; this module does the I/O around it:
+
+    handler: book.on_forward(msg) -> Work -> queue -> (worker) -> book.complete(work, output) -> Sends
+
+One worker task owns the model: it takes every job queued since its last run, frees the KV caches of
+finished requests and runs all the jobs in one `StageModel.forward` call in a worker thread (decode steps of
+several requests become one batched forward), then wakes their handlers. While the model runs, new jobs
+queue up and form the next batch. A handler returns its Sends to the transport, which caches them under the
+message's key: a repeated frame gets the same answer again and never touches the KV cache twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from swarmd.compute import ComputeThread
+from swarmd.registry import Registry
+from swarmd.stage_session import Sampled, StageBook, StageRefusal, Work
+from swarmd.transport import HandlerResult, Send
+from swarmd.wire.codec import WireError
+from swarmd.wire.messages import Cancel, Error, Forward, Token
+
+log = logging.getLogger("swarmd.stage")
+
+PROMPT_SCORE_ROWS = 64  # rows of (rows, vocab) logits turned into log-probs at a time (bounds the memory)
+SETTLE = 0.002  # s a stage waits for the rest of a convoy of decode steps sent together by the previous stage
+MAX_GATHER = 1.0  # s stage 0 waits at most for other requests' tokens to form one batch
+
+
+@dataclass
+class Job:
+    work: Work
+    model: Any
+    received: float = 0.0  # perf_counter seconds (one clock for every process of a machine): message in,
+    taken: float = 0.0  # handed to the compute thread in a batch, the model began the batch, the model was done
+    started: float = 0.0
+    ended: float = 0.0
+    done: trio.Event = field(default_factory=trio.Event)
+    output: np.ndarray | Sampled | None = None
+    error: tuple[str, str] | None = None  # (code, message)
+    batch: int = 1
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """This daemon's stage as the plan and the assignment have it now."""
+
+    model: Any  # models.stage.StageModel
+    hop: int
+    registry: Registry
+
+
+class StageStats:
+    """Counters for status and benchmarks: batches and their sizes, and the times of recent steps.
+
+    A step's times are perf_counter seconds, one clock for all processes of a machine, so the steps of one
+    request on different daemons line up: the gap between one stage's `sent` and the next stage's
+    `received` is the hop (encode, write, read, decode, checks, admission)."""
+
+    def __init__(self, keep: int = 1024) -> None:
+        self.batches = 0
+        self.jobs = 0
+        self.largest_batch = 0
+        self.decode_batch: deque[int] = deque(maxlen=keep)  # sizes of recent batches of decode steps
+        self.steps: deque[tuple[str, int, int, int, float, float, float, float, float]] = deque(maxlen=keep)
+
+    def record_batch(self, jobs: Sequence[Job]) -> None:
+        self.batches += 1
+        self.jobs += len(jobs)
+        self.largest_batch = max(self.largest_batch, len(jobs))
+        if all(j.work.rows == 1 for j in jobs):
+            self.decode_batch.append(len(jobs))
+
+    def record_step(self, job: Job, sent: float) -> None:
+        w = job.work
+        self.steps.append((w.request_id, w.step, w.rows, job.batch, job.received, job.taken, job.started, job.ended,
+                           sent))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "batches": self.batches,
+            "jobs": self.jobs,
+            "largest_batch": self.largest_batch,
+            "decode_batch_mean": round(statistics.fmean(self.decode_batch), 3) if self.decode_batch else None,
+            "recent_steps": [dict(zip(STEP_FIELDS, step, strict=True)) for step in self.steps],
+        }
+
+
+STEP_FIELDS = ("request_id", "step", "rows", "batch", "received", "taken", "started", "ended", "sent")
+
+
+class StageActor:
+    """Serves `Forward`, `Token` (hop 0) and `Cancel` for the stage `current()` names."""
+
+    def __init__(self, current: Callable[[], Loaded | None], *, compute: ComputeThread, max_context: int,
+                 wire_dtype: str | None, idle_timeout: float) -> None:
+        self._current = current
+        self.compute = compute  # the daemon's one thread for tinygrad
+        self.max_context = max_context
+        self.wire_dtype = wire_dtype
+        self.idle_timeout = idle_timeout
+        self.book: StageBook | None = None
+        self._book_key: tuple[int, int, int] | None = None  # (id(model), hop, n_stages) the book belongs to
+        self._model: Any = None  # the model the book belongs to
+        self._jobs: list[Job] = []
+        self._frees: list[tuple[Any, str]] = []  # (model, request id) whose KV caches to free
+        self._wake = trio.Event()
+        self._first_queued = 0.0
+        self.periods: deque[float] = deque(maxlen=64)  # stage 0: recent times for a token to come round
+        self.stats = StageStats()
+
+    # --- handlers --------------------------------------------------------------------------------------
+
+    async def on_forward(self, peer: str, msg: Forward) -> HandlerResult:
+        received = time.perf_counter()
+        try:
+            loaded, book = self._book()
+            work = book.on_forward(msg, trio.current_time())
+        except StageRefusal as e:
+            return _refusal(msg.head or peer, msg.request_id, msg.step, msg.hop, e)
+        return await self._run(loaded, book, work, received)
+
+    async def on_token(self, peer: str, msg: Token) -> HandlerResult:
+        """Stage 0's copy of a sampled token: run the next step."""
+        received = time.perf_counter()
+        try:
+            loaded, book = self._book()
+            state = book.requests.get(msg.request_id)
+            if state is not None and not state.busy and msg.step > 0:
+                self.periods.append(trio.current_time() - state.last_active)  # once round the rest of the chain
+            work = book.on_token(msg, trio.current_time())
+        except StageRefusal as e:
+            head = self.book.head_of(msg.request_id) if self.book else None
+            return _refusal(head or peer, msg.request_id, msg.step + 1, 0, e)
+        return await self._run(loaded, book, work, received)
+
+    async def on_cancel(self, peer: str, msg: Cancel) -> None:
+        if self.book is not None and self.book.cancel(msg.request_id):
+            self._free(self._model, msg.request_id)
+
+    def head_of(self, request_id: str) -> str | None:
+        return self.book.head_of(request_id) if self.book else None
+
+    # --- the book of the stage loaded now ----------------------------------------------------------------
+
+    def _book(self) -> tuple[Loaded, StageBook]:
+        loaded = self._current()
+        if loaded is None:
+            raise StageRefusal("not_ready", "this daemon has no loaded stage in the current plan")
+        key = (id(loaded.model), loaded.hop, loaded.registry.n_stages)
+        if key != self._book_key:
+            if self.book is not None:
+                old = self._model
+                for rid in self.book.clear():
+                    self._free(old, rid)
+                log.info("stage %d of %d now (blocks %d-%d); requests of the old stage dropped", loaded.hop,
+                         loaded.registry.n_stages, loaded.model.start, loaded.model.end - 1)
+            self.book = StageBook(loaded.hop, loaded.registry.n_stages, min(self.max_context, loaded.model.max_context),
+                                  loaded.model.vocab_size, self.wire_dtype)
+            self._book_key = key
+            self._model = loaded.model
+        assert self.book is not None
+        return loaded, self.book
+
+    # --- the worker ------------------------------------------------------------------------------------
+
+    async def _run(self, loaded: Loaded, book: StageBook, work: Work, received: float) -> HandlerResult:
+        job = Job(work, loaded.model, received)
+        if not self._jobs:
+            self._first_queued = trio.current_time()
+        self._jobs.append(job)
+        self._wake.set()
+        await job.done.wait()
+        if book is not self.book or work.request_id not in book.requests:
+            return None  # the stage was replaced meanwhile (a new plan): the request is lost here
+        if job.error is not None:
+            out = book.fail(work, *job.error)
+            self._free(loaded.model, work.request_id)
+            return Send(out.peer, out.msg) if out else None
+        if job.output is None:
+            return None  # the daemon is stopping: the batch was abandoned
+        registry = loaded.registry
+        outs = book.complete(work, job.output, next_peer=registry.next_peer(book.hop),
+                             first_peer=registry.stage_peer(0), now=trio.current_time())
+        if work.request_id not in book.requests:  # cancelled while the model ran it
+            self._free(loaded.model, work.request_id)
+        try:
+            for o in outs:
+                o.msg.check()
+        except WireError as e:  # our bug, but one request's, not the daemon's: it fails, the daemon goes on
+            log.exception("stage %d built an invalid %s", book.hop, type(outs[0].msg).__name__)
+            head = book.head_of(work.request_id) or outs[-1].peer
+            book.requests.pop(work.request_id, None)
+            self._free(loaded.model, work.request_id)
+            return Send(head, Error("internal", f"stage {book.hop} could not build its output: {e}",
+                                    request_id=work.request_id, step=work.step, hop=book.hop))
+        self.stats.record_step(job, time.perf_counter())
+        return [Send(o.peer, o.msg) for o in outs]
+
+    def _free(self, model: Any, request_id: str) -> None:
+        if model is not None:
+            self._frees.append((model, request_id))
+            self._wake.set()
+
+    def _take_batch(self) -> list[Job]:
+        """Every queued job of one model, one per request (a request's next step waits for the next batch)."""
+        model = self._jobs[0].model
+        batch: list[Job] = []
+        rest: list[Job] = []
+        seen: set[str] = set()
+        for job in self._jobs:
+            if job.model is model and job.work.request_id not in seen:
+                seen.add(job.work.request_id)
+                batch.append(job)
+            else:
+                rest.append(job)
+        self._jobs = rest
+        return batch
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._expire_idle)
+            task_status.started(self)
+            while True:
+                await self._wake.wait()
+                self._wake = trio.Event()
+                while self._jobs or self._frees:
+                    await self._gather()
+                    frees, self._frees = self._frees, []
+                    jobs = self._take_batch() if self._jobs else []
+                    taken = time.perf_counter()
+                    for job in jobs:
+                        job.taken = taken
+                    try:  # cancelled only when the daemon stops: then it does not wait for a long prefill
+                        await self.compute.run(run_batch, jobs, frees)
+                    except Exception as e:  # a bug in the model code: these requests fail, the daemon goes on
+                        log.exception("stage batch of %d failed", len(jobs))
+                        for job in jobs:
+                            if job.output is None and job.error is None:
+                                job.error = ("internal", f"the stage failed: {type(e).__name__}: {e}")
+                    finally:
+                        for job in jobs:
+                            job.done.set()
+                    if jobs:
+                        self.stats.record_batch(jobs)
+
+    async def _gather(self) -> None:
+        """Let the decode steps of other requests here catch up, so that they run as one batch.
+
+        Requests this stage holds that are not queued are elsewhere in the chain. Stage 0 waits for them up to
+        the time a token takes to come round (once they arrive together they stay together: a convoy); the
+        other stages wait only for frames of the same convoy still landing (SETTLE). A lone request, or a
+        prefill, never waits."""
+        book = self.book
+        if book is None or not self._jobs or any(j.work.rows != 1 for j in self._jobs):
+            return
+        window = min(statistics.median(self.periods), MAX_GATHER) if book.is_first and self.periods else SETTLE
+        deadline = self._first_queued + window
+        while any(not st.busy for st in book.requests.values()) and trio.current_time() < deadline:
+            with trio.move_on_at(deadline):
+                await self._wake.wait()
+            self._wake = trio.Event()
+
+    async def _expire_idle(self) -> None:
+        while True:
+            await trio.sleep(max(1.0, self.idle_timeout / 4))
+            if self.book is not None:
+                for rid in self.book.expire(trio.current_time(), self.idle_timeout):
+                    log.info("request %s idle for %.0f s: freed its KV cache", rid, self.idle_timeout)
+                    self._free(self._model, rid)
+
+
+def _refusal(head: str, request_id: str, step: int, hop: int, e: StageRefusal) -> Send:
+    log.info("refused step %d of %s: %s: %s", step, request_id, e.code, e)
+    return Send(head, Error(e.code, str(e), request_id=request_id, step=step, hop=hop))
+
+
+# --- in the worker thread -------------------------------------------------------------------------------
+
+
+def run_batch(jobs: Sequence[Job], frees: Sequence[tuple[Any, str]]) -> None:
+    """Free finished requests, reserve KV slots for new ones, run every job in one forward (blocking)."""
+    from models.errors import ModelError
+    from models.kv_cache import KVCacheFull
+
+    for model, rid in frees:
+        model.free_request(rid)
+    ready: list[Job] = []
+    for job in jobs:
+        if job.work.new:
+            try:
+                job.model.add_request(job.work.request_id)
+            except KVCacheFull as e:
+                job.error = ("kv_cache_full", f"stage {_stage_name(job.model)}: {e} (retry when a request ends)")
+                continue
+        ready.append(job)
+    if not ready:
+        return
+    try:
+        _forward(ready)
+    except ModelError as e:
+        if len(ready) == 1:
+            ready[0].error = ("model_error", str(e))
+            return
+        for job in ready:  # find the job at fault; the others run alone (cache rows are overwritten, not appended)
+            try:
+                _forward([job])
+            except ModelError as one:
+                job.error = ("model_error", str(one))
+
+
+def _forward(jobs: Sequence[Job]) -> None:
+    from models.stage import StageInput
+
+    model = jobs[0].model
+    inputs = [StageInput(j.work.request_id, j.work.start_pos, j.work.data, j.work.all_logits and model.is_last)
+              for j in jobs]
+    started = time.perf_counter()
+    outputs = model.forward(inputs)
+    for job, out in zip(jobs, outputs, strict=True):
+        job.output = sample_step(out, job.work) if model.is_last else out.reshape(job.work.rows, model.hidden_size)
+    ended = time.perf_counter()
+    for job in jobs:
+        job.started, job.ended, job.batch = started, ended, len(jobs)
+
+
+def _stage_name(model: Any) -> str:
+    return f"blocks {model.start}-{model.end - 1}"
+
+
+def sample_step(logits: np.ndarray, work: Work) -> Sampled:
+    """The last stage's part of a step: the token (seeded by request and step) and the log-probs asked for."""
+    from models.sampling import SamplingParams, sample, token_logprob, top_logprobs
+
+    s = work.sampling
+    assert s is not None
+    params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
+    last = logits[-1] if logits.ndim == 2 else logits
+    token = sample(last, params, seed=s.seed, step=work.step)
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+    if s.logprobs:
+        logprob = token_logprob(last, token)
+        top = tuple(top_logprobs(last, s.logprobs))
+    if not work.all_logits:
+        return Sampled(token, logprob, top)
+    lps, ids, tops = score_rows(logits[:-1], work.targets, s.logprobs)
+    return Sampled(token, logprob, top, lps, ids, tops)
+
+
+def score_rows(logits: np.ndarray, targets: np.ndarray | None, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row: the log-prob of its target token and the k most likely tokens with theirs (most likely first)."""
+    n = logits.shape[0]
+    lps = np.zeros(n, dtype=np.float32)
+    ids = np.zeros((n, k), dtype=np.int32)
+    tops = np.zeros((n, k), dtype=np.float32)
+    for lo in range(0, n, PROMPT_SCORE_ROWS):
+        x = logits[lo:lo + PROMPT_SCORE_ROWS].astype(np.float64)
+        m = x.max(axis=1, keepdims=True)
+        logp = x - m - np.log(np.exp(x - m).sum(axis=1, keepdims=True))
+        rows = np.arange(len(x))
+        if targets is not None:
+            lps[lo:lo + len(x)] = logp[rows, targets[lo:lo + len(x)]]
+        if k:
+            part = np.argpartition(-logp, k - 1, axis=1)[:, :k]
+            for r in rows:
+                order = part[r][np.lexsort((part[r], -logp[r, part[r]]))]  # most likely first, then lower id
+                ids[lo + r] = order
+                tops[lo + r] = logp[r, order]
+    return lps, ids, tops
