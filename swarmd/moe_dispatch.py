@@ -22,7 +22,7 @@ class ReplicaChooser:
 
     alpha: float = 0.3  # weight of the newest sample
     prior_s: float = 0.005  # what an unmeasured peer is assumed to take
-    failure_penalty: float = 4.0  # a failed call multiplies the peer's latency estimate
+    failure_penalty: float = 4.0  # a failed call: the slowest estimate times this
     latency: dict[str, float] = field(default_factory=dict)
     in_flight: dict[str, int] = field(default_factory=dict)
 
@@ -42,8 +42,10 @@ class ReplicaChooser:
         """A call to `peer` ended: after `seconds`, or failed (None)."""
         self.in_flight[peer] = max(0, self.in_flight.get(peer, 0) - 1)
         old = self.latency.get(peer, self.prior_s)
-        self.latency[peer] = old * self.failure_penalty if seconds is None else \
-            (1 - self.alpha) * old + self.alpha * seconds
+        if seconds is None:  # worse than the slowest peer that answers, until it answers fast again
+            self.latency[peer] = max([old, *self.latency.values()]) * self.failure_penalty
+        else:
+            self.latency[peer] = (1 - self.alpha) * old + self.alpha * seconds
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from swarmd.wire.messages import Error, ExpertBatch, ExpertResult
 
 log = logging.getLogger("swarmd.moe")
 
-RESULT_TIMEOUT = 30.0  # s a node has to answer one batch before its experts are asked elsewhere
+RESULT_TIMEOUT = 120.0  # s a node that acked a batch has to answer it (first batches compile kernels) before
+# its experts are asked elsewhere
 
 
 def router_actor(block: int) -> str:

@@ -57,6 +57,7 @@ def check_greedy(swarm: MoESwarm, want: dict[str, list[int]]) -> None:
         assert tokens == want[prompt], f"prompt {prompt!r}"
 
 
+@pytest.mark.timeout(600)
 def test_a_moe_model_on_four_daemons_equals_the_single_process_moe(tmp_path_factory, bench_file, tiny_moe):
     want = reference(tiny_moe, 256)
     swarm = MoESwarm(tmp_path_factory.mktemp("swarm"), bench_file, 4, str(tiny_moe))
@@ -92,6 +93,7 @@ def test_a_moe_model_on_four_daemons_equals_the_single_process_moe(tmp_path_fact
         swarm.stop()
 
 
+@pytest.mark.timeout(1200)
 def test_smollm2_moe_top8_on_four_daemons_equals_dense_smollm2(tmp_path_factory, bench_file, smollm2_gguf):
     from models.names import resolve_model
 

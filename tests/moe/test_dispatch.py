@@ -50,8 +50,12 @@ def test_a_replica_is_chosen_by_latency_times_load_and_ties_follow_the_plan_orde
 
 def test_a_failed_replica_is_avoided_until_it_answers_fast_again():
     chooser = ReplicaChooser()
+    chooser.finished("b", 0.200)  # slow, but it answers
     chooser.finished("c", None)
     assert chooser.choose(("c", "b")) == "b"
+    for _ in range(20):
+        chooser.finished("c", 0.001)
+    assert chooser.choose(("c", "b")) == "c"
 
 
 def test_load_counts_tokens_per_expert():
