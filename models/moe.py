@@ -159,6 +159,9 @@ class ExpertShard:
             gate, up, down = (weights[f"blk.{layer}.{n}.weight"].to(self.device) for n in EXPERT_TENSORS)
             n, ffn, dim = gate.shape
             self.weights[layer] = (gate.reshape(n * ffn, dim).cat(up.reshape(n * ffn, dim)).contiguous().realize(),
+                                   # one expert: a reshape of its buffer (a no-op permute would leave a
+                                   # wrapper around it, which models.matvec takes for a dequantising graph)
+                                   down.reshape(dim, ffn).contiguous().realize() if n == 1 else
                                    down.permute(1, 0, 2).reshape(dim, n * ffn).contiguous().realize())
             local = np.full(config.num_experts, -1, np.int32)
             local[list(es)] = np.arange(len(es), dtype=np.int32)

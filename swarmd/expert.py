@@ -27,10 +27,6 @@ log = logging.getLogger("swarmd.expert")
 SHARD_WAIT = 120.0  # s a batch waits for this daemon's experts to finish loading
 
 
-def expert_actor(block: int, expert: int) -> str:
-    return f"moe-expert-{block}-{expert}"
-
-
 class ExpertActor:
     def __init__(self, shard: Callable[[], Any], *, compute: ComputeThread, wire_dtype: str | None = None,
                  shard_wait: float = SHARD_WAIT) -> None:

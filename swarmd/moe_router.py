@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from planner.plan import router_actor
 from swarmd.moe_dispatch import NodePart, ReplicaChooser, combine, split_by_node, tokens_per_expert
 from swarmd.transport import DeliveryFailed, Refused
 from swarmd.wire.codec import WireTensor
@@ -31,10 +32,6 @@ log = logging.getLogger("swarmd.moe")
 
 RESULT_TIMEOUT = 120.0  # s a node that acked a batch has to answer it (first batches compile kernels) before
 # its experts are asked elsewhere
-
-
-def router_actor(block: int) -> str:
-    return f"moe-router-{block}"
 
 
 class ExpertsUnavailable(Exception):
