@@ -228,20 +228,21 @@ class ExpertShard:
         if not row.size:
             return np.zeros((n, dim), np.float32)
         padded = 1 << (n - 1).bit_length()  # rows padded to a power of two: few shapes to compile
-        # one input tensor (rows, then each row's gate per expert held): one host-to-device copy per call
-        inp = np.zeros((padded, dim + len(self.experts[call.layer])), np.float32)
-        inp[:n, :dim] = call.rows
-        np.add.at(inp, (row, dim + local), call.gates[row, col])
+        x = np.zeros((padded, dim), np.float32)
+        x[:n] = call.rows
+        gates = np.zeros((padded, len(self.experts[call.layer])), np.float32)  # each row's gate per expert held
+        np.add.at(gates, (row, local), call.gates[row, col])
         if (call.layer, padded) not in self._jits:
             self._jits[(call.layer, padded)] = TinyJit(functools.partial(self._step, call.layer))
-        res = self._jits[(call.layer, padded)](Tensor(inp, device=self.device).realize())
+        # two inputs, not one sliced in two: a jit replays stale data through a view of an input buffer
+        res = self._jits[(call.layer, padded)](Tensor(x, device=self.device).realize(),
+                                               Tensor(gates, device=self.device).realize())
         return res.numpy()[:n].copy()
 
-    def _step(self, layer: int, inp: Tensor) -> Tensor:
+    def _step(self, layer: int, x: Tensor, gates: Tensor) -> Tensor:
         """Every expert held on every row, each expert's neurons scaled by the row's gate for it."""
         gate_up, down = self.weights[layer]
-        rows, n = inp.shape[0], inp.shape[1] - self.config.dim
-        x, gates = inp[:, :self.config.dim], inp[:, self.config.dim:]
+        rows, n = gates.shape
         g, u = matvec(x, gate_up).chunk(2, dim=-1)
         act = (g.silu() * u).reshape(rows, n, -1) * gates.reshape(rows, n, 1)
         return matvec(act.reshape(rows, -1), down).float().realize()
