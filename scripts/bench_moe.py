@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_pipeline import PROMPTS, decode_rate, generate, step_breakdown  # noqa: E402
+from bench_pipeline import PROMPTS, decode_rate, generate  # noqa: E402
 from local_swarm import LocalSwarm, say  # noqa: E402
 
 MODEL = "synthetic-moe-small"
@@ -68,6 +68,34 @@ def start_swarm(model: str, context: int) -> LocalSwarm:
     swarm.start()
     swarm.wait_ready()
     return swarm
+
+
+def hops_ms(swarm: LocalSwarm, request_id: str) -> list[float]:
+    """Each pipeline hop of the request's decode steps: a stage's `sent` to the next stage's `received`
+    (the last stage's token to stage 0's next step), stages in chain order (not daemon order)."""
+    stages = []
+    for d in swarm.daemons:
+        stage = httpx.get(f"{d.api}/api/v0/pipeline", timeout=10).json()["stage"]
+        steps = {s["step"]: s for s in stage["recent_steps"] if s["request_id"] == request_id and s["rows"] == 1}
+        stages.append((stage["hop"], steps))
+    chain = [steps for _, steps in sorted(stages, key=lambda hs: hs[0])]
+    out = []
+    for step in sorted(chain[0]):
+        if step + 1 not in chain[0] or not all(step in by_step for by_step in chain):
+            continue
+        for i, by_step in enumerate(chain):
+            nxt = chain[i + 1][step] if i + 1 < len(chain) else chain[0][step + 1]
+            out.append((nxt["received"] - by_step[step]["sent"]) * 1e3)
+    return out
+
+
+def expert_compute_ms(swarm: LocalSwarm) -> float:
+    """Mean time an expert actor's shard computes one batch (all daemons together)."""
+    ms = batches = 0.0
+    for d in swarm.daemons:
+        expert = httpx.get(f"{d.api}/api/v0/pipeline", timeout=10).json()["moe"]["expert"]
+        ms, batches = ms + expert["compute_ms"], batches + expert["batches"]
+    return ms / batches if batches else float("nan")
 
 
 def router_layers(swarm: LocalSwarm) -> dict[str, dict[str, Any]]:
@@ -158,7 +186,7 @@ def main() -> int:
             results["single"].append(single.decode_rate(prompt, args.tokens))
             run = generate(swarm.daemons[r % N_DAEMONS].api, prompt, args.tokens)
             results["swarm"].append(decode_rate(run["token_us"]))
-            results["hop_ms"] += step_breakdown(swarm, run["request_id"])["hop"]
+            results["hop_ms"] += hops_ms(swarm, run["request_id"])
             say(f"round {r + 1}: single {results['single'][-1]:.1f} tok/s, swarm {results['swarm'][-1]:.1f} tok/s")
         for block, layer in sorted(router_layers(swarm).items(), key=lambda kv: int(kv[0])):
             results["fan_out_ms"][block] = layer["fan_out_ms_median"]
@@ -166,10 +194,11 @@ def main() -> int:
                                           "nodes_per_call": layer["nodes_per_call"], "calls": layer["calls"],
                                           "tokens": layer["tokens"]}
         results["plan"] = swarm.daemons[0].status()["plan"]
+        results["expert_compute_ms"] = expert_compute_ms(swarm)
     finally:
         swarm.stop()
     results["balance"] = load_balance(PROMPTS, args.balance_tokens)
-    results["top_k"] = 4
+    results["top_k"] = 4  # synthetic-moe-small
     if args.json:
         print(json.dumps(results, indent=2))
     report(results, args)
@@ -196,6 +225,7 @@ Model `{MODEL}` on {N_DAEMONS} daemons, stages {stages}, experts spread over {le
 | fan-out per MoE layer and step (median over layers of each router's median) | {med(fan):.2f} ms |
 | one pipeline hop, same requests (median) | {hop:.2f} ms |
 | fan-out / hop | {med(fan) / hop:.2f} x |
+| of which an expert shard computing one batch (mean, compute thread) | {res['expert_compute_ms']:.2f} ms |
 | decode, single process (`models.generate`, whole model) | {single:.1f} tok/s |
 | decode, 4 daemons | {swarm:.1f} tok/s ({swarm / single:.2f} x) |
 """)

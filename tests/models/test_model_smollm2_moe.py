@@ -29,13 +29,13 @@ def greedy(model: StageModel, n: int, experts=None) -> tuple[list[int], np.ndarr
 
 @pytest.fixture(scope="module")
 def dense(smollm2_gguf):
-    return greedy(StageModel.from_gguf(smollm2_gguf, max_context=32, max_requests=1), 6)
+    return greedy(StageModel.from_gguf(smollm2_gguf, max_context=32, max_requests=1), 4)
 
 
 def test_top8_of_8_experts_is_dense_smollm2(dense):
     path = resolve_model("smollm2-moe-8x8").path
     assert layout_from_gguf(path).blocks[0].moe.n_experts == 8
-    tokens, logits = greedy(StageModel.from_gguf(path, max_context=32, max_requests=1), 6)
+    tokens, logits = greedy(StageModel.from_gguf(path, max_context=32, max_requests=1), 4)
     assert tokens == dense[0]
     # float16 weights summed in a different order: measured max |diff| 6.5e-5 over the prompt's logits
     np.testing.assert_allclose(logits, dense[1], atol=1e-3, rtol=0)
@@ -46,7 +46,8 @@ def test_top2_of_8_is_a_sparse_model_that_routes_two_experts_per_token(dense):
     layout = layout_from_gguf(source.path)
     assert (layout.blocks[5].moe.n_experts, layout.blocks[5].moe.top_k) == (8, 2)
     model = StageModel.from_gguf(source.path, max_context=32, max_requests=1)
-    _, logits = greedy(model, 3)
+    model.add_request("r")
+    logits = model.forward([StageInput("r", 0, PROMPT, all_logits=True)])[0]
     assert not np.allclose(logits, dense[1], atol=1.0)  # a quarter of each MLP: a different model
 
     split = StageModel.from_gguf(source.path, 0, 2, max_context=32, max_requests=1, local_experts=False)
