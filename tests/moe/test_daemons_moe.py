@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -38,6 +39,17 @@ def reference(path, max_context: int, prompts=PROMPTS) -> dict[str, list[int]]:
             pass
         out[text] = gen.token_ids
     return out
+
+
+@pytest.fixture(scope="module")
+def bench_file(tmp_path_factory) -> Path:
+    """A device benchmark measured once, copied into every daemon's home (as the pipeline tests do)."""
+    from swarmd.descriptor import BENCH_FILE, device_name, load_or_measure, resolve_device
+
+    home = tmp_path_factory.mktemp("bench")
+    device = resolve_device("auto")
+    load_or_measure(home, device, device_name(device))
+    return home / BENCH_FILE
 
 
 @pytest.fixture(scope="module")
