@@ -393,7 +393,7 @@ class StageModel:
         first, end, cut = seg
         batch = inp.shape[0]
         slots, starts = variables[:batch], variables[batch:]
-        x = self.token_embd(inp).float() if self.is_first and first == self.start else inp
+        x: Any = self.token_embd(inp).float() if self.is_first and first == self.start else inp
         x = x.reshape(batch, 1, self.hidden_size)
         angles = self._rope[starts[0]:starts[0] + 1]
         for p in starts[1:]:
@@ -415,7 +415,7 @@ class StageModel:
         every later step writes before it reads."""
         first, end, cut = seg
         chunk = self.prefill_chunk
-        x = self.token_embd(inp).float() if self.is_first and first == self.start else inp
+        x: Any = self.token_embd(inp).float() if self.is_first and first == self.start else inp
         x = x.reshape(1, chunk, self.hidden_size)
         angles = self._rope[start:start + chunk].reshape(1, 1, chunk, -1)
         for i in range(first, end):

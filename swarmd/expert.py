@@ -50,7 +50,7 @@ class ExpertActor:
             return Send(peer, Error("experts_missing", f"this daemon does not hold experts {sorted(wanted)} of "
                                     f"block {msg.block} (it holds {held})", request_id=msg.batch_id,
                                     step=msg.step, hop=msg.block))
-        call = ExpertCall(msg.block, msg.hidden.to_array(np.float32), sel, msg.gates.to_array(np.float32))
+        call = ExpertCall(msg.block, msg.hidden.to_array("float32"), sel, msg.gates.to_array("float32"))
         started = time.perf_counter()
         answer = await self.compute.run(shard.compute, call)
         self.compute_seconds += time.perf_counter() - started

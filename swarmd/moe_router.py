@@ -99,11 +99,11 @@ class MoERouter:
                 log.warning("experts %s of block %d: %s did not answer (%s); asking another holder",
                             list(p.experts), call.layer, p.peer[:16], results[p.peer])
                 avoid.add(p.peer)
-            todo = _restrict(call, {e for p in failed for e in p.experts})
+            todo = _restrict(call, {x for p in failed for x in p.experts})
         stats.calls += 1
         stats.rows += len(call.rows)
-        for e, n in tokens_per_expert(call).items():
-            stats.tokens[e] += n
+        for expert, n in tokens_per_expert(call).items():
+            stats.tokens[expert] += n
         stats.fan_out_ms.append((time.perf_counter() - started) * 1e3)
         return combine(call, answers)
 
@@ -136,7 +136,7 @@ class MoERouter:
         pending = self._pending.get(msg.batch_id)
         if pending is None or pending.peer != peer:
             return  # late (already asked elsewhere) or not ours: nothing waits for it
-        answer = msg.hidden.to_array(np.float32)
+        answer = msg.hidden.to_array("float32")
         if answer.shape[0] != 0 and answer.shape[1] != 0:
             pending.answer = answer
         pending.done.set()
