@@ -9,6 +9,7 @@ the way `Transformer.from_gguf` does, from GGUF's interleaved RoPE pairs to tiny
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -52,10 +53,27 @@ def head_tensor_name(header: GGUFHeader) -> str:
     return "output.weight" if "output.weight" in header.tensors else "token_embd.weight"
 
 
-def stage_tensor_names(header: GGUFHeader, start: int, end: int, n_blocks: int) -> list[str]:
+# The feed-forward tensors of a MoE block: router, optional selection bias and shared experts.
+MOE_DENSE_TENSORS = ("ffn_gate_inp.weight",)
+MOE_OPTIONAL_TENSORS = ("exp_probs_b.bias", "ffn_gate_shexp.weight", "ffn_up_shexp.weight",
+                        "ffn_down_shexp.weight", "ffn_gate_inp_shexp.weight")
+ROUTED_TENSORS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+
+
+def block_tensor_names(header: GGUFHeader, i: int, *, routed: bool = True) -> list[str]:
+    """Block i's tensors: a dense block's nine, or a MoE block's attention, router, the optional
+    tensors the file has and (with `routed`) the stacked routed experts."""
+    if f"blk.{i}.ffn_gate_inp.weight" not in header.tensors:
+        return [f"blk.{i}.{t}" for t in BLOCK_TENSORS]
+    names = [f"blk.{i}.{t}" for t in BLOCK_TENSORS[:6] + MOE_DENSE_TENSORS]
+    names += [f"blk.{i}.{t}" for t in MOE_OPTIONAL_TENSORS if f"blk.{i}.{t}" in header.tensors]
+    return names + ([f"blk.{i}.{t}" for t in ROUTED_TENSORS] if routed else [])
+
+
+def stage_tensor_names(header: GGUFHeader, start: int, end: int, n_blocks: int, *, routed: bool = True) -> list[str]:
     """The GGUF tensors stage [start, end) of an `n_blocks` model needs, in file order of loading."""
     names = ["token_embd.weight"] if start == 0 else []
-    names += [f"blk.{i}.{t}" for i in range(start, end) for t in BLOCK_TENSORS]
+    names += [n for i in range(start, end) for n in block_tensor_names(header, i, routed=routed)]
     if end == n_blocks:
         names += ["output_norm.weight", head_tensor_name(header)]
     if "rope_freqs.weight" in header.tensors:  # Llama 3's RoPE frequency factors, used by every block
@@ -94,7 +112,8 @@ def interleaved_to_half_split(w: Tensor, n_heads: int) -> Tensor:
 
 
 def load_stage_weights(
-    header: GGUFHeader, config, start: int, end: int, *, device: str | None = None, dtype: str = "float16"
+    header: GGUFHeader, config, start: int, end: int, *, device: str | None = None, dtype: str = "float16",
+    routed: bool = True,
 ) -> dict[str, Tensor | BlockQuantized]:
     """Weights of stage [start, end), keyed by GGUF name; the tied head is `output.weight`.
 
@@ -111,7 +130,7 @@ def load_stage_weights(
         raise ModelError(f"{header.path.name}: partial RoPE ({config.rope_dim} of {config.head_dim}) is not supported")
     heads = {"attn_q.weight": config.n_heads, "attn_k.weight": config.n_kv_heads}
     weights: dict[str, Tensor | BlockQuantized] = {}
-    for name in stage_tensor_names(header, start, end, config.num_blocks):
+    for name in stage_tensor_names(header, start, end, config.num_blocks, routed=routed):
         info = header.tensors[name]
         n_heads = heads.get(name.split(".", 2)[-1])
 
@@ -131,3 +150,31 @@ def load_stage_weights(
         weights["output.weight"] = weights["token_embd.weight"] if start == 0 else weights.pop("token_embd.weight")
     Tensor.realize(*[t for w in weights.values() for t in (w.buffers() if isinstance(w, BlockQuantized) else [w])])
     return weights
+
+
+def load_expert_weights(header: GGUFHeader, experts: Mapping[int, Sequence[int]], *, device: str | None = None,
+                        dtype: str = "float16") -> dict[str, Tensor]:
+    """The routed experts `experts[layer]` of each layer, stacked in that order under their GGUF names
+    (`blk.{i}.ffn_{gate,up,down}_exps.weight`), reading only those experts' bytes."""
+    from tinygrad import Tensor
+    from tinygrad.llm.gguf import ggml_data_to_tensor
+
+    if dtype not in ("float16", "float32", "quantized"):
+        raise ModelError(f"unknown weight dtype {dtype!r}: use float16, float32 or quantized")
+    out = {}
+    for layer, es in experts.items():
+        for t in ROUTED_TENSORS:
+            name = f"blk.{layer}.{t}"
+            if name not in header.tensors:
+                raise ModelError(f"{header.path.name}: block {layer} has no routed experts ({name})")
+            info = header.tensors[name]
+            n_experts, per_expert = info.shape[0], tensor_nbytes(info) // info.shape[0]
+            if any(not 0 <= e < n_experts for e in es):
+                raise ModelError(f"{header.path.name}: block {layer} has {n_experts} experts, asked for {list(es)}")
+            raw = np.concatenate([np.fromfile(header.path, dtype=np.uint8, count=per_expert,
+                                              offset=info.offset + e * per_expert) for e in es])
+            elements = len(es) * (info.n_elements // n_experts)
+            w = ggml_data_to_tensor(Tensor(raw, device=device), elements, info.ggml_type)
+            cast = "float32" if dtype == "float32" else "float16"
+            out[name] = w.reshape(len(es), *info.shape[1:]).cast(cast).contiguous().realize()
+    return out

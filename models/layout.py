@@ -1,6 +1,8 @@
 """The planner's ModelLayout of a GGUF model, computed from its metadata (no tensor is read).
 
 Sizes are those of a StageModel: float16 weights, a float32 KV cache, float32 activations on the wire.
+A mixture-of-experts GGUF gives MoE blocks (`MoESpec`: experts, top-k, bytes per expert), so the
+planner places its experts.
 """
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ ACTIVATION_BYTES_PER_VALUE = 4
 def arch_from_header(header: GGUFHeader) -> ArchSpec:
     c = config_from_header(header)
     name = str(header.kv.get("general.name") or header.path.stem)
-    return ArchSpec(name=name, n_blocks=c.num_blocks, hidden=c.dim, ffn=c.hidden_dim, n_heads=c.n_heads,
-                    n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, vocab=c.vocab_size,
-                    tied_head="output.weight" not in header.tensors)
+    moe = {}
+    if c.num_experts:  # routed experts of c.hidden_dim; leading dense blocks and shared experts as sized
+        moe = dict(n_experts=c.num_experts, top_k=c.num_experts_per_tok, expert_ffn=c.hidden_dim,
+                   n_shared_experts=-(-c.shared_expert_dim // c.hidden_dim), leading_dense=c.leading_dense_blocks)
+    return ArchSpec(name=name, n_blocks=c.num_blocks, hidden=c.dim, ffn=c.dense_hidden_dim or c.hidden_dim,
+                    n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, vocab=c.vocab_size,
+                    tied_head="output.weight" not in header.tensors, **moe)
 
 
 def layout_from_gguf(path_or_header: str | Path | GGUFHeader, digest: str = "") -> ModelLayout:

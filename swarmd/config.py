@@ -92,6 +92,7 @@ class DaemonConfig:
     max_context: int = 2048
     max_requests: int = 4  # KV cache slots of this daemon's stage: requests it can hold at once
     wire_dtype: str = ""  # "" sends activations in their compute dtype (lossless); or float16, bfloat16
+    expert_placement: str = "auto"  # MoE: the planner's choice, or "spread" / "local" (PlanOptions.expert_placement)
     data_plane: str = "tls"  # tls (pinned TLS sockets for tensors) or libp2p (everything on libp2p streams)
     swarm_key: Path | None = None  # a private swarm: only peers holding this key can connect
     allow_peers: tuple[str, ...] = ()  # if any: only these peer ids may connect (besides the key)
@@ -109,6 +110,8 @@ class DaemonConfig:
     def __post_init__(self) -> None:
         if self.wire_dtype not in WIRE_DTYPES:
             raise UserError(f"wire dtype {self.wire_dtype!r} is not one of float32 (lossless), float16, bfloat16")
+        if self.expert_placement not in EXPERT_PLACEMENTS:
+            raise UserError(f"expert placement {self.expert_placement!r} is not one of {', '.join(EXPERT_PLACEMENTS)}")
         if self.data_plane not in DATA_PLANES:
             raise UserError(f"data plane {self.data_plane!r} is not one of {', '.join(DATA_PLANES)}")
         if self.max_requests < 1 or self.max_context < 2:
@@ -161,7 +164,8 @@ def _preset(name: str) -> Timings:
 
 _LIST_KEYS = {"listen", "announce", "bootstrap", "allow_peers"}
 _STR_KEYS = {"swarm", "model", "api", "device", "device_label", "log_level", "wire_dtype", "data_plane",
-             "api_token"}
+             "api_token", "expert_placement"}
+EXPERT_PLACEMENTS = ("auto", "spread", "local")
 WIRE_DTYPES = ("", "float32", "float16", "bfloat16")
 DATA_PLANES = ("tls", "libp2p")
 

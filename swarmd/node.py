@@ -66,6 +66,7 @@ class Node:
                        max_tokens=config.api_max_tokens)
         self.extensions: list[Extension] = []
         self.requests_in_flight = 0  # the pipeline raises and lowers it; gossiped as the node's load
+        self.status_parts: dict[str, Callable[[], Any]] = {}  # extensions' sections of the status document
         self.compute = ComputeThread()  # every tinygrad call of this daemon runs on it
         self.ready = trio.Event()
         # set while running
@@ -185,7 +186,8 @@ class Node:
     @property
     def plan_options(self) -> PlanOptions:
         """What the planner budgets per node: the KV cache this daemon's stages really allocate."""
-        return PlanOptions(context_length=self.config.max_context, concurrency=self.config.max_requests)
+        return PlanOptions(context_length=self.config.max_context, concurrency=self.config.max_requests,
+                           expert_placement=self.config.expert_placement)
 
     async def _follow_mdns(self) -> None:
         assert self.network is not None and self.swarm is not None
@@ -235,9 +237,10 @@ class Node:
             "refused": snap["refused"],
             "plan": snap["plan"],
             "plan_error": snap["plan_error"],
-            "coverage": coverage(snap["plan"], snap["members"]),
+            "coverage": coverage(snap["plan"], snap["members"], self.model.layout),
             "assignment": self.assignment.status().to_json(),
             "requests_in_flight": self.requests_in_flight,
+            **{name: part() for name, part in self.status_parts.items()},
         }
 
     def _add_routes(self) -> None:
@@ -267,8 +270,30 @@ class Node:
         self.api.add_route("/metrics", metrics)
 
 
-def coverage(plan: dict[str, Any] | None, members: list[dict[str, Any]]) -> str:
-    """'layers 0-29 covered', or which layers lack a live, ready holder."""
+def coverage(plan: dict[str, Any] | None, members: list[dict[str, Any]], layout: Any = None) -> str:
+    """'layers 0-29 covered', or which layers lack a live, ready holder; for a MoE model also how many
+    routed experts have a live holder that loaded them ('experts 240/240 placed')."""
+    layers = _layer_coverage(plan, members)
+    if plan and layout is not None and layout.is_moe:
+        layers += f"; experts {placed_experts(plan, members)}/{sum(b.moe.n_experts for b in layout.blocks if b.moe)} placed"
+    return layers
+
+
+def placed_experts(plan: dict[str, Any], members: list[dict[str, Any]]) -> int:
+    """Routed experts of `plan` held by at least one live member whose assignment has them loaded."""
+    state = {m["peer_id"]: m for m in members}
+
+    def holds(peer: str, block: str, expert: str) -> bool:
+        m = state.get(peer)
+        if m is None or m["state"] == "dead" or m["assignment"]["state"] != "ready":
+            return False
+        return int(expert) in m["assignment"].get("experts", {}).get(block, ())
+
+    return sum(any(holds(p, b, e) for p in peers)
+               for b, by_expert in (plan.get("experts") or {}).items() for e, peers in by_expert.items())
+
+
+def _layer_coverage(plan: dict[str, Any] | None, members: list[dict[str, Any]]) -> str:
     if not plan:
         return "no plan yet"
     n = plan["stages"][-1]["layers"][1] if plan["stages"] else 0

@@ -9,7 +9,9 @@ libp2p), and routes its messages:
     Token hop 1      -> head       (a token for a request this daemon heads)
     Logprobs         -> head
     Cancel           -> stage      (free the request's KV cache)
-    Error            -> head, or passed on to the request's head by a stage that knows it
+    ExpertBatch      -> expert     (MoE: rows for the routed experts this daemon holds)
+    ExpertResult     -> MoE router (the answer to a batch this daemon's stage sent)
+    Error            -> MoE router (about one of its batches), head, or passed on to the request's head
 
 The registry (actor -> peer) follows the node's current plan; the stage actor follows the node's loaded
 assignment. Routes: `/v1/*` (OpenAI-compatible), `/api/v0/generate` (for `swarmd submit-prompt`) and
@@ -25,16 +27,18 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from swarmd.expert import ExpertActor
 from swarmd.generate_api import GenerateRoute
 from swarmd.head import HeadError, HeadService, ModelInfo
+from swarmd.moe_router import MoERouter
 from swarmd.openai_api import OpenAIRoutes
 from swarmd.p2plinks import Plane, start_actor_transport
 from swarmd.registry import EMPTY, ChainStatus, Registry, chain_status
 from swarmd.stage import Loaded, StageActor
 from swarmd.transport import HandlerResult, Send, TransportConfig
 from swarmd.wire.codec import FLOAT_DTYPES, WireError
-from swarmd.wire.expect import Expect, ExpectForward, ExpectToken
-from swarmd.wire.messages import Cancel, Error, Forward, Logprobs, Message, Token
+from swarmd.wire.expect import Expect, ExpectExpertBatch, ExpectExpertResult, ExpectForward, ExpectToken
+from swarmd.wire.messages import Cancel, Error, ExpertBatch, ExpertResult, Forward, Logprobs, Message, Token
 
 log = logging.getLogger("swarmd.pipeline")
 
@@ -54,8 +58,11 @@ class Pipeline:
         self._registry: Registry = EMPTY
         self._plan_key: Any = None
         wire_dtype = None if cfg.wire_dtype in ("", "float32") else cfg.wire_dtype
+        self.router = MoERouter(transport, self._expert_holders, wire_dtype=wire_dtype)
+        self.expert = ExpertActor(self._expert_shard, compute=node.compute, wire_dtype=wire_dtype)
         self.stage = StageActor(self.loaded, compute=node.compute, max_context=cfg.max_context,
-                                wire_dtype=wire_dtype, idle_timeout=cfg.timings.request_idle_timeout)
+                                wire_dtype=wire_dtype, idle_timeout=cfg.timings.request_idle_timeout,
+                                experts=self.router.call)
         self.head = HeadService(node.peer_id, transport, chain=self.chain, registry=self.registry,
                                 timings=cfg.timings, load_model=self._load_model, in_flight=self._count)
 
@@ -78,6 +85,14 @@ class Pipeline:
         if assignment.loaded_layers != registry.layers[hop]:
             return None
         return Loaded(assignment.stage, hop, registry)
+
+    def _expert_holders(self, block: int) -> dict[int, tuple[str, ...]]:
+        plan = self.node.plan
+        return dict(plan.experts.get(block, {})) if plan is not None else {}
+
+    def _expert_shard(self) -> Any:
+        assignment = self.node.assignment
+        return assignment.experts if assignment is not None else None
 
     def chain(self) -> ChainStatus:
         swarm = self.node.swarm
@@ -115,7 +130,16 @@ class Pipeline:
 
     def install(self) -> None:
         install_actor_routes(self.transport, self.stage, self.head, peer_id=self.node.peer_id,
-                             expect_forward=self._expect_forward, expect_token=self._expect_token)
+                             expect_forward=self._expect_forward, expect_token=self._expect_token,
+                             router=self.router)
+        served = self.node.model
+        moe = [b.moe for b in served.layout.blocks if b.moe is not None] if served is not None else []
+        if moe:
+            hidden = served.layout.hidden_size
+            self.transport.route(ExpertBatch, self.expert.on_batch, expect=ExpectExpertBatch(
+                hidden, max(m.n_experts for m in moe), max(m.top_k for m in moe), dtypes=FLOAT_DTYPES))
+            self.transport.route(ExpertResult, self.router.on_result,
+                                 expect=ExpectExpertResult(hidden, dtypes=FLOAT_DTYPES))
 
     def _expect_forward(self, msg: Message) -> None:
         loaded = self.loaded()
@@ -141,14 +165,27 @@ class Pipeline:
                 "hop": loaded.hop, "of": loaded.registry.n_stages, "blocks": [loaded.model.start, loaded.model.end],
                 "requests": len(book.requests) if book else 0, **self.stage.stats.to_json()},
             "head": {"in_flight": len(self.head.requests), **self.head.stats},
+            "moe": {"router": self.router.status(), "expert": self.expert.status()},
             "chain": {"ready": chain.ready, "detail": chain.detail},
             "transport": {k: v for k, v in vars(self.transport.stats).items()},
             "links": self.transport.link_state(),
         }
 
 
+    def moe_status(self) -> dict[str, Any]:
+        """Where each block's experts live (the plan's), and the tokens routed to each expert: by this
+        daemon's routers (the blocks its stage owns) and computed by its expert actor."""
+        router, expert = self.router.status(), self.expert.status()
+        plan = self.node.plan
+        placement = {str(b): {str(e): list(peers) for e, peers in sorted(by.items())}
+                     for b, by in sorted(plan.experts.items())} if plan is not None else {}
+        return {"placement": placement, "routed": router["layers"], "replica_latency_ms": router["latency_ms"],
+                "computed_here": expert}
+
+
 def install_actor_routes(transport: Any, stage: StageActor, head: HeadService, *, peer_id: str,
-                         expect_forward: Expect | None = None, expect_token: Expect | None = None) -> None:
+                         expect_forward: Expect | None = None, expect_token: Expect | None = None,
+                         router: MoERouter | None = None) -> None:
     """Route the pipeline's messages on `transport` to this daemon's stage and head actors."""
 
     async def on_token(peer: str, msg: Token) -> HandlerResult:
@@ -161,6 +198,8 @@ def install_actor_routes(transport: Any, stage: StageActor, head: HeadService, *
                         request_id=msg.request_id)
 
     async def on_error(peer: str, msg: Error) -> HandlerResult:
+        if router is not None and router.on_error(msg):
+            return None
         if head.on_error(msg):
             return None
         request_head = stage.head_of(msg.request_id)
@@ -194,5 +233,7 @@ async def run_pipeline(node: Any, *, task_status=trio.TASK_STATUS_IGNORED) -> No
             return JSONResponse(pipeline.status())
 
         node.api.add_route("/api/v0/pipeline", status)
+        if node.model is not None and node.model.layout.is_moe:
+            node.status_parts["moe"] = pipeline.moe_status
         task_status.started(pipeline)
         await trio.sleep_forever()

@@ -1,7 +1,7 @@
 """Actor name -> peer id, derived from the current Plan; and whether the plan's chain can serve yet.
 
 Pure: built from a `planner.Plan` (or its JSON) and the members' gossiped assignment states, no I/O.
-The pipeline asks it where `stage-{i}` lives, which hop this daemon is, and, before a request is sent,
+The pipeline asks it where `stage-{i}` (or `moe-expert-{block}-{idx}`) lives, which hop this daemon is, and, before a request is sent,
 whether every stage of the chain is alive and loaded (and if not, a line saying what it waits for).
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from planner.plan import Plan, stage_actor
+from planner.plan import Plan, expert_actor, stage_actor
 from swarmd.identity import short_id
 
 
@@ -33,6 +33,10 @@ class Registry:
             actors[stage_actor(i)] = s.peer_id
             for name in s.actors:
                 actors.setdefault(name, s.peer_id)
+        for block, by_expert in plan.experts.items():  # an expert's first holder (the one nearest its stage)
+            for expert, holders in by_expert.items():
+                if holders:
+                    actors.setdefault(expert_actor(block, expert), holders[0])
         return cls(plan.epoch, tuple(s.peer_id for s in plan.stages), tuple(s.layers for s in plan.stages), actors)
 
     @property

@@ -8,7 +8,10 @@ stage 0 the `Token` the last stage sampled (the input of the next step), and `Ca
 
 One worker task owns the model: it takes every job queued since its last run, frees the KV caches of
 finished requests and runs all the jobs in one `StageModel.forward` call in a worker thread (decode steps of
-several requests become one batched forward), then wakes their handlers. While the model runs, new jobs
+several requests become one batched forward), then wakes their handlers. A stage of a MoE model whose
+experts live elsewhere runs its forward in segments (`StageModel.forward_steps`): between two segments the
+compute thread is free (this daemon's own experts may need it) while `experts` (the MoE router) asks the
+expert actors for the block's experts. While the model runs, new jobs
 queue up and form the next batch. A handler returns its Sends to the transport, which caches them under the
 message's key: a repeated frame gets the same answer again and never touches the KV cache twice.
 """
@@ -19,7 +22,7 @@ import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,8 +109,10 @@ class StageActor:
     """Serves `Forward`, `Token` (hop 0) and `Cancel` for the stage `current()` names."""
 
     def __init__(self, current: Callable[[], Loaded | None], *, compute: ComputeThread, max_context: int,
-                 wire_dtype: str | None, idle_timeout: float) -> None:
+                 wire_dtype: str | None, idle_timeout: float,
+                 experts: Callable[[Any], Awaitable[np.ndarray]] | None = None) -> None:
         self._current = current
+        self.experts = experts  # the MoE router: ExpertCall -> the gate-weighted expert sum
         self.compute = compute  # the daemon's one thread for tinygrad
         self.max_context = max_context
         self.wire_dtype = wire_dtype
@@ -245,7 +250,7 @@ class StageActor:
                     for job in jobs:
                         job.taken = taken
                     try:  # cancelled only when the daemon stops: then it does not wait for a long prefill
-                        await self.compute.run(run_batch, jobs, frees)
+                        await self._run_batch(jobs, frees)
                     except Exception as e:  # a bug in the model code: these requests fail, the daemon goes on
                         log.exception("stage batch of %d failed", len(jobs))
                         for job in jobs:
@@ -256,6 +261,24 @@ class StageActor:
                             job.done.set()
                     if jobs:
                         self.stats.record_batch(jobs)
+
+    async def _run_batch(self, jobs: list[Job], frees: list[tuple[Any, str]]) -> None:
+        """`run_batch` on the compute thread, one segment at a time, the experts asked for in between."""
+        steps = run_batch(jobs, frees)
+        answer: np.ndarray | None = None
+        error: Exception | None = None
+        while True:
+            done, call = await self.compute.run(advance, steps, answer, error)
+            if done:
+                return
+            answer, error = None, None
+            if self.experts is None:
+                error = ExpertsFailed("this stage's experts live elsewhere and the daemon has no MoE router")
+                continue
+            try:
+                answer = await self.experts(call)
+            except Exception as e:  # the step fails for these requests (see run_batch), the daemon goes on
+                error = ExpertsFailed(f"{type(e).__name__}: {e}")
 
     async def _gather(self) -> None:
         """Let the decode steps of other requests here catch up, so that they run as one batch.
@@ -291,8 +314,22 @@ def _refusal(head: str, request_id: str, step: int, hop: int, e: StageRefusal) -
 # --- in the worker thread -------------------------------------------------------------------------------
 
 
-def run_batch(jobs: Sequence[Job], frees: Sequence[tuple[Any, str]]) -> None:
-    """Free finished requests, reserve KV slots for new ones, run every job in one forward (blocking)."""
+class ExpertsFailed(Exception):
+    """Asking a MoE block's experts failed; thrown into the stage's forward where it waits for them."""
+
+
+def advance(steps: Generator[Any, Any, None], answer: Any, error: Exception | None) -> tuple[bool, Any]:
+    """Resume `steps` with the answer to its last question (or the error getting it raised there):
+    (True, None) when it is finished, else (False, its next question)."""
+    try:
+        return False, steps.throw(error) if error is not None else steps.send(answer)
+    except StopIteration:
+        return True, None
+
+
+def run_batch(jobs: Sequence[Job], frees: Sequence[tuple[Any, str]]) -> Generator[Any, Any, None]:
+    """Free finished requests, reserve KV slots for new ones, run every job in one forward (blocking;
+    a generator that yields a MoE block's `ExpertCall` whenever the stage's experts live elsewhere)."""
     from models.errors import ModelError
     from models.kv_cache import KVCacheFull
 
@@ -310,26 +347,29 @@ def run_batch(jobs: Sequence[Job], frees: Sequence[tuple[Any, str]]) -> None:
     if not ready:
         return
     try:
-        _forward(ready)
+        yield from _forward(ready)
     except ModelError as e:
         if len(ready) == 1:
             ready[0].error = ("model_error", str(e))
             return
         for job in ready:  # find the job at fault; the others run alone (cache rows are overwritten, not appended)
             try:
-                _forward([job])
+                yield from _forward([job])
             except ModelError as one:
                 job.error = ("model_error", str(one))
+    except ExpertsFailed as e:  # the MoE router found no expert to answer: the step fails, the stage goes on
+        for job in ready:
+            job.error = ("experts_unavailable", f"stage {_stage_name(job.model)}: {e}")
 
 
-def _forward(jobs: Sequence[Job]) -> None:
+def _forward(jobs: Sequence[Job]) -> Generator[Any, Any, None]:
     from models.stage import StageInput
 
     model = jobs[0].model
     inputs = [StageInput(j.work.request_id, j.work.start_pos, j.work.data, j.work.all_logits and model.is_last)
               for j in jobs]
     started = time.perf_counter()
-    outputs = model.forward(inputs)
+    outputs = yield from model.forward_steps(inputs)
     for job, out in zip(jobs, outputs, strict=True):
         job.output = sample_step(out, job.work) if model.is_last else out.reshape(job.work.rows, model.hidden_size)
     ended = time.perf_counter()

@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="context per request, prompt plus completion (default 2048, capped at the model's)")
     p.add_argument("--wire-dtype", choices=["float32", "float16", "bfloat16"],
                    help="activations on the wire: float32 is lossless (the default); the others halve the bytes")
+    p.add_argument("--expert-placement", choices=["auto", "spread", "local"],
+                   help="MoE models: keep each block's experts with its stage (local), spread them over the "
+                        "other daemons (spread), or let the planner choose (auto, the default)")
     p.add_argument("--data-plane", choices=["tls", "libp2p"],
                    help="tensors over pinned TLS sockets (default) or over the libp2p streams themselves")
     p.add_argument("--swarm-key", type=Path, metavar="FILE",
@@ -96,6 +99,7 @@ def build_config(args: argparse.Namespace):
         max_requests=args.max_requests,
         max_context=args.max_context,
         wire_dtype=args.wire_dtype,
+        expert_placement=args.expert_placement,
         data_plane=args.data_plane,
         swarm_key=args.swarm_key.expanduser() if args.swarm_key else None,
         allow_peers=tuple(args.allow_peer) if args.allow_peer else None,

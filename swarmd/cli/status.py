@@ -165,6 +165,8 @@ def render(doc: dict[str, Any]):
                       "-" if m.get("rtt_ms") is None else f"{m['rtt_ms']:.1f} ms",
                       m.get("label") or m.get("device") or "-", _bytes(m.get("memory_free")), layers, stage)
     parts: list[Any] = [top, table]
+    if doc.get("moe", {}).get("placement"):
+        parts.append(experts_table(doc["moe"]))
     if swarm.get("penalised"):
         box = Table(title="penalised peers", title_justify="left")
         for col in ("peer", "for", "reason"):
@@ -180,3 +182,28 @@ def render(doc: dict[str, Any]):
             refused.add_row(_short(r["peer_id"]), r["reason"])
         parts.append(refused)
     return Group(*parts)
+
+
+def _list(items: list[str], limit: int = 24) -> str:
+    return " ".join(items[:limit]) + (f" ... (+{len(items) - limit})" if len(items) > limit else "")
+
+
+def experts_table(moe: dict[str, Any]):
+    """Per MoE block: which node holds which experts, and the tokens routed to each expert (by this
+    daemon's router where its stage owns the block, else those its own expert actor computed)."""
+    from rich.table import Table
+
+    table = Table(title="experts (block: holder -> experts; tokens routed per expert)", title_justify="left")
+    for col in ("block", "where", "tokens routed"):
+        table.add_column(col)
+    here = moe.get("computed_here", {}).get("tokens", {})
+    for block, by_expert in moe["placement"].items():
+        holders: dict[str, list[str]] = {}
+        for expert, peers in by_expert.items():
+            for peer in peers:
+                holders.setdefault(_short(peer), []).append(expert)
+        where = "  ".join(f"{peer}: {','.join(es)}" for peer, es in sorted(holders.items()))
+        routed = moe.get("routed", {}).get(block, {}).get("tokens") or here.get(block) or {}
+        load = _list([f"{e}:{n}" for e, n in sorted(routed.items(), key=lambda kv: int(kv[0]))]) if routed else "-"
+        table.add_row(block, where, load)
+    return table

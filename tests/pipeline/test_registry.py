@@ -24,6 +24,12 @@ def test_each_stage_actor_lives_on_its_plan_peer():
     assert r.layers == ((0, 10), (10, 20), (20, 30))
 
 
+def test_each_expert_actor_lives_on_its_nearest_holder():
+    plan = Plan(7, PLAN.model, PLAN.stages, experts={12: {0: ("C",), 1: ("A", "B")}})
+    r = Registry.from_plan(plan)
+    assert (r.peer_of("moe-expert-12-0"), r.peer_of("moe-expert-12-1"), r.peer_of("moe-expert-12-2")) == ("C", "A", None)
+
+
 def test_no_plan_is_an_empty_registry():
     assert Registry.from_plan(None) is EMPTY and EMPTY.n_stages == 0
 

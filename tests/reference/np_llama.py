@@ -25,6 +25,11 @@ class NpConfig:
     eps: float
     rope_theta: float
     vocab: int
+    # mixture of experts (llama.cpp's keys); blocks with `ffn_gate_inp` are MoE blocks
+    top_k: int = 0
+    gating: str = "softmax"
+    norm_topk: bool = False
+    routed_scale: float = 1.0
 
 
 def load_gguf(path: str | Path) -> tuple[NpConfig, dict[str, np.ndarray]]:
@@ -49,7 +54,10 @@ def load_gguf(path: str | Path) -> tuple[NpConfig, dict[str, np.ndarray]]:
         n_blocks=field(f"{arch}.block_count"), dim=dim, hidden=field(f"{arch}.feed_forward_length"),
         n_heads=n_heads, n_kv_heads=field(f"{arch}.attention.head_count_kv", n_heads),
         head_dim=dim // n_heads, eps=field(f"{arch}.attention.layer_norm_rms_epsilon"),
-        rope_theta=field(f"{arch}.rope.freq_base", 10000.0), vocab=weights["token_embd.weight"].shape[0])
+        rope_theta=field(f"{arch}.rope.freq_base", 10000.0), vocab=weights["token_embd.weight"].shape[0],
+        top_k=field(f"{arch}.expert_used_count", 0), gating={1: "softmax", 2: "sigmoid"}[
+            field(f"{arch}.expert_gating_func", 1)], norm_topk=bool(field(f"{arch}.expert_weights_norm", False)),
+        routed_scale=field(f"{arch}.expert_weights_scale", 1.0))
     return config, weights
 
 
@@ -74,6 +82,32 @@ def rope_pairs(x: np.ndarray, positions: np.ndarray, theta: float, factors: np.n
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
+
+
+def moe_ffn(h: np.ndarray, w: dict[str, np.ndarray], c: NpConfig) -> np.ndarray:
+    """A MoE block's feed-forward part, token by token, expert by expert (llama.cpp's semantics)."""
+    logits = h @ w["ffn_gate_inp.weight"].T
+    if c.gating == "sigmoid":
+        scores = 1.0 / (1.0 + np.exp(-logits))
+    else:
+        e = np.exp(logits - logits.max(-1, keepdims=True))
+        scores = e / e.sum(-1, keepdims=True)
+    choose = scores + w.get("exp_probs_b.bias", 0.0)
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        chosen = np.argsort(-choose[t], kind="stable")[:c.top_k]
+        gates = scores[t, chosen]
+        if c.norm_topk:
+            gates = gates / gates.sum()
+        for e_idx, g in zip(chosen, gates * c.routed_scale, strict=True):
+            act = silu(w["ffn_gate_exps.weight"][e_idx] @ h[t]) * (w["ffn_up_exps.weight"][e_idx] @ h[t])
+            out[t] += g * (w["ffn_down_exps.weight"][e_idx] @ act)
+    if "ffn_gate_shexp.weight" in w:
+        shared = (silu(h @ w["ffn_gate_shexp.weight"].T) * (h @ w["ffn_up_shexp.weight"].T)) @ w["ffn_down_shexp.weight"].T
+        if "ffn_gate_inp_shexp.weight" in w:
+            shared = shared / (1.0 + np.exp(-(h @ w["ffn_gate_inp_shexp.weight"])))[:, None]
+        out = out + shared
+    return out
 
 
 class NpLlama:
@@ -110,7 +144,10 @@ class NpLlama:
             attn = np.einsum("hts,shd->thd", probs, values).reshape(T, -1)
             x = x + attn @ w["attn_output.weight"].T
             h = rms_norm(x, w["ffn_norm.weight"], c.eps)
-            x = x + (silu(h @ w["ffn_gate.weight"].T) * (h @ w["ffn_up.weight"].T)) @ w["ffn_down.weight"].T
+            if "ffn_gate_inp.weight" in w:
+                x = x + moe_ffn(h, w, c)
+            else:
+                x = x + (silu(h @ w["ffn_gate.weight"].T) * (h @ w["ffn_up.weight"].T)) @ w["ffn_down.weight"].T
         return x
 
     def forward(self, tokens: list[int] | np.ndarray, start_pos: int) -> np.ndarray:

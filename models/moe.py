@@ -1,0 +1,248 @@
+"""Mixture-of-experts blocks (Mixtral / DeepSeek / Kimi style) on tinygrad.llm's MoE weights.
+
+A MoE block is a Llama block whose feed-forward part is a router plus routed experts (and optionally
+shared experts that every token goes through). tinygrad.llm's `TransformerBlock` already holds such
+weights under their GGUF names (`ffn_gate_inp`, `ffn_{gate,up,down}_exps`, `exp_probs_b`,
+`ffn_*_shexp`) and its `ExpertWeights` computes the selected experts; what is added here:
+
+* `MoEConfig`: tinygrad.llm's `TransformerConfig` plus the router's scoring function (softmax or
+  sigmoid, independent of the selection bias, which tinygrad.llm ties together);
+* `route`: scores, optional selection bias (it changes which experts are chosen, not their gates),
+  top-k, normalised gates, routed scaling;
+* `ExpertCall`: what a stage whose experts live elsewhere asks for, per MoE layer and step;
+* `ExpertShard`: the routed experts of some layers that one node holds, computing the gate-weighted
+  sum of its experts for a batch of rows: every expert held runs on every row as one fused MLP whose
+  intermediate neurons are scaled by the row's gate for their expert (0: not selected), through
+  `models.matvec` (jitted per layer and padded row count). Gathering each row's expert matrices
+  instead (tinygrad.llm's `ExpertWeights`) measured 30 ms per call on this CPU against ~1 ms.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+from tinygrad.llm.model import TransformerConfig
+
+from models.errors import ModelError
+from models.matvec import matvec, tune_cpu_renderer
+
+if TYPE_CHECKING:
+    from tinygrad import Tensor, TinyJit
+
+GATING = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEConfig(TransformerConfig):
+    """A TransformerConfig whose router scores with `expert_gating` (softmax or sigmoid)."""
+
+    expert_gating: str = "softmax"
+
+
+def is_moe(config: TransformerConfig) -> bool:
+    return config.num_experts > 0
+
+
+def is_moe_block(config: TransformerConfig, i: int) -> bool:
+    return config.num_experts > 0 and i >= config.leading_dense_blocks
+
+
+def block_config(config: TransformerConfig, i: int) -> TransformerConfig:
+    """The config block i is built from: leading dense blocks of a MoE model get a dense FFN of
+    `dense_hidden_dim` (as tinygrad.llm's Transformer does)."""
+    if not config.num_experts or is_moe_block(config, i):
+        return config
+    return replace(config, num_experts=0, num_experts_per_tok=0, shared_expert_dim=0,
+                   hidden_dim=config.dense_hidden_dim or config.hidden_dim)
+
+
+def gating_of(config: TransformerConfig) -> str:
+    gating = getattr(config, "expert_gating", "sigmoid" if config.expert_bias else "softmax")
+    if gating not in GATING:
+        raise ModelError(f"unknown expert gating {gating!r}: use one of {', '.join(GATING)}")
+    return gating
+
+
+def route(blk, x: Tensor, config: TransformerConfig) -> tuple[Tensor, Tensor]:
+    """Gates (..., k) float32 and selected experts (..., k) int32 of x (B, T, dim).
+
+    Scores are softmax or sigmoid of the router logits; a selection bias (DeepSeek-V3's
+    `exp_probs_b`) is added only to choose the top k; the chosen scores are normalised to sum to 1
+    when `norm_topk_prob`, then multiplied by `routed_scaling_factor`."""
+    from tinygrad.llm.model import pairwise_topk
+
+    logits = x.float() @ blk.ffn_gate_inp.weight.float().T
+    scores = logits.sigmoid() if gating_of(config) == "sigmoid" else logits.softmax(-1)
+    choose = scores + blk.exp_probs_b["bias"].float() if hasattr(blk, "exp_probs_b") else scores
+    _, sel = pairwise_topk(choose, config.num_experts_per_tok)
+    gates = scores.gather(-1, sel)
+    if config.norm_topk_prob:
+        gates = gates / gates.sum(axis=-1, keepdim=True)
+    return gates * config.routed_scaling_factor, sel
+
+
+def routed_experts(blk, x: Tensor, gates: Tensor, sel: Tensor) -> Tensor:
+    """Sum over the k selected experts of gate * expert(x), with every expert of the block held here
+    (tinygrad.llm's `ExpertWeights`): x (B, T, dim) -> (B, T, dim)."""
+    h = x.unsqueeze(2)
+    act = (blk.ffn_gate_exps(sel, h).silu() * blk.ffn_up_exps(sel, h)).contiguous()
+    return (blk.ffn_down_exps(sel, act) * gates.unsqueeze(-1)).sum(axis=2)
+
+
+def shared_experts(blk, x: Tensor) -> Tensor | None:
+    """The shared experts' output (gated by a sigmoid when the block has `ffn_gate_inp_shexp`), or None."""
+    if not hasattr(blk, "ffn_gate_shexp"):
+        return None
+    out = blk.ffn_down_shexp(blk.ffn_gate_shexp(x).silu().contiguous() * blk.ffn_up_shexp(x))
+    if hasattr(blk, "ffn_gate_inp_shexp"):
+        out = out * (x * blk.ffn_gate_inp_shexp["weight"]).sum(axis=-1, keepdim=True).sigmoid()
+    return out
+
+
+@dataclass(frozen=True)
+class ExpertCall:
+    """One MoE layer's routed work for one step: rows (N, dim) float32 (the FFN-normed hidden states),
+    their selected experts sel (N, k) int32 (-1: not asked here) and gates (N, k) float32. The answer
+    is (N, dim) float32: per row, the sum over its selected experts of gate * expert(row)."""
+
+    layer: int
+    rows: np.ndarray
+    sel: np.ndarray
+    gates: np.ndarray
+
+    def only(self, experts: set[int] | frozenset[int]) -> ExpertCall | None:
+        """The part of this call for `experts` (rows that select none of them are dropped; their
+        other selections become -1), or None when no row selects any; `row_index` says which rows."""
+        mask = np.isin(self.sel, list(experts))
+        keep = mask.any(axis=1)
+        if not keep.any():
+            return None
+        return ExpertCall(self.layer, self.rows[keep], np.where(mask, self.sel, -1)[keep].astype(np.int32),
+                          np.where(mask, self.gates, 0.0)[keep].astype(np.float32))
+
+
+ExpertFn = Callable[[ExpertCall], np.ndarray]
+
+
+def rows_for(call: ExpertCall, experts: set[int] | frozenset[int]) -> np.ndarray:
+    """Indices of the rows of `call` that select any of `experts` (the rows `call.only` keeps)."""
+    return np.flatnonzero(np.isin(call.sel, list(experts)).any(axis=1))
+
+
+EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+class ExpertShard:
+    """Routed experts of some MoE layers, as one node holds them: `experts` maps a layer to the global
+    indices of its experts held here; weights are keyed by GGUF name, each `blk.{i}.ffn_*_exps.weight`
+    holding just those experts in that order."""
+
+    def __init__(self, config: TransformerConfig, weights: Mapping[str, Tensor],
+                 experts: Mapping[int, Sequence[int]], device: str | None = None):
+        from tinygrad import Device
+
+        self.device = Device.canonicalize(device)
+        tune_cpu_renderer(self.device)
+        self.config = config
+        self.experts = {int(layer): tuple(int(e) for e in es) for layer, es in experts.items()}
+        self.weights: dict[int, tuple[Tensor, Tensor]] = {}  # layer -> (gate and up stacked, down side by side)
+        self._local: dict[int, np.ndarray] = {}  # layer -> global expert index -> local index (-1: not here)
+        for layer, es in self.experts.items():
+            if not is_moe_block(config, layer):
+                raise ModelError(f"block {layer} is not a MoE block of this model")
+            if any(not 0 <= e < config.num_experts for e in es) or len(set(es)) != len(es):
+                raise ModelError(f"block {layer}: bad expert indices {es} for {config.num_experts} experts")
+            gate, up, down = (weights[f"blk.{layer}.{n}.weight"].to(self.device) for n in EXPERT_TENSORS)
+            n, ffn, dim = gate.shape
+            self.weights[layer] = (gate.reshape(n * ffn, dim).cat(up.reshape(n * ffn, dim)).contiguous().realize(),
+                                   # one expert: a reshape of its buffer (a no-op permute would leave a
+                                   # wrapper around it, which models.matvec takes for a dequantising graph)
+                                   down.reshape(dim, ffn).contiguous().realize() if n == 1 else
+                                   down.permute(1, 0, 2).reshape(dim, n * ffn).contiguous().realize())
+            local = np.full(config.num_experts, -1, np.int32)
+            local[list(es)] = np.arange(len(es), dtype=np.int32)
+            self._local[layer] = local
+        self._jits: dict[tuple[int, int], TinyJit] = {}
+
+    @classmethod
+    def random(cls, config: TransformerConfig, seed: int, experts: Mapping[int, Sequence[int]], *,
+               dtype: str = "float16", device: str | None = None) -> ExpertShard:
+        """The experts of a seeded synthetic model (`models.synthetic`), the same weights a whole
+        `StageModel.random` of that seed holds."""
+        from models.synthetic import random_expert_weights
+
+        return cls(config, random_expert_weights(config, seed, experts, dtype), experts, device)
+
+    @classmethod
+    def from_gguf(cls, path, experts: Mapping[int, Sequence[int]], *, dtype: str = "float16",
+                  device: str | None = None) -> ExpertShard:
+        """Experts of a MoE GGUF, reading only the bytes of the experts held."""
+        from models.config import config_from_header
+        from models.gguf_loader import load_expert_weights
+        from models.gguf_meta import read_header
+
+        header = read_header(path)
+        config = config_from_header(header)
+        return cls(config, load_expert_weights(header, experts, device=device, dtype=dtype), experts, device)
+
+    def holds(self, layer: int) -> tuple[int, ...]:
+        return self.experts.get(layer, ())
+
+    def weight_bytes(self) -> int:
+        return sum(w.nbytes() for ws in self.weights.values() for w in ws)
+
+    def warmup(self, max_rows: int = 1) -> None:
+        """Compile and capture each layer's graph for up to `max_rows` rows (padded to powers of two)."""
+        for layer, es in self.experts.items():
+            for rows in sorted({1 << (n - 1).bit_length() for n in range(1, max_rows + 1)}):
+                call = ExpertCall(layer, np.zeros((rows, self.config.dim), np.float32),
+                                  np.full((rows, 1), es[0], np.int32), np.zeros((rows, 1), np.float32))
+                for _ in range(2):  # tinygrad's jit runs a graph once, then captures it
+                    self.compute(call)
+
+    def __call__(self, call: ExpertCall) -> np.ndarray:
+        return self.compute(call)
+
+    def compute(self, call: ExpertCall) -> np.ndarray:
+        """Per row of `call`, the gate-weighted sum of its selected experts (all of which must be held)."""
+        from tinygrad import Tensor, TinyJit
+
+        if call.layer not in self.weights:
+            raise ModelError(f"this node holds no experts of block {call.layer}")
+        n, dim = call.rows.shape
+        if dim != self.config.dim or call.sel.shape != call.gates.shape or call.sel.shape[0] != n:
+            raise ModelError(f"expert call for block {call.layer}: rows {call.rows.shape}, sel {call.sel.shape}, "
+                             f"gates {call.gates.shape} do not fit dim {self.config.dim}")
+        row, col = np.nonzero(call.sel >= 0)
+        glob = call.sel[row, col]
+        if glob.size and glob.max() >= self.config.num_experts:
+            raise ModelError(f"expert call for block {call.layer}: expert index {int(glob.max())} out of range")
+        local = self._local[call.layer][glob]
+        if (local < 0).any():
+            missing = sorted(set(glob[local < 0].tolist()))
+            raise ModelError(f"block {call.layer}: experts {missing} are not held here")
+        if not row.size:
+            return np.zeros((n, dim), np.float32)
+        padded = 1 << (n - 1).bit_length()  # rows padded to a power of two: few shapes to compile
+        x = np.zeros((padded, dim), np.float32)
+        x[:n] = call.rows
+        gates = np.zeros((padded, len(self.experts[call.layer])), np.float32)  # each row's gate per expert held
+        np.add.at(gates, (row, local), call.gates[row, col])
+        if (call.layer, padded) not in self._jits:
+            self._jits[(call.layer, padded)] = TinyJit(functools.partial(self._step, call.layer))
+        # two inputs, not one sliced in two: a jit replays stale data through a view of an input buffer
+        res = self._jits[(call.layer, padded)](Tensor(x, device=self.device).realize(),
+                                               Tensor(gates, device=self.device).realize())
+        return res.numpy()[:n].copy()
+
+    def _step(self, layer: int, x: Tensor, gates: Tensor) -> Tensor:
+        """Every expert held on every row, each expert's neurons scaled by the row's gate for it."""
+        gate_up, down = self.weights[layer]
+        rows, n = gates.shape
+        g, u = matvec(x, gate_up).chunk(2, dim=-1)
+        act = (g.silu() * u).reshape(rows, n, -1) * gates.reshape(rows, n, 1)
+        return matvec(act.reshape(rows, -1), down).float().realize()

@@ -1,0 +1,248 @@
+#!/usr/bin/env python3
+"""Expert parallelism on loopback: fan-out per MoE layer, messages per token, decode rate, expert load.
+
+    .venv/bin/python scripts/bench_moe.py --rounds 3 --tokens 32
+
+* A local swarm of 4 `swarmd join` processes serves `synthetic-moe-small` (8 blocks, the first dense; 16
+  routed experts of which 4 per token, sigmoid scores with a selection bias, one shared expert; SmolLM2's
+  tokenizer) with the planner's plan, experts spread (`--expert-placement spread`).
+* fan-out latency per MoE layer: the median time a router takes for one layer and step (split by node,
+  send one batch per node, gather, combine), from the routers' own counters; against the median pipeline
+  hop of the same requests (a stage's `sent` to the next stage's `received`, one clock per machine).
+* messages per token per MoE layer: the routers' ExpertBatch frames per layer call at batch 1 (= per
+  token), against the distinct nodes hit (the same, by construction) and top-k.
+* decode tokens/s: the swarm (one greedy request at a time through `/api/v0/generate`) against the same
+  model whole in this process (`models.generate`, the loop of `swarmd run`), interleaved per round.
+* expert load balance on a real prompt set: SmolLM2-MoE 8x2 (a real router: see models/moe_gguf.py) run
+  in this process over the prompts; per MoE layer, the most and least loaded expert against the mean.
+
+Results go to stdout as a Markdown section for docs/BENCHMARKS.md (and as JSON with --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_pipeline import PROMPTS, decode_rate, generate  # noqa: E402
+from local_swarm import LocalSwarm, say  # noqa: E402
+
+MODEL = "synthetic-moe-small"
+N_DAEMONS = 4
+
+
+def start_swarm(model: str, context: int) -> LocalSwarm:
+    from planner import NodeDescriptor, PlanOptions, make_plan
+    from swarmd.identity import load_or_create_identity, peer_id_of
+    from swarmd.model_source import served_model
+
+    base = Path(tempfile.mkdtemp(prefix="swarmd-bench-moe-"))
+    peers = []
+    for i in range(N_DAEMONS):
+        home = base / f"daemon-{i}"
+        home.mkdir(parents=True)
+        peers.append(peer_id_of(load_or_create_identity(home)))
+    layout = served_model(model).layout
+    options = PlanOptions(context_length=context, concurrency=4, expert_placement="spread")
+    plan = make_plan(layout, [NodeDescriptor(p, 8 << 30, 8 << 30) for p in peers], epoch=1, options=options)
+    (base / "plan.json").write_text(plan.dumps())
+    holders = {p for by in plan.experts.values() for hs in by.values() for p in hs}
+    say(f"plan: stages {[s.layers for s in plan.stages]}, experts on {len(holders)} of {N_DAEMONS} daemons")
+    extra = ("--max-context", str(context), "--expert-placement", "spread")
+    swarm = LocalSwarm(N_DAEMONS, model=model, base=base, extra=extra, swarm="benchmoe",
+                       first_extra=("--plan", str(base / "plan.json")))
+    swarm.start()
+    swarm.wait_ready()
+    return swarm
+
+
+def hops_ms(swarm: LocalSwarm, request_id: str) -> list[float]:
+    """Each pipeline hop of the request's decode steps: a stage's `sent` to the next stage's `received`
+    (the last stage's token to stage 0's next step), stages in chain order (not daemon order)."""
+    stages = []
+    for d in swarm.daemons:
+        stage = httpx.get(f"{d.api}/api/v0/pipeline", timeout=10).json()["stage"]
+        steps = {s["step"]: s for s in stage["recent_steps"] if s["request_id"] == request_id and s["rows"] == 1}
+        stages.append((stage["hop"], steps))
+    chain = [steps for _, steps in sorted(stages, key=lambda hs: hs[0])]
+    out = []
+    for step in sorted(chain[0]):
+        if step + 1 not in chain[0] or not all(step in by_step for by_step in chain):
+            continue
+        for i, by_step in enumerate(chain):
+            nxt = chain[i + 1][step] if i + 1 < len(chain) else chain[0][step + 1]
+            out.append((nxt["received"] - by_step[step]["sent"]) * 1e3)
+    return out
+
+
+def expert_compute_ms(swarm: LocalSwarm) -> float:
+    """Mean time an expert actor's shard computes one batch (all daemons together)."""
+    ms = batches = 0.0
+    for d in swarm.daemons:
+        expert = httpx.get(f"{d.api}/api/v0/pipeline", timeout=10).json()["moe"]["expert"]
+        ms, batches = ms + expert["compute_ms"], batches + expert["batches"]
+    return ms / batches if batches else float("nan")
+
+
+def router_layers(swarm: LocalSwarm) -> dict[str, dict[str, Any]]:
+    out = {}
+    for d in swarm.daemons:
+        out.update(httpx.get(f"{d.api}/api/v0/pipeline", timeout=10).json()["moe"]["router"]["layers"])
+    return out
+
+
+class SingleProcess:
+    """The whole model in this process, experts in its own graph: `swarmd run`'s loop."""
+
+    def __init__(self, model: str, context: int) -> None:
+        from models.names import resolve_model
+        from models.stage import StageModel
+        from models.tokenizer import Tokenizer
+
+        path = resolve_model(model).path
+        self.stage = StageModel.from_gguf(path, max_context=context, max_requests=1)
+        self.tokenizer = Tokenizer.from_gguf(path)
+
+    def decode_rate(self, prompt: str, tokens: int) -> float:
+        from models.generate import generate as run_generate
+        from models.sampling import SamplingParams
+
+        gen = run_generate(self.stage, self.tokenizer, self.tokenizer.encode(prompt),
+                           SamplingParams(max_tokens=tokens, stop=()))
+        for _ in gen:
+            pass
+        return gen.stats.decode_tok_s
+
+
+def load_balance(prompts: tuple[str, ...], tokens: int) -> dict[str, Any]:
+    """SmolLM2-MoE 8x2 over the prompts (greedy), its experts counted per MoE layer."""
+    from models.moe import ExpertShard
+    from models.names import resolve_model
+    from models.stage import StageInput, StageModel
+    from models.tokenizer import Tokenizer
+    from swarmd.moe_dispatch import tokens_per_expert
+
+    path = resolve_model("smollm2-moe-8x2").path
+    tok = Tokenizer.from_gguf(path)
+    stage = StageModel.from_gguf(path, max_context=256, max_requests=1, local_experts=False)
+    shard = ExpertShard.from_gguf(path, {i: range(8) for i in range(stage.config.num_blocks)})
+    counts = np.zeros((stage.config.num_blocks, 8), np.int64)
+
+    def experts(call):
+        for e, n in tokens_per_expert(call).items():
+            counts[call.layer, e] += n
+        return shard(call)
+
+    for i, text in enumerate(prompts):
+        rid = f"p{i}"
+        ids = np.asarray(tok.encode(text))
+        stage.add_request(rid)
+        logits = stage.forward([StageInput(rid, 0, ids)], experts=experts)[0]
+        for t in range(tokens):
+            nxt = int(np.argmax(logits))
+            logits = stage.forward([StageInput(rid, len(ids) + t, np.array([nxt]))], experts=experts)[0]
+        stage.free_request(rid)
+    mean = counts.mean(axis=1, keepdims=True)
+    return {"rows_per_layer": int(counts[0].sum() // 2), "max_over_mean": (counts.max(axis=1) / mean[:, 0]).tolist(),
+            "min_over_mean": (counts.min(axis=1) / mean[:, 0]).tolist(), "counts": counts.tolist()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--balance-tokens", type=int, default=16, help="greedy tokens per prompt for the load balance")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    from models.names import resolve_model
+    from swarmd.compute import use_a_kernel_cache_connection_per_thread
+
+    use_a_kernel_cache_connection_per_thread()
+    resolve_model(MODEL)  # written into the cache once, before the daemons look for it
+    results: dict[str, Any] = {"single": [], "swarm": [], "hop_ms": [], "fan_out_ms": {}, "messages": {}}
+    swarm = start_swarm(MODEL, args.context)
+    try:
+        generate(swarm.api, PROMPTS[0], 4)  # warm-up: kernels compile, jits capture
+        single = SingleProcess(MODEL, args.context)
+        single.decode_rate(PROMPTS[0], 4)
+        for r in range(args.rounds):
+            prompt = PROMPTS[r % len(PROMPTS)]
+            results["single"].append(single.decode_rate(prompt, args.tokens))
+            run = generate(swarm.daemons[r % N_DAEMONS].api, prompt, args.tokens)
+            results["swarm"].append(decode_rate(run["token_us"]))
+            results["hop_ms"] += hops_ms(swarm, run["request_id"])
+            say(f"round {r + 1}: single {results['single'][-1]:.1f} tok/s, swarm {results['swarm'][-1]:.1f} tok/s")
+        for block, layer in sorted(router_layers(swarm).items(), key=lambda kv: int(kv[0])):
+            results["fan_out_ms"][block] = layer["fan_out_ms_median"]
+            results["messages"][block] = {"per_call": layer["messages"] / layer["calls"],
+                                          "nodes_per_call": layer["nodes_per_call"], "calls": layer["calls"],
+                                          "tokens": layer["tokens"]}
+        results["plan"] = swarm.daemons[0].status()["plan"]
+        results["expert_compute_ms"] = expert_compute_ms(swarm)
+    finally:
+        swarm.stop()
+    results["balance"] = load_balance(PROMPTS, args.balance_tokens)
+    results["top_k"] = 4  # synthetic-moe-small
+    if args.json:
+        print(json.dumps(results, indent=2))
+    report(results, args)
+    return 0
+
+
+def report(res: dict[str, Any], args: argparse.Namespace) -> None:
+    med = statistics.median
+    single, swarm = med(res["single"]), med(res["swarm"])
+    fan = [v for v in res["fan_out_ms"].values() if v is not None]
+    hop = med(res["hop_ms"]) if res["hop_ms"] else float("nan")
+    stages = [s["layers"] for s in res["plan"]["stages"]]
+    holders = {p for by in res["plan"]["experts"].values() for hs in by.values() for p in hs}
+    print(f"""
+## Expert parallelism
+
+`{' '.join(['.venv/bin/python', 'scripts/bench_moe.py', *sys.argv[1:]])}` on a 2-core shared x86-64 VM, Python
+{platform.python_version()}, {time.strftime('%a %b %d %H:%M:%S UTC %Y', time.gmtime())}.
+Model `{MODEL}` on {N_DAEMONS} daemons, stages {stages}, experts spread over {len(holders)} daemons by the planner
+(`--expert-placement spread`); top-k {res['top_k']} of 16 experts; {args.rounds} rounds of {args.tokens} greedy tokens.
+
+| figure | value |
+| --- | --- |
+| fan-out per MoE layer and step (median over layers of each router's median) | {med(fan):.2f} ms |
+| one pipeline hop, same requests (median) | {hop:.2f} ms |
+| fan-out / hop | {med(fan) / hop:.2f} x |
+| of which an expert shard computing one batch (mean, compute thread) | {res['expert_compute_ms']:.2f} ms |
+| decode, single process (`models.generate`, whole model) | {single:.1f} tok/s |
+| decode, 4 daemons | {swarm:.1f} tok/s ({swarm / single:.2f} x) |
+""")
+    print("| MoE block | fan-out ms | messages per token | distinct nodes per token | top-k |")
+    print("| --- | --- | --- | --- | --- |")
+    for block, m in res["messages"].items():
+        print(f"| {block} | {res['fan_out_ms'][block]:.2f} | {m['per_call']:.2f} | {m['nodes_per_call']:.2f} "
+              f"| {res['top_k']} |")
+    bal = res["balance"]
+    hi, lo = bal["max_over_mean"], bal["min_over_mean"]
+    print(f"""
+Expert load, SmolLM2-MoE 8x2 in one process over the {len(PROMPTS)} prompts of `bench_pipeline.py` plus
+{args.balance_tokens} greedy tokens each ({bal['rows_per_layer']} rows per MoE layer, each routed to 2 of 8):
+most loaded expert / mean: median {med(hi):.2f}, worst {max(hi):.2f} (block {int(np.argmax(hi))}); least
+loaded / mean: median {med(lo):.2f}, lowest {min(lo):.2f}.
+""")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""How a MoE router spreads one layer's step over the nodes that hold its experts (pure, no I/O).
+
+`split_by_node` picks one holder per selected expert (`ReplicaChooser`: lowest observed latency
+times load, the Plan's nearest-first order breaking ties) and groups the experts by node, so each
+node gets one batched `ExpertCall` per layer and step with just the rows that select its experts;
+`combine` adds the nodes' gated sums back into one (rows, dim) answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from models.moe import ExpertCall, rows_for
+
+
+@dataclass
+class ReplicaChooser:
+    """Per-peer round-trip latency (exponentially weighted) and calls in flight."""
+
+    alpha: float = 0.3  # weight of the newest sample
+    prior_s: float = 0.005  # what an unmeasured peer is assumed to take
+    failure_penalty: float = 4.0  # a failed call: the slowest estimate times this
+    latency: dict[str, float] = field(default_factory=dict)
+    in_flight: dict[str, int] = field(default_factory=dict)
+
+    def cost(self, peer: str) -> float:
+        return self.latency.get(peer, self.prior_s) * (1 + self.in_flight.get(peer, 0))
+
+    def choose(self, holders: tuple[str, ...], avoid: Iterable[str] = ()) -> str | None:
+        """The holder to ask (None when every holder is avoided); ties go to the Plan's order."""
+        avoid = set(avoid)
+        options = [(self.cost(p), i, p) for i, p in enumerate(holders) if p not in avoid]
+        return min(options)[2] if options else None
+
+    def started(self, peer: str) -> None:
+        self.in_flight[peer] = self.in_flight.get(peer, 0) + 1
+
+    def finished(self, peer: str, seconds: float | None) -> None:
+        """A call to `peer` ended: after `seconds`, or failed (None)."""
+        self.in_flight[peer] = max(0, self.in_flight.get(peer, 0) - 1)
+        old = self.latency.get(peer, self.prior_s)
+        if seconds is None:  # worse than the slowest peer that answers, until it answers fast again
+            self.latency[peer] = max([old, *self.latency.values()]) * self.failure_penalty
+        else:
+            self.latency[peer] = (1 - self.alpha) * old + self.alpha * seconds
+
+
+@dataclass(frozen=True)
+class NodePart:
+    peer: str
+    rows: np.ndarray  # indices into the layer call's rows
+    call: ExpertCall  # those rows, with only this node's experts selected
+    experts: tuple[int, ...]
+
+
+def split_by_node(call: ExpertCall, holders: Mapping[int, tuple[str, ...]],
+                  choose: Callable[[tuple[str, ...]], str | None]) -> list[NodePart]:
+    """One part per node that a selected expert of `call` is sent to; raises KeyError for an expert
+    with no holder to ask."""
+    by_node: dict[str, list[int]] = {}
+    for expert in sorted(set(call.sel[call.sel >= 0].tolist())):
+        peer = choose(holders.get(expert, ()))
+        if peer is None:
+            raise KeyError(f"expert {expert} of block {call.layer} has no reachable holder")
+        by_node.setdefault(peer, []).append(expert)
+    parts = []
+    for peer, experts in sorted(by_node.items()):
+        part = call.only(frozenset(experts))
+        assert part is not None
+        parts.append(NodePart(peer, rows_for(call, frozenset(experts)), part, tuple(experts)))
+    return parts
+
+
+def combine(call: ExpertCall, answers: Iterable[tuple[NodePart, np.ndarray]]) -> np.ndarray:
+    """The layer's answer: each row's sum over the nodes' gated sums."""
+    out = np.zeros(call.rows.shape, np.float32)
+    for part, answer in answers:
+        out[part.rows] += answer.astype(np.float32)
+    return out
+
+
+def tokens_per_expert(call: ExpertCall) -> dict[int, int]:
+    """How many rows of `call` each expert is asked for (load, for status and re-planning)."""
+    experts, counts = np.unique(call.sel[call.sel >= 0], return_counts=True)
+    return {int(e): int(c) for e, c in zip(experts, counts, strict=True)}

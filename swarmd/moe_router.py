@@ -1,0 +1,173 @@
+"""The MoE router: `moe-router-{block}` on the daemon whose stage owns a MoE block.
+
+For each MoE block and step the stage hands it one `ExpertCall` (every row of the batch with its
+selected experts and gates). The router picks one holder per selected expert (observed latency times
+load, `swarmd.moe_dispatch`), sends **one `ExpertBatch` per node** with just that node's rows and
+experts, gathers the `ExpertResult`s and adds them up: the gate-weighted sum the stage adds to its
+residual stream. Frames are retried over dropped links and de-duplicated by the transport; a node
+that refuses, cannot be reached or does not answer in time is avoided and its experts are asked of
+another holder, while any is left.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import defaultdict, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from planner.plan import router_actor
+from swarmd.moe_dispatch import NodePart, ReplicaChooser, combine, split_by_node, tokens_per_expert
+from swarmd.transport import DeliveryFailed, Refused
+from swarmd.wire.codec import WireTensor
+from swarmd.wire.messages import Error, ExpertBatch, ExpertResult
+
+log = logging.getLogger("swarmd.moe")
+
+RESULT_TIMEOUT = 120.0  # s a node that acked a batch has to answer it (first batches compile kernels) before
+# its experts are asked elsewhere
+
+
+class ExpertsUnavailable(Exception):
+    """No holder of some selected expert answered: the step fails (the request gets an error)."""
+
+
+@dataclass
+class _Pending:
+    peer: str
+    done: trio.Event = field(default_factory=trio.Event)
+    answer: np.ndarray | None = None
+    error: str | None = None
+
+
+@dataclass
+class LayerStats:
+    calls: int = 0
+    rows: int = 0
+    messages: int = 0  # ExpertBatch frames sent (one per node hit per call, plus retries elsewhere)
+    nodes_hit: int = 0  # distinct nodes per call, summed
+    fan_out_ms: deque[float] = field(default_factory=lambda: deque(maxlen=512))
+    tokens: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # expert -> rows routed
+
+
+class MoERouter:
+    def __init__(self, transport: Any, holders: Callable[[int], Mapping[int, tuple[str, ...]]], *,
+                 wire_dtype: str | None = None, result_timeout: float = RESULT_TIMEOUT) -> None:
+        self.transport = transport
+        self._holders = holders  # block -> expert -> holder peer ids (the current plan's, nearest first)
+        self.wire_dtype = wire_dtype
+        self.result_timeout = result_timeout
+        self.chooser = ReplicaChooser()
+        self.layers: dict[int, LayerStats] = defaultdict(LayerStats)
+        self._prefix = uuid.uuid4().hex[:12]
+        self._count = 0
+        self._pending: dict[str, _Pending] = {}
+
+    async def call(self, call: Any) -> np.ndarray:
+        """The gate-weighted expert sum for every row of `call` (a models.moe.ExpertCall)."""
+        started = time.perf_counter()
+        holders = self._holders(call.layer)
+        stats = self.layers[call.layer]
+        answers: list[tuple[NodePart, np.ndarray]] = []
+        avoid: set[str] = set()
+        todo = call
+        while True:
+            try:
+                parts = split_by_node(todo, holders, lambda hs: self.chooser.choose(hs, avoid))
+            except KeyError as e:
+                raise ExpertsUnavailable(str(e.args[0])) from None
+            results: dict[str, np.ndarray | str] = {}
+            async with trio.open_nursery() as nursery:
+                for part in parts:
+                    nursery.start_soon(self._ask, part, results)
+            stats.messages += len(parts)
+            failed = [p for p in parts if not isinstance(results[p.peer], np.ndarray)]
+            for p in parts:
+                if isinstance(results[p.peer], np.ndarray):
+                    answers.append((p, results[p.peer]))  # type: ignore[arg-type]
+            if todo is call:
+                stats.nodes_hit += len(parts)
+            if not failed:
+                break
+            for p in failed:
+                log.warning("experts %s of block %d: %s did not answer (%s); asking another holder",
+                            list(p.experts), call.layer, p.peer[:16], results[p.peer])
+                avoid.add(p.peer)
+            todo = _restrict(call, {x for p in failed for x in p.experts})
+        stats.calls += 1
+        stats.rows += len(call.rows)
+        for expert, n in tokens_per_expert(call).items():
+            stats.tokens[expert] += n
+        stats.fan_out_ms.append((time.perf_counter() - started) * 1e3)
+        return combine(call, answers)
+
+    async def _ask(self, part: NodePart, results: dict[str, np.ndarray | str]) -> None:
+        self._count += 1
+        batch_id = f"moe-{self._prefix}-{self._count}"
+        msg = ExpertBatch(batch_id, self._count, part.call.layer,
+                          WireTensor.from_array(part.call.rows.astype(np.float32), self.wire_dtype),
+                          WireTensor.from_array(part.call.sel.astype(np.int32)),
+                          WireTensor.from_array(part.call.gates.astype(np.float32)))
+        pending = self._pending[batch_id] = _Pending(part.peer)
+        self.chooser.started(part.peer)
+        started = time.perf_counter()
+        try:
+            await self.transport.send(part.peer, msg)
+            with trio.move_on_after(self.result_timeout):
+                await pending.done.wait()
+        except (DeliveryFailed, Refused) as e:
+            pending.error = str(e)
+        finally:
+            self._pending.pop(batch_id, None)
+        if pending.answer is not None:
+            self.chooser.finished(part.peer, time.perf_counter() - started)
+            results[part.peer] = pending.answer
+        else:
+            self.chooser.finished(part.peer, None)
+            results[part.peer] = pending.error or f"no answer within {self.result_timeout:.0f} s"
+
+    async def on_result(self, peer: str, msg: ExpertResult) -> None:
+        pending = self._pending.get(msg.batch_id)
+        if pending is None or pending.peer != peer:
+            return  # late (already asked elsewhere) or not ours: nothing waits for it
+        answer = msg.hidden.to_array("float32")
+        if answer.shape[0] != 0 and answer.shape[1] != 0:
+            pending.answer = answer
+        pending.done.set()
+
+    def on_error(self, msg: Error) -> bool:
+        """An Error about one of our batches (the expert refused it): fail that part; True if it was ours."""
+        pending = self._pending.get(msg.request_id)
+        if pending is None:
+            return False
+        pending.error = f"{msg.code}: {msg.message}"
+        pending.done.set()
+        return True
+
+    def status(self) -> dict[str, Any]:
+        out = {}
+        for block, s in sorted(self.layers.items()):
+            lat = sorted(s.fan_out_ms)
+            out[str(block)] = {
+                "actor": router_actor(block), "calls": s.calls, "rows": s.rows, "messages": s.messages,
+                "nodes_per_call": round(s.nodes_hit / s.calls, 3) if s.calls else None,
+                "fan_out_ms_median": round(lat[len(lat) // 2], 3) if lat else None,
+                "tokens": {str(e): n for e, n in sorted(s.tokens.items())},
+            }
+        return {"layers": out, "latency_ms": {p[:16]: round(v * 1e3, 3) for p, v in sorted(self.chooser.latency.items())}}
+
+
+def _restrict(call: Any, experts: set[int]) -> Any:
+    """`call` with only `experts` selected; rows keep their places, so a retry's parts index `call`."""
+    from models.moe import ExpertCall
+
+    mask = np.isin(call.sel, list(experts))
+    return ExpertCall(call.layer, call.rows, np.where(mask, call.sel, -1).astype(np.int32),
+                      np.where(mask, call.gates, 0.0).astype(np.float32))
+

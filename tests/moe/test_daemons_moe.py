@@ -1,0 +1,120 @@
+"""Acceptance: MoE models served by 4 real `swarmd join` processes on loopback, experts spread over them.
+
+Each stage runs its blocks up to each MoE router, sends one batch per node holding selected experts,
+and continues with their gated sum; the output must be the single-process MoE's (and, for
+SmolLM2-MoE with top-8 of 8, dense SmolLM2's).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.moe.moe_swarm import MoESwarm
+
+pytestmark = pytest.mark.slow
+
+N_TOKENS = 8
+PROMPTS = ("The capital of France is", "def fibonacci(n):")
+
+
+def reference(path, max_context: int, prompts=PROMPTS) -> dict[str, list[int]]:
+    """Greedy tokens of the whole model in this process (`models.generate`, the loop of `swarmd run`)."""
+    from models.generate import generate
+    from models.sampling import SamplingParams
+    from models.stage import StageModel
+    from models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(path)
+    model = StageModel.from_gguf(path, max_context=max_context, max_requests=1)
+    out = {}
+    for text in prompts:
+        gen = generate(model, tok, tok.encode(text), SamplingParams(max_tokens=N_TOKENS))
+        for _ in gen:
+            pass
+        out[text] = gen.token_ids
+    return out
+
+
+@pytest.fixture(scope="module")
+def bench_file(tmp_path_factory) -> Path:
+    """A device benchmark measured once, copied into every daemon's home (as the pipeline tests do)."""
+    from swarmd.descriptor import BENCH_FILE, device_name, load_or_measure, resolve_device
+
+    home = tmp_path_factory.mktemp("bench")
+    device = resolve_device("auto")
+    load_or_measure(home, device, device_name(device))
+    return home / BENCH_FILE
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory, smollm2_gguf):
+    """A 4-block synthetic MoE (8 experts, top-2, sigmoid scores with a selection bias, a shared expert,
+    one leading dense block) with SmolLM2's tokenizer."""
+    from models.moe_gguf import SYNTHETIC_MOE, write_synthetic_moe
+
+    path = tmp_path_factory.mktemp("moe") / "tiny-moe.gguf"
+    return write_synthetic_moe(path, SYNTHETIC_MOE["tiny"], seed=11, tokenizer_from=smollm2_gguf)
+
+
+def check_greedy(swarm: MoESwarm, want: dict[str, list[int]]) -> None:
+    for i, prompt in enumerate(want):
+        tokens, end = swarm.generate(via=i % len(swarm.running), prompt=prompt, max_tokens=N_TOKENS)
+        assert end["event"] == "done", f"{end}\n{swarm.logs()}"
+        assert tokens == want[prompt], f"prompt {prompt!r}"
+
+
+@pytest.mark.timeout(600)
+def test_a_moe_model_on_four_daemons_equals_the_single_process_moe(tmp_path_factory, bench_file, tiny_moe):
+    want = reference(tiny_moe, 256)
+    swarm = MoESwarm(tmp_path_factory.mktemp("swarm"), bench_file, 4, str(tiny_moe))
+    assert len(swarm.expert_nodes()) >= 3
+    try:
+        swarm.start()
+        check_greedy(swarm, want)
+
+        status = swarm.running[0].status()
+        assert "experts 24/24 placed" in status["coverage"]  # 3 MoE blocks of 8 experts
+        assert status["plan"]["experts"] == json.loads(swarm.plan.dumps())["experts"]
+        routed = {}
+        for d in swarm.running:
+            for block, layer in d.status()["moe"]["routed"].items():
+                routed[block] = layer
+                # one message per node hit per step, never one per token per expert
+                assert layer["messages"] == round(layer["nodes_per_call"] * layer["calls"])
+                assert layer["nodes_per_call"] <= 2  # top-2: at most two nodes per layer and step
+        assert sorted(routed) == ["1", "2", "3"]
+        assert sum(routed["2"]["tokens"].values()) == 2 * routed["2"]["rows"]  # every row went to 2 experts
+
+        text = subprocess.run([sys.executable, "-m", "swarmd", "status", "--api", swarm.running[0].api],
+                              capture_output=True, text=True, timeout=60)
+        assert text.returncode == 0, text.stderr
+        assert "experts 24/24 placed" in text.stdout and "tokens routed" in text.stdout
+        as_json = json.loads(subprocess.run([sys.executable, "-m", "swarmd", "status", "--json", "--api",
+                                             swarm.running[0].api], capture_output=True, text=True,
+                                            timeout=60).stdout)
+        assert as_json["plan"]["experts"]["1"]
+        pipeline = httpx.get(f"{swarm.running[1].api}/api/v0/pipeline", timeout=10).json()
+        assert pipeline["moe"]["expert"]["batches"] > 0 or pipeline["moe"]["router"]["layers"]
+    finally:
+        swarm.stop()
+
+
+@pytest.mark.timeout(1200)
+def test_smollm2_moe_top8_on_four_daemons_equals_dense_smollm2(tmp_path_factory, bench_file, smollm2_gguf):
+    from models.names import resolve_model
+
+    want = reference(smollm2_gguf, 256, PROMPTS[:1])
+    resolve_model("smollm2-moe-8x8")  # written into the model cache once, before the daemons look for it
+    swarm = MoESwarm(tmp_path_factory.mktemp("swarm"), bench_file, 4, "smollm2-moe-8x8")
+    assert len(swarm.expert_nodes()) >= 3
+    try:
+        swarm.start(timeout=600)
+        check_greedy(swarm, want)
+    finally:
+        swarm.stop()

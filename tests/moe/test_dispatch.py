@@ -1,0 +1,62 @@
+"""Spreading a MoE layer's step over expert holders: one batched part per node, combined back exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from models.moe import ExpertCall
+from swarmd.moe_dispatch import ReplicaChooser, combine, split_by_node, tokens_per_expert
+
+
+def call(sel: list[list[int]], dim: int = 4) -> ExpertCall:
+    sel_a = np.array(sel, np.int32)
+    rows = np.arange(sel_a.shape[0] * dim, dtype=np.float32).reshape(-1, dim)
+    gates = np.full(sel_a.shape, 0.5, np.float32)
+    return ExpertCall(3, rows, sel_a, gates)
+
+
+HOLDERS = {0: ("a",), 1: ("b",), 2: ("a",), 3: ("c", "b")}
+
+
+def test_each_node_gets_one_part_with_only_the_rows_that_select_its_experts():
+    c = call([[0, 1], [2, 0], [3, 2]])
+    parts = split_by_node(c, HOLDERS, ReplicaChooser().choose)
+    assert [(p.peer, p.experts, p.rows.tolist()) for p in parts] == [
+        ("a", (0, 2), [0, 1, 2]), ("b", (1,), [0]), ("c", (3,), [2])]
+    a = parts[0].call
+    assert a.sel.tolist() == [[0, -1], [2, 0], [-1, 2]] and a.gates.tolist() == [[0.5, 0], [0.5, 0.5], [0, 0.5]]
+    assert len(parts) == 3  # messages for this layer and step: distinct nodes hit, not rows x k
+
+
+def test_combine_adds_each_nodes_gated_sums_into_its_rows():
+    c = call([[0, 1], [2, 0], [3, 2]])
+    parts = split_by_node(c, HOLDERS, ReplicaChooser().choose)
+    answers = [(p, np.full((len(p.rows), 4), i + 1, np.float32)) for i, p in enumerate(parts)]
+    assert combine(c, answers)[:, 0].tolist() == [1 + 2, 1, 1 + 3]
+
+
+def test_a_replica_is_chosen_by_latency_times_load_and_ties_follow_the_plan_order():
+    chooser = ReplicaChooser()
+    assert chooser.choose(("c", "b")) == "c"  # nothing measured: the Plan's nearest first
+    chooser.finished("c", 0.050)
+    chooser.finished("b", 0.002)
+    assert chooser.choose(("c", "b")) == "b"
+    for _ in range(30):
+        chooser.started("b")  # b is busy: its queue makes it slower than c now
+    assert chooser.choose(("c", "b")) == "c"
+    assert chooser.choose(("c", "b"), avoid={"c"}) == "b"
+    assert chooser.choose(("c",), avoid={"c"}) is None
+
+
+def test_a_failed_replica_is_avoided_until_it_answers_fast_again():
+    chooser = ReplicaChooser()
+    chooser.finished("b", 0.200)  # slow, but it answers
+    chooser.finished("c", None)
+    assert chooser.choose(("c", "b")) == "b"
+    for _ in range(20):
+        chooser.finished("c", 0.001)
+    assert chooser.choose(("c", "b")) == "c"
+
+
+def test_load_counts_tokens_per_expert():
+    assert tokens_per_expert(call([[0, 1], [2, 0], [3, -1]])) == {0: 2, 1: 1, 2: 1, 3: 1}

@@ -1,0 +1,103 @@
+"""The MoE router and expert actors over real actor transports (in-memory links): one batch per node,
+answers equal to the experts computed in place, and a holder that cannot be reached is replaced by
+another holder of its experts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "transport"))
+
+from memnet import MemoryNet
+from tiny_gguf import TinyMoE, TinySpec, tiny_moe_weights, write_moe_gguf
+
+from models.moe import ExpertCall, ExpertShard
+from swarmd.compute import ComputeThread, use_a_kernel_cache_connection_per_thread
+from swarmd.expert import ExpertActor
+from swarmd.moe_router import ExpertsUnavailable, MoERouter
+from swarmd.transport import TransportConfig
+from swarmd.wire.messages import Error, ExpertBatch, ExpertResult
+
+SPEC = TinySpec(n_blocks=2)
+MOE = TinyMoE(n_experts=6, top_k=2)
+BLOCK = 1
+HOLDS = {"a": [0, 3], "b": [1, 4, 2], "c": [2, 5]}  # expert 2 has two holders: c first, then b
+PLAN = {0: ("a",), 1: ("b",), 2: ("c", "b"), 3: ("a",), 4: ("b",), 5: ("c",)}
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    use_a_kernel_cache_connection_per_thread()
+    weights = tiny_moe_weights(SPEC, MOE, seed=4)
+    return write_moe_gguf(tmp_path_factory.mktemp("moe") / "m.gguf", SPEC, MOE, weights)
+
+
+def layer_call(rows: int = 5) -> ExpertCall:
+    rng = np.random.default_rng(0)
+    sel = np.array([rng.choice(6, 2, replace=False) for _ in range(rows)], np.int32)
+    sel[0] = [2, 5]  # a row that needs only node c's experts
+    return ExpertCall(BLOCK, rng.standard_normal((rows, SPEC.dim)).astype(np.float32), sel,
+                      rng.random((rows, 2)).astype(np.float32))
+
+
+async def build(nursery, gguf, config: TransportConfig | None = None):
+    net = MemoryNet(nursery)
+    compute = ComputeThread()
+    for name, experts in HOLDS.items():
+        transport = await net.add(name, config)
+        shard = ExpertShard.from_gguf(gguf, {BLOCK: experts}, dtype="float32")
+        actor = ExpertActor(lambda shard=shard: shard, compute=compute)
+        transport.route(ExpertBatch, actor.on_batch)
+    stage = await net.add("s", config)
+    router = MoERouter(stage, lambda block: PLAN, result_timeout=60.0)
+    stage.route(ExpertResult, router.on_result)
+
+    async def on_error(peer, msg):
+        router.on_error(msg)
+
+    stage.route(Error, on_error)
+    return net, router
+
+
+async def test_one_batch_per_node_and_the_answer_of_the_experts_in_place(gguf):
+    whole = ExpertShard.from_gguf(gguf, {BLOCK: range(6)}, dtype="float32")
+    call = layer_call()
+    want = whole(call)
+    async with trio.open_nursery() as nursery:
+        _, router = await build(nursery, gguf)
+        got = await router.call(call)
+        stats = router.layers[BLOCK]
+        assert stats.messages == stats.nodes_hit == 3  # a, b and c: one ExpertBatch each for 5 rows x 2 experts
+        assert sum(stats.tokens.values()) == call.sel.size
+        nursery.cancel_scope.cancel()
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+async def test_an_unreachable_holder_is_replaced_by_another_holder_of_its_experts(gguf):
+    call = ExpertCall(BLOCK, np.ones((2, SPEC.dim), np.float32), np.array([[2, 0], [2, 3]], np.int32),
+                      np.full((2, 2), 0.5, np.float32))
+    want = ExpertShard.from_gguf(gguf, {BLOCK: range(6)}, dtype="float32")(call)
+    async with trio.open_nursery() as nursery:
+        net, router = await build(nursery, gguf, TransportConfig(send_timeout=1.0))
+        net.down.add("c")
+        got = await router.call(call)
+        assert router.chooser.choose(PLAN[2]) == "b"  # c stays avoided: its estimate took the failure penalty
+        nursery.cancel_scope.cancel()
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+async def test_an_expert_whose_only_holder_is_gone_fails_the_step_clearly(gguf):
+    call = ExpertCall(BLOCK, np.ones((1, SPEC.dim), np.float32), np.array([[5, 0]], np.int32),
+                      np.full((1, 2), 0.5, np.float32))
+    async with trio.open_nursery() as nursery:
+        net, router = await build(nursery, gguf, TransportConfig(send_timeout=1.0))
+        net.down.add("c")
+        with pytest.raises(ExpertsUnavailable, match="expert 5 of block 1"):
+            await router.call(call)
+        nursery.cancel_scope.cancel()
