@@ -29,12 +29,12 @@ StageLoader = Callable[[ServedModel, int, int, str, int, int], Any]
 def load_stage(model: ServedModel, start: int, end: int, device: str, max_context: int, max_requests: int):
     """Blocks [start, end) of the model's GGUF, as a StageModel on `device` (blocking)."""
     from models.errors import ModelError
-    from models.stage import StageModel
+    from models.stage import SERVING_NUMERICS, StageModel
 
     if model.path is None:
         raise ModelError(f"no weights for {model.name} on this machine (it is known only to plan with)")
     return StageModel.from_gguf(model.path, start, end, max_context=max_context, max_requests=max_requests,
-                                device=device)
+                                device=device, numerics=SERVING_NUMERICS)
 
 
 class Assignment:
