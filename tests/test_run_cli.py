@@ -18,9 +18,16 @@ def swarmd(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]
     return subprocess.run([sys.executable, "-m", "swarmd", *args], capture_output=True, text=True, timeout=timeout)
 
 
-# The completion is compared with llama.cpp's greedy tokens up to its first near-tie (`firm_text`).
-# The chat case is one whose firm prefix this float implementation follows; "The capital of France
-# is" leaves it at a 0.33 gap, as bare tinygrad.llm 0.13 does.
+# The completion is compared with llama.cpp's greedy tokens up to its first near-tie (`firm_text`):
+# "The capital of France is" (which float arithmetic leaves at a 0.33 gap) and a chat prompt.
+@pytest.mark.slow
+def test_run_prints_llamacpps_greedy_completion(smollm2_gguf):
+    case = next(c for c in CASES if c["prompt"] == "The capital of France is")
+    done = swarmd("run", case["prompt"], "--max-tokens", str(len(case["firm_ids"])))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == case["firm_text"]
+
+
 @pytest.mark.slow
 def test_run_chat_prints_only_the_completion_on_stdout(smollm2_gguf):
     chat = next(c for c in CASES if c["kind"] == "chat" and "three good reasons" in c["user"])

@@ -48,14 +48,14 @@ def ref(smollm2_gguf) -> Reference:
     from models.chat import ChatTemplate
     from models.generate import generate
     from models.sampling import SamplingParams
-    from models.stage import StageInput, StageModel
+    from models.stage import SERVING_NUMERICS, StageInput, StageModel
     from models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(smollm2_gguf)
     chat_text = ChatTemplate.for_tokenizer(tok).render([{"role": "user", "content": CHAT}])
 
     def compute() -> Reference:  # on this thread: no daemon runs yet
-        model = StageModel.from_gguf(smollm2_gguf, max_context=CONTEXT, max_requests=1)
+        model = StageModel.from_gguf(smollm2_gguf, max_context=CONTEXT, max_requests=1, numerics=SERVING_NUMERICS)
         greedy = {}
         for text in (*PROMPTS, chat_text):
             gen = generate(model, tok, tok.encode(text), SamplingParams(max_tokens=N_TOKENS))
