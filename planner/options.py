@@ -34,8 +34,9 @@ class PlanOptions:
     # Decode reads the KV of the tokens so far; the prediction takes the middle of the budget.
     decode_context_fraction: float = 0.5
     # --- experts ----------------------------------------------------------------------------
-    # "auto" tries both and keeps the better plan; "local" keeps every block's experts on its
-    # stage's node; "spread" puts them on the other nodes of the stage's group too.
+    # "auto": spread under the balanced policy, under min-latency both tried and the better plan kept;
+    # "local" keeps every block's experts on its stage's node; "spread" puts them on the other nodes
+    # of the stage's group too.
     expert_placement: str = "auto"
     # block -> load per routed expert (token counts or fractions); missing blocks are uniform.
     expert_load: Mapping[int, Sequence[float]] = field(default_factory=dict)

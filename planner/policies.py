@@ -230,9 +230,13 @@ class Planner:
     def fresh(self) -> list[Draft]:
         drafts: list[Draft] = []
         modes = ["dense"]
-        if self.is_moe:
-            modes = ["spread", "local"] if self.opts.expert_placement == "auto" else [self.opts.expert_placement]
         balanced = self.policy == "balanced"
+        if self.is_moe and self.opts.expert_placement != "auto":
+            modes = [self.opts.expert_placement]
+        elif self.is_moe:
+            # balanced spreads experts over all members (what a swarm of volunteers expects); min-latency
+            # also weighs keeping them with their stages
+            modes = ["spread"] if balanced else ["spread", "local"]
         for gset in self.group_sets():
             groups = [[i for i in self.topo.groups[g] if self.free[i] > 0] for g in gset]
             order = [i for g in groups for i in g]

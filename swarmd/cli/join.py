@@ -44,7 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="activations on the wire: float32 is lossless (the default); the others halve the bytes")
     p.add_argument("--expert-placement", choices=["auto", "spread", "local"],
                    help="MoE models: keep each block's experts with its stage (local), spread them over the "
-                        "other daemons (spread), or let the planner choose (auto, the default)")
+                        "other daemons (spread), or let the planner choose (auto, the default: spread under the "
+                        "balanced policy)")
     p.add_argument("--data-plane", choices=["tls", "libp2p"],
                    help="tensors over pinned TLS sockets (default) or over the libp2p streams themselves")
     p.add_argument("--swarm-key", type=Path, metavar="FILE",
