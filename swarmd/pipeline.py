@@ -25,16 +25,21 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from swarmd.clock import ClockOffsets
 from swarmd.generate_api import GenerateRoute
 from swarmd.head import HeadError, HeadService, ModelInfo
+from swarmd.hoptiming import HopTimer
 from swarmd.openai_api import OpenAIRoutes
 from swarmd.p2plinks import Plane, start_actor_transport
+from swarmd.pipeline_metrics import register_pipeline_metrics
 from swarmd.registry import EMPTY, ChainStatus, Registry, chain_status
+from swarmd.spans import NodeSpans, SpanRecorder, chrome_trace
 from swarmd.stage import Loaded, StageActor
+from swarmd.trace_collect import TraceCollector
 from swarmd.transport import HandlerResult, Send, TransportConfig
 from swarmd.wire.codec import FLOAT_DTYPES, WireError
 from swarmd.wire.expect import Expect, ExpectForward, ExpectToken
-from swarmd.wire.messages import Cancel, Error, Forward, Logprobs, Message, Token
+from swarmd.wire.messages import Cancel, Error, Forward, Logprobs, Message, Token, TraceQuery, TraceSpans
 
 log = logging.getLogger("swarmd.pipeline")
 
@@ -58,6 +63,22 @@ class Pipeline:
                                 wire_dtype=wire_dtype, idle_timeout=cfg.timings.request_idle_timeout)
         self.head = HeadService(node.peer_id, transport, chain=self.chain, registry=self.registry,
                                 timings=cfg.timings, load_model=self._load_model, in_flight=self._count)
+        self._observe()
+
+    def _observe(self) -> None:
+        """Spans of traced requests, clock offsets from the swarm's probes, and the pipeline's metrics."""
+        swarm = getattr(self.node, "swarm", None)
+        recorder = SpanRecorder(clock=swarm.clock) if swarm is not None else SpanRecorder()
+        clocks = swarm.clocks if swarm is not None else ClockOffsets()
+        self.tracing = TraceCollector(self.node.peer_id, self.transport, recorder, clocks)
+        self.stage.recorder = recorder
+        self.head.tracing = self.tracing
+        metrics = getattr(self.node, "metrics", None)
+        wire = None
+        if metrics is not None:
+            wire, ttft = register_pipeline_metrics(metrics.registry, self)
+            self.head.on_first_token = ttft.observe
+        self.transport.observer = HopTimer(recorder, wire)
 
     # --- what the plan and the assignment say now ---------------------------------------------------------
 
@@ -116,6 +137,8 @@ class Pipeline:
     def install(self) -> None:
         install_actor_routes(self.transport, self.stage, self.head, peer_id=self.node.peer_id,
                              expect_forward=self._expect_forward, expect_token=self._expect_token)
+        self.transport.route(TraceQuery, self.tracing.on_query)
+        self.transport.route(TraceSpans, self.tracing.on_spans)
 
     def _expect_forward(self, msg: Message) -> None:
         loaded = self.loaded()
@@ -193,6 +216,19 @@ async def run_pipeline(node: Any, *, task_status=trio.TASK_STATUS_IGNORED) -> No
         async def status(request: Request) -> JSONResponse:
             return JSONResponse(pipeline.status())
 
+        async def trace(request: Request) -> JSONResponse:
+            rid = request.path_params["request_id"]
+            events = pipeline.tracing.traces.get(rid)
+            if events is None:  # not headed here: this daemon's own spans of it, on its own clock
+                spans = pipeline.tracing.recorder.spans(rid)
+                if not spans:
+                    return JSONResponse({"error": {"message": f"no trace of {rid} on this daemon (traced requests "
+                                                              "only, the latest 32)", "code": "not_found"}},
+                                        status_code=404)
+                events = chrome_trace([NodeSpans(node.peer_id, "node", spans)], request_id=rid)
+            return JSONResponse({"traceEvents": events, "displayTimeUnit": "ms"})
+
         node.api.add_route("/api/v0/pipeline", status)
+        node.api.add_route("/api/v0/trace/{request_id}", trace)
         task_status.started(pipeline)
         await trio.sleep_forever()
