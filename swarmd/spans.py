@@ -9,8 +9,10 @@ an untraced request costs a set lookup where a span would be. Spans are kept per
 
 A span is `(name, thread, start, end, args)`. Spans of one message's hop share `args["flow"]` (the sender's
 `hop.send` and the receiver's `hop.deserialise`), which becomes a flow arrow in the trace.
-`chrome_trace` lays the spans of every node of a request on the head's time axis: each node's clock offset
-(estimated NTP-style, `swarmd.clock`) is taken off its readings.
+`align` puts every node of a request on the head's clock: each frame of the request and its ack is an
+NTP-style exchange between two nodes (`hop_samples`), and so is each swarm probe between the head and a node
+(`swarmd.clock`); the least-delay sample of each pair wins, and offsets add up along the least-error path
+from the head. `chrome_trace` then takes each node's offset off its readings.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class SpanRecorder:
         self._keep = keep
         self._max = max_spans
         self.inflight: Counter[str] = Counter()  # traced requests' frames sent and not yet acked
+        self.on_settled: Callable[[str], None] | None = None  # told when a request has no frame in flight
 
     def trace(self, request_id: str) -> None:
         """Record the spans of `request_id` from now on."""
@@ -58,6 +61,8 @@ class SpanRecorder:
             self.inflight[request_id] = left
         else:
             self.inflight.pop(request_id, None)
+            if self.on_settled is not None:
+                self.on_settled(request_id)
 
     def wants(self, request_id: str) -> bool:
         return request_id in self._spans

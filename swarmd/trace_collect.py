@@ -3,8 +3,10 @@
     stage i  <--TraceQuery(request_id, hop i)--  head
     stage i  --TraceSpans(spans, received, answered)-->  head
 
-Each stage answers from its `SpanRecorder`; the head shifts each node's readings by that node's clock offset:
-the best (least-delay) NTP-style sample from the swarm's probes or from this very exchange (`swarmd.clock`).
+Each stage answers from its `SpanRecorder` once its own frames of the request are acked (so that their
+`hop.send` spans are complete). The head shifts each node's readings by that node's clock offset: the best
+(least-delay) NTP-style sample from the swarm's probes, this very exchange, or the request's own frames and
+their acks (`swarmd.spans.align`).
 The merged Chrome trace is kept for `GET /api/v0/trace/{request_id}` (the latest `keep` traces).
 """
 
@@ -39,17 +41,26 @@ class TraceCollector:
         self.traces: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
         self._keep = keep
         self._waiting: dict[tuple[str, int], tuple[float, trio.Event, list[TraceSpans]]] = {}
+        self._settled: dict[str, trio.Event] = {}
+        recorder.on_settled = self._on_settled
 
     # --- a stage answers ------------------------------------------------------------------------------------
 
     async def on_query(self, peer: str, msg: TraceQuery) -> Send:
         received = self.recorder.clock()
-        with trio.move_on_after(SETTLE_TIMEOUT):
-            while self.recorder.inflight.get(msg.request_id):
-                await trio.sleep(0.002)
+        if self.recorder.inflight.get(msg.request_id):
+            settled = self._settled.setdefault(msg.request_id, trio.Event())
+            with trio.move_on_after(SETTLE_TIMEOUT):
+                await settled.wait()
+            self._settled.pop(msg.request_id, None)
         spans = encode_spans(self.recorder.spans(msg.request_id))
         return Send(peer, TraceSpans(msg.request_id, spans, received=received, answered=self.recorder.clock(),
                                      hop=msg.hop))
+
+    def _on_settled(self, request_id: str) -> None:
+        settled = self._settled.get(request_id)
+        if settled is not None:
+            settled.set()
 
     async def on_spans(self, peer: str, msg: TraceSpans) -> None:
         waiting = self._waiting.get((msg.request_id, msg.hop))

@@ -106,3 +106,43 @@ def test_the_breakdown_gives_each_hop_its_median_over_decode_steps_and_the_wire_
     assert wire.median_ms == pytest.approx(4.4, abs=0.6)  # steps 1, 3 and 5 of 1..5 queued 4 ms on the way
     assert rows[("stage 1 -> head (token)", "hop.deserialise")].median_ms == pytest.approx(0.1)
     assert per_token_parts(b)["hop.deserialise"] == pytest.approx(0.3)  # three hops a decode step, 0.1 ms each
+
+
+def test_the_hop_timer_starts_a_trace_from_the_forward_that_asks_and_counts_every_frame():
+    import numpy as np
+
+    from swarmd.hoptiming import HopTimer
+    from swarmd.wire.codec import WireTensor
+    from swarmd.wire.messages import Forward, Sampling, TraceQuery
+
+    ticks = iter(range(1000))
+    rec = SpanRecorder(clock=lambda: float(next(ticks)))
+    counted: list[tuple] = []
+
+    class Counters:
+        def frame_sent(self, tag, nbytes, seconds, acked):
+            counted.append(("sent", tag, nbytes, seconds, acked))
+
+        def frame_received(self, tag, nbytes):
+            counted.append(("received", tag, nbytes))
+
+    timer = HopTimer(rec, Counters())
+    tokens = WireTensor.from_array(np.array([1, 2], np.int32))
+    plain = Forward("r-plain", 0, 0, 0, "head", tokens=tokens, sampling=Sampling())
+    traced = Forward("r-traced", 0, 0, 0, "head", tokens=tokens, sampling=Sampling(trace=True))
+    for msg in (plain, traced):
+        timer.decoded("peer-a", msg, timer.now(), 100)
+        timer.handling(msg)
+    assert not rec.wants("r-plain") and rec.wants("r-traced")
+    assert [s[0] for s in rec.spans("r-traced")] == ["hop.deserialise", "hop.admit"]
+    timer.encoded("peer-b", 7, traced, timer.now(), 120)
+    assert rec.inflight["r-traced"] == 1
+    timer.settled("peer-b", 7, True)
+    assert not rec.inflight and [s[0] for s in rec.spans("r-traced")][2:] == ["hop.serialise", "hop.send"]
+    send = rec.spans("r-traced")[3]
+    assert send[4]["flow"] == flow_id(traced.key()) == rec.spans("r-traced")[0][4]["flow"]
+    timer.encoded("peer-b", 8, TraceQuery("r-traced"), timer.now(), 50)  # collecting is not part of the request
+    timer.settled("peer-b", 8, True)
+    assert len(rec.spans("r-traced")) == 4
+    assert [c[:3] for c in counted] == [("received", "forward", 100), ("received", "forward", 100),
+                                        ("sent", "forward", 120), ("sent", "trace_query", 50)]

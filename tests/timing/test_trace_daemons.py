@@ -95,7 +95,7 @@ def test_a_traced_request_shows_every_node_and_hop_on_one_time_axis(swarm, tmp_p
 def test_untraced_requests_leave_no_spans_and_metrics_count_every_request(swarm):
     head = swarm.running[1]
     before = httpx.get(f"{head.api}/metrics", timeout=10).text
-    tokens, end = swarm.generate(via=1, prompt="Hi", max_tokens=4)
+    _, end = swarm.generate(via=1, prompt="Hi", max_tokens=4)
     assert end["event"] == "done" and "trace" not in end
     rid = None
     for line in httpx.get(f"{head.api}/api/v0/pipeline", timeout=10).json()["stage"]["recent_steps"]:
