@@ -48,20 +48,27 @@ def request(api: str, prompt: str, tokens: int, trace: bool) -> dict[str, Any]:
     raise RuntimeError("the stream ended early")
 
 
-def observer_cost_us(frames: int = 100_000) -> float:
-    """Microseconds per frame the always-on part costs: HopTimer's four calls for an untraced Forward, with
-    the Prometheus counters (what a daemon does per frame when nobody traces)."""
+def observer_cost_us(frames: int = 100_000, traced: bool = False) -> float:
+    """Microseconds per frame and step of what a daemon does for timing: HopTimer's four calls for a Forward
+    with the Prometheus counters (always on), and with `traced` the hop spans and a stage step's spans too."""
+    from types import SimpleNamespace
+
     import numpy as np
     from prometheus_client import CollectorRegistry
 
     from swarmd.hoptiming import HopTimer
     from swarmd.pipeline_metrics import WireMetrics
-    from swarmd.spans import SpanRecorder
+    from swarmd.spans import SpanRecorder, record_stage_step
     from swarmd.wire.codec import WireTensor
     from swarmd.wire.messages import Forward
 
-    timer = HopTimer(SpanRecorder(), WireMetrics(CollectorRegistry()))
+    recorder = SpanRecorder(max_spans=10 * frames)
+    timer = HopTimer(recorder, WireMetrics(CollectorRegistry()))
     msg = Forward("req-x", 3, 1, 7, "head", hidden=WireTensor.from_array(np.zeros((1, 576), np.float32)))
+    work = SimpleNamespace(request_id="req-x", step=3, rows=1, sampling=None)
+    job = SimpleNamespace(work=work, batch=1, received=1.0, taken=1.1, started=1.2, computed=1.3, ended=1.3)
+    if traced:
+        recorder.trace("req-x")
     start = time.perf_counter()
     for seq in range(frames):
         t = timer.now()
@@ -69,6 +76,8 @@ def observer_cost_us(frames: int = 100_000) -> float:
         timer.settled("peer", seq, True)
         timer.decoded("peer", msg, t, 2400)
         timer.handling(msg)
+        if recorder.wants("req-x"):
+            record_stage_step(recorder, job, 1.4, 1)
     return (time.perf_counter() - start) / frames * 1e6
 
 
@@ -135,7 +144,7 @@ def main() -> int:
             say(f"round {r + 1}: off {got[False]:.2f}, on {got[True]:.2f} tok/s (on/off {ratios[-1]:.3f})")
     finally:
         swarm.stop()
-    per_frame = observer_cost_us()
+    per_frame, per_traced = observer_cost_us(), observer_cost_us(traced=True)
     b = breakdown(events)
     if args.trace_out:
         args.trace_out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
@@ -144,6 +153,7 @@ def main() -> int:
              f"SmolLM2-135M over {args.daemons} daemons on loopback, one request, {args.tokens} tokens")
     off, on = statistics.median(rates[False]), statistics.median(rates[True])
     result = {"off_tok_s": rates[False], "on_tok_s": rates[True], "ratios": ratios, "observer_us_per_frame": per_frame,
+              "traced_us_per_frame_and_step": per_traced,
               "rows": [r.__dict__ for r in b.rows], "token_interval_ms": b.token_interval_ms}
     if args.json:
         print(json.dumps(result, indent=2))
@@ -160,7 +170,8 @@ def main() -> int:
     med = statistics.median(ratios)
     print(f"\nOn/off per round: median **{med:.3f}** (cost {100 * (1 - med):+.1f} %), spread {min(ratios):.3f} to "
           f"{max(ratios):.3f}; ratio of the medians {on / off:.3f}. Always on (tracing off): the metrics' "
-          f"frame observer, {per_frame:.2f} µs per frame (4 calls, in-process, 100,000 frames).\n")
+          f"frame observer, {per_frame:.2f} µs per frame; traced, the same plus the hop's and a stage step's "
+          f"spans: {per_traced:.2f} µs (in-process, 100,000 frames each).\n")
     print("Per-token breakdown of the last traced request (median and p95 over its decode steps, ms):\n")
     print("| where | phase | prefill | decode median | decode p95 |")
     print("|---|---|---|---|---|")

@@ -37,7 +37,7 @@ class HopTimer:
         self.counters = counters
         self.now = recorder.clock if recorder is not None else time.perf_counter
         self._out: dict[tuple[str, int], tuple[Key | None, str, float, int, str]] = {}
-        self._in: dict[Key, tuple[str, float]] = {}  # traced frames checked, handler not started yet
+        self._in: dict[Key, tuple[str, float]] = {}  # traced frames checked (sender, when), handler not started
 
     def encoded(self, peer: str, seq: int, msg: Message, started: float, nbytes: int) -> None:
         end = self.now()
@@ -50,7 +50,7 @@ class HopTimer:
         if rid and rec is not None and rec.wants(rid) and msg.TAG not in UNTRACED:
             rec.inflight[rid] += 1
             rec.add(rid, "hop.serialise", f"send -> {peer[-6:]}", started, end, msg=msg.TAG,
-                    step=key[2] if key else 0, bytes=nbytes)
+                    step=key[2] if key else 0, hop=key[3] if key else 0, to=peer, bytes=nbytes)
 
     def settled(self, peer: str, seq: int, acked: bool) -> None:
         entry = self._out.pop((peer, seq), None)
@@ -63,7 +63,7 @@ class HopTimer:
         rec = self.recorder
         if rid and key and rec is not None and rec.wants(rid) and tag not in UNTRACED:
             rec.settle(rid)
-            rec.add(rid, "hop.send", f"send -> {peer[-6:]}", ready, now, msg=tag, step=key[2], to=peer,
+            rec.add(rid, "hop.send", f"send -> {peer[-6:]}", ready, now, msg=tag, step=key[2], hop=key[3], to=peer,
                     bytes=nbytes, acked=acked, flow=flow_id(key))
 
     def decoded(self, peer: str, msg: Message, started: float, nbytes: int) -> None:
@@ -83,19 +83,19 @@ class HopTimer:
         if key is None:
             return
         thread = f"recv <- {peer[-6:]}"
-        rec.add(rid, "hop.deserialise", thread, started, end, msg=msg.TAG, step=key[2], bytes=nbytes,
+        rec.add(rid, "hop.deserialise", thread, started, end, msg=msg.TAG, step=key[2], hop=key[3], bytes=nbytes,
                 flow=flow_id(key), sender=peer)
         if len(self._in) >= MAX_OPEN:
             self._in.clear()
-        self._in[key] = (thread, end)
+        self._in[key] = (peer, end)
 
     def handling(self, msg: Message) -> None:
         if not self._in:
             return
         key = msg.key()
         entry = self._in.pop(key, None) if key else None
-        if entry is not None and self.recorder is not None:
-            thread, checked = entry
-            self.recorder.add(request_id_of(msg), "hop.admit", thread, checked, self.now(), msg=msg.TAG,
-                              step=key[2] if key else 0)
+        if entry is not None and self.recorder is not None and key is not None:
+            peer, checked = entry
+            self.recorder.add(request_id_of(msg), "hop.admit", f"recv <- {peer[-6:]}", checked, self.now(),
+                              msg=msg.TAG, step=key[2], hop=key[3], sender=peer)
 

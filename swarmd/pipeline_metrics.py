@@ -35,14 +35,22 @@ class WireMetrics:
                                      ["msg"], buckets=HOP_BUCKETS, registry=registry)
         self.wire_bytes = Counter("swarmd_wire_bytes", "Actor frame bytes by direction and message type",
                                   ["direction", "msg"], registry=registry)
+        self._children: dict[tuple[str, str], Any] = {}  # labels() looks its child up under a lock: once
+
+    def _child(self, kind: str, tag: str) -> Any:
+        child = self._children.get((kind, tag))
+        if child is None:
+            child = self.hop_latency.labels(tag) if kind == "latency" else self.wire_bytes.labels(kind, tag)
+            self._children[(kind, tag)] = child
+        return child
 
     def frame_sent(self, tag: str, nbytes: int, seconds_to_ack: float, acked: bool) -> None:
         if acked:
-            self.hop_latency.labels(tag).observe(seconds_to_ack)
-            self.wire_bytes.labels("sent", tag).inc(nbytes)
+            self._child("latency", tag).observe(seconds_to_ack)
+            self._child("sent", tag).inc(nbytes)
 
     def frame_received(self, tag: str, nbytes: int) -> None:
-        self.wire_bytes.labels("received", tag).inc(nbytes)
+        self._child("received", tag).inc(nbytes)
 
 
 class PipelineCollector(Collector):

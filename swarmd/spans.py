@@ -91,7 +91,7 @@ def record_stage_step(recorder: SpanRecorder, job: Any, sent: float, hop: int) -
     recorder.add(rid, "stage.queue", thread, job.received, job.taken, **args)
     recorder.add(rid, "stage.handover", thread, job.taken, job.started, **args)
     recorder.add(rid, "stage.forward", thread, job.started, computed, **args)
-    if job.ended > computed:
+    if w.sampling is not None:  # the last stage
         recorder.add(rid, "stage.sample", thread, computed, job.ended, **args)
     recorder.add(rid, "stage.output", thread, job.ended, sent, **args)
 

@@ -87,7 +87,7 @@ def breakdown(events: Sequence[dict[str, Any]]) -> Breakdown:
         if name.startswith("hop."):
             other = by_peer.get(args.get("to") or args.get("sender") or "", "?")
             src, dst = (role, other) if name in ("hop.serialise", "hop.send") else (other, role)
-            where = f"{_short(src)} -> {_short(dst)} ({args.get('msg', '?')})"
+            where = _hop_name(args.get("msg", "?"), args.get("hop"), _short(src), _short(dst))
             if name == "hop.send" and "flow" in args:
                 sends[args["flow"]] = (where, e["ts"])
             if name == "hop.deserialise" and "flow" in args:
@@ -108,6 +108,16 @@ def breakdown(events: Sequence[dict[str, Any]]) -> Breakdown:
     gaps = np.diff(tokens) / 1e3 if len(tokens) > 1 else np.array([])
     interval = (float(np.median(gaps)), float(np.percentile(gaps, 95))) if len(gaps) else None
     return Breakdown(rows, interval, len(tokens), {role: peer for peer, role in by_peer.items()})
+
+
+def _hop_name(msg: str, hop: Any, src: str, dst: str) -> str:
+    """Which hop a message makes, by what it is: a Forward's hop is the stage it goes to (0: from the head),
+    a Token goes to stage 0 (hop 0) or to the head (hop 1)."""
+    if msg == "forward" and isinstance(hop, int):
+        src, dst = ("head" if hop == 0 else f"stage {hop - 1}"), f"stage {hop}"
+    elif msg == "token" and hop in (0, 1):
+        dst = "stage 0" if hop == 0 else "head"
+    return f"{src} -> {dst} ({msg})"
 
 
 def _short(role: str) -> str:
