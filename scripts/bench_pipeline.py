@@ -110,8 +110,12 @@ def start_swarm(n: int, context: int, max_requests: int, bootstrap_of: Any = Non
     extra = ("--max-context", str(context), "--max-requests", str(max_requests))
     swarm = LocalSwarm(n, base=base, extra=extra, swarm=f"bench{n}", first_extra=("--plan", str(base / "plan.json")),
                        bootstrap=bootstrap_of(peers) if bootstrap_of else None, **options)
-    swarm.start()
-    swarm.wait_ready()
+    try:
+        swarm.start()
+        swarm.wait_ready()
+    except BaseException:
+        swarm.stop()  # no daemon outlives a swarm that did not come up
+        raise
     return swarm
 
 

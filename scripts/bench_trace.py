@@ -81,7 +81,8 @@ def observer_cost_us(frames: int = 100_000, traced: bool = False) -> float:
     return (time.perf_counter() - start) / frames * 1e6
 
 
-def plot(rows: list[Any], interval_ms: float | None, path: Path, title: str) -> None:
+def plot(b: Any, path: Path, title: str) -> None:
+    """A bar per stage, hop and phase: its median ms per decode step (a `trace_summary.Breakdown`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,7 +92,7 @@ def plot(rows: list[Any], interval_ms: float | None, path: Path, title: str) -> 
                "stage.handover": "#c44e52", "stage.output": "#937860", "hop.serialise": "#8172b3",
                "hop.send": "#cccccc", "hop.wire": "#55a868", "hop.deserialise": "#da8bc3", "hop.admit": "#8c8c8c",
                "head.detokenize": "#ccb974"}
-    parts = [r for r in rows if r.median_ms and r.phase in colours and r.phase != "hop.send"]
+    parts = [r for r in b.rows if r.median_ms and r.phase in colours and r.phase != "hop.send"]
     fig, ax = plt.subplots(figsize=(11, 0.32 * len(parts) + 1.8))
     labels = [f"{r.where}: {r.phase}" for r in parts][::-1]
     values = [r.median_ms for r in parts][::-1]
@@ -99,8 +100,9 @@ def plot(rows: list[Any], interval_ms: float | None, path: Path, title: str) -> 
     ax.bar_label(bars, labels=[f"{v:.2f}" for v in values], padding=3, fontsize=7)
     ax.set_xscale("log")
     ax.set_xlabel("median ms per decode step (log scale)")
-    total = sum(values)
-    sub = f"parts sum to {total:.1f} ms" + (f"; time between tokens {interval_ms:.1f} ms" if interval_ms else "")
+    sub = (f"a decode step's parts add up to {b.parts_ms:.1f} ms (median over steps)" if b.parts_ms else "")
+    if b.token_interval_ms:
+        sub += f"; time between tokens at the head {b.token_interval_ms[0]:.1f} ms (median)"
     ax.set_title(f"{title}\n{sub}", fontsize=10)
     ax.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
@@ -149,8 +151,7 @@ def main() -> int:
     if args.trace_out:
         args.trace_out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     if args.plot:
-        plot(b.rows, b.token_interval_ms[0] if b.token_interval_ms else None, args.plot,
-             f"SmolLM2-135M over {args.daemons} daemons on loopback, one request, {args.tokens} tokens")
+        plot(b, args.plot, f"SmolLM2-135M over {args.daemons} daemons on loopback, one request, {args.tokens} tokens")
     off, on = statistics.median(rates[False]), statistics.median(rates[True])
     result = {"off_tok_s": rates[False], "on_tok_s": rates[True], "ratios": ratios, "observer_us_per_frame": per_frame,
               "traced_us_per_frame_and_step": per_traced,
@@ -180,7 +181,8 @@ def main() -> int:
         print(f"| {row.where} | {row.phase} | {' | '.join(cells)} |")
     if b.token_interval_ms:
         print(f"\nTime between tokens at the head: median {b.token_interval_ms[0]:.2f} ms, "
-              f"p95 {b.token_interval_ms[1]:.2f} ms.")
+              f"p95 {b.token_interval_ms[1]:.2f} ms; a decode step's parts add up to {b.parts_ms or 0:.2f} ms "
+              "(median over steps).")
     return 0
 
 

@@ -64,7 +64,9 @@ class Emulator:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         for _ in range(len(links) + 1):
-            self.proc.stdout.readline()
+            if not self.proc.stdout.readline().startswith(("link ", "control ")):
+                self.proc.kill()
+                raise RuntimeError(f"the link emulator did not start (exit code {self.proc.wait(10)})")
 
     def set_delay(self, ms: float) -> None:
         with socket.create_connection(("127.0.0.1", self.control_port), timeout=10) as s:

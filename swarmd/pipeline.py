@@ -167,6 +167,7 @@ class Pipeline:
             "chain": {"ready": chain.ready, "detail": chain.detail},
             "transport": {k: v for k, v in vars(self.transport.stats).items()},
             "links": self.transport.link_state(),
+            "clock_offsets": self.tracing.clocks.to_json(),  # NTP-style, from probes and trace queries
         }
 
 

@@ -22,6 +22,8 @@ import numpy as np
 # The order rows are listed in: a token's way round the chain.
 PHASES = ("tokenize", "hop.serialise", "hop.send", "hop.wire", "hop.deserialise", "hop.admit", "stage.queue",
           "stage.handover", "stage.forward", "stage.sample", "stage.output", "head.detokenize")
+# What adds up to a token's time round the chain (hop.send overlaps the receiver's parts; head.* are totals).
+PARTS = frozenset(PHASES) - {"tokenize", "hop.send", "head.detokenize"}
 _PEER = re.compile(r"\s(\S+)$")
 
 
@@ -45,6 +47,7 @@ class Breakdown:
     token_interval_ms: tuple[float, float] | None  # median, p95 of the time between tokens at the head
     tokens: int
     nodes: dict[str, str]  # role -> peer id
+    parts_ms: float | None = None  # median over decode steps of the step's parts summed (hop.send excluded)
 
 
 def _roles(events: Sequence[dict[str, Any]]) -> tuple[dict[int, str], dict[str, str]]:
@@ -99,6 +102,12 @@ def breakdown(events: Sequence[dict[str, Any]]) -> Breakdown:
     for flow, (where, ts, step, _) in recvs.items():
         if flow in sends:
             samples[(where, "hop.wire")][step] += (ts - sends[flow][1]) / 1e3
+    per_step_total: dict[int, float] = defaultdict(float)
+    for (_, phase), per_step in samples.items():
+        if phase in PARTS:
+            for step, v in per_step.items():
+                per_step_total[step] += v
+    decode_totals = [v for s, v in per_step_total.items() if s >= 1]
     rows = []
     for (where, phase), per_step in samples.items():
         decode = [v for s, v in per_step.items() if s >= 1]
@@ -107,7 +116,8 @@ def breakdown(events: Sequence[dict[str, Any]]) -> Breakdown:
     tokens.sort()
     gaps = np.diff(tokens) / 1e3 if len(tokens) > 1 else np.array([])
     interval = (float(np.median(gaps)), float(np.percentile(gaps, 95))) if len(gaps) else None
-    return Breakdown(rows, interval, len(tokens), {role: peer for peer, role in by_peer.items()})
+    return Breakdown(rows, interval, len(tokens), {role: peer for peer, role in by_peer.items()},
+                     _pct(decode_totals, 50))
 
 
 def _hop_name(msg: str, hop: Any, src: str, dst: str) -> str:
@@ -162,8 +172,9 @@ def _caption(b: Breakdown) -> str:
     if b.token_interval_ms is None:
         return f"{b.tokens} token(s)"
     med, p95 = b.token_interval_ms
+    parts = f"; a decode step's parts add up to {b.parts_ms:.2f} ms (median)" if b.parts_ms else ""
     return (f"{b.tokens} tokens; time between tokens at the head: median {med:.2f} ms, p95 {p95:.2f} ms "
-            f"({1e3 / med:.1f} tok/s)")
+            f"({1e3 / med:.1f} tok/s){parts}")
 
 
 def _ms(v: float | None) -> str:

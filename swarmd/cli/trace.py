@@ -56,7 +56,7 @@ def summarize(args: argparse.Namespace) -> int:
                         "version?")
     if args.json:
         print(json.dumps({"rows": [asdict(r) for r in b.rows], "token_interval_ms": b.token_interval_ms,
-                          "tokens": b.tokens, "nodes": b.nodes}, indent=2))
+                          "tokens": b.tokens, "nodes": b.nodes, "parts_ms": b.parts_ms}, indent=2))
         return 0
     console = Console()
     if not console.is_terminal:

@@ -114,6 +114,15 @@ def test_untraced_requests_leave_no_spans_and_metrics_count_every_request(swarm)
     assert 'swarmd_transport_frames_total{event="resent"}' in after
 
 
+def test_probes_find_the_daemons_of_one_machine_on_one_clock(swarm):
+    """Daemons of one machine share perf_counter: every offset the probes estimate is zero within its error."""
+    head = swarm.running[1]
+    offsets = swarm.pipeline(1)["clock_offsets"]
+    assert set(offsets) == {d.peer_id for d in swarm.running if d is not head}
+    for o in offsets.values():
+        assert abs(o["offset_ms"]) <= o["error_ms"] + 0.05
+
+
 def metric(text: str, name: str) -> float:
     for line in text.splitlines():
         if line.startswith(name + " "):
