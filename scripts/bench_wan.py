@@ -93,13 +93,17 @@ def compute_ms(events: list[dict[str, Any]]) -> tuple[float, float]:
     return compute, b.token_interval_ms[0]
 
 
-def concurrent_rate(api: str, n: int, tokens: int) -> float:
+def concurrent_rate(api: str, n: int, tokens: int) -> float | str:
+    """Aggregate tok/s of n requests at once, or what went wrong (the round's other figures are kept)."""
     def one(i: int) -> int:
         return request(api, PROMPTS[i % len(PROMPTS)], tokens, False)["usage"]["completion_tokens"]
 
     start = time.perf_counter()
-    with ThreadPoolExecutor(n) as pool:
-        total = sum(pool.map(one, range(n)))
+    try:
+        with ThreadPoolExecutor(n) as pool:
+            total = sum(pool.map(one, range(n)))
+    except RuntimeError as e:
+        return str(e)
     return total / (time.perf_counter() - start)
 
 
@@ -118,7 +122,6 @@ def run_n(n: int, args: argparse.Namespace) -> dict[str, Any]:
         say(f"N = {n}: warming up")
         emu.set_delay(0)
         request(swarm.api, PROMPTS[0], 8, True)
-        concurrent_rate(swarm.api, args.concurrent, 8)
         for r in range(args.rounds):
             prompt = PROMPTS[r % len(PROMPTS)]
             emu.set_delay(0)
@@ -136,11 +139,17 @@ def run_n(n: int, args: argparse.Namespace) -> dict[str, Any]:
             out["wan_tok_s"].append(rate)
             out["limit_tok_s"].append(limit)
             out["ratio"].append(rate / limit)
-            out["concurrent_tok_s"].append(concurrent_rate(swarm.api, args.concurrent, args.tokens))
             say(f"N = {n}, round {r + 1}: compute {compute:.1f} ms, loopback hop {hop:.2f} ms, "
-                f"{args.delay_ms:g} ms links {rate:.2f} tok/s of a {limit:.2f} limit ({rate / limit:.3f}); "
-                f"{args.concurrent} at once {out['concurrent_tok_s'][-1]:.2f} tok/s")
+                f"{args.delay_ms:g} ms links {rate:.2f} tok/s of a {limit:.2f} limit ({rate / limit:.3f})")
             out["last_wan_trace"] = wan_events
+            if args.concurrent and not out.get("concurrent_error"):
+                got = concurrent_rate(swarm.api, args.concurrent, args.tokens)
+                if isinstance(got, str):  # the swarm may be stuck for this request's life: stop asking
+                    out["concurrent_error"] = got
+                    say(f"N = {n}: {args.concurrent} at once failed: {got}")
+                else:
+                    out["concurrent_tok_s"].append(got)
+                    say(f"N = {n}: {args.concurrent} at once {got:.2f} tok/s")
     finally:
         if swarm is not None:
             swarm.stop()
@@ -159,7 +168,13 @@ def main() -> int:
     parser.add_argument("--concurrent", type=int, default=8, help="requests at once (default: 8)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    results = [run_n(int(n), args) for n in args.daemons.split(",")]
+    results = []
+    for n in args.daemons.split(","):
+        try:
+            results.append(run_n(int(n), args))
+        except Exception as e:  # one size failing keeps the other's figures
+            say(f"N = {n} failed: {type(e).__name__}: {e}")
+            results.append({"n": int(n), "error": f"{type(e).__name__}: {e}"})
     if args.json:
         print(json.dumps([{k: v for k, v in r.items() if k != "last_wan_trace"} for r in results], indent=2))
         return 0
@@ -174,11 +189,18 @@ def main() -> int:
           f"{args.concurrent} at once, tok/s (rounds) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
-        m = {k: statistics.median(v) for k, v in r.items() if isinstance(v, list) and v}
+        if "error" in r or not r.get("ratio"):
+            print(f"| {r['n']} | failed: {r.get('error', 'no round finished')} |||||||")
+            continue
+        m = {k: statistics.median(v) for k, v in r.items() if k != "last_wan_trace" and isinstance(v, list) and v}
+        concurrent = (f"{m['concurrent_tok_s']:.2f} ({', '.join(f'{x:.2f}' for x in r['concurrent_tok_s'])})"
+                      if r["concurrent_tok_s"] else "")
+        if r.get("concurrent_error"):
+            concurrent += f" then failed: {r['concurrent_error']}"
         print(f"| {r['n']} | {m['compute_ms']:.1f} ms | {m['hop_ms']:.2f} ms | {m['lan_interval_ms']:.1f} / "
               f"{m['wan_interval_ms']:.1f} ms | {m['wan_tok_s']:.2f} ({', '.join(f'{x:.2f}' for x in r['wan_tok_s'])}) | "
               f"{m['limit_tok_s']:.2f} | **{m['ratio']:.3f}** ({', '.join(f'{x:.3f}' for x in r['ratio'])}) | "
-              f"{m['concurrent_tok_s']:.2f} ({', '.join(f'{x:.2f}' for x in r['concurrent_tok_s'])}) |")
+              f"{concurrent} |")
     return 0
 
 
