@@ -55,12 +55,14 @@ from swarmd.membership import (
     describe,
 )
 from swarmd.netseam import (
+    LENGTH,
     BadFrame,
     GossipMessage,
     Network,
     PeerUnreachable,
     Stream,
     StreamClosed,
+    read_exact,
     read_frame,
     write_frame,
 )
@@ -541,7 +543,10 @@ class SwarmService:
         gate = self.network.gate
         lim = gate.limits
         while True:
-            probe = await read_frame(stream, CLOCK_PROBE.size)
+            (n,) = LENGTH.unpack(await read_exact(stream, LENGTH.size))
+            if n != CLOCK_PROBE.size and n > NONCE.size:  # refused before reading it, as any oversized frame
+                raise BadFrame(f"frame of {n} bytes is over the {NONCE.size} byte limit")
+            probe = await read_exact(stream, n)
             received = self.clock()
             if len(probe) not in (NONCE.size, CLOCK_PROBE.size):
                 raise BadFrame(f"a probe is {NONCE.size} or {CLOCK_PROBE.size} bytes, not {len(probe)}")
