@@ -122,6 +122,9 @@ def run_n(n: int, args: argparse.Namespace) -> dict[str, Any]:
         say(f"N = {n}: warming up")
         emu.set_delay(0)
         request(swarm.api, PROMPTS[0], 8, True)
+        for c in (2, 4, 8) if args.concurrent else ():  # compile and capture each batch size before timing
+            if c <= args.concurrent:
+                concurrent_rate(swarm.api, c, 4)
         for r in range(args.rounds):
             prompt = PROMPTS[r % len(PROMPTS)]
             emu.set_delay(0)
