@@ -12,6 +12,8 @@
   of each stage (each stage reports its batches' compute times on /api/v0/pipeline), divided by the 4 hops of
   the loop; against raw trio TCP doing a request/response of the same payload (a 2,304-byte hidden state
   and a 4-byte answer) in this process, measured in the same rounds.
+* prefill tokens/s: a 128-token prompt and one token (`--prefill-tokens`): prompt tokens / time to the first
+  token, for N = 1, 2, 4 in the same rounds.
 * aggregate tokens/s with 1, 4 and 8 requests at once on the N = 4 swarm (its daemons hold 8 requests):
   total tokens / wall time from the first request sent to the last one done.
 
@@ -64,6 +66,15 @@ class SingleProcess:
         self.tokenizer = Tokenizer.from_gguf(path)
         self.model = StageModel.from_gguf(path, max_context=context, max_requests=1, numerics=SERVING_NUMERICS)
 
+    def prefill_rate(self, ids: list[int]) -> float:
+        from models.generate import generate
+        from models.sampling import SamplingParams
+
+        gen = generate(self.model, self.tokenizer, ids, SamplingParams(max_tokens=1, stop=()))
+        for _ in gen:
+            pass
+        return gen.stats.prefill_tok_s
+
     def decode_rate(self, prompt: str, tokens: int) -> float:
         from models.generate import generate
         from models.sampling import SamplingParams
@@ -80,7 +91,9 @@ class SingleProcess:
 # --- swarms ------------------------------------------------------------------------------------------------
 
 
-def start_swarm(n: int, context: int, max_requests: int) -> LocalSwarm:
+def start_swarm(n: int, context: int, max_requests: int, bootstrap_of: Any = None, **options: Any) -> LocalSwarm:
+    """N daemons with an even plan file (one stage each). `options` go to LocalSwarm (per-daemon addresses and
+    options); `bootstrap_of(peer ids)`, if given, is the address the others join through."""
     from planner.plan import ModelRef, Plan, Stage, stage_actor
     from swarmd.identity import load_or_create_identity, peer_id_of
 
@@ -95,15 +108,20 @@ def start_swarm(n: int, context: int, max_requests: int) -> LocalSwarm:
                 tuple(Stage(p, (bounds[i], bounds[i + 1]), (stage_actor(i),)) for i, p in enumerate(peers)))
     (base / "plan.json").write_text(plan.dumps())
     extra = ("--max-context", str(context), "--max-requests", str(max_requests))
-    swarm = LocalSwarm(n, base=base, extra=extra, swarm=f"bench{n}", first_extra=("--plan", str(base / "plan.json")))
-    swarm.start()
-    swarm.wait_ready()
+    swarm = LocalSwarm(n, base=base, extra=extra, swarm=f"bench{n}", first_extra=("--plan", str(base / "plan.json")),
+                       bootstrap=bootstrap_of(peers) if bootstrap_of else None, **options)
+    try:
+        swarm.start()
+        swarm.wait_ready()
+    except BaseException:
+        swarm.stop()  # no daemon outlives a swarm that did not come up
+        raise
     return swarm
 
 
-def generate(api: str, prompt: str, tokens: int) -> dict[str, Any]:
-    """One greedy request; its id, token ids, the head's token times (trace instants, microseconds), timings."""
-    body = {"prompt": prompt, "max_tokens": tokens, "trace": True}
+def generate(api: str, prompt: str | list[int], tokens: int) -> dict[str, Any]:
+    """One greedy request (untraced); its id, token ids, usage and the head's timings."""
+    body = {"prompt_ids" if isinstance(prompt, list) else "prompt": prompt, "max_tokens": tokens}
     request_id, ids = "", []
     with httpx.stream("POST", f"{api}/api/v0/generate", json=body, timeout=httpx.Timeout(30, read=900)) as r:
         for line in r.iter_lines():
@@ -113,9 +131,7 @@ def generate(api: str, prompt: str, tokens: int) -> dict[str, Any]:
             elif event["event"] == "token":
                 ids.append(event["id"])
             elif event["event"] == "done":
-                times = [e["ts"] for e in event["trace"] if e["name"] == "token"]
-                return {"request_id": request_id, "token_us": times, "usage": event["usage"],
-                        "timings": event["timings"], "ids": ids}
+                return {"request_id": request_id, "usage": event["usage"], "timings": event["timings"], "ids": ids}
             elif event["event"] == "error":
                 raise RuntimeError(f"{event['code']}: {event['message']}")
     raise RuntimeError("the stream ended early")
@@ -190,8 +206,12 @@ def raw_tcp_ms(port: int, payload: int, n: int) -> float:
 # --- the benchmark -----------------------------------------------------------------------------------------
 
 
-def decode_rate(token_us: list[float]) -> float:
-    return (len(token_us) - 1) / ((token_us[-1] - token_us[0]) / 1e6)
+def decode_rate(run: dict[str, Any]) -> float:
+    return run["timings"]["decode_tokens_per_s"]
+
+
+def prefill_rate(run: dict[str, Any]) -> float:
+    return run["usage"]["prompt_tokens"] / run["timings"]["time_to_first_token_s"]
 
 
 def aggregate(api_of: list[str], concurrent: int, tokens: int) -> float:
@@ -219,6 +239,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=48, help="tokens per request (default: 48)")
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--prefill-tokens", type=int, default=128, help="prompt length for prefill (default: 128)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--tcp-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -233,7 +254,7 @@ def main() -> int:
     single = SingleProcess(args.context)
     say("starting swarms of 2 and 4 daemons")
     swarms: dict[int, LocalSwarm] = {}
-    results: dict[str, Any] = {"decode": {1: [], 2: [], 4: []}, "raw_tcp_ms": [], "token_ms": [],
+    results: dict[str, Any] = {"decode": {1: [], 2: [], 4: []}, "prefill": {1: [], 2: [], 4: []}, "raw_tcp_ms": [], "token_ms": [],
                                "breakdown": {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": []},
                                "aggregate": {1: [], 4: [], 8: []}, "batch": {4: [], 8: []}}
     try:
@@ -241,6 +262,10 @@ def main() -> int:
             swarms[n] = start_swarm(n, args.context, 8)
         say("warming up (kernel compile, JIT capture of every batch size)")
         single.decode_rate(PROMPTS[0], 8)
+        long_ids = single.tokenizer.encode(" ".join(PROMPTS * 8))[:args.prefill_tokens]
+        single.prefill_rate(long_ids)
+        for swarm in swarms.values():
+            generate(swarm.api, long_ids, 1)
         apis = [d.api for d in swarms[4].daemons]
         generate(swarms[2].api, PROMPTS[0], 8)
         for c in (1, 2, 4, 8):
@@ -248,12 +273,13 @@ def main() -> int:
         for r in range(args.rounds):
             prompt = PROMPTS[r % len(PROMPTS)]
             results["decode"][1].append(single.decode_rate(prompt, args.tokens))
+            results["prefill"][1].append(single.prefill_rate(long_ids))
             for n, swarm in swarms.items():
+                results["prefill"][n].append(prefill_rate(generate(swarm.api, long_ids, 1)))
                 run = generate(swarm.api, prompt, args.tokens)
-                results["decode"][n].append(decode_rate(run["token_us"]))
+                results["decode"][n].append(decode_rate(run))
                 if n == 4:
-                    results["token_ms"].append((run["token_us"][-1] - run["token_us"][0]) / 1e3
-                                               / (len(run["token_us"]) - 1))
+                    results["token_ms"].append(1e3 / decode_rate(run))
                     for part, values in step_breakdown(swarm, run["request_id"]).items():
                         results["breakdown"][part] += values
             results["raw_tcp_ms"].append(raw_tcp_ms(port, HIDDEN_BYTES, 200))
@@ -275,23 +301,28 @@ def main() -> int:
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     med = {k: statistics.median(v) for k, v in results["decode"].items()}
+    pre = {k: statistics.median(v) for k, v in results["prefill"].items()}
     agg = {k: statistics.median(v) for k, v in results["aggregate"].items()}
     parts = {k: statistics.median(v) for k, v in results["breakdown"].items()}
     means = {k: statistics.fmean(v) for k, v in results["breakdown"].items()}
     raw = statistics.median(results["raw_tcp_ms"])
     if args.json:
-        print(json.dumps({"decode_tok_s": med, "aggregate_tok_s": agg, "breakdown_median_ms": parts,
+        print(json.dumps({"decode_tok_s": med, "prefill_tok_s": pre, "aggregate_tok_s": agg, "breakdown_median_ms": parts,
                           "raw_tcp_ms": raw, "raw": results}, indent=2))
         return
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    print(f"Command: `.venv/bin/python scripts/bench_pipeline.py --rounds {args.rounds} --tokens {args.tokens}`  ")
+    print(f"Command: `.venv/bin/python scripts/bench_pipeline.py --rounds {args.rounds} --tokens {args.tokens} "
+          f"--prefill-tokens {args.prefill_tokens}`  ")
     print(f"Machine: {platform.machine()}, Python {platform.python_version()}; {load}  ")
     print(f"Date: {time.strftime('%Y-%m-%d %H:%M %Z')}\n")
-    print("| N | decode tok/s (median) | rounds | × single process |")
-    print("|---|---|---|---|")
+    print("| N | decode tok/s (median) | rounds | × single process | prefill tok/s (median) | rounds | × single |")
+    print("|---|---|---|---|---|---|---|")
     for n in (1, 2, 4):
         rounds = ", ".join(f"{x:.2f}" for x in results["decode"][n])
-        print(f"| {n} | {med[n]:.2f} | {rounds} | {med[n] / med[1]:.2f} |")
+        prounds = ", ".join(f"{x:.1f}" for x in results["prefill"][n])
+        print(f"| {n} | {med[n]:.2f} | {rounds} | {med[n] / med[1]:.2f} | {pre[n]:.1f} | {prounds} | "
+              f"{pre[n] / pre[1]:.2f} |")
+    print(f"\nPrefill: a {args.prefill_tokens}-token prompt, one token out; prompt tokens / time to first token.")
     print()
     token = statistics.median(results["token_ms"])
     print(f"N = 4, one request: {token:.1f} ms per token (mean per round, median over rounds). Per stage and "

@@ -96,10 +96,17 @@ class LocalSwarm:
 
     def __init__(self, n: int, *, model: str = "smollm2-135m", base: Path | None = None,
                  extra: tuple[str, ...] = (), timings: str = "lan", swarm: str = "local",
-                 first_extra: tuple[str, ...] = (), env_of: Callable[[int], dict[str, str]] | None = None) -> None:
+                 first_extra: tuple[str, ...] = (), listen_of: Any = None, extra_of: Any = None,
+                 bootstrap: str | None = None,
+                 env_of: Callable[[int], dict[str, str]] | None = None) -> None:
         self.n, self.model, self.extra, self.timings, self.swarm = n, model, extra, timings, swarm
         self.env_of = env_of  # extra environment of daemon i (e.g. CUDA_VISIBLE_DEVICES)
         self.first_extra = first_extra  # options for the founding daemon only (e.g. --plan FILE)
+        # Per daemon i (e.g. behind a link emulator): its listen address, its own options, and the address the
+        # others bootstrap from (default: the first daemon's own).
+        self.listen_of = listen_of or (lambda i: "/ip4/127.0.0.1/tcp/0")
+        self.extra_of = extra_of or (lambda i: ())
+        self.bootstrap = bootstrap
         self._own_base = base is None
         self.base = Path(tempfile.mkdtemp(prefix="swarmd-local-")) if base is None else base
         self.daemons: list[Daemon] = []
@@ -113,11 +120,11 @@ class LocalSwarm:
         i = len(self.daemons)
         home = self.base / f"daemon-{i}"
         home.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "swarmd", "join", "--home", str(home), "--listen", "/ip4/127.0.0.1/tcp/0",
+        cmd = [sys.executable, "-m", "swarmd", "join", "--home", str(home), "--listen", self.listen_of(i),
                "--api", "127.0.0.1:0", "--swarm", self.swarm, "--model", self.model, "--timings", self.timings,
-               *self.extra]
+               *self.extra, *self.extra_of(i)]
         if self.daemons:
-            cmd += ["--bootstrap", self.daemons[0].address]
+            cmd += ["--bootstrap", self.bootstrap or self.daemons[0].address]
         else:
             cmd += list(self.first_extra)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env_of(i) if self.env_of else {})}

@@ -16,6 +16,7 @@ A body that cannot be served is answered at once with an HTTP error and `{"error
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from starlette.requests import Request
@@ -82,20 +83,24 @@ class GenerateRoute:
                 body = await read_json(request)
             except ValueError as e:
                 raise ApiError(400, str(e), code="invalid_json") from None
+            tokenize_start = time.perf_counter()
             req, wait = parse_generate(body, model)
+            tokenized = (tokenize_start, time.perf_counter())
             check_request(req, model)
         except ApiError as e:
             return JSONResponse(e.body(), status_code=e.status)
         except HeadError as e:
             return JSONResponse(ApiError(e.status, e.message, code=e.code).body(), status_code=e.status)
-        return EventStream(lambda write: self._produce(write, req, wait), "application/x-ndjson")
+        return EventStream(lambda write: self._produce(write, req, wait, tokenized), "application/x-ndjson")
 
-    async def _produce(self, write: Write, req: HeadRequest, wait: float | None) -> None:
+    async def _produce(self, write: Write, req: HeadRequest, wait: float | None,
+                       tokenized: tuple[float, float] = (0.0, 0.0)) -> None:
         async def on_wait(detail: str) -> None:
             await write(ndjson({"event": "waiting", "detail": detail}))
 
         try:
             async with self.head.open(req, on_wait=on_wait, ready_timeout=wait) as handle:
+                handle.record("tokenize", *tokenized, prompt_tokens=handle.prompt_tokens)
                 await write(ndjson({"event": "start", "request_id": handle.request_id,
                                     "prompt_tokens": handle.prompt_tokens, "seed": handle.seed}))
                 async for ev in handle:
@@ -105,8 +110,8 @@ class GenerateRoute:
                     elif isinstance(ev, Finished):
                         done: dict[str, Any] = {"event": "done", "finish_reason": ev.reason, "text": ev.text,
                                                 "usage": handle.usage(), "timings": handle.timing.to_json()}
-                        if handle.tracer is not None:
-                            done["trace"] = handle.trace_events()
+                        if handle.recorder is not None:
+                            done["trace"] = await self.head.trace(handle)
                         await write(ndjson(done))
                     elif isinstance(ev, Failed):
                         await write(ndjson({"event": "error", "code": ev.code, "message": ev.message}))

@@ -30,7 +30,8 @@ import trio
 from swarmd.config import Timings
 from swarmd.head_session import Event, Failed, HeadSession, TokenOut
 from swarmd.registry import ChainStatus, Registry
-from swarmd.trace import Tracer
+from swarmd.spans import SpanRecorder
+from swarmd.trace_collect import TraceCollector
 from swarmd.transport import ActorTransport, DeliveryFailed, Refused
 from swarmd.wire.codec import WireTensor
 from swarmd.wire.messages import Cancel, Error, Forward, Logprobs, Sampling, Token
@@ -114,7 +115,8 @@ class RequestHandle:
     timings: Timings
     registry: Registry = field(default_factory=lambda: Registry(0, (), (), {}))
     timing: Timing = field(default_factory=Timing)
-    tracer: Tracer | None = None
+    recorder: SpanRecorder | None = None  # set while the request is traced
+    on_first: Callable[[float], None] | None = None  # told the time to the first token (s)
     _send: trio.MemorySendChannel[Event] | None = None
     _recv: trio.MemoryReceiveChannel[Event] | None = None
     _over: bool = False
@@ -130,11 +132,14 @@ class RequestHandle:
         now = time.perf_counter()
         for ev in events:
             if isinstance(ev, TokenOut):
+                if not self.timing.first and self.on_first is not None:
+                    self.on_first(now - self.timing.sent)
                 self.timing.first = self.timing.first or now
                 self.timing.last = now
                 self.timing.tokens += 1
-                if self.tracer is not None:
-                    self.tracer.instant("token", step=ev.step, token=ev.token_id, request_id=self.request_id)
+                if self.recorder is not None:
+                    self.recorder.add(self.request_id, "token", "head", now, now, instant=True, step=ev.step,
+                                      token=ev.token_id)
             assert self._send is not None
             self._send.send_nowait(ev)
 
@@ -157,18 +162,18 @@ class RequestHandle:
             self._over = True
         return event
 
-    def trace_events(self) -> list[dict[str, Any]]:
-        """The request's spans so far (Chrome trace events): waiting, prefill (to the first token), decode."""
-        if self.tracer is None:
-            return []
-        t, us = self.timing, 1e6
+    def record(self, name: str, start: float, end: float, **args: Any) -> None:
+        """A span of this request on the head (perf_counter seconds), if it is traced."""
+        if self.recorder is not None:
+            self.recorder.add(self.request_id, name, "head", start, end, **args)
+
+    def record_phases(self) -> None:
+        """The head's view of the whole request: prefill (to the first token) and decode."""
+        t = self.timing
         if t.first:
-            self.tracer.complete("head.prefill", t.sent * us, t.first * us, request_id=self.request_id,
-                                 prompt_tokens=self.prompt_tokens)
+            self.record("head.prefill", t.sent, t.first, prompt_tokens=self.prompt_tokens)
         if t.tokens > 1:
-            self.tracer.complete("head.decode", t.first * us, t.last * us, request_id=self.request_id,
-                                 tokens=t.tokens - 1)
-        return self.tracer.events
+            self.record("head.decode", t.first, t.last, tokens=t.tokens - 1)
 
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.session.prompt_len, "completion_tokens": self.session.completion_tokens,
@@ -193,6 +198,8 @@ class HeadService:
         self.requests: dict[str, RequestHandle] = {}
         self._nursery: trio.Nursery | None = None
         self.stats = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0, "tokens": 0}
+        self.tracing: TraceCollector | None = None  # gathers traced requests' spans (swarmd.trace_collect)
+        self.on_first_token: Callable[[float], None] | None = None  # metrics: time to first token (s)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -232,21 +239,22 @@ class HeadService:
                    ready_timeout: float | None = None) -> AsyncIterator[RequestHandle]:
         model = await self.model()
         check_request(req, model)
-        tracer = Tracer(f"head {self.peer_id[-6:]}") if req.trace else None
+        recorder = self.tracing.recorder if req.trace and self.tracing is not None else None
         request_id = f"req-{uuid.uuid4().hex[:16]}"
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         session = HeadSession(request_id, len(req.prompt_ids), req.max_tokens, model.tokenizer.stream_decoder(),
                               req.stop, want_prompt_scores=req.prompt_scores)
-        handle = RequestHandle(request_id, session, seed, self.timings, tracer=tracer)
+        handle = RequestHandle(request_id, session, seed, self.timings, recorder=recorder,
+                               on_first=self.on_first_token)
+        if recorder is not None:
+            recorder.trace(request_id)
         handle.timing.opened = time.perf_counter()
         self.stats["requests"] += 1
         self._in_flight(+1)
         sent, crashed = False, False
         try:
-            start = tracer.now_us() if tracer else 0.0
             handle.registry = await self.wait_ready(ready_timeout, on_wait)
-            if tracer:
-                tracer.complete("head.wait_for_chain", start, tracer.now_us())
+            handle.record("head.wait_for_chain", handle.timing.opened, time.perf_counter())
             self.requests[request_id] = handle
             sent = True  # from here on the stages may hold the request, even if sending seems to fail
             await self._send_prompt(handle, req, model)
@@ -270,7 +278,7 @@ class HeadService:
         ids = np.asarray(req.prompt_ids, dtype=np.int32)
         sampling = Sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=handle.seed,
                             logprobs=req.logprobs, max_tokens=max(req.max_tokens, 1),
-                            stop_ids=tuple(sorted(model.tokenizer.stop_ids)))
+                            stop_ids=tuple(sorted(model.tokenizer.stop_ids)), trace=handle.recorder is not None)
         targets = WireTensor.from_array(ids[1:]) if req.prompt_scores else None
         msg = Forward(handle.request_id, 0, 0, 0, self.peer_id, tokens=WireTensor.from_array(ids),
                       epoch=handle.registry.epoch, all_logits=req.prompt_scores, sampling=sampling, targets=targets)
@@ -302,7 +310,17 @@ class HeadService:
     async def on_token(self, peer: str, msg: Token) -> None:
         handle = self.requests.get(msg.request_id)
         if handle is not None:
-            handle.push(handle.session.on_token(msg))
+            start = time.perf_counter()
+            events = handle.session.on_token(msg)  # in step order, detokenised, stop strings found
+            handle.record("head.detokenize", start, time.perf_counter(), step=msg.step)
+            handle.push(events)
+
+    async def trace(self, handle: RequestHandle) -> list[dict[str, Any]]:
+        """The request's Chrome trace events from every node on its path ([] when it is not traced)."""
+        if handle.recorder is None or self.tracing is None:
+            return []
+        handle.record_phases()
+        return await self.tracing.collect(handle.request_id, handle.registry.stages)
 
     async def on_logprobs(self, peer: str, msg: Logprobs) -> None:
         handle = self.requests.get(msg.request_id)

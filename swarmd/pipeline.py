@@ -27,18 +27,34 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from swarmd.clock import ClockOffsets
 from swarmd.expert import ExpertActor
 from swarmd.generate_api import GenerateRoute
 from swarmd.head import HeadError, HeadService, ModelInfo
+from swarmd.hoptiming import HopTimer
 from swarmd.moe_router import MoERouter
 from swarmd.openai_api import OpenAIRoutes
 from swarmd.p2plinks import Plane, start_actor_transport
+from swarmd.pipeline_metrics import register_pipeline_metrics
 from swarmd.registry import EMPTY, ChainStatus, Registry, chain_status
+from swarmd.spans import NodeSpans, SpanRecorder, chrome_trace
 from swarmd.stage import Loaded, StageActor
+from swarmd.trace_collect import TraceCollector
 from swarmd.transport import HandlerResult, Send, TransportConfig
 from swarmd.wire.codec import FLOAT_DTYPES, WireError
 from swarmd.wire.expect import Expect, ExpectExpertBatch, ExpectExpertResult, ExpectForward, ExpectToken
-from swarmd.wire.messages import Cancel, Error, ExpertBatch, ExpertResult, Forward, Logprobs, Message, Token
+from swarmd.wire.messages import (
+    Cancel,
+    Error,
+    ExpertBatch,
+    ExpertResult,
+    Forward,
+    Logprobs,
+    Message,
+    Token,
+    TraceQuery,
+    TraceSpans,
+)
 
 log = logging.getLogger("swarmd.pipeline")
 
@@ -65,6 +81,22 @@ class Pipeline:
                                 experts=self.router.call)
         self.head = HeadService(node.peer_id, transport, chain=self.chain, registry=self.registry,
                                 timings=cfg.timings, load_model=self._load_model, in_flight=self._count)
+        self._observe()
+
+    def _observe(self) -> None:
+        """Spans of traced requests, clock offsets from the swarm's probes, and the pipeline's metrics."""
+        swarm = getattr(self.node, "swarm", None)
+        recorder = SpanRecorder(clock=swarm.clock) if swarm is not None else SpanRecorder()
+        clocks = swarm.clocks if swarm is not None else ClockOffsets()
+        self.tracing = TraceCollector(self.node.peer_id, self.transport, recorder, clocks)
+        self.stage.recorder = recorder
+        self.head.tracing = self.tracing
+        metrics = getattr(self.node, "metrics", None)
+        wire = None
+        if metrics is not None:
+            wire, ttft = register_pipeline_metrics(metrics.registry, self)
+            self.head.on_first_token = ttft.observe
+        self.transport.observer = HopTimer(recorder, wire)
 
     # --- what the plan and the assignment say now ---------------------------------------------------------
 
@@ -140,6 +172,8 @@ class Pipeline:
                 hidden, max(m.n_experts for m in moe), max(m.top_k for m in moe), dtypes=FLOAT_DTYPES))
             self.transport.route(ExpertResult, self.router.on_result,
                                  expect=ExpectExpertResult(hidden, dtypes=FLOAT_DTYPES))
+        self.transport.route(TraceQuery, self.tracing.on_query)
+        self.transport.route(TraceSpans, self.tracing.on_spans)
 
     def _expect_forward(self, msg: Message) -> None:
         loaded = self.loaded()
@@ -169,6 +203,7 @@ class Pipeline:
             "chain": {"ready": chain.ready, "detail": chain.detail},
             "transport": {k: v for k, v in vars(self.transport.stats).items()},
             "links": self.transport.link_state(),
+            "clock_offsets": self.tracing.clocks.to_json(),  # NTP-style, from probes and trace queries
         }
 
 
@@ -232,7 +267,20 @@ async def run_pipeline(node: Any, *, task_status=trio.TASK_STATUS_IGNORED) -> No
         async def status(request: Request) -> JSONResponse:
             return JSONResponse(pipeline.status())
 
+        async def trace(request: Request) -> JSONResponse:
+            rid = request.path_params["request_id"]
+            events = pipeline.tracing.traces.get(rid)
+            if events is None:  # not headed here: this daemon's own spans of it, on its own clock
+                spans = pipeline.tracing.recorder.spans(rid)
+                if not spans:
+                    return JSONResponse({"error": {"message": f"no trace of {rid} on this daemon (traced requests "
+                                                              "only, the latest 32)", "code": "not_found"}},
+                                        status_code=404)
+                events = chrome_trace([NodeSpans(node.peer_id, "node", spans)], request_id=rid)
+            return JSONResponse({"traceEvents": events, "displayTimeUnit": "ms"})
+
         node.api.add_route("/api/v0/pipeline", status)
+        node.api.add_route("/api/v0/trace/{request_id}", trace)
         if node.model is not None and node.model.layout.is_moe:
             node.status_parts["moe"] = pipeline.moe_status
         task_status.started(pipeline)

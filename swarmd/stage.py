@@ -31,6 +31,7 @@ import trio
 
 from swarmd.compute import ComputeThread
 from swarmd.registry import Registry
+from swarmd.spans import SpanRecorder, record_stage_step
 from swarmd.stage_session import Sampled, StageBook, StageRefusal, Work
 from swarmd.transport import HandlerResult, Send
 from swarmd.wire.codec import WireError
@@ -51,6 +52,7 @@ class Job:
     taken: float = 0.0  # handed to the compute thread in a batch, the model began the batch, the model was done
     started: float = 0.0
     ended: float = 0.0
+    computed: float = 0.0  # the model's forward was done (sampling, on the last stage, comes after)
     done: trio.Event = field(default_factory=trio.Event)
     output: np.ndarray | Sampled | None = None
     error: tuple[str, str] | None = None  # (code, message)
@@ -126,6 +128,7 @@ class StageActor:
         self._first_queued = 0.0
         self.periods: deque[float] = deque(maxlen=64)  # stage 0: recent times for a token to come round
         self.stats = StageStats()
+        self.recorder: SpanRecorder | None = None  # spans of traced requests
 
     # --- handlers --------------------------------------------------------------------------------------
 
@@ -212,7 +215,10 @@ class StageActor:
             self._free(loaded.model, work.request_id)
             return Send(head, Error("internal", f"stage {book.hop} could not build its output: {e}",
                                     request_id=work.request_id, step=work.step, hop=book.hop))
-        self.stats.record_step(job, time.perf_counter())
+        sent = time.perf_counter()
+        self.stats.record_step(job, sent)
+        if self.recorder is not None and self.recorder.wants(work.request_id):
+            record_stage_step(self.recorder, job, sent, book.hop)
         return [Send(o.peer, o.msg) for o in outs]
 
     def _free(self, model: Any, request_id: str) -> None:
@@ -370,11 +376,12 @@ def _forward(jobs: Sequence[Job]) -> Generator[Any, Any, None]:
               for j in jobs]
     started = time.perf_counter()
     outputs = yield from model.forward_steps(inputs)
+    computed = time.perf_counter()
     for job, out in zip(jobs, outputs, strict=True):
         job.output = sample_step(out, job.work) if model.is_last else out.reshape(job.work.rows, model.hidden_size)
     ended = time.perf_counter()
     for job in jobs:
-        job.started, job.ended, job.batch = started, ended, len(jobs)
+        job.started, job.computed, job.ended, job.batch = started, computed, ended, len(jobs)
 
 
 def _stage_name(model: Any) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import secrets
 import struct
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -21,6 +22,7 @@ import trio
 from planner.node import NodeDescriptor
 from planner.plan import Plan
 from swarmd import WIRE_VERSION
+from swarmd.clock import ClockOffsets
 from swarmd.config import Timings
 from swarmd.election import Claim, Election, LeaderChanged, MembersChanged
 from swarmd.errors import RemoteProtocolError
@@ -53,12 +55,14 @@ from swarmd.membership import (
     describe,
 )
 from swarmd.netseam import (
+    LENGTH,
     BadFrame,
     GossipMessage,
     Network,
     PeerUnreachable,
     Stream,
     StreamClosed,
+    read_exact,
     read_frame,
     write_frame,
 )
@@ -82,6 +86,10 @@ log = logging.getLogger("swarmd.swarm")
 
 PROBE_PROTOCOL = "/swarmd/probe/1.0.0"
 NONCE = struct.Struct(">Q")
+# A clock probe: the nonce and the sender's clock; answered with those and the receiver's clock when the probe
+# came in and when the answer left (swarmd.clock turns the four readings into an offset). A bare nonce is echoed.
+CLOCK_PROBE = struct.Struct(">Qd")
+CLOCK_ANSWER = struct.Struct(">Qddd")
 
 PlanFunction = Callable[[MakePlan], Plan]  # may raise planner.InfeasiblePlan; runs in a worker thread
 
@@ -112,8 +120,11 @@ class SwarmService:
         assignment_status: Callable[[], AssignmentStatus] = AssignmentStatus,
         make_plan: PlanFunction,
         on_plan: Callable[[PlanAnnouncement], None] = lambda ann: None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.network = network
+        self.clock = clock  # the clock probes carry (the one trace spans are stamped with)
+        self.clocks = ClockOffsets()
         self.signer = signer
         self.settings = settings
         self.timings = settings.timings
@@ -498,17 +509,24 @@ class SwarmService:
     async def _probe(self, peer: str) -> None:
         t0 = trio.current_time()
         ok, rtt, err = False, None, ""
-        nonce = NONCE.pack(secrets.randbits(64))
+        nonce = secrets.randbits(64)
         try:
             with trio.fail_after(self.timings.probe_timeout):
                 stream = self._probe_streams.get(peer)
                 if stream is None:
                     stream = await self.network.open_stream(peer, PROBE_PROTOCOL)
                     self._probe_streams[peer] = stream
-                await write_frame(stream, nonce)
-                if await read_frame(stream, NONCE.size) != nonce:
+                sent = self.clock()
+                await write_frame(stream, CLOCK_PROBE.pack(nonce, sent))
+                answer = await read_frame(stream, CLOCK_ANSWER.size)
+                back = self.clock()
+                if len(answer) != CLOCK_ANSWER.size:
+                    raise StreamClosed("wrong probe answer")
+                echoed, echoed_sent, received, answered = CLOCK_ANSWER.unpack(answer)
+                if (echoed, echoed_sent) != (nonce, sent):
                     raise StreamClosed("wrong probe answer")
             ok, rtt = True, (trio.current_time() - t0) * 1e3
+            self.clocks.add(peer, sent, received, answered, back)
         except trio.TooSlowError:
             err = f"no answer within {self.timings.probe_timeout:g} s"
         except (PeerUnreachable, StreamClosed) as e:
@@ -519,17 +537,24 @@ class SwarmService:
         self._feed(ProbeResult(peer, ok, rtt, err), trio.current_time())
 
     async def _serve_probe(self, peer: str, stream: Stream) -> None:
-        """Echo 8-byte nonces, at most `probes_per_second` of them from one peer; anything else is a bad frame
-        (the guard around every served stream then resets it and counts a strike)."""
+        """Echo 8-byte nonces, and answer 16-byte clock probes with this daemon's clock readings, at most
+        `probes_per_second` of them from one peer; anything else is a bad frame (the guard around every served
+        stream then resets it and counts a strike)."""
         gate = self.network.gate
         lim = gate.limits
         while True:
-            nonce = await read_frame(stream, NONCE.size)
-            if len(nonce) != NONCE.size:
-                raise BadFrame(f"a probe is {NONCE.size} bytes, not {len(nonce)}")
+            (n,) = LENGTH.unpack(await read_exact(stream, LENGTH.size))
+            if n != CLOCK_PROBE.size and n > NONCE.size:  # refused before reading it, as any oversized frame
+                raise BadFrame(f"frame of {n} bytes is over the {NONCE.size} byte limit")
+            probe = await read_exact(stream, n)
+            received = self.clock()
+            if len(probe) not in (NONCE.size, CLOCK_PROBE.size):
+                raise BadFrame(f"a probe is {NONCE.size} or {CLOCK_PROBE.size} bytes, not {len(probe)}")
             if not gate.within_rate(peer, "probe", trio.current_time(), lim.probes_per_second, lim.probe_burst):
                 raise BadFrame(f"probes faster than {lim.probes_per_second:g}/s")
-            await write_frame(stream, nonce)
+            if len(probe) == CLOCK_PROBE.size:
+                probe = CLOCK_ANSWER.pack(*CLOCK_PROBE.unpack(probe), received, self.clock())
+            await write_frame(stream, probe)
 
     def _drop_probe_stream(self, peer: str) -> None:
         stream = self._probe_streams.pop(peer, None)

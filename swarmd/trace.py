@@ -35,7 +35,7 @@ class Tracer:
     def now_us(self) -> float:
         return self._clock() * 1e6
 
-    def _tid(self, thread: str) -> int:
+    def thread_id(self, thread: str) -> int:
         tid = self._threads.get(thread)
         if tid is None:
             tid = self._threads[thread] = len(self._threads) + 1
@@ -45,11 +45,11 @@ class Tracer:
 
     def complete(self, name: str, start_us: float, end_us: float, *, thread: str = "head", **args: Any) -> None:
         self.events.append({"name": name, "ph": "X", "ts": round(start_us, 1), "dur": round(end_us - start_us, 1),
-                            "pid": self.pid, "tid": self._tid(thread), "args": args})
+                            "pid": self.pid, "tid": self.thread_id(thread), "args": args})
 
     def instant(self, name: str, *, thread: str = "head", **args: Any) -> None:
         self.events.append({"name": name, "ph": "i", "s": "t", "ts": round(self.now_us(), 1), "pid": self.pid,
-                            "tid": self._tid(thread), "args": args})
+                            "tid": self.thread_id(thread), "args": args})
 
     @contextlib.contextmanager
     def span(self, name: str, *, thread: str = "head", **args: Any) -> Iterator[None]:

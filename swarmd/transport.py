@@ -87,6 +87,21 @@ class ByteStream(Protocol):
 Opener = Callable[[str], Awaitable[ByteStream]]
 
 
+class FrameObserver(Protocol):
+    """Told about every actor frame (timing, bytes; `swarmd.hoptiming`). `now()` is its clock; the calls are
+    synchronous and must be cheap: they sit on the path of every hop."""
+
+    def now(self) -> float: ...
+
+    def encoded(self, peer: str, seq: int, msg: Message, started: float, nbytes: int) -> None: ...
+
+    def settled(self, peer: str, seq: int, acked: bool) -> None: ...
+
+    def decoded(self, peer: str, msg: Message, started: float, nbytes: int) -> None: ...
+
+    def handling(self, msg: Message) -> None: ...
+
+
 class LinkError(Exception):
     """A stream could not be opened, or broke."""
 
@@ -254,6 +269,7 @@ class ActorTransport:
         self._penalised_until: dict[str, float] = {}
         self._nursery: trio.Nursery | None = None
         self.stats = TransportStats()
+        self.observer: FrameObserver | None = None
 
     # --- setup -----------------------------------------------------------------------------------------------
 
@@ -405,11 +421,15 @@ class ActorTransport:
     def _make(self, link: _OutLink, msg: Message, deadline: float) -> Pending:
         """Number and encode `msg` (its frame slot is held; released here if encoding fails)."""
         seq = link.outbox.next_seq()
+        obs = self.observer
+        started = obs.now() if obs is not None else 0.0
         try:
             data = encode(msg, seq, max_frame=self.config.max_frame)
         except BaseException:
             link.room.release()
             raise
+        if obs is not None:
+            obs.encoded(link.peer, seq, msg, started, len(data))
         return Pending(seq, msg.key(), data, deadline, context=trio.Event())
 
     def _bytes_room(self, link: _OutLink, pending: Pending) -> bool:
@@ -456,6 +476,8 @@ class ActorTransport:
         link.unacked_bytes -= len(pending.frame)
         link.bytes_freed.set()
         link.bytes_freed = trio.Event()
+        if self.observer is not None:
+            self.observer.settled(link.peer, pending.seq, pending.outcome is Outcome.ACKED)
         if pending.outcome is Outcome.ACKED:
             self.stats.sent += 1
         elif pending.outcome is Outcome.REFUSED:
@@ -690,6 +712,8 @@ class ActorTransport:
                     frame_started = trio.current_time()
 
     async def _on_frame(self, link: _InLink, body: bytes, queue: trio.MemorySendChannel[tuple[int, Message, int]]) -> None:
+        obs = self.observer
+        started = obs.now() if obs is not None else 0.0
         try:
             env = decode(body)
             msg = env.msg
@@ -706,6 +730,8 @@ class ActorTransport:
         except WireError as e:
             await self._bad_frame(link, e, seq=e.seq or 0)
             return
+        if obs is not None:
+            obs.decoded(link.peer, msg, started, len(body))
         if queue.statistics().current_buffer_used == 0 and self._try_admit_now(link, msg):
             await self._reply(link, Ack(), env.seq)  # admitted from the reader: no hand-over to the dispatcher
             return
@@ -841,6 +867,8 @@ class ActorTransport:
 
     async def _handle(self, peer: str, key: Any, msg: Message, slots: tuple[trio.Semaphore, ...]) -> None:
         route = self._routes[type(msg)]
+        if self.observer is not None:
+            self.observer.handling(msg)
         try:
             try:
                 result = await route.handler(peer, msg)

@@ -17,6 +17,8 @@ from swarmd.wire.messages import (
     Pong,
     Sampling,
     Token,
+    TraceQuery,
+    TraceSpans,
     decode,
     encode,
 )
@@ -39,6 +41,8 @@ __all__ = [
     "Pong",
     "Sampling",
     "Token",
+    "TraceQuery",
+    "TraceSpans",
     "WireError",
     "WireTensor",
     "decode",

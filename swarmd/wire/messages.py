@@ -263,6 +263,7 @@ class Sampling:
     logprobs: int = 0  # how many top alternatives to return with each token (0: none)
     max_tokens: int = 0  # the last stage stops after this many tokens (0: when the context is full)
     stop_ids: tuple[int, ...] = ()  # tokens that end the generation (end of sequence / turn)
+    trace: bool = False  # every node on the request's path records its spans (swarmd.spans)
 
     def check(self) -> None:
         need(math.isfinite(self.temperature) and self.temperature >= 0, "sampling.temperature must be >= 0")
@@ -459,6 +460,41 @@ class ExpertResult(Message):
     def check(self) -> None:
         _check_request(self.batch_id, self.step, self.block)
         _check_rows(self.hidden, "hidden", ndim=2, dtypes=_FLOATS)
+
+
+@wire("trace_query")
+@dataclass(frozen=True, slots=True)
+class TraceQuery(Message):
+    """The head asks stage `hop` for its spans of a traced request (answered with a `TraceSpans`)."""
+
+    request_id: str
+    hop: int = 0
+
+    def key(self) -> Key:
+        return ("trace_query", self.request_id, 0, self.hop)
+
+    def check(self) -> None:
+        _check_request(self.request_id, 0, self.hop)
+
+
+@wire("trace_spans")
+@dataclass(frozen=True, slots=True)
+class TraceSpans(Message):
+    """A node's spans of a request (CBOR, `swarmd.spans.encode_spans`), on its clock; `received` and `answered`
+    are its clock when the query came in and when this answer left (one more NTP-style clock sample)."""
+
+    request_id: str
+    spans: bytes
+    received: float = 0.0
+    answered: float = 0.0
+    hop: int = 0
+
+    def key(self) -> Key:
+        return ("trace_spans", self.request_id, 0, self.hop)
+
+    def check(self) -> None:
+        _check_request(self.request_id, 0, self.hop)
+        need(len(self.spans) <= 16 << 20, "spans must be at most 16 MiB")
 
 
 # --- link control -----------------------------------------------------------------------------------------------

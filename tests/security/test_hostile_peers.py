@@ -122,17 +122,22 @@ async def test_hostile_streams_on_every_protocol_leave_the_daemon_serving_others
                 assert victim.net.gate.stats["strikes"] > 0  # what was refused was counted against the sender
                 await silent.aclose()
 
-                # Bad actor frames past the transport's limit: the transport cuts the peer off, and the gate
-                # with it, so it cannot come back on any protocol until its penalty is over.
-                evil_id = str(evil.get_id())
+            # Bad actor frames past the transport's limit: the transport cuts the peer off, and the gate
+            # with it, so it cannot come back on any protocol until its penalty is over. A member of its own,
+            # so that whether the random frames above already cut `evil` off does not matter here.
+            worse = new_host(key_pair=create_new_key_pair(b"\x67" * 32), listen_addrs=listen, psk=key.hex,
+                             connection_config=ConnectionConfig(max_connections_per_peer=1))
+            async with worse.run(listen_addrs=listen):
+                await worse.connect(info)
+                worse_id = str(worse.get_id())
                 bad = b"\xff" * 8
-                await throw(evil, info.peer_id, "/swarmd/act/1.0.0",
+                await throw(worse, info.peer_id, "/swarmd/act/1.0.0",
                             encode(Hello(1 << 20)) + (LEN.pack(len(bad)) + bad) * 10)
-                await eventually(lambda: victim.net.gate.is_penalised(evil_id, trio.current_time()), 5,
+                await eventually(lambda: victim.net.gate.is_penalised(worse_id, trio.current_time()), 5,
                                  "the gate to penalise the peer the transport cut off")
-                evil.get_network().unblock_peer(info.peer_id)
-                await eventually(lambda: not evil.get_network().connections.get(info.peer_id), 5, "a hang-up")
+                worse.get_network().unblock_peer(info.peer_id)
+                await eventually(lambda: not worse.get_network().connections.get(info.peer_id), 5, "a hang-up")
                 with pytest.raises(Exception):  # noqa: B017 - refused right after the security handshake
                     with trio.fail_after(5):
-                        await evil.connect(info)
+                        await worse.connect(info)
             nursery.cancel_scope.cancel()

@@ -19,6 +19,8 @@ from swarmd.wire import (
     Ping,
     Sampling,
     Token,
+    TraceQuery,
+    TraceSpans,
     WireTensor,
     encode,
 )
@@ -48,6 +50,9 @@ EXAMPLES = [
     Error("bad_shape", "hidden has width 5", request_id="req-1", step=2, hop=1),
     ExpertBatch("b-9", 3, 5, hidden(4), WireTensor.from_array(np.array([[0, 3]] * 4, np.int32)), f32(4, 2)),
     ExpertResult("b-9", 3, 5, hidden(4)),
+    Forward("req-2", 0, 0, 0, "head-peer", tokens=ids(7), sampling=Sampling(seed=9, trace=True)),
+    TraceQuery("req-2", hop=1),
+    TraceSpans("req-2", b"\x80", received=12.5, answered=12.625, hop=1),
     Ack(),
     Ping(),
     Hello(1 << 20, want_tls=True, tls_host="127.0.0.1", tls_port=4001, tls_cert=b"der", tls_token=b"t" * 16),
