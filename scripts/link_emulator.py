@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, fields
+from functools import partial
 from pathlib import Path
 
 import trio
@@ -72,7 +73,7 @@ async def main_async(args: argparse.Namespace) -> None:
     async with trio.open_nursery() as nursery:
         for i, (name, listen, host, port) in enumerate(args.link):
             links[name] = link = Link(base, (host, port), seed=args.seed + i)
-            bound = await nursery.start(lambda ts, lk=link, p=listen: lk.serve(port=p, task_status=ts))
+            bound = await nursery.start(partial(link.serve, port=listen))
             print(f"link {name}: 127.0.0.1:{bound} -> {host}:{port}", flush=True)
         if args.control:
             nursery.start_soon(control, links, args.control)

@@ -1,0 +1,76 @@
+"""Dropped links cost a retry and nothing else: resets on every hop, in both directions, during prefill and
+decode, and a request still gives the undisturbed run's tokens. Three real daemons, each behind an emulated
+link (`scripts/link_emulator.py`), serve SmolLM2 split in three."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.faults.fault_swarm import FaultSwarm
+
+pytestmark = pytest.mark.slow
+
+CONTEXT = 256
+PROMPT = "The history of the printing press begins in"
+N_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory, bench_file):
+    swarm = FaultSwarm(tmp_path_factory.mktemp("links"), bench_file, 3, extra=("--max-context", str(CONTEXT)))
+    try:
+        yield swarm.start()
+    finally:
+        swarm.stop()
+
+
+def resent_frames(swarm: FaultSwarm) -> int:
+    return sum(swarm.pipeline(i)["transport"]["resent"] for i in range(len(swarm.running)))
+
+
+def test_resets_on_every_link_during_prefill_and_decode_change_no_token(swarm):
+    undisturbed, end = swarm.stream(0, prompt=PROMPT, max_tokens=N_TOKENS)
+    assert end["event"] == "done" and len(undisturbed) == N_TOKENS, end
+    resets_before, resent_before = swarm.links.stats(), resent_frames(swarm)
+
+    def reset_all(_: int = 0) -> None:
+        for name in swarm.links.ports:
+            swarm.links.reset(name)
+
+    # A delay keeps frames on the wire long enough for a reset to catch them: during the prefill (right after
+    # the request is sent) and after tokens 2, 8 and 16 of the decode.
+    for name in swarm.links.ports:
+        swarm.links.set(name, delay_ms=40)
+    prefill = threading.Timer(0.1, reset_all)
+    prefill.start()
+    try:
+        pairs, end = swarm.stream(0, prompt=PROMPT, max_tokens=N_TOKENS,
+                                  on_token=lambda n: reset_all() if n in (2, 8, 16) else None)
+    finally:
+        prefill.join()
+        for name in swarm.links.ports:
+            swarm.links.set(name, delay_ms=0)
+    assert end["event"] == "done", f"{end}\n{swarm.logs()}"
+    assert pairs == undisturbed  # same tokens, each step once, in order
+    resets = sum(v["resets"] - resets_before[k]["resets"] for k, v in swarm.links.stats().items())
+    assert resets >= 3 * 3  # every link was reset at least three times while it carried the request
+    assert resent_frames(swarm) > resent_before  # and the transport resent what the resets dropped
+    assert all(d.proc.poll() is None for d in swarm.daemons)
+
+
+def test_random_resets_on_every_link_still_give_the_same_tokens(swarm):
+    undisturbed, _ = swarm.stream(1, prompt=PROMPT, max_tokens=N_TOKENS)
+    for name in swarm.links.ports:
+        swarm.links.set(name, reset_probability=0.01)
+    try:
+        t0 = time.monotonic()
+        pairs, end = swarm.stream(1, prompt=PROMPT, max_tokens=N_TOKENS)
+    finally:
+        for name in swarm.links.ports:
+            swarm.links.set(name, reset_probability=0.0)
+    assert end["event"] == "done", f"{end}\n{swarm.logs()}"
+    assert pairs == undisturbed
+    assert time.monotonic() - t0 < 120
