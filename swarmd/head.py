@@ -29,6 +29,7 @@ import trio
 
 from swarmd.config import Timings
 from swarmd.head_session import Event, Failed, HeadSession, TokenOut
+from swarmd.recovery import CHAIN_ERRORS, MAX_MOVES, Recovery, attempt_id, chain_changed, replay_forward
 from swarmd.registry import ChainStatus, Registry
 from swarmd.trace import Tracer
 from swarmd.transport import ActorTransport, DeliveryFailed, Refused
@@ -38,10 +39,11 @@ from swarmd.wire.messages import Cancel, Error, Forward, Logprobs, Sampling, Tok
 log = logging.getLogger("swarmd.head")
 
 MAX_SEED = (1 << 63) - 1
-OnWait = Callable[[str], Awaitable[None]]  # told what the request waits for, each time that changes
+OnWait = Callable[[str], Awaitable[None]]
+MOVE_CHECK_INTERVAL = 0.1  # s between looks at the plan for requests whose chain changed  # told what the request waits for, each time that changes
 
 # The HTTP status of a failure code, where it is not a plain bad request (400).
-STATUS = {"not_ready": 503, "kv_cache_full": 503, "unreachable": 503, "timeout": 504, "internal": 500,
+STATUS = {"leaving": 503, "not_ready": 503, "kv_cache_full": 503, "unreachable": 503, "timeout": 504, "internal": 500,
           "model_error": 500, "unknown_request": 502, "out_of_order": 502, "not_a_stage": 503, "wrong_hop": 503}
 
 
@@ -115,6 +117,12 @@ class RequestHandle:
     registry: Registry = field(default_factory=lambda: Registry(0, (), (), {}))
     timing: Timing = field(default_factory=Timing)
     tracer: Tracer | None = None
+    request: HeadRequest | None = None
+    sampling: Sampling | None = None
+    attempt: int = 0  # how often the request moved to a new chain (its stages know it as `wire_id`)
+    moving: bool = False
+    closed: bool = False  # the caller left the block: nothing more is sent for it
+    recoveries: list[Recovery] = field(default_factory=list)
     _send: trio.MemorySendChannel[Event] | None = None
     _recv: trio.MemoryReceiveChannel[Event] | None = None
     _over: bool = False
@@ -126,6 +134,10 @@ class RequestHandle:
     def prompt_tokens(self) -> int:
         return self.session.prompt_len
 
+    @property
+    def wire_id(self) -> str:
+        return attempt_id(self.request_id, self.attempt)
+
     def push(self, events: list[Event]) -> None:
         now = time.perf_counter()
         for ev in events:
@@ -133,6 +145,8 @@ class RequestHandle:
                 self.timing.first = self.timing.first or now
                 self.timing.last = now
                 self.timing.tokens += 1
+                if self.recoveries and not self.recoveries[-1].first_token:
+                    self.recoveries[-1].first_token = now
                 if self.tracer is not None:
                     self.tracer.instant("token", step=ev.step, token=ev.token_id, request_id=self.request_id)
             assert self._send is not None
@@ -180,7 +194,8 @@ class HeadService:
 
     def __init__(self, peer_id: str, transport: ActorTransport, *, chain: Callable[[], ChainStatus],
                  registry: Callable[[], Registry], timings: Timings, load_model: Callable[[], ModelInfo],
-                 in_flight: Callable[[int], None] = lambda delta: None) -> None:
+                 in_flight: Callable[[int], None] = lambda delta: None,
+                 leaving: Callable[[], bool] = lambda: False) -> None:
         self.peer_id = peer_id
         self.transport = transport
         self._chain = chain
@@ -188,17 +203,18 @@ class HeadService:
         self.timings = timings
         self._load_model = load_model
         self._in_flight = in_flight
+        self._leaving = leaving
         self._model: ModelInfo | None = None
         self._model_lock = trio.Lock()
         self.requests: dict[str, RequestHandle] = {}
         self._nursery: trio.Nursery | None = None
-        self.stats = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0, "tokens": 0}
+        self.stats = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0, "tokens": 0, "moved": 0}
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started(self)
-            await trio.sleep_forever()
+            await self._follow_plans()
 
     async def model(self) -> ModelInfo:
         """The served model's tokenizer and limits (read from its GGUF once, in a worker thread)."""
@@ -230,6 +246,8 @@ class HeadService:
     @asynccontextmanager
     async def open(self, req: HeadRequest, *, on_wait: OnWait | None = None,
                    ready_timeout: float | None = None) -> AsyncIterator[RequestHandle]:
+        if self._leaving():
+            raise HeadError("leaving", "this daemon is leaving the swarm: send the request to another member", 503)
         model = await self.model()
         check_request(req, model)
         tracer = Tracer(f"head {self.peer_id[-6:]}") if req.trace else None
@@ -237,7 +255,7 @@ class HeadService:
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         session = HeadSession(request_id, len(req.prompt_ids), req.max_tokens, model.tokenizer.stream_decoder(),
                               req.stop, want_prompt_scores=req.prompt_scores)
-        handle = RequestHandle(request_id, session, seed, self.timings, tracer=tracer)
+        handle = RequestHandle(request_id, session, seed, self.timings, tracer=tracer, request=req)
         handle.timing.opened = time.perf_counter()
         self.stats["requests"] += 1
         self._in_flight(+1)
@@ -255,7 +273,9 @@ class HeadService:
             crashed = True
             raise
         finally:
-            self.requests.pop(request_id, None)
+            handle.closed = True
+            for attempt in range(handle.attempt + 1):
+                self.requests.pop(attempt_id(request_id, attempt), None)
             self._in_flight(-1)
             if session.done and session.error is None:
                 outcome = "finished"
@@ -264,13 +284,14 @@ class HeadService:
             self.stats[outcome] += 1
             self.stats["tokens"] += session.completion_tokens
             if sent and self._nursery is not None:
-                self._nursery.start_soon(self._cancel_chain, request_id, handle.registry, outcome)
+                self._nursery.start_soon(self._cancel_chain, handle.wire_id, handle.registry, outcome)
 
     async def _send_prompt(self, handle: RequestHandle, req: HeadRequest, model: ModelInfo) -> None:
         ids = np.asarray(req.prompt_ids, dtype=np.int32)
         sampling = Sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=handle.seed,
                             logprobs=req.logprobs, max_tokens=max(req.max_tokens, 1),
                             stop_ids=tuple(sorted(model.tokenizer.stop_ids)))
+        handle.sampling = sampling
         targets = WireTensor.from_array(ids[1:]) if req.prompt_scores else None
         msg = Forward(handle.request_id, 0, 0, 0, self.peer_id, tokens=WireTensor.from_array(ids),
                       epoch=handle.registry.epoch, all_logits=req.prompt_scores, sampling=sampling, targets=targets)
@@ -297,6 +318,61 @@ class HeadService:
             for hop, peer in enumerate(registry.stages):
                 nursery.start_soon(tell, hop, peer)
 
+    # --- moving requests to a new chain ---------------------------------------------------------------------
+
+    async def _follow_plans(self) -> None:
+        """Move every request whose chain a new plan changed (a stage died or left, blocks moved)."""
+        while True:
+            await trio.sleep(MOVE_CHECK_INTERVAL)
+            now = self._registry()
+            for handle in {id(h): h for h in self.requests.values()}.values():
+                if not handle.moving and not handle.session.ended and chain_changed(handle.registry, now):
+                    self._start_move(handle, f"plan epoch {now.epoch} changed the chain")
+
+    def _start_move(self, handle: RequestHandle, reason: str) -> None:
+        if self._nursery is not None and not handle.moving and not handle.closed:
+            handle.moving = True
+            self._nursery.start_soon(self._move, handle, reason)
+
+    async def _move(self, handle: RequestHandle, reason: str) -> None:
+        """Replay the request's tokens through the current chain as a new attempt (see `swarmd.recovery`)."""
+        log.info("moving %s: %s", handle.request_id, reason)
+        recovery = Recovery(reason, time.perf_counter())
+        handle.recoveries.append(recovery)
+        self.stats["moved"] += 1
+        assert self._nursery is not None and handle.request is not None and handle.sampling is not None
+        try:
+            while True:
+                self._nursery.start_soon(self._cancel_chain, handle.wire_id, handle.registry, "moved")
+                if handle.attempt >= MAX_MOVES:
+                    raise HeadError("unreachable", f"moved {MAX_MOVES} times and the chain still does not hold it",
+                                    503)
+                registry = await self.wait_ready()
+                if handle.session.ended or handle.closed:
+                    return
+                recovery.ready, recovery.epoch = time.perf_counter(), registry.epoch
+                handle.attempt += 1
+                handle.registry = registry
+                self.requests[handle.wire_id] = handle
+                req, session = handle.request, handle.session
+                msg = replay_forward(handle.request_id, handle.attempt, self.peer_id, req.prompt_ids,
+                                     list(session.tokens), handle.sampling, registry.epoch,
+                                     prompt_scores=req.prompt_scores and not session.scored)
+                recovery.sent, recovery.replayed_tokens = time.perf_counter(), msg.rows
+                try:
+                    await self.transport.send(registry.stage_peer(0), msg)
+                except (Refused, DeliveryFailed) as e:
+                    log.info("moving %s: stage 0 did not take the replay: %s", handle.request_id, e)
+                    await trio.sleep(MOVE_CHECK_INTERVAL)
+                    continue
+                if handle.closed:
+                    self._nursery.start_soon(self._cancel_chain, handle.wire_id, registry, "cancelled")
+                return
+        except HeadError as e:
+            handle.push(handle.session.fail(e.code, f"the request's chain broke and it could not move: {e.message}"))
+        finally:
+            handle.moving = False
+
     # --- messages from the chain ----------------------------------------------------------------------------
 
     async def on_token(self, peer: str, msg: Token) -> None:
@@ -310,10 +386,16 @@ class HeadService:
             handle.push(handle.session.on_logprobs(msg))
 
     def on_error(self, msg: Error) -> bool:
-        """A stage says the request failed; False if this daemon does not head it."""
+        """A stage says the request failed; False if this daemon does not head it. An error about an earlier
+        attempt is stale; one that says the chain lost the request moves it instead of failing it."""
         handle = self.requests.get(msg.request_id)
         if handle is None:
             return False
+        if msg.request_id != handle.wire_id or handle.moving:
+            return True
+        if msg.code in CHAIN_ERRORS and handle.attempt < MAX_MOVES:
+            self._start_move(handle, f"stage {msg.hop}: {msg.code}: {msg.message}")
+            return True
         handle.push(handle.session.on_error(msg))
         return True
 
