@@ -40,10 +40,11 @@ log = logging.getLogger("swarmd.head")
 
 MAX_SEED = (1 << 63) - 1
 OnWait = Callable[[str], Awaitable[None]]
-MOVE_CHECK_INTERVAL = 0.1  # s between looks at the plan for requests whose chain changed  # told what the request waits for, each time that changes
+MOVE_CHECK_INTERVAL = 0.1  # s between looks at the plan for requests whose chain changed
+TOO_SMALL_GRACE = 5.0  # s a moving request waits once the leader says the model no longer fits the swarm  # told what the request waits for, each time that changes
 
 # The HTTP status of a failure code, where it is not a plain bad request (400).
-STATUS = {"leaving": 503, "not_ready": 503, "kv_cache_full": 503, "unreachable": 503, "timeout": 504, "internal": 500,
+STATUS = {"leaving": 503, "swarm_too_small": 503, "not_ready": 503, "kv_cache_full": 503, "unreachable": 503, "timeout": 504, "internal": 500,
           "model_error": 500, "unknown_request": 502, "out_of_order": 502, "not_a_stage": 503, "wrong_hop": 503}
 
 
@@ -225,15 +226,24 @@ class HeadService:
 
     # --- waiting for the chain ---------------------------------------------------------------------------
 
-    async def wait_ready(self, within: float | None = None, on_wait: OnWait | None = None) -> Registry:
-        """The registry of a plan whose stages are all ready; HeadError (503) if none is within `within` s."""
+    async def wait_ready(self, within: float | None = None, on_wait: OnWait | None = None, *,
+                         give_up_when_too_small: bool = False) -> Registry:
+        """The registry of a plan whose stages are all ready; HeadError (503) if none is within `within` s,
+        or (`give_up_when_too_small`) once the swarm has been unable to hold the model for a few seconds."""
         timeout = self.timings.ready_timeout if within is None else within
         deadline = trio.current_time() + timeout
         said = ""
+        too_small_since: float | None = None
         while True:
             status = self._chain()
             if status.ready:
                 return self._registry()
+            if not status.cannot_hold:
+                too_small_since = None
+            elif too_small_since is None:
+                too_small_since = trio.current_time()
+            elif give_up_when_too_small and trio.current_time() - too_small_since >= TOO_SMALL_GRACE:
+                raise HeadError("swarm_too_small", f"the swarm can no longer hold the model: {status.detail}", 503)
             if on_wait is not None and status.detail != said:
                 await on_wait(status.detail)
             said = status.detail
@@ -321,13 +331,18 @@ class HeadService:
     # --- moving requests to a new chain ---------------------------------------------------------------------
 
     async def _follow_plans(self) -> None:
-        """Move every request whose chain a new plan changed (a stage died or left, blocks moved)."""
+        """Move every request whose chain a new plan changed (a stage died or left, blocks moved), or one of
+        whose stages membership marks dead (the move waits for the plan that replaces it)."""
         while True:
             await trio.sleep(MOVE_CHECK_INTERVAL)
-            now = self._registry()
+            now, status = self._registry(), self._chain()
             for handle in {id(h): h for h in self.requests.values()}.values():
-                if not handle.moving and not handle.session.ended and chain_changed(handle.registry, now):
+                if handle.moving or handle.session.ended:
+                    continue
+                if chain_changed(handle.registry, now):
                     self._start_move(handle, f"plan epoch {now.epoch} changed the chain")
+                elif status.gone & set(handle.registry.stages):
+                    self._start_move(handle, status.detail)
 
     def _start_move(self, handle: RequestHandle, reason: str) -> None:
         if self._nursery is not None and not handle.moving and not handle.closed:
@@ -347,7 +362,7 @@ class HeadService:
                 if handle.attempt >= MAX_MOVES:
                     raise HeadError("unreachable", f"moved {MAX_MOVES} times and the chain still does not hold it",
                                     503)
-                registry = await self.wait_ready()
+                registry = await self.wait_ready(give_up_when_too_small=True)
                 if handle.session.ended or handle.closed:
                     return
                 recovery.ready, recovery.epoch = time.perf_counter(), registry.epoch

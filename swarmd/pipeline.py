@@ -19,6 +19,7 @@ assignment. Routes: `/v1/*` (OpenAI-compatible), `/api/v0/generate` (for `swarmd
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import trio
@@ -87,7 +88,8 @@ class Pipeline:
         snap = swarm.snapshot()
         status = chain_status(snap["plan"], snap["members"])
         if not status.ready and snap.get("plan_error"):  # on the leader: why no plan can replace the broken one
-            return ChainStatus(False, f"{status.detail}; the swarm cannot hold the model: {snap['plan_error']}")
+            return replace(status, detail=f"{status.detail}; the swarm cannot hold the model: {snap['plan_error']}",
+                           cannot_hold=True)
         return status
 
     async def forget_dead_heads(self, interval: float = 1.0) -> None:

@@ -1,11 +1,14 @@
 """Dropped links cost a retry and nothing else: resets on every hop, in both directions, during prefill and
 decode, and a request still gives the undisturbed run's tokens. Three real daemons, each behind an emulated
-link (`scripts/link_emulator.py`), serve SmolLM2 split in three."""
+link (`scripts/link_emulator.py`), serve SmolLM2 split in three. Last, on the same swarm, the CI subset of
+`scripts/chaos.py`: a few random fault schedules, kills included."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -63,8 +66,9 @@ def test_resets_on_every_link_during_prefill_and_decode_change_no_token(swarm):
 
 def test_random_resets_on_every_link_still_give_the_same_tokens(swarm):
     undisturbed, _ = swarm.stream(1, prompt=PROMPT, max_tokens=N_TOKENS)
+    before = swarm.links.stats()
     for name in swarm.links.ports:
-        swarm.links.set(name, reset_probability=0.01)
+        swarm.links.set(name, reset_probability=0.02)
     try:
         t0 = time.monotonic()
         pairs, end = swarm.stream(1, prompt=PROMPT, max_tokens=N_TOKENS)
@@ -74,3 +78,14 @@ def test_random_resets_on_every_link_still_give_the_same_tokens(swarm):
     assert end["event"] == "done", f"{end}\n{swarm.logs()}"
     assert pairs == undisturbed
     assert time.monotonic() - t0 < 120
+    assert sum(v["resets"] - before[k]["resets"] for k, v in swarm.links.stats().items()) >= 1
+
+
+def test_a_few_random_fault_schedules_each_end_correct_or_with_a_clear_error_and_no_daemon_crashes(swarm):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from chaos import run_chaos
+
+    counts = run_chaos(swarm, schedules=3, seed=7, n_tokens=12, deadline=240, budget=600, max_faults=2)
+    assert counts["schedules"] == 3, counts
+    assert counts["hung"] == counts["wrong"] == counts["crashed daemons"] == 0, counts
+    assert counts["correct"] + counts["clear error"] + counts["cut (head killed)"] == 3, counts

@@ -66,3 +66,13 @@ def test_a_recovery_reports_its_parts_in_seconds():
     r = Recovery("plan epoch 3 changed the chain", noticed=10.0, ready=12.5, sent=12.5, first_token=13.0)
     assert r.to_json()["wait_for_chain_s"] == 2.5 and r.to_json()["replay_s"] == 0.5
     assert r.to_json()["total_s"] == 3.0
+
+
+def test_the_chain_status_names_the_peers_gone_so_heads_know_which_requests_to_move():
+    from swarmd.registry import chain_status
+
+    plan = {"epoch": 2, "stages": [{"peer_id": "A", "layers": [0, 15]}, {"peer_id": "B", "layers": [15, 30]}]}
+    ready = {"state": "ready", "layers": [0, 15]}
+    status = chain_status(plan, [{"peer_id": "A", "state": "alive", "assignment": ready},
+                                 {"peer_id": "B", "state": "dead", "assignment": {"state": "ready", "layers": [15, 30]}}])
+    assert not status.ready and status.gone == {"B"} and "gone" in status.detail
