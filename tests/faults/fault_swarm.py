@@ -84,6 +84,7 @@ class FaultSwarm(DaemonSwarm):
 
     def __init__(self, base: Path, bench_file: Path, n: int, *, extra: tuple[str, ...] = (),
                  model: str | None = None, n_blocks: int = 30) -> None:
+        base.mkdir(parents=True, exist_ok=True)
         config = base / "timings.toml"
         config.write_text(TOLERANT)
         super().__init__(base, bench_file, n, extra=("--data-plane", "libp2p", "--config", str(config), *extra),
