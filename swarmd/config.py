@@ -38,6 +38,7 @@ class Timings:
     token_timeout: float = 120.0  # the longest wait for the next token once the first came
     request_idle_timeout: float = 1800.0  # a stage frees a request whose head has said nothing for this long
     cancel_timeout: float = 10.0  # how long the head tries to tell a stage that a request is over
+    drain_timeout: float = 60.0  # a daemon leaving on purpose waits this long for the requests it heads
 
     def suspicion_timeout(self, n_members: int) -> float:
         """memberlist's rule: suspicion grows with log10 of the swarm size, never below the base."""

@@ -110,6 +110,8 @@ class GenerateRoute:
                     elif isinstance(ev, Finished):
                         done: dict[str, Any] = {"event": "done", "finish_reason": ev.reason, "text": ev.text,
                                                 "usage": handle.usage(), "timings": handle.timing.to_json()}
+                        if handle.recoveries:
+                            done["recoveries"] = [r.to_json() for r in handle.recoveries]
                         if handle.recorder is not None:
                             done["trace"] = await self.head.trace(handle)
                         await write(ndjson(done))

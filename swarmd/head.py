@@ -29,6 +29,7 @@ import trio
 
 from swarmd.config import Timings
 from swarmd.head_session import Event, Failed, HeadSession, TokenOut
+from swarmd.recovery import CHAIN_ERRORS, MAX_MOVES, Recovery, attempt_id, chain_changed, replay_forward
 from swarmd.registry import ChainStatus, Registry
 from swarmd.spans import SpanRecorder
 from swarmd.trace_collect import TraceCollector
@@ -39,10 +40,12 @@ from swarmd.wire.messages import Cancel, Error, Forward, Logprobs, Sampling, Tok
 log = logging.getLogger("swarmd.head")
 
 MAX_SEED = (1 << 63) - 1
-OnWait = Callable[[str], Awaitable[None]]  # told what the request waits for, each time that changes
+OnWait = Callable[[str], Awaitable[None]]
+MOVE_CHECK_INTERVAL = 0.1  # s between looks at the plan for requests whose chain changed
+TOO_SMALL_GRACE = 5.0  # s a moving request waits once the leader says the model no longer fits the swarm  # told what the request waits for, each time that changes
 
 # The HTTP status of a failure code, where it is not a plain bad request (400).
-STATUS = {"not_ready": 503, "kv_cache_full": 503, "unreachable": 503, "timeout": 504, "internal": 500,
+STATUS = {"leaving": 503, "swarm_too_small": 503, "not_ready": 503, "kv_cache_full": 503, "unreachable": 503, "timeout": 504, "internal": 500,
           "model_error": 500, "unknown_request": 502, "out_of_order": 502, "not_a_stage": 503, "wrong_hop": 503}
 
 
@@ -117,6 +120,12 @@ class RequestHandle:
     timing: Timing = field(default_factory=Timing)
     recorder: SpanRecorder | None = None  # set while the request is traced
     on_first: Callable[[float], None] | None = None  # told the time to the first token (s)
+    request: HeadRequest | None = None
+    sampling: Sampling | None = None
+    attempt: int = 0  # how often the request moved to a new chain (its stages know it as `wire_id`)
+    moving: bool = False
+    closed: bool = False  # the caller left the block: nothing more is sent for it
+    recoveries: list[Recovery] = field(default_factory=list)
     _send: trio.MemorySendChannel[Event] | None = None
     _recv: trio.MemoryReceiveChannel[Event] | None = None
     _over: bool = False
@@ -128,6 +137,10 @@ class RequestHandle:
     def prompt_tokens(self) -> int:
         return self.session.prompt_len
 
+    @property
+    def wire_id(self) -> str:
+        return attempt_id(self.request_id, self.attempt)
+
     def push(self, events: list[Event]) -> None:
         now = time.perf_counter()
         for ev in events:
@@ -137,6 +150,8 @@ class RequestHandle:
                 self.timing.first = self.timing.first or now
                 self.timing.last = now
                 self.timing.tokens += 1
+                if self.recoveries and not self.recoveries[-1].first_token:
+                    self.recoveries[-1].first_token = now
                 if self.recorder is not None:
                     self.recorder.add(self.request_id, "token", "head", now, now, instant=True, step=ev.step,
                                       token=ev.token_id)
@@ -185,7 +200,8 @@ class HeadService:
 
     def __init__(self, peer_id: str, transport: ActorTransport, *, chain: Callable[[], ChainStatus],
                  registry: Callable[[], Registry], timings: Timings, load_model: Callable[[], ModelInfo],
-                 in_flight: Callable[[int], None] = lambda delta: None) -> None:
+                 in_flight: Callable[[int], None] = lambda delta: None,
+                 leaving: Callable[[], bool] = lambda: False) -> None:
         self.peer_id = peer_id
         self.transport = transport
         self._chain = chain
@@ -193,11 +209,12 @@ class HeadService:
         self.timings = timings
         self._load_model = load_model
         self._in_flight = in_flight
+        self._leaving = leaving
         self._model: ModelInfo | None = None
         self._model_lock = trio.Lock()
         self.requests: dict[str, RequestHandle] = {}
         self._nursery: trio.Nursery | None = None
-        self.stats = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0, "tokens": 0}
+        self.stats = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0, "tokens": 0, "moved": 0}
         self.tracing: TraceCollector | None = None  # gathers traced requests' spans (swarmd.trace_collect)
         self.on_first_token: Callable[[float], None] | None = None  # metrics: time to first token (s)
 
@@ -205,7 +222,7 @@ class HeadService:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started(self)
-            await trio.sleep_forever()
+            await self._follow_plans()
 
     async def model(self) -> ModelInfo:
         """The served model's tokenizer and limits (read from its GGUF once, in a worker thread)."""
@@ -216,15 +233,24 @@ class HeadService:
 
     # --- waiting for the chain ---------------------------------------------------------------------------
 
-    async def wait_ready(self, within: float | None = None, on_wait: OnWait | None = None) -> Registry:
-        """The registry of a plan whose stages are all ready; HeadError (503) if none is within `within` s."""
+    async def wait_ready(self, within: float | None = None, on_wait: OnWait | None = None, *,
+                         give_up_when_too_small: bool = False) -> Registry:
+        """The registry of a plan whose stages are all ready; HeadError (503) if none is within `within` s,
+        or (`give_up_when_too_small`) once the swarm has been unable to hold the model for a few seconds."""
         timeout = self.timings.ready_timeout if within is None else within
         deadline = trio.current_time() + timeout
         said = ""
+        too_small_since: float | None = None
         while True:
             status = self._chain()
             if status.ready:
                 return self._registry()
+            if not status.cannot_hold:
+                too_small_since = None
+            elif too_small_since is None:
+                too_small_since = trio.current_time()
+            elif give_up_when_too_small and trio.current_time() - too_small_since >= TOO_SMALL_GRACE:
+                raise HeadError("swarm_too_small", f"the swarm can no longer hold the model: {status.detail}", 503)
             if on_wait is not None and status.detail != said:
                 await on_wait(status.detail)
             said = status.detail
@@ -237,6 +263,8 @@ class HeadService:
     @asynccontextmanager
     async def open(self, req: HeadRequest, *, on_wait: OnWait | None = None,
                    ready_timeout: float | None = None) -> AsyncIterator[RequestHandle]:
+        if self._leaving():
+            raise HeadError("leaving", "this daemon is leaving the swarm: send the request to another member", 503)
         model = await self.model()
         check_request(req, model)
         recorder = self.tracing.recorder if req.trace and self.tracing is not None else None
@@ -245,7 +273,7 @@ class HeadService:
         session = HeadSession(request_id, len(req.prompt_ids), req.max_tokens, model.tokenizer.stream_decoder(),
                               req.stop, want_prompt_scores=req.prompt_scores)
         handle = RequestHandle(request_id, session, seed, self.timings, recorder=recorder,
-                               on_first=self.on_first_token)
+                               on_first=self.on_first_token, request=req)
         if recorder is not None:
             recorder.trace(request_id)
         handle.timing.opened = time.perf_counter()
@@ -263,7 +291,9 @@ class HeadService:
             crashed = True
             raise
         finally:
-            self.requests.pop(request_id, None)
+            handle.closed = True
+            for attempt in range(handle.attempt + 1):
+                self.requests.pop(attempt_id(request_id, attempt), None)
             self._in_flight(-1)
             if session.done and session.error is None:
                 outcome = "finished"
@@ -272,13 +302,14 @@ class HeadService:
             self.stats[outcome] += 1
             self.stats["tokens"] += session.completion_tokens
             if sent and self._nursery is not None:
-                self._nursery.start_soon(self._cancel_chain, request_id, handle.registry, outcome)
+                self._nursery.start_soon(self._cancel_chain, handle.wire_id, handle.registry, outcome)
 
     async def _send_prompt(self, handle: RequestHandle, req: HeadRequest, model: ModelInfo) -> None:
         ids = np.asarray(req.prompt_ids, dtype=np.int32)
         sampling = Sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=handle.seed,
                             logprobs=req.logprobs, max_tokens=max(req.max_tokens, 1),
                             stop_ids=tuple(sorted(model.tokenizer.stop_ids)), trace=handle.recorder is not None)
+        handle.sampling = sampling
         targets = WireTensor.from_array(ids[1:]) if req.prompt_scores else None
         msg = Forward(handle.request_id, 0, 0, 0, self.peer_id, tokens=WireTensor.from_array(ids),
                       epoch=handle.registry.epoch, all_logits=req.prompt_scores, sampling=sampling, targets=targets)
@@ -305,6 +336,66 @@ class HeadService:
             for hop, peer in enumerate(registry.stages):
                 nursery.start_soon(tell, hop, peer)
 
+    # --- moving requests to a new chain ---------------------------------------------------------------------
+
+    async def _follow_plans(self) -> None:
+        """Move every request whose chain a new plan changed (a stage died or left, blocks moved), or one of
+        whose stages membership marks dead (the move waits for the plan that replaces it)."""
+        while True:
+            await trio.sleep(MOVE_CHECK_INTERVAL)
+            now, status = self._registry(), self._chain()
+            for handle in {id(h): h for h in self.requests.values()}.values():
+                if handle.moving or handle.session.ended:
+                    continue
+                if chain_changed(handle.registry, now):
+                    self._start_move(handle, f"plan epoch {now.epoch} changed the chain")
+                elif status.gone & set(handle.registry.stages):
+                    self._start_move(handle, status.detail)
+
+    def _start_move(self, handle: RequestHandle, reason: str) -> None:
+        if self._nursery is not None and not handle.moving and not handle.closed:
+            handle.moving = True
+            self._nursery.start_soon(self._move, handle, reason)
+
+    async def _move(self, handle: RequestHandle, reason: str) -> None:
+        """Replay the request's tokens through the current chain as a new attempt (see `swarmd.recovery`)."""
+        log.info("moving %s: %s", handle.request_id, reason)
+        recovery = Recovery(reason, time.perf_counter())
+        handle.recoveries.append(recovery)
+        self.stats["moved"] += 1
+        assert self._nursery is not None and handle.request is not None and handle.sampling is not None
+        try:
+            while True:
+                self._nursery.start_soon(self._cancel_chain, handle.wire_id, handle.registry, "moved")
+                if handle.attempt >= MAX_MOVES:
+                    raise HeadError("unreachable", f"moved {MAX_MOVES} times and the chain still does not hold it",
+                                    503)
+                registry = await self.wait_ready(give_up_when_too_small=True)
+                if handle.session.ended or handle.closed:
+                    return
+                recovery.ready, recovery.epoch = time.perf_counter(), registry.epoch
+                handle.attempt += 1
+                handle.registry = registry
+                self.requests[handle.wire_id] = handle
+                req, session = handle.request, handle.session
+                msg = replay_forward(handle.request_id, handle.attempt, self.peer_id, req.prompt_ids,
+                                     list(session.tokens), handle.sampling, registry.epoch,
+                                     prompt_scores=req.prompt_scores and not session.scored)
+                recovery.sent, recovery.replayed_tokens = time.perf_counter(), msg.rows
+                try:
+                    await self.transport.send(registry.stage_peer(0), msg)
+                except (Refused, DeliveryFailed) as e:
+                    log.info("moving %s: stage 0 did not take the replay: %s", handle.request_id, e)
+                    await trio.sleep(MOVE_CHECK_INTERVAL)
+                    continue
+                if handle.closed:
+                    self._nursery.start_soon(self._cancel_chain, handle.wire_id, registry, "cancelled")
+                return
+        except HeadError as e:
+            handle.push(handle.session.fail(e.code, f"the request's chain broke and it could not move: {e.message}"))
+        finally:
+            handle.moving = False
+
     # --- messages from the chain ----------------------------------------------------------------------------
 
     async def on_token(self, peer: str, msg: Token) -> None:
@@ -328,10 +419,16 @@ class HeadService:
             handle.push(handle.session.on_logprobs(msg))
 
     def on_error(self, msg: Error) -> bool:
-        """A stage says the request failed; False if this daemon does not head it."""
+        """A stage says the request failed; False if this daemon does not head it. An error about an earlier
+        attempt is stale; one that says the chain lost the request moves it instead of failing it."""
         handle = self.requests.get(msg.request_id)
         if handle is None:
             return False
+        if msg.request_id != handle.wire_id or handle.moving:
+            return True
+        if msg.code in CHAIN_ERRORS and handle.attempt < MAX_MOVES:
+            self._start_move(handle, f"stage {msg.hop}: {msg.code}: {msg.message}")
+            return True
         handle.push(handle.session.on_error(msg))
         return True
 

@@ -85,6 +85,11 @@ class HeadSession:
         return bool(self.finish_reason) or self.error is not None
 
     @property
+    def scored(self) -> bool:
+        """The prompt's log-probs (teacher forcing) came back."""
+        return self._scored
+
+    @property
     def done(self) -> bool:
         """Every event has been given out: ended, and the prompt scores are in if they were asked for."""
         return self.error is not None or (bool(self.finish_reason) and (self._scored or not self.want_prompt_scores))

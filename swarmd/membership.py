@@ -119,6 +119,7 @@ class Member:
     rtt_ms: float | None = None
     newer_while_dead: bool = False  # a fresh heartbeat arrived while dead: a probe decides
     failed_probes: int = 0  # routine probes that failed while heartbeats still arrived
+    connection_lost: bool = False  # suspect because its connection dropped, not because it went silent
     reason: str = ""
 
     @property
@@ -183,6 +184,7 @@ class Membership:
         if isinstance(msg, ConnectionLost):
             m = self.members.get(msg.peer_id)
             if m and m.state == State.ALIVE:
+                m.connection_lost = True
                 return [*self._move(m, State.SUSPECT, now, "connection lost"), *self._probe(m, now)]
             return []
         if isinstance(msg, RefusedMessage):
@@ -282,6 +284,11 @@ class Membership:
             return []
         detail = f": {r.error}" if r.error else ""
         if m.state == State.SUSPECT:
+            if m.connection_lost and now - m.since <= self.suspicion_timeout():
+                # A reset link fails the first probes while it is dialled again: only silence for a whole
+                # suspicion timeout makes such a member dead (tick probes again meanwhile).
+                m.failed_probes += 1
+                return []
             return self._move(m, State.DEAD, now, f"direct probe failed{detail}")
         if m.state == State.ALIVE:
             # A routine probe (an RTT measurement) that fails while heartbeats still arrive says the
@@ -298,6 +305,8 @@ class Membership:
         if m.state == new and not force:
             return []
         old, m.state, m.since, m.reason = m.state, new, now, reason
+        if new != State.SUSPECT:
+            m.connection_lost = False
         return [StateChanged(m.peer_id, old, new, reason)]
 
     def _probe(self, m: Member, now: float) -> list[MembershipAction]:

@@ -66,6 +66,7 @@ class Node:
                        max_tokens=config.api_max_tokens)
         self.extensions: list[Extension] = []
         self.requests_in_flight = 0  # the pipeline raises and lowers it; gossiped as the node's load
+        self.leaving = False  # draining: new requests are refused, those in flight finish first
         self.status_parts: dict[str, Callable[[], Any]] = {}  # extensions' sections of the status document
         self.compute = ComputeThread()  # every tinygrad call of this daemon runs on it
         self.ready = trio.Event()
@@ -166,7 +167,16 @@ class Node:
         return out
 
     async def leave(self) -> None:
-        """Leave the swarm cleanly (a leader hands over a plan without itself), then stop."""
+        """Leave the swarm cleanly, then stop: drain first (refuse new requests, let those this daemon heads
+        finish, up to `drain_timeout`, still serving its stage), then tell the swarm (a leader hands over a plan
+        without itself); requests passing through this daemon's stage move when the plan changes."""
+        self.leaving = True
+        with trio.move_on_after(self.config.timings.drain_timeout):
+            while self.requests_in_flight:  # noqa: ASYNC110 - polled: the count changes in many places
+                await trio.sleep(0.1)
+        if self.requests_in_flight:
+            log.warning("leaving with %d requests still in flight after %.0f s", self.requests_in_flight,
+                        self.config.timings.drain_timeout)
         if self.swarm is not None:
             await self.swarm.leave()
         self._remove_api_file()

@@ -21,6 +21,7 @@ assignment. Routes: `/v1/*` (OpenAI-compatible), `/api/v0/generate` (for `swarmd
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import trio
@@ -80,7 +81,8 @@ class Pipeline:
                                 wire_dtype=wire_dtype, idle_timeout=cfg.timings.request_idle_timeout,
                                 experts=self.router.call)
         self.head = HeadService(node.peer_id, transport, chain=self.chain, registry=self.registry,
-                                timings=cfg.timings, load_model=self._load_model, in_flight=self._count)
+                                timings=cfg.timings, load_model=self._load_model, in_flight=self._count,
+                                leaving=lambda: node.leaving)
         self._observe()
 
     def _observe(self) -> None:
@@ -131,7 +133,20 @@ class Pipeline:
         if swarm is None:
             return ChainStatus(False, "the daemon is starting")
         snap = swarm.snapshot()
-        return chain_status(snap["plan"], snap["members"])
+        status = chain_status(snap["plan"], snap["members"])
+        if not status.ready and snap.get("plan_error"):  # on the leader: why no plan can replace the broken one
+            return replace(status, detail=f"{status.detail}; the swarm cannot hold the model: {snap['plan_error']}",
+                           cannot_hold=True)
+        return status
+
+    async def forget_dead_heads(self, interval: float = 1.0) -> None:
+        """Requests whose head died hold KV caches no one reads: free them as soon as membership says so."""
+        while True:
+            await trio.sleep(interval)
+            swarm = self.node.swarm
+            if swarm is not None:
+                gone = {m["peer_id"] for m in swarm.snapshot()["members"] if m.get("state") == "dead"}
+                self.stage.forget_heads(gone)
 
     def _count(self, delta: int) -> None:
         self.node.requests_in_flight += delta
@@ -261,6 +276,7 @@ async def run_pipeline(node: Any, *, task_status=trio.TASK_STATUS_IGNORED) -> No
         pipeline.install()
         await nursery.start(pipeline.stage.run)
         await nursery.start(pipeline.head.run)
+        nursery.start_soon(pipeline.forget_dead_heads)
         OpenAIRoutes(pipeline.head).install(node.api)
         GenerateRoute(pipeline.head).install(node.api)
 

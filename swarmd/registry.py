@@ -68,6 +68,8 @@ EMPTY = Registry(0, (), (), {})
 class ChainStatus:
     ready: bool
     detail: str  # one line: what the chain waits for, or that it is ready
+    cannot_hold: bool = False  # the leader found no plan for the live members: the model does not fit them
+    gone: frozenset[str] = frozenset()  # peers the plan names that are dead or no longer members
 
 
 def chain_status(plan: Mapping[str, Any] | None, members: Sequence[Mapping[str, Any]]) -> ChainStatus:
@@ -77,13 +79,14 @@ def chain_status(plan: Mapping[str, Any] | None, members: Sequence[Mapping[str, 
     if not plan or not plan.get("stages"):
         return ChainStatus(False, "no plan yet (the swarm is still forming)")
     rows = {m["peer_id"]: m for m in members}
-    gone, loading, failed = [], [], []
+    gone, loading, failed, gone_peers = [], [], [], set()
     for i, stage in enumerate(plan["stages"]):
         a, b = stage["layers"]
         what = f"stage {i} (blocks {a}-{b - 1}, {short_id(stage['peer_id'])})"
         m = rows.get(stage["peer_id"])
         if m is None or m.get("state") == "dead":
             gone.append(what)
+            gone_peers.add(stage["peer_id"])
             continue
         assignment = m.get("assignment") or {}
         if assignment.get("state") == "failed":
@@ -93,7 +96,7 @@ def chain_status(plan: Mapping[str, Any] | None, members: Sequence[Mapping[str, 
     if failed:
         return ChainStatus(False, "loading failed at " + "; ".join(failed))
     if gone:
-        return ChainStatus(False, "waiting for a new plan: " + ", ".join(gone) + " gone")
+        return ChainStatus(False, "waiting for a new plan: " + ", ".join(gone) + " gone", gone=frozenset(gone_peers))
     if loading:
         return ChainStatus(False, f"plan epoch {plan.get('epoch')}: loading " + ", ".join(loading))
     n = len(plan["stages"])

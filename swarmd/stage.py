@@ -162,6 +162,16 @@ class StageActor:
     def head_of(self, request_id: str) -> str | None:
         return self.book.head_of(request_id) if self.book else None
 
+    def forget_heads(self, gone: set[str]) -> list[str]:
+        """Free the KV caches of requests whose head died or left: no one will read their tokens."""
+        if self.book is None or not gone:
+            return []
+        dropped = self.book.drop_heads(gone)
+        for rid in dropped:
+            log.info("request %s: its head is gone; freed its KV cache", rid)
+            self._free(self._model, rid)
+        return dropped
+
     # --- the book of the stage loaded now ----------------------------------------------------------------
 
     def _book(self) -> tuple[Loaded, StageBook]:

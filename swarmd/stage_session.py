@@ -110,7 +110,10 @@ class StageBook:
 
     def on_forward(self, msg: Forward, now: float) -> Work:
         data = self._rows(msg)
-        if msg.step == 0:
+        # A request's first Forward is step 0, or a later step carrying the sampling settings: the head moved
+        # the request to a new chain and replays its tokens so far (prompt and generated) from position 0.
+        first = msg.step == 0 or msg.sampling is not None
+        if first:
             if msg.request_id in self.requests:
                 raise StageRefusal("duplicate_request", f"request {msg.request_id} is already running here")
             if msg.start_pos != 0:
@@ -124,12 +127,12 @@ class StageBook:
         if msg.start_pos + len(data) > self.max_context:
             raise StageRefusal("context_full", f"{msg.start_pos + len(data)} tokens exceed this stage's context "
                                                f"of {self.max_context}")
-        if msg.step == 0:
+        if first:
             self.requests[msg.request_id] = RequestState(msg.request_id, msg.head, msg.epoch,
                                                          msg.sampling or Sampling(), last_active=now)
         state = self.requests[msg.request_id]
         targets = msg.targets.to_array().astype(np.int32) if msg.targets is not None else None
-        return self._begin(state, Work(msg.request_id, msg.step, msg.start_pos, data, msg.step == 0, msg.all_logits,
+        return self._begin(state, Work(msg.request_id, msg.step, msg.start_pos, data, first, msg.all_logits,
                                        targets, state.sampling if self.is_last else None), now)
 
     def on_token(self, msg: Token, now: float) -> Work:
@@ -186,7 +189,7 @@ class StageBook:
             targets = WireTensor.from_array(work.targets) if work.targets is not None else None
             return [Out(next_peer, Forward(work.request_id, work.step, self.hop + 1, work.start_pos, state.head,
                                            hidden=hidden, epoch=state.epoch, all_logits=work.all_logits,
-                                           sampling=state.sampling if work.step == 0 else None, targets=targets))]
+                                           sampling=state.sampling if work.new else None, targets=targets))]
         assert isinstance(output, Sampled)
         out: list[Out] = []
         if output.prompt_logprobs is not None:
@@ -231,6 +234,10 @@ class StageBook:
         for r in stale:
             del self.requests[r]
         return stale
+
+    def drop_heads(self, heads: set[str]) -> list[str]:
+        """Forget the requests whose head is gone (dead or left): those to free now (busy ones: when done)."""
+        return [rid for rid, st in list(self.requests.items()) if st.head in heads and self.cancel(rid)]
 
     def head_of(self, request_id: str) -> str | None:
         state = self.requests.get(request_id)

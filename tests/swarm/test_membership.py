@@ -111,15 +111,29 @@ def test_stale_and_duplicate_heartbeats_change_nothing():
     assert m.state_of(A) == State.SUSPECT
 
 
-def test_a_dead_member_comes_back_only_when_a_probe_confirms_its_newer_heartbeat():
+def test_a_lost_connection_whose_probes_fail_is_dead_after_a_suspicion_timeout_not_at_the_first_probe():
     m = founder()
     m.handle(HeartbeatReceived(heartbeat(A, 1)), now=0.0)
     m.handle(ConnectionLost(A), now=0.0)
-    m.handle(ProbeResult(A, ok=False), now=0.1)
+    assert m.handle(ProbeResult(A, ok=False), now=0.1) == []  # a reset link is being dialled again
+    assert m.state_of(A) == State.SUSPECT
+    assert Probe(A) in m.tick(now=0.5)
+    out = m.handle(ProbeResult(A, ok=True, rtt_ms=1.0), now=0.6)
+    assert changes(out) == [(A, State.SUSPECT, State.ALIVE)]
+    m.handle(ConnectionLost(A), now=1.0)
+    m.handle(ProbeResult(A, ok=False), now=1.1)
+    assert changes(m.tick(now=1.0 + LAN.suspect_after + 0.1)) == [(A, State.SUSPECT, State.DEAD)]
+
+
+def test_a_dead_member_comes_back_only_when_a_probe_confirms_its_newer_heartbeat():
+    m = founder()
+    m.handle(HeartbeatReceived(heartbeat(A, 1)), now=0.0)
+    m.tick(now=LAN.suspect_after + 0.1)
+    m.handle(ProbeResult(A, ok=False), now=LAN.suspect_after + 0.2)
     assert m.state_of(A) == State.DEAD
-    out = m.handle(HeartbeatReceived(heartbeat(A, 2)), now=1.0)
+    out = m.handle(HeartbeatReceived(heartbeat(A, 2)), now=LAN.suspect_after + 1.0)
     assert out == [Probe(A)] and m.state_of(A) == State.DEAD
-    out = m.handle(ProbeResult(A, ok=True, rtt_ms=1.0), now=1.1)
+    out = m.handle(ProbeResult(A, ok=True, rtt_ms=1.0), now=LAN.suspect_after + 1.1)
     assert changes(out) == [(A, State.DEAD, State.ALIVE)]
 
 
