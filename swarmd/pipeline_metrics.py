@@ -10,6 +10,8 @@ at scrape time.
     swarmd_tokens_total, swarmd_requests_total{outcome}, swarmd_stage_steps_total, swarmd_stage_batches_total
     swarmd_transport_frames_total{event}              resent (retries), reconnects, expired, refused, duplicates
     swarmd_kv_cache_bytes, swarmd_kv_cache_slots{state}
+    swarmd_expert_tokens_total{block,expert}          tokens this daemon's MoE routers sent to each expert
+    swarmd_moe_fanout_messages_total{block}           expert batches they sent (one per node hit per step)
 """
 
 from __future__ import annotations
@@ -88,6 +90,23 @@ class PipelineCollector(Collector):
             slots.add_metric(["free"], model.max_requests - used)
         yield kv_bytes
         yield slots
+        yield from _moe_metrics(p)
+
+
+def _moe_metrics(pipeline: Any) -> Iterator[Metric]:
+    """Expert load: tokens routed per expert and fan-out messages, from this daemon's MoE routers."""
+    router = getattr(pipeline, "router", None)
+    layers = router.status()["layers"] if router is not None else {}
+    tokens = CounterMetricFamily("swarmd_expert_tokens", "Tokens this daemon's MoE routers sent to each expert",
+                                 labels=["block", "expert"])
+    messages = CounterMetricFamily("swarmd_moe_fanout_messages", "Expert batches sent by this daemon's MoE routers",
+                                   labels=["block"])
+    for block, layer in layers.items():
+        messages.add_metric([block], layer["messages"])
+        for expert, n in layer["tokens"].items():
+            tokens.add_metric([block, expert], n)
+    yield tokens
+    yield messages
 
 
 def register_pipeline_metrics(registry: CollectorRegistry, pipeline: Any) -> tuple[WireMetrics, Histogram]:

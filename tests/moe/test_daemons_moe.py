@@ -90,6 +90,13 @@ def test_a_moe_model_on_four_daemons_equals_the_single_process_moe(tmp_path_fact
                 assert layer["nodes_per_call"] <= 2  # top-2: at most two nodes per layer and step
         assert sorted(routed) == ["1", "2", "3"]
         assert sum(routed["2"]["tokens"].values()) == 2 * routed["2"]["rows"]  # every row went to 2 experts
+        # /metrics carries the same expert load, summed over the daemons whose routers sent it
+        metered = 0.0
+        for d in swarm.running:
+            for line in httpx.get(f"{d.api}/metrics", timeout=10).text.splitlines():
+                if line.startswith('swarmd_expert_tokens_total{block="2"'):
+                    metered += float(line.rsplit(" ", 1)[1])
+        assert metered == 2 * routed["2"]["rows"]
 
         text = subprocess.run([sys.executable, "-m", "swarmd", "status", "--api", swarm.running[0].api],
                               capture_output=True, text=True, timeout=60)
