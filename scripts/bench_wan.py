@@ -28,7 +28,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -107,18 +109,30 @@ def concurrent_rate(api: str, n: int, tokens: int) -> float | str:
     return total / (time.perf_counter() - start)
 
 
-def run_n(n: int, args: argparse.Namespace) -> dict[str, Any]:
+@contextmanager
+def emulated_swarm(n: int, context: int, max_requests: int, bandwidth_mbit: float) -> Iterator[tuple[Any, Emulator]]:
+    """N daemons (an even plan) each behind its own emulated link, activations on libp2p so they cross it;
+    (swarm, emulator), both stopped on the way out."""
     listen, front = free_ports(n), free_ports(n)
-    emu = Emulator({f"d{i}": (front[i], listen[i]) for i in range(n)}, args.bandwidth_mbit)
+    emu = Emulator({f"d{i}": (front[i], listen[i]) for i in range(n)}, bandwidth_mbit)
     swarm = None
-    out: dict[str, Any] = {"n": n, "lan_interval_ms": [], "compute_ms": [], "hop_ms": [], "wan_tok_s": [],
-                           "limit_tok_s": [], "ratio": [], "concurrent_tok_s": [], "wan_interval_ms": []}
     try:
-        swarm = start_swarm(n, args.context, max(8, args.concurrent),
+        swarm = start_swarm(n, context, max_requests,
                             listen_of=lambda i: f"/ip4/127.0.0.1/tcp/{listen[i]}",
                             extra_of=lambda i: ("--announce", f"/ip4/127.0.0.1/tcp/{front[i]}",
                                                 "--data-plane", "libp2p"),
                             bootstrap_of=lambda peers: f"/ip4/127.0.0.1/tcp/{front[0]}/p2p/{peers[0]}")
+        yield swarm, emu
+    finally:
+        if swarm is not None:
+            swarm.stop()
+        emu.stop()
+
+
+def run_n(n: int, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"n": n, "lan_interval_ms": [], "compute_ms": [], "hop_ms": [], "wan_tok_s": [],
+                           "limit_tok_s": [], "ratio": [], "concurrent_tok_s": [], "wan_interval_ms": []}
+    with emulated_swarm(n, args.context, max(8, args.concurrent), args.bandwidth_mbit) as (swarm, emu):
         say(f"N = {n}: warming up")
         emu.set_delay(0)
         request(swarm.api, PROMPTS[0], 8, True)
@@ -153,10 +167,6 @@ def run_n(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 else:
                     out["concurrent_tok_s"].append(got)
                     say(f"N = {n}: {args.concurrent} at once {got:.2f} tok/s")
-    finally:
-        if swarm is not None:
-            swarm.stop()
-        emu.stop()
     return out
 
 

@@ -40,9 +40,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_pipeline import PROMPTS, start_swarm  # noqa: E402
+from bench_pipeline import PROMPTS  # noqa: E402
 from bench_trace import request  # noqa: E402
-from bench_wan import Emulator, compute_ms, free_ports  # noqa: E402
+from bench_wan import compute_ms, emulated_swarm  # noqa: E402
 from local_swarm import say  # noqa: E402
 
 from planner.node import NodeDescriptor  # noqa: E402
@@ -94,16 +94,8 @@ def simulated_compute_ms(plan: Plan, layout: Any, nodes: list[NodeDescriptor], p
 
 
 def run_n(n: int, args: argparse.Namespace, layout: Any, prompt_tokens: int) -> list[dict[str, Any]]:
-    listen, front = free_ports(n), free_ports(n)
-    emu = Emulator({f"d{i}": (front[i], listen[i]) for i in range(n)}, args.bandwidth_mbit)
-    swarm = None
     rows: list[dict[str, Any]] = []
-    try:
-        swarm = start_swarm(n, args.context, max(8, args.concurrent),
-                            listen_of=lambda i: f"/ip4/127.0.0.1/tcp/{listen[i]}",
-                            extra_of=lambda i: ("--announce", f"/ip4/127.0.0.1/tcp/{front[i]}",
-                                                "--data-plane", "libp2p"),
-                            bootstrap_of=lambda peers: f"/ip4/127.0.0.1/tcp/{front[0]}/p2p/{peers[0]}")
+    with emulated_swarm(n, args.context, max(8, args.concurrent), args.bandwidth_mbit) as (swarm, emu):
         plan, nodes = swarm_inputs(swarm.api)
         say(f"N = {n}: warming up")
         emu.set_delay(0)
@@ -131,10 +123,6 @@ def run_n(n: int, args: argparse.Namespace, layout: Any, prompt_tokens: int) -> 
                 say(f"N = {n}, {delay:g} ms, {streams} at once: measured {m:.2f} tok/s per stream, simulated "
                     f"{row['descriptors']:.2f} (descriptors), {row['calibrated']:.2f} (calibrated)")
                 rows.append(row)
-    finally:
-        if swarm is not None:
-            swarm.stop()
-        emu.stop()
     return rows
 
 
