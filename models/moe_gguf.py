@@ -114,12 +114,7 @@ def write_smollm2_moe(dense: str | Path, out: str | Path, n_experts: int, top_k:
             router = (np.zeros((n_experts, dense_gate.shape[1]), np.float32) if top_k == n_experts
                       else smollm2_router(dense_gate, n_experts))
             writer.add_tensor(f"{prefix}.ffn_gate_inp.weight", router)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, out)
-    return out
+    return _finish(writer, tmp, out)
 
 
 def half_split_to_interleaved(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -179,7 +174,7 @@ def write_synthetic_moe(out: str | Path, arch: SyntheticMoE, seed: int, *, token
     holds). With `tokenizer_from`, that GGUF's tokenizer (and vocabulary size) is copied in."""
     import gguf
 
-    from models.synthetic import block_shapes, random_array
+    from models.synthetic import block_shapes, expert_shapes, random_array
 
     out = Path(out)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
@@ -227,12 +222,17 @@ def write_synthetic_moe(out: str | Path, arch: SyntheticMoE, seed: int, *, token
             heads = {"attn_q.weight": c.n_heads, "attn_k.weight": c.n_kv_heads}.get(n)
             add(f"blk.{i}.{n}", half_split_to_interleaved(values, heads) if heads else values)
         if i >= c.leading_dense_blocks:
-            for n, shape in (("ffn_gate_exps", (c.hidden_dim, c.dim)), ("ffn_up_exps", (c.hidden_dim, c.dim)),
-                             ("ffn_down_exps", (c.dim, c.hidden_dim))):
-                stack = np.stack([random_array(seed, f"blk.{i}.{n}.weight#{e}", shape) for e in range(c.num_experts)])
+            for n, (_, *shape) in expert_shapes(c, 1).items():
+                stack = np.stack([random_array(seed, f"blk.{i}.{n}.weight#{e}", tuple(shape))
+                                  for e in range(c.num_experts)])
                 add(f"blk.{i}.{n}.weight", stack)
     add("output_norm.weight", random_array(seed, "output_norm.weight", (c.dim,)))
     add("output.weight", random_array(seed, "output.weight", (vocab, c.dim)))
+    return _finish(writer, tmp, out)
+
+
+def _finish(writer, tmp: Path, out: Path) -> Path:
+    """Write the GGUF out and move it into place (a reader never sees a half-written file)."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
