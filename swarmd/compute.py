@@ -1,4 +1,4 @@
-"""The daemon's one compute thread: every tinygrad call runs here, off the event loop and in order.
+"""The process's one compute thread: every tinygrad call runs here, off the event loop and in order.
 
 Heartbeats, probes and API calls never wait behind a prefill, and tinygrad, whose caches and
 device state are not made for several threads at once, only ever sees one. `await
@@ -22,43 +22,78 @@ import trio
 T = TypeVar("T")
 
 
+class _Worker:
+    """The thread itself: jobs run on it one at a time, in the order they were queued."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._main, name=THREAD_NAME, daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        use_a_kernel_cache_connection_per_thread()
+        while True:
+            self.jobs.get()()
+
+
+THREAD_NAME = "swarmd-compute"
+_worker: _Worker | None = None
+_worker_lock = threading.Lock()
+
+
+def _the_worker() -> _Worker:
+    global _worker
+    with _worker_lock:
+        if _worker is None:
+            _worker = _Worker()
+        return _worker
+
+
 class ComputeThread:
-    def __init__(self, name: str = "swarmd-compute") -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self.busy_seconds = 0.0  # time spent running jobs, for metrics
+    """A handle on the process's one compute thread. Every handle queues onto the same thread: tinygrad
+    keeps per-process device state (on CPU, one task queue and one timeline signal), and two threads
+    submitting at once can leave its worker waiting for a signal that never comes."""
+
+    def __init__(self) -> None:
+        self.busy_seconds = 0.0  # time spent running this handle's jobs, for metrics
+        self._closed = False
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        if not self._thread.is_alive():
-            self._thread.start()
+        if self._closed:
+            raise RuntimeError("this compute handle is closed")
         token = trio.lowlevel.current_trio_token()
         done = trio.Event()
         box: dict[str, Any] = {}
 
         def job() -> None:
+            t0 = time.perf_counter()
             try:
                 box["value"] = fn(*args)
             except BaseException as e:
                 box["error"] = e
+            self.busy_seconds += time.perf_counter() - t0
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(done.set)
 
-        self._jobs.put(job)
+        _the_worker().jobs.put(job)
         await done.wait()
         if "error" in box:
             raise box["error"]
         return box["value"]
 
     def close(self) -> None:
-        """Let the thread end after the jobs queued so far."""
-        self._jobs.put(None)
+        """Refuse further jobs from this handle (those queued so far still run)."""
+        self._closed = True
 
-    def _main(self) -> None:
-        use_a_kernel_cache_connection_per_thread()
-        while (job := self._jobs.get()) is not None:
-            t0 = time.perf_counter()
-            job()
-            self.busy_seconds += time.perf_counter() - t0
+
+def wait_until_idle(timeout: float) -> bool:
+    """Block until every job queued so far has run (False if that takes longer than `timeout` s): a
+    caller about to use tinygrad on its own thread must not overlap a job still running here."""
+    if _worker is None:
+        return True
+    finished = threading.Event()
+    _worker.jobs.put(finished.set)
+    return finished.wait(timeout)
 
 
 def use_a_kernel_cache_connection_per_thread() -> None:
