@@ -42,10 +42,12 @@ class StopText:
         """(text that is final now, whether a stop string ended the output). The stop string itself
         and anything after it are dropped."""
         buf = self.held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        # the stop that completes first ends the output (the longest of those completing at one place):
+        # what a streamed output can know, so the cut does not depend on how the text arrives
+        hits = [(i + len(s), i) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
             self.held = ""
-            return buf[:min(hits)], True
+            return buf[:min(hits)[1]], True
         keep = max((n for s in self.stops for n in range(min(len(s) - 1, len(buf)), 0, -1)
                     if buf.endswith(s[:n])), default=0)
         self.held = buf[len(buf) - keep:] if keep else ""
