@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,3 +26,32 @@ def compute_thread_idle_after_each_test():
     from swarmd.compute import wait_until_idle
 
     assert wait_until_idle(timeout=120.0), "a compute job outlived its test by more than 120 s"
+
+
+def tinygrad_cpu_is_stuck(wait: float = 10.0) -> bool:
+    """tinygrad's CPU device runs kernels on a worker thread; once that thread waits for a signal that
+    never comes, every later tinygrad call in this process (and its exit) waits forever."""
+    if "tinygrad.device" not in sys.modules:
+        return False
+    from tinygrad.device import Device
+
+    if "CPU" not in Device._opened_devices:
+        return False
+    tasks = Device["CPU"].tasks
+    deadline = time.monotonic() + wait
+    while tasks.unfinished_tasks and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return tasks.unfinished_tasks > 0
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """A test that timed out with tinygrad stuck ends the run: every later test would time out too."""
+    if report.failed and "Timeout" in report.longreprtext and tinygrad_cpu_is_stuck():
+        pytest.exit(f"tinygrad's CPU device is stuck after {report.nodeid}: stopping the run", returncode=1)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if tinygrad_cpu_is_stuck(wait=0.0):  # tinygrad's exit handler would wait for the device forever
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
