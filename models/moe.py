@@ -28,6 +28,7 @@ import numpy as np
 from tinygrad.llm.model import TransformerConfig
 
 from models.errors import ModelError
+from models.jit import capturing_jit
 from models.matvec import matvec, tune_cpu_renderer
 
 if TYPE_CHECKING:
@@ -209,7 +210,7 @@ class ExpertShard:
 
     def compute(self, call: ExpertCall) -> np.ndarray:
         """Per row of `call`, the gate-weighted sum of its selected experts (all of which must be held)."""
-        from tinygrad import Tensor, TinyJit
+        from tinygrad import Tensor
 
         if call.layer not in self.weights:
             raise ModelError(f"this node holds no experts of block {call.layer}")
@@ -233,7 +234,7 @@ class ExpertShard:
         gates = np.zeros((padded, len(self.experts[call.layer])), np.float32)  # each row's gate per expert held
         np.add.at(gates, (row, local), call.gates[row, col])
         if (call.layer, padded) not in self._jits:
-            self._jits[(call.layer, padded)] = TinyJit(functools.partial(self._step, call.layer))
+            self._jits[(call.layer, padded)] = capturing_jit(functools.partial(self._step, call.layer))
         # two inputs, not one sliced in two: a jit replays stale data through a view of an input buffer
         res = self._jits[(call.layer, padded)](Tensor(x, device=self.device).realize(),
                                                Tensor(gates, device=self.device).realize())

@@ -25,8 +25,9 @@ which follows llama.cpp's greedy tokens where float arithmetic leaves them at cl
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,7 @@ import numpy as np
 
 from models import ggml_numerics
 from models.errors import ModelError
+from models.jit import capturing_jit
 from models.kv_cache import KVCacheFull, KVPool, SlotTable
 from models.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_renderer
 from models.moe import ExpertCall, ExpertFn, block_config, is_moe_block, route, routed_experts, shared_experts
@@ -71,6 +73,26 @@ def rope_table(config, rows: int, freq_factors: np.ndarray | None = None) -> np.
         inv_freq = inv_freq / freq_factors.astype(np.float64)
     angles = np.arange(rows, dtype=np.float64)[:, None] * inv_freq[None, :]
     return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+
+
+@contextlib.contextmanager
+def _layers_without_random_init() -> Iterator[None]:
+    """tinygrad's nn layers draw random initial weights, a graph of random-number kernels per tensor (about a
+    quarter of a stage's load time on a CPU); the model's own weights replace every one, so make them empty."""
+    from tinygrad import Tensor
+
+    saved = {name: Tensor.__dict__[name] for name in ("uniform", "glorot_uniform")}
+
+    def empty(*shape, dtype=None, **_) -> Tensor:
+        return Tensor.empty(*shape, dtype=dtype)
+
+    for name in saved:
+        setattr(Tensor, name, staticmethod(empty))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(Tensor, name, method)
 
 
 def _fuse(layers: list, quantized: list[BlockQuantized | None]) -> tuple[Tensor, BlockQuantized | None]:
@@ -140,12 +162,13 @@ class StageModel:
         self.moe_blocks = [i for i in range(start, end) if is_moe_block(config, i)]
         self.local_experts = local_experts or not self.moe_blocks
 
-        self.blk = {i: TransformerBlock(block_config(self.config, i)) for i in range(start, end)}
-        if self.is_first:
-            self.token_embd = nn.Embedding(config.vocab_size, config.dim)
-        if self.is_last:
-            self.output_norm = nn.RMSNorm(config.dim, config.norm_eps)
-            self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        with _layers_without_random_init():
+            self.blk = {i: TransformerBlock(block_config(self.config, i)) for i in range(start, end)}
+            if self.is_first:
+                self.token_embd = nn.Embedding(config.vocab_size, config.dim)
+            if self.is_last:
+                self.output_norm = nn.RMSNorm(config.dim, config.norm_eps)
+                self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         weights = dict(weights)
         factors = weights.pop("rope_freqs.weight", None)
         # quantised matrices enter the blocks as lazy dequantisation graphs over their codes, dense ones
@@ -270,14 +293,12 @@ class StageModel:
 
         try:
             self.add_request(ids[0])
-            for all_logits in (False, True) if self.is_last else (False,):
-                for _ in range(2):  # tinygrad's jit runs a graph once, then captures it
-                    self.forward([StageInput(ids[0], 0, row, all_logits=all_logits)], experts=no_experts)
+            for all_logits in (False, True) if self.is_last else (False,):  # each graph captures on its first call
+                self.forward([StageInput(ids[0], 0, row, all_logits=all_logits)], experts=no_experts)
             for size in sizes:
                 for rid in ids[:size]:
                     self.add_request(rid)
-                for pos in range(2):
-                    self.forward([StageInput(rid, pos, row[:1]) for rid in ids[:size]], experts=no_experts)
+                self.forward([StageInput(rid, 0, row[:1]) for rid in ids[:size]], experts=no_experts)
                 for rid in ids[:size]:
                     self.free_request(rid)
         finally:
@@ -378,7 +399,7 @@ class StageModel:
         return res if isinstance(res, np.ndarray) else res.numpy()
 
     def _decode(self, items: list[StageInput]) -> Generator[ExpertCall, np.ndarray, list[np.ndarray]]:
-        from tinygrad import TinyJit, UOp
+        from tinygrad import UOp
 
         batch = self._bucket(len(items))
         pad = batch - len(items)
@@ -393,7 +414,7 @@ class StageModel:
 
         def jit_of(seg: Segment) -> TinyJit:
             if (batch, seg) not in self._decode_jits:
-                self._decode_jits[(batch, seg)] = TinyJit(functools.partial(self._decode_step, seg))
+                self._decode_jits[(batch, seg)] = capturing_jit(functools.partial(self._decode_step, seg))
             return self._decode_jits[(batch, seg)]
 
         res = yield from self._run_segments(rows, len(items), jit_of, [*svars, *pvars, *tvars])
@@ -405,14 +426,14 @@ class StageModel:
         return min(1 << (n - 1).bit_length(), self.max_requests)
 
     def _prefill(self, it: StageInput) -> Generator[ExpertCall, np.ndarray, np.ndarray]:
-        from tinygrad import TinyJit, UOp
+        from tinygrad import UOp
 
         chunk, n, slot = self.prefill_chunk, len(it.data), self.slots.slot(it.request_id)
 
         def jit_of(seg: Segment) -> TinyJit:
             key = (it.all_logits, seg)
             if key not in self._prefill_jits:
-                self._prefill_jits[key] = TinyJit(functools.partial(self._prefill_step, seg, all_logits=it.all_logits))
+                self._prefill_jits[key] = capturing_jit(functools.partial(self._prefill_step, seg, all_logits=it.all_logits))
             return self._prefill_jits[key]
 
         svar = UOp.variable("slot0", 0, self.kv.scratch_slot).bind(slot)
