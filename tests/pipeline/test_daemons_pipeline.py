@@ -28,7 +28,7 @@ from tests.swarm.daemons import Daemon, wait_until
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 CONTEXT = 512
-N_TOKENS = 12
+N_TOKENS = 8
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,")
 CHAT = "Give me three reasons to learn Python."
 MODEL = "smollm2-135m"
@@ -79,14 +79,15 @@ def swarm(tmp_path_factory, bench_file, ref):  # the reference first: its compil
         swarm.stop()
 
 
-def check_greedy(swarm: DaemonSwarm, ref: Reference) -> None:
+def check_greedy(swarm: DaemonSwarm, ref: Reference, prompts: tuple[str, ...] = PROMPTS, chat: bool = True) -> None:
     """Each prompt, through a different daemon each time, gives the reference tokens."""
-    for i, prompt in enumerate(PROMPTS):
+    for i, prompt in enumerate(prompts):
         tokens, end = swarm.generate(via=i % len(swarm.running), prompt=prompt, max_tokens=N_TOKENS)
         assert end["event"] == "done", f"{end}\n{swarm.logs()}"
         assert tokens == ref.greedy[prompt], f"{len(swarm.running)} daemons, prompt {prompt!r}"
-    tokens, end = swarm.generate(via=len(swarm.running) - 1, chat=CHAT, max_tokens=N_TOKENS)
-    assert tokens == ref.greedy[ref.chat_text] and end["event"] == "done"
+    if chat:
+        tokens, end = swarm.generate(via=len(swarm.running) - 1, chat=CHAT, max_tokens=N_TOKENS)
+        assert tokens == ref.greedy[ref.chat_text] and end["event"] == "done"
 
 
 def test_six_daemons_generate_token_for_token_what_swarmd_run_generates(swarm, ref):
@@ -99,9 +100,9 @@ def test_six_daemons_generate_token_for_token_what_swarmd_run_generates(swarm, r
 def test_four_daemons_generate_token_for_token_what_swarmd_run_generates(swarm, ref):
     plan = swarm.shrink_to(4)
     assert len(plan["stages"]) == 4
-    check_greedy(swarm, ref)
+    check_greedy(swarm, ref, PROMPTS[:1])  # the prompts at once (next test) take the others through 4 daemons
     stage = swarm.pipeline(1)["stage"]  # every step went through every stage, batched or not
-    assert stage["jobs"] >= 4 * N_TOKENS
+    assert stage["jobs"] >= 2 * N_TOKENS
 
 
 def test_two_and_four_prompts_at_once_each_equal_their_single_request_output(swarm, ref):
@@ -238,12 +239,12 @@ def test_a_client_that_goes_away_cancels_its_request_and_every_stage_frees_its_c
 
 def test_three_daemons_generate_token_for_token_what_swarmd_run_generates(swarm, ref):
     assert len(swarm.shrink_to(3)["stages"]) == 3
-    check_greedy(swarm, ref)
+    check_greedy(swarm, ref, PROMPTS[1:], chat=False)
 
 
 def test_two_daemons_generate_token_for_token_what_swarmd_run_generates(swarm, ref):
     assert len(swarm.shrink_to(2)["stages"]) == 2
-    check_greedy(swarm, ref)
+    check_greedy(swarm, ref, PROMPTS[:2])
 
 
 def test_a_prompt_sent_before_the_swarm_is_ready_waits_and_says_so_on_stderr(tmp_path, bench_file):

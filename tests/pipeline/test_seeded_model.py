@@ -1,5 +1,6 @@
 """Seeded models (`random/ARCH[@SEED]`): a real architecture with seeded random weights, served by name, so
-a swarm can serve shapes no file is at hand for; every daemon draws the same weights for the blocks it holds."""
+a swarm can serve shapes no file is at hand for; every daemon draws the same weights for the blocks it holds. (Three daemons serving one token for token as
+one process: tests/timing/test_trace_daemons.py.)"""
 
 from __future__ import annotations
 
@@ -8,11 +9,6 @@ import pytest
 from models.errors import ModelError
 from models.seeded import SeededModel, parse_seeded_name
 from planner.arch import ArchSpec
-from tests.pipeline.daemon_swarm import DaemonSwarm
-
-CONTEXT = 256
-N_TOKENS = 10
-PROMPT = "Seeded weights, real shapes:"
 
 
 def test_a_seeded_name_gives_the_architecture_and_the_seed():
@@ -45,29 +41,3 @@ def test_the_byte_level_vocabulary_encodes_any_text_and_ends_with_end_of_text():
     assert all(i < 256 for i in ids) and tokenizer.decode(ids) == text
     assert tokenizer.stop_ids == {599} and tokenizer.decode([599]) == ""
     assert tokenizer.decode([256, 257]) == "\x00\x00\x00\x01"  # filler ids decode to fixed bytes
-
-
-@pytest.mark.slow
-def test_two_daemons_serve_a_seeded_model_token_for_token_as_one_process(tmp_path, bench_file):
-    from models.generate import generate
-    from models.sampling import SamplingParams
-    from models.stage import StageModel
-    from models.tokenizer import Tokenizer
-
-    seeded = parse_seeded_name("random/smollm2-135m@5")
-    tokenizer = Tokenizer(seeded.tokenizer_kv())
-    whole = StageModel.random(seeded.config(CONTEXT), seeded.seed, max_context=CONTEXT, max_requests=1)
-    run = generate(whole, tokenizer, tokenizer.encode(PROMPT), SamplingParams(max_tokens=N_TOKENS))
-    for _ in run:
-        pass
-    del whole
-
-    swarm = DaemonSwarm(tmp_path, bench_file, 2, model=seeded.name, extra=("--max-context", str(CONTEXT)))
-    try:
-        swarm.start()
-        tokens, end = swarm.generate(via=1, prompt=PROMPT, max_tokens=N_TOKENS)
-        assert end["event"] == "done", f"{end}\n{swarm.logs()}"
-        assert tokens == run.token_ids
-        assert swarm.running[0].status()["plan"]["model"]["name"] == seeded.name
-    finally:
-        swarm.stop()

@@ -1,5 +1,5 @@
 """Acceptance: a traced request over three real `swarmd join` processes on loopback (a seeded SmolLM2-135M,
-one stage each, the head on the middle one): the Chrome trace has every node's spans on one time axis with
+one stage each, the head on the middle one): the daemons generate what one process generates, the Chrome trace has every node's spans on one time axis with
 flow arrows for the hops, `swarmd trace summarize` reads it, the API serves it, and /metrics counts it."""
 
 from __future__ import annotations
@@ -20,10 +20,29 @@ pytestmark = pytest.mark.slow
 CONTEXT = 256
 N_TOKENS = 8
 MODEL = "random/smollm2-135m@3"
+PROMPT = "Seeded weights, real shapes:"
 
 
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory, bench_file):
+def one_process() -> list[int]:
+    """The seeded model's greedy tokens for PROMPT with the whole model in this process (`swarmd run`'s loop)."""
+    from models.generate import generate
+    from models.sampling import SamplingParams
+    from models.seeded import parse_seeded_name
+    from models.stage import StageModel
+    from models.tokenizer import Tokenizer
+
+    seeded = parse_seeded_name(MODEL)
+    tokenizer = Tokenizer(seeded.tokenizer_kv())
+    whole = StageModel.random(seeded.config(CONTEXT), seeded.seed, max_context=CONTEXT, max_requests=1)
+    run = generate(whole, tokenizer, tokenizer.encode(PROMPT), SamplingParams(max_tokens=N_TOKENS))
+    for _ in run:
+        pass
+    return run.token_ids
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory, bench_file, one_process):  # the reference first: its compile would starve the daemons
     swarm = DaemonSwarm(tmp_path_factory.mktemp("trace"), bench_file, 3, model=MODEL,
                         extra=("--max-context", str(CONTEXT)))
     try:
@@ -35,6 +54,13 @@ def swarm(tmp_path_factory, bench_file):
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "swarmd", *args], capture_output=True, text=True,
                           env=dict(os.environ), timeout=300)
+
+
+def test_three_daemons_serve_the_seeded_model_token_for_token_as_one_process(swarm, one_process):
+    tokens, end = swarm.generate(via=2, prompt=PROMPT, max_tokens=N_TOKENS)
+    assert end["event"] == "done", f"{end}\n{swarm.logs()}"
+    assert tokens == one_process
+    assert swarm.running[0].status()["plan"]["model"]["name"] == MODEL
 
 
 def test_a_traced_request_shows_every_node_and_hop_on_one_time_axis(swarm, tmp_path):
