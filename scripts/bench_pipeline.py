@@ -264,12 +264,15 @@ def main() -> int:
         single.decode_rate(PROMPTS[0], 8)
         long_ids = single.tokenizer.encode(" ".join(PROMPTS * 8))[:args.prefill_tokens]
         single.prefill_rate(long_ids)
-        for swarm in swarms.values():
+        say("warm-up: single process done")
+        for n, swarm in swarms.items():
             generate(swarm.api, long_ids, 1)
+            say(f"warm-up: N = {n} prefill done")
         apis = [d.api for d in swarms[4].daemons]
         generate(swarms[2].api, PROMPTS[0], 8)
         for c in (1, 2, 4, 8):
             aggregate(apis, c, 12)
+            say(f"warm-up: N = 4, {c} at once done")
         for r in range(args.rounds):
             prompt = PROMPTS[r % len(PROMPTS)]
             results["decode"][1].append(single.decode_rate(prompt, args.tokens))
