@@ -256,15 +256,18 @@ def summarise(samples, cpu, sizes, fallbacks) -> dict:
 
 
 def print_table(result: dict) -> None:
+    n = next(iter(result["sizes"].values()))["raw_tcp"]["n"]
+    print(f"Median ms per hop (frame sent -> ack back; {n} hops per stack at the smallest payload, stacks taking "
+          "turns); overhead: minus raw TCP of the same payload.")
     print("\n| payload | " + " | ".join(STACKS) + " | overhead libp2p | overhead tls |")
     print("|---" * (len(STACKS) + 3) + "|")
     for n, row in result["sizes"].items():
         cells = [f"{row[s]['median_ms']:.3f}" for s in STACKS]
         print(f"| {int(n):,} B | " + " | ".join(cells)
               + f" | {row['libp2p']['overhead_ms']:+.3f} | {row['tls']['overhead_ms']:+.3f} |")
-    print("\nCPU ms per hop, both processes (psutil, 10 ms tick, batch averages):")
+    print("\nCPU ms per hop, both processes (psutil, 10 ms tick, batch averages):\n")
     for n, row in result["sizes"].items():
-        print(f"  {int(n):>8} B: " + ", ".join(f"{s} {row[s]['cpu_ms_both_ends']:.2f}" for s in STACKS))
+        print(f"* {int(n):,} B: " + ", ".join(f"{s} {row[s]['cpu_ms_both_ends']:.2f}" for s in STACKS))
 
 
 # --- wire dtype error --------------------------------------------------------------------------------------------
@@ -337,6 +340,7 @@ def main() -> None:
     ap.add_argument("--prompt", default="The capital of France is Paris. The capital of Germany is Berlin, and the "
                                         "capital of Italy is")
     ap.add_argument("--out", default=None, help="also write the JSON result here")
+    ap.add_argument("--markdown", action="store_true", help="latency: only the tables on stdout (no JSON)")
     args = ap.parse_args()
     if args.cmd == "serve":
         trio.run(serve_main, args)
@@ -345,7 +349,8 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     result = trio.run(latency_main, args) if args.cmd == "latency" else wire_dtype_main(args)
     result = {**meta, "command": " ".join(sys.argv), **result}
-    print(json.dumps(result, indent=1))
+    if not (args.markdown and args.cmd == "latency"):
+        print(json.dumps(result, indent=1))
     if args.cmd == "latency":
         print_table(result)
     if args.out:

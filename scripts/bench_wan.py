@@ -138,7 +138,8 @@ def run_n(n: int, args: argparse.Namespace) -> dict[str, Any]:
         request(swarm.api, PROMPTS[0], 8, True)
         for c in (2, 4, 8) if args.concurrent else ():  # compile and capture each batch size before timing
             if c <= args.concurrent:
-                concurrent_rate(swarm.api, c, 4)
+                got = concurrent_rate(swarm.api, c, 4)
+                say(f"N = {n}: warm-up, {c} at once: {got if isinstance(got, str) else 'done'}")
         for r in range(args.rounds):
             prompt = PROMPTS[r % len(PROMPTS)]
             emu.set_delay(0)

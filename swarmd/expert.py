@@ -4,6 +4,11 @@ An `ExpertBatch` carries the rows one router sends this node for one MoE block a
 the experts (held here) it selected and their gates; the answer, an `ExpertResult` back to the sender,
 is each row's gated sum over those experts, computed on the daemon's compute thread by the loaded
 `models.moe.ExpertShard`. A repeated batch is answered from the transport's cache, never computed twice.
+
+A batch that names traced requests (`ExpertBatch.traced`) starts their traces here and records, per request,
+`expert.batch` (handler started -> answer ready; the router's `moe.call` and it share a flow id and make one
+NTP-style clock sample), inside it `expert.queue` (waiting for the shard and the compute thread) and
+`expert.forward` (the experts' compute).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import numpy as np
 import trio
 
 from swarmd.compute import ComputeThread
+from swarmd.spans import SpanRecorder, flow_id
 from swarmd.transport import HandlerResult, Send
 from swarmd.wire.codec import WireTensor
 from swarmd.wire.messages import Error, ExpertBatch, ExpertResult
@@ -38,10 +44,13 @@ class ExpertActor:
         self.rows = 0
         self.compute_seconds = 0.0
         self.tokens: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))  # block -> expert -> rows
+        self.recorder: SpanRecorder | None = None  # spans of traced requests
 
     async def on_batch(self, peer: str, msg: ExpertBatch) -> HandlerResult:
         from models.moe import ExpertCall
 
+        clock = self.recorder.clock if msg.traced and self.recorder is not None else time.perf_counter
+        received = clock()
         sel = msg.expert_ids.to_array().astype(np.int32)
         wanted = set(sel[sel >= 0].tolist())
         shard = await self._wait_for(msg.block, wanted)
@@ -52,14 +61,29 @@ class ExpertActor:
                                     step=msg.step, hop=msg.block))
         call = ExpertCall(msg.block, msg.hidden.to_array("float32"), sel, msg.gates.to_array("float32"))
         started = time.perf_counter()
-        answer = await self.compute.run(shard.compute, call)
+        answer, computing, computed = await self.compute.run(_timed, clock, shard.compute, call)
         self.compute_seconds += time.perf_counter() - started
         self.batches += 1
         self.rows += len(sel)
         for e in sel[sel >= 0].tolist():
             self.tokens[msg.block][int(e)] += 1
-        return Send(peer, ExpertResult(msg.batch_id, msg.step, msg.block,
-                                       WireTensor.from_array(answer.astype(np.float32), self.wire_dtype)))
+        result = ExpertResult(msg.batch_id, msg.step, msg.block,
+                              WireTensor.from_array(answer.astype(np.float32), self.wire_dtype))
+        if msg.traced and self.recorder is not None:
+            self._record(peer, msg, sel, received, computing, computed, clock())
+        return Send(peer, result)
+
+    def _record(self, peer: str, msg: ExpertBatch, sel: np.ndarray, received: float, computing: float,
+                computed: float, answered: float) -> None:
+        rec = self.recorder
+        assert rec is not None
+        experts = ",".join(str(e) for e in sorted(set(sel[sel >= 0].tolist())))
+        args = {"block": msg.block, "sender": peer, "experts": experts, "rows": len(sel)}
+        for rid, step in zip(msg.traced, msg.traced_steps, strict=True):
+            rec.trace(rid)
+            rec.add(rid, "expert.batch", "experts", received, answered, step=step, flow=flow_id(msg.key()), **args)
+            rec.add(rid, "expert.queue", "experts", received, computing, step=step, **args)
+            rec.add(rid, "expert.forward", "experts", computing, computed, step=step, **args)
 
     def _held(self, block: int) -> tuple[int, ...]:
         shard = self._shard()
@@ -81,3 +105,10 @@ class ExpertActor:
         return {"held": held, "batches": self.batches, "rows": self.rows,
                 "compute_ms": round(self.compute_seconds * 1e3, 1),
                 "tokens": {str(b): {str(e): n for e, n in sorted(by.items())} for b, by in sorted(self.tokens.items())}}
+
+
+def _timed(clock: Callable[[], float], compute: Callable[[Any], np.ndarray], call: Any) -> tuple[np.ndarray, float, float]:
+    """`compute(call)` on the compute thread, with when it began and ended there (for `expert.forward`)."""
+    start = clock()
+    answer = compute(call)
+    return answer, start, clock()

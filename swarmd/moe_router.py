@@ -7,6 +7,11 @@ experts, gathers the `ExpertResult`s and adds them up: the gate-weighted sum the
 residual stream. Frames are retried over dropped links and de-duplicated by the transport; a node
 that refuses, cannot be reached or does not answer in time is avoided and its experts are asked of
 another holder, while any is left.
+
+For traced requests among the rows (`traced`: request id -> step) it records, on this daemon's clock,
+`moe.fan_out` per call (first batch sent -> every answer in; `messages`, `nodes`, `rows`) and per node
+`moe.send` (batch ready -> acked) and `moe.call` (batch ready -> its answer in): the wait for results is
+`moe.call` minus `moe.send`. The expert records its side under the same flow id (`swarmd.expert`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import trio
 
 from planner.plan import router_actor
 from swarmd.moe_dispatch import NodePart, ReplicaChooser, combine, split_by_node, tokens_per_expert
+from swarmd.spans import SpanRecorder, flow_id
 from swarmd.transport import DeliveryFailed, Refused
 from swarmd.wire.codec import WireTensor
 from swarmd.wire.messages import Error, ExpertBatch, ExpertResult
@@ -68,10 +74,15 @@ class MoERouter:
         self._prefix = uuid.uuid4().hex[:12]
         self._count = 0
         self._pending: dict[str, _Pending] = {}
+        self.recorder: SpanRecorder | None = None  # spans of traced requests
 
-    async def call(self, call: Any) -> np.ndarray:
-        """The gate-weighted expert sum for every row of `call` (a models.moe.ExpertCall)."""
+    async def call(self, call: Any, traced: Mapping[str, int] | None = None) -> np.ndarray:
+        """The gate-weighted expert sum for every row of `call` (a models.moe.ExpertCall); `traced`: the
+        traced requests among its rows and their steps, whose spans are recorded here and on the experts."""
         started = time.perf_counter()
+        traced = dict(traced or {}) if self.recorder is not None else {}
+        span_start = self.recorder.clock() if traced and self.recorder is not None else 0.0
+        messages = 0
         holders = self._holders(call.layer)
         stats = self.layers[call.layer]
         answers: list[tuple[NodePart, np.ndarray]] = []
@@ -85,8 +96,9 @@ class MoERouter:
             results: dict[str, np.ndarray | str] = {}
             async with trio.open_nursery() as nursery:
                 for part in parts:
-                    nursery.start_soon(self._ask, part, results)
+                    nursery.start_soon(self._ask, part, results, traced)
             stats.messages += len(parts)
+            messages += len(parts)
             failed = [p for p in parts if not isinstance(results[p.peer], np.ndarray)]
             for p in parts:
                 if isinstance(results[p.peer], np.ndarray):
@@ -105,26 +117,44 @@ class MoERouter:
         for expert, n in tokens_per_expert(call).items():
             stats.tokens[expert] += n
         stats.fan_out_ms.append((time.perf_counter() - started) * 1e3)
+        if traced and self.recorder is not None:
+            end = self.recorder.clock()
+            for rid, step in traced.items():
+                self.recorder.add(rid, "moe.fan_out", _thread(call.layer), span_start, end, step=step,
+                                  block=call.layer, messages=messages, nodes=len({p.peer for p, _ in answers}),
+                                  rows=len(call.rows))
         return combine(call, answers)
 
-    async def _ask(self, part: NodePart, results: dict[str, np.ndarray | str]) -> None:
+    async def _ask(self, part: NodePart, results: dict[str, np.ndarray | str], traced: Mapping[str, int]) -> None:
         self._count += 1
         batch_id = f"moe-{self._prefix}-{self._count}"
         msg = ExpertBatch(batch_id, self._count, part.call.layer,
                           WireTensor.from_array(part.call.rows.astype(np.float32), self.wire_dtype),
                           WireTensor.from_array(part.call.sel.astype(np.int32)),
-                          WireTensor.from_array(part.call.gates.astype(np.float32)))
+                          WireTensor.from_array(part.call.gates.astype(np.float32)),
+                          traced=tuple(traced), traced_steps=tuple(traced.values()))
         pending = self._pending[batch_id] = _Pending(part.peer)
         self.chooser.started(part.peer)
         started = time.perf_counter()
+        clock = self.recorder.clock if traced and self.recorder is not None else None
+        ready = acked = clock() if clock else 0.0
         try:
             await self.transport.send(part.peer, msg)
+            acked = clock() if clock else 0.0
             with trio.move_on_after(self.result_timeout):
                 await pending.done.wait()
         except (DeliveryFailed, Refused) as e:
             pending.error = str(e)
         finally:
             self._pending.pop(batch_id, None)
+        if clock is not None and self.recorder is not None:
+            end, thread = clock(), _thread(part.call.layer)
+            args = {"block": part.call.layer, "to": part.peer, "experts": ",".join(map(str, part.experts)),
+                    "rows": len(part.rows)}
+            for rid, step in traced.items():
+                self.recorder.add(rid, "moe.send", thread, ready, max(acked, ready), step=step, **args)
+                self.recorder.add(rid, "moe.call", thread, ready, end, step=step, answered=pending.answer is not None,
+                                  flow=flow_id(msg.key()), **args)
         if pending.answer is not None:
             self.chooser.finished(part.peer, time.perf_counter() - started)
             results[part.peer] = pending.answer
@@ -161,6 +191,10 @@ class MoERouter:
                 "tokens": {str(e): n for e, n in sorted(s.tokens.items())},
             }
         return {"layers": out, "latency_ms": {p[:16]: round(v * 1e3, 3) for p, v in sorted(self.chooser.latency.items())}}
+
+
+def _thread(block: int) -> str:
+    return f"moe router {block}"
 
 
 def _restrict(call: Any, experts: set[int]) -> Any:

@@ -92,6 +92,8 @@ class Pipeline:
         clocks = swarm.clocks if swarm is not None else ClockOffsets()
         self.tracing = TraceCollector(self.node.peer_id, self.transport, recorder, clocks)
         self.stage.recorder = recorder
+        self.router.recorder = recorder
+        self.expert.recorder = recorder
         self.head.tracing = self.tracing
         metrics = getattr(self.node, "metrics", None)
         wire = None

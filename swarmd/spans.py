@@ -132,10 +132,22 @@ class NodeSpans:
     offset_error: float | None = None
 
 
+def expert_peers(span_lists: Iterable[Iterable[Span]]) -> set[str]:
+    """The nodes MoE routers sent this request's expert batches to (`moe.call`'s `to`)."""
+    return {str(args["to"]) for spans in span_lists for name, _, _, _, args in spans
+            if name == "moe.call" and args.get("to")}
+
+
+# (sender's span, its condition) and receiver's span of the exchanges that make clock samples
+_EXCHANGES = {"hop.send": "acked", "moe.call": "answered"}
+_RECEIVED = frozenset({"hop.deserialise", "expert.batch"})
+
+
 def hop_samples(nodes: Iterable[NodeSpans]) -> dict[tuple[str, str], ClockSample]:
     """Per ordered pair of nodes (a, b), the least-delay clock sample of b against a from the request's own
-    frames: each frame and its ack is an NTP-style exchange. t0: a had the frame ready (hop.send start), t1 and
-    t2: b decoded it (hop.deserialise; b acks only after that), t3: a had the ack (hop.send end)."""
+    messages, each an NTP-style exchange: a frame and its ack (t0: a had the frame ready, hop.send's start;
+    t1 and t2: b decoded it, hop.deserialise, and acks only after that; t3: a had the ack, hop.send's end),
+    and a MoE router's expert batch and its answer (moe.call on a, expert.batch on b)."""
     sends: dict[int, tuple[str, str, float, float]] = {}
     recvs: dict[int, tuple[str, float, float]] = {}
     for node in nodes:
@@ -143,9 +155,9 @@ def hop_samples(nodes: Iterable[NodeSpans]) -> dict[tuple[str, str], ClockSample
             flow = args.get("flow")
             if flow is None:
                 continue
-            if name == "hop.send" and args.get("acked"):
+            if name in _EXCHANGES and args.get(_EXCHANGES[name]):
                 sends[flow] = (node.peer_id, str(args.get("to", "")), start, end)
-            elif name == "hop.deserialise":
+            elif name in _RECEIVED:
                 recvs[flow] = (node.peer_id, start, end)
     best: dict[tuple[str, str], ClockSample] = {}
     for flow, (a, to, t0, t3) in sends.items():
@@ -220,7 +232,7 @@ def chrome_trace(nodes: Iterable[NodeSpans], *, request_id: str) -> list[dict[st
     return events
 
 
-FLOW_ENDS = {"hop.send": "s", "hop.deserialise": "f"}
+FLOW_ENDS = {"hop.send": "s", "hop.deserialise": "f", "moe.call": "s", "expert.batch": "f"}
 
 
 def _clock_label(node: NodeSpans) -> str:

@@ -112,9 +112,9 @@ class StageActor:
 
     def __init__(self, current: Callable[[], Loaded | None], *, compute: ComputeThread, max_context: int,
                  wire_dtype: str | None, idle_timeout: float,
-                 experts: Callable[[Any], Awaitable[np.ndarray]] | None = None) -> None:
+                 experts: Callable[..., Awaitable[np.ndarray]] | None = None) -> None:
         self._current = current
-        self.experts = experts  # the MoE router: ExpertCall -> the gate-weighted expert sum
+        self.experts = experts  # the MoE router: (ExpertCall, traced) -> the gate-weighted expert sum
         self.compute = compute  # the daemon's one thread for tinygrad
         self.max_context = max_context
         self.wire_dtype = wire_dtype
@@ -281,6 +281,8 @@ class StageActor:
     async def _run_batch(self, jobs: list[Job], frees: list[tuple[Any, str]]) -> None:
         """`run_batch` on the compute thread, one segment at a time, the experts asked for in between."""
         steps = run_batch(jobs, frees)
+        rec = self.recorder
+        traced = {j.work.request_id: j.work.step for j in jobs if rec is not None and rec.wants(j.work.request_id)}
         answer: np.ndarray | None = None
         error: Exception | None = None
         while True:
@@ -292,7 +294,7 @@ class StageActor:
                 error = ExpertsFailed("this stage's experts live elsewhere and the daemon has no MoE router")
                 continue
             try:
-                answer = await self.experts(call)
+                answer = await self.experts(call, traced) if traced else await self.experts(call)
             except Exception as e:  # the step fails for these requests (see run_batch), the daemon goes on
                 error = ExpertsFailed(f"{type(e).__name__}: {e}")
 

@@ -4,7 +4,9 @@
     stage i  --TraceSpans(spans, received, answered)-->  head
 
 Each stage answers from its `SpanRecorder` once its own frames of the request are acked (so that their
-`hop.send` spans are complete). The head shifts each node's readings by that node's clock offset: the best
+`hop.send` spans are complete). A MoE stage's spans name the nodes its routers sent expert batches to
+(`moe.call`'s `to`); those off the chain are asked next, the same way, and appear as `experts abc123` nodes
+(the end of the peer id). The head shifts each node's readings by that node's clock offset: the best
 (least-delay) NTP-style sample from the swarm's probes, this very exchange, or the request's own frames and
 their acks (`swarmd.spans.align`).
 The merged Chrome trace is kept for `GET /api/v0/trace/{request_id}` (the latest `keep` traces).
@@ -20,7 +22,16 @@ from typing import Any
 import trio
 
 from swarmd.clock import ClockOffsets
-from swarmd.spans import NodeSpans, SpanRecorder, align, chrome_trace, decode_spans, encode_spans, role_of
+from swarmd.spans import (
+    NodeSpans,
+    SpanRecorder,
+    align,
+    chrome_trace,
+    decode_spans,
+    encode_spans,
+    expert_peers,
+    role_of,
+)
 from swarmd.transport import ActorTransport, DeliveryFailed, Refused, Send
 from swarmd.wire.messages import TraceQuery, TraceSpans
 
@@ -98,12 +109,17 @@ class TraceCollector:
         async with trio.open_nursery() as nursery:
             for peer, hop in firsts.items():
                 nursery.start_soon(ask, hop, peer)
-        nodes = [NodeSpans(self.peer_id, role_of(self.peer_id, self.peer_id, stages),
-                           self.recorder.spans(request_id), 0.0, 0.0)]
-        for peer in firsts:
+        mine = self.recorder.spans(request_id)
+        experts = expert_peers([mine, *remote.values()]) - set(firsts) - {self.peer_id}
+        async with trio.open_nursery() as nursery:  # off the chain: numbered after its stages
+            for i, peer in enumerate(sorted(experts)):
+                nursery.start_soon(ask, len(stages) + i, peer)
+        nodes = [NodeSpans(self.peer_id, role_of(self.peer_id, self.peer_id, stages), mine, 0.0, 0.0)]
+        for peer in [*firsts, *sorted(experts)]:
             best = self.clocks.best(peer)
-            nodes.append(NodeSpans(peer, role_of(peer, self.peer_id, stages), remote.get(peer, []),
-                                   best.offset if best else None, best.error if best else None))
+            role = f"experts {peer[-6:]}" if peer in experts else role_of(peer, self.peer_id, stages)
+            nodes.append(NodeSpans(peer, role, remote.get(peer, []), best.offset if best else None,
+                                   best.error if best else None))
         events = chrome_trace(align(nodes, self.peer_id), request_id=request_id)
         self.traces[request_id] = events
         while len(self.traces) > self._keep:

@@ -6,6 +6,11 @@ gets its median and 95th percentile over the decode steps. A hop's one-way time 
 the two ends of the same message (flow id): the receiver began decoding minus the sender had its frame ready,
 both on the head's clock.
 
+A MoE stage's `stage.forward` includes its routers' fan-out: per block, `moe.fan_out` (batches out -> every
+answer in) and per expert node `moe.send` (batch -> ack) and `moe.call` (batch -> answer); on the expert's
+node `expert.queue`, `expert.forward` and `expert.batch` (all of its handling). They are listed under the
+stage and block they serve and are not added again into a step's parts.
+
     rows = breakdown(json.load(open("out.json"))["traceEvents"])
 """
 
@@ -21,9 +26,12 @@ import numpy as np
 
 # The order rows are listed in: a token's way round the chain.
 PHASES = ("tokenize", "hop.serialise", "hop.send", "hop.wire", "hop.deserialise", "hop.admit", "stage.queue",
-          "stage.handover", "stage.forward", "stage.sample", "stage.output", "head.detokenize")
-# What adds up to a token's time round the chain (hop.send overlaps the receiver's parts; head.* are totals).
-PARTS = frozenset(PHASES) - {"tokenize", "hop.send", "head.detokenize"}
+          "stage.handover", "stage.forward", "moe.fan_out", "moe.send", "moe.call", "expert.batch", "expert.queue",
+          "expert.forward", "stage.sample", "stage.output", "head.detokenize")
+MOE = frozenset({"moe.fan_out", "moe.send", "moe.call", "expert.batch", "expert.queue", "expert.forward"})
+# What adds up to a token's time round the chain (hop.send overlaps the receiver's parts; head.* are totals;
+# the MoE spans are inside stage.forward).
+PARTS = frozenset(PHASES) - {"tokenize", "hop.send", "head.detokenize"} - MOE
 _PEER = re.compile(r"\s(\S+)$")
 
 
@@ -95,6 +103,8 @@ def breakdown(events: Sequence[dict[str, Any]]) -> Breakdown:
                 sends[args["flow"]] = (where, e["ts"])
             if name == "hop.deserialise" and "flow" in args:
                 recvs[args["flow"]] = (where, e["ts"], step, args.get("msg", "?"))
+        elif name in MOE:
+            where = _where_of_moe(name, args, role, by_peer)
         else:
             thread = threads.get((e["pid"], e["tid"]), "")
             where = _where_of_stage(role, thread)
@@ -118,6 +128,18 @@ def breakdown(events: Sequence[dict[str, Any]]) -> Breakdown:
     interval = (float(np.median(gaps)), float(np.percentile(gaps, 95))) if len(gaps) else None
     return Breakdown(rows, interval, len(tokens), {role: peer for peer, role in by_peer.items()},
                      _pct(decode_totals, 50))
+
+
+def _where_of_moe(name: str, args: dict[str, Any], role: str, by_peer: dict[str, str]) -> str:
+    """'stage 0, block 1' (its router's fan-out), 'stage 0, block 1 -> experts 3f9a1c' (one expert node's
+    batch), 'experts 3f9a1c, block 1' (that node's side)."""
+    block = f"block {args.get('block', '?')}"
+    if name.startswith("expert."):
+        return f"{_short(role)}, {block}" if role.startswith("experts") else f"{_short(role)} experts, {block}"
+    if name == "moe.fan_out":
+        return f"{_short(role)}, {block}"
+    to = str(args.get("to", ""))
+    return f"{_short(role)}, {block} -> {_short(by_peer.get(to, to[-6:]))}"
 
 
 def _hop_name(msg: str, hop: Any, src: str, dst: str) -> str:

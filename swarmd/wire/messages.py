@@ -423,6 +423,8 @@ class ExpertBatch(Message):
     hidden: WireTensor  # [m, hidden_size]
     expert_ids: WireTensor  # int32 [m, j]
     gates: WireTensor  # float32 [m, j]
+    traced: tuple[str, ...] = ()  # traced requests among the rows: the expert records its spans under them
+    traced_steps: tuple[int, ...] = ()  # their steps
 
     @property
     def request_id(self) -> str:
@@ -436,6 +438,9 @@ class ExpertBatch(Message):
         _check_rows(self.hidden, "hidden", ndim=2, dtypes=_FLOATS)
         _check_rows(self.expert_ids, "expert_ids", ndim=2, dtypes=_INTS)
         _check_rows(self.gates, "gates", ndim=2, dtypes=frozenset({"float32"}))
+        need(len(self.traced) == len(self.traced_steps) <= self.hidden.shape[0]
+             and all(0 < len(r) <= 128 for r in self.traced) and all(s >= 0 for s in self.traced_steps),
+             "traced: at most one request id (1 to 128 characters) per row, each with a step >= 0")
         need(self.expert_ids.shape == self.gates.shape and self.expert_ids.shape[0] == self.hidden.shape[0],
              "hidden, expert_ids and gates disagree on rows or slots", "bad_shape")
 

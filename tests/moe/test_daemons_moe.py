@@ -108,8 +108,47 @@ def test_a_moe_model_on_four_daemons_equals_the_single_process_moe(tmp_path_fact
         assert as_json["plan"]["experts"]["1"]
         pipeline = httpx.get(f"{swarm.running[1].api}/api/v0/pipeline", timeout=10).json()
         assert pipeline["moe"]["expert"]["batches"] > 0 or pipeline["moe"]["router"]["layers"]
+
+        check_moe_trace(swarm, want, tmp_path_factory.mktemp("trace") / "out.json")
     finally:
         swarm.stop()
+
+
+def check_moe_trace(swarm: MoESwarm, want: dict[str, list[int]], out: Path) -> None:
+    """A traced request's trace holds each MoE block's fan-out on its stage, every batch it sent, and each
+    expert node's compute on that node, on one time axis; `swarmd trace summarize` lists them."""
+    prompt = PROMPTS[0]
+    tokens, end = swarm.generate(via=0, prompt=prompt, max_tokens=N_TOKENS, trace=True)
+    assert end["event"] == "done" and tokens == want[prompt], f"{end}\n{swarm.logs()}"
+    events = end["trace"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    peer_of = {pid: name.rsplit(" ", 1)[1] for pid, name in names.items()}
+    spans = [e for e in events if e["ph"] == "X"]
+    fan_outs = [e for e in spans if e["name"] == "moe.fan_out"]
+    for block in (1, 2, 3):  # every MoE block, every step (prefill and decode), once
+        steps = sorted(e["args"]["step"] for e in fan_outs if e["args"]["block"] == block)
+        assert steps == list(range(N_TOKENS)), f"block {block}"
+    assert all(1 <= e["args"]["messages"] <= 2 for e in fan_outs)  # top-2: one batch per node hit
+    calls = [e for e in spans if e["name"] == "moe.call"]
+    assert sum(e["args"]["messages"] for e in fan_outs) == len(calls)
+    batches = {e["args"]["flow"]: e for e in spans if e["name"] == "expert.batch"}
+    computes = [e for e in spans if e["name"] == "expert.forward"]
+    assert len(computes) == len(batches) == len(calls)
+    for call in calls:  # each batch was computed on the node it went to, inside the router's wait for it
+        batch = batches[call["args"]["flow"]]
+        assert peer_of[batch["pid"]] == call["args"]["to"] and batch["args"]["step"] == call["args"]["step"]
+        assert call["ts"] - 1000 <= batch["ts"] and batch["ts"] + batch["dur"] <= call["ts"] + call["dur"] + 1000
+    assert {peer_of[e["pid"]] for e in computes} <= swarm.expert_nodes()
+    assert len({e["pid"] for e in computes}) >= 2  # experts spread: more than one node computed them
+
+    out.write_text(json.dumps({"traceEvents": events}))
+    summary = subprocess.run([sys.executable, "-m", "swarmd", "trace", "summarize", "--json", str(out)],
+                             capture_output=True, text=True, timeout=60)
+    assert summary.returncode == 0, summary.stderr
+    phases = {(r["where"], r["phase"]) for r in json.loads(summary.stdout)["rows"]}
+    assert {where.rsplit(", ", 1)[1] for where, phase in phases if phase == "moe.fan_out"} == {
+        "block 1", "block 2", "block 3"}
+    assert {"moe.fan_out", "moe.send", "moe.call", "expert.queue", "expert.forward"} <= {p for _, p in phases}
 
 
 @pytest.mark.timeout(1200)

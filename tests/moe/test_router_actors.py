@@ -21,6 +21,7 @@ from models.moe import ExpertCall, ExpertShard
 from swarmd.compute import ComputeThread, use_a_kernel_cache_connection_per_thread
 from swarmd.expert import ExpertActor
 from swarmd.moe_router import ExpertsUnavailable, MoERouter
+from swarmd.spans import SpanRecorder
 from swarmd.transport import TransportConfig
 from swarmd.wire.messages import Error, ExpertBatch, ExpertResult
 
@@ -46,16 +47,22 @@ def layer_call(rows: int = 5) -> ExpertCall:
                       rng.random((rows, 2)).astype(np.float32))
 
 
-async def build(nursery, gguf, config: TransportConfig | None = None):
+async def build(nursery, gguf, config: TransportConfig | None = None, recorders: dict | None = None):
+    """Expert nodes a, b, c and a stage s with the router; `recorders`, if given, gets each node's
+    SpanRecorder by name."""
     net = MemoryNet(nursery)
     compute = ComputeThread()
     for name, experts in HOLDS.items():
         transport = await net.add(name, config)
         shard = ExpertShard.from_gguf(gguf, {BLOCK: experts}, dtype="float32")
         actor = ExpertActor(lambda shard=shard: shard, compute=compute)
+        if recorders is not None:
+            actor.recorder = recorders[name] = SpanRecorder()
         transport.route(ExpertBatch, actor.on_batch)
     stage = await net.add("s", config)
     router = MoERouter(stage, lambda block: PLAN, result_timeout=60.0)
+    if recorders is not None:
+        router.recorder = recorders["s"] = SpanRecorder()
     stage.route(ExpertResult, router.on_result)
 
     async def on_error(peer, msg):
@@ -77,6 +84,32 @@ async def test_one_batch_per_node_and_the_answer_of_the_experts_in_place(gguf):
         assert sum(stats.tokens.values()) == call.sel.size
         nursery.cancel_scope.cancel()
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+async def test_a_traced_request_gets_the_fan_out_on_the_router_and_the_compute_on_each_expert_node(gguf):
+    call = layer_call()
+    recorders: dict[str, SpanRecorder] = {}
+    async with trio.open_nursery() as nursery:
+        _, router = await build(nursery, gguf, recorders=recorders)
+        recorders["s"].trace("r-traced")
+        await router.call(call)  # no traced request among its rows: nothing recorded anywhere
+        await router.call(call, {"r-traced": 7})
+        nursery.cancel_scope.cancel()
+    spans = recorders["s"].spans("r-traced")
+    assert [n for n, *_ in spans].count("moe.fan_out") == 1
+    (fan_out,) = [s for s in spans if s[0] == "moe.fan_out"]
+    assert fan_out[4] | {"messages": 3} == fan_out[4] and fan_out[4]["nodes"] == 3 and fan_out[4]["step"] == 7
+    calls = {s[4]["to"]: s for s in spans if s[0] == "moe.call"}
+    assert sorted(calls) == ["a", "b", "c"] and all(s[4]["answered"] for s in calls.values())
+    for name, (_, thread, start, end, args) in calls.items():
+        assert thread == f"moe router {BLOCK}" and fan_out[2] <= start <= end <= fan_out[3]
+        (batch,) = [s for s in recorders[name].spans("r-traced") if s[0] == "expert.batch"]  # the traced call's
+        assert batch[4]["flow"] == args["flow"] and batch[4]["step"] == 7 and batch[4]["sender"] == "s"
+        assert start <= batch[2] <= batch[3] <= end  # one clock here: the expert's part lies inside the call
+        (forward,) = [s for s in recorders[name].spans("r-traced") if s[0] == "expert.forward"]
+        assert batch[2] <= forward[2] <= forward[3] <= batch[3]
+        assert set(forward[4]["experts"].split(",")) <= {str(e) for e in HOLDS[name]}
+    assert len({s[4]["flow"] for s in calls.values()}) == 3
 
 
 async def test_an_unreachable_holder_is_replaced_by_another_holder_of_its_experts(gguf):

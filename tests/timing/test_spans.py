@@ -146,3 +146,60 @@ def test_the_hop_timer_starts_a_trace_from_the_forward_that_asks_and_counts_ever
     assert len(rec.spans("r-traced")) == 4
     assert [c[:3] for c in counted] == [("received", "forward", 100), ("received", "forward", 100),
                                         ("sent", "forward", 120), ("sent", "trace_query", 50)]
+
+
+EXP = "12D3KooWexperts"
+
+
+def moe_spans(skews: dict[str, float], steps: int = 6) -> list[NodeSpans]:
+    """`chain_spans` plus stage 0's router of block 1 sending one expert batch per step to an expert node off
+    the chain (3 ms in its compute), each node on its own clock."""
+    nodes = {n.peer_id: n for n in chain_spans(skews, steps)}
+    s0, exp = list(nodes[S0].spans), []
+    t = 100.0 + 0.005
+    for step in range(steps):
+        flow = flow_id(("expert_batch", f"moe-x-{step}", step, 1))
+        there, back, slow = 0.0003, 0.0002, (0.002 if step % 2 else 0.0)
+        t1, t2 = t + there + slow, t + there + slow + 0.0035
+        common = {"step": step, "block": 1, "experts": "2,5", "rows": 1}
+        s0 += [("moe.fan_out", "moe router 1", t + skews[S0], t2 + back + skews[S0], {**common, "messages": 1}),
+               ("moe.send", "moe router 1", t + skews[S0], t + 0.0006 + skews[S0], {**common, "to": EXP}),
+               ("moe.call", "moe router 1", t + skews[S0], t2 + back + skews[S0],
+                {**common, "to": EXP, "answered": True, "flow": flow})]
+        exp += [("expert.batch", "experts", t1 + skews[EXP], t2 + skews[EXP], {**common, "flow": flow}),
+                ("expert.queue", "experts", t1 + skews[EXP], t1 + 0.0005 + skews[EXP], common),
+                ("expert.forward", "experts", t1 + 0.0005 + skews[EXP], t2 + skews[EXP], common)]
+        t += 0.05
+    return [nodes[HEAD], NodeSpans(S0, "stage 0", s0, None), nodes[S1],
+            NodeSpans(EXP, f"experts {EXP[-6:]}", exp, None)]
+
+
+def test_an_expert_node_off_the_chain_is_found_and_aligned_through_its_expert_batches():
+    from swarmd.spans import expert_peers
+
+    skews = {HEAD: 0.0, S0: 12.5, S1: -3600.0, EXP: 42.0}
+    nodes = moe_spans(skews)
+    assert expert_peers(n.spans for n in nodes) == {EXP}
+    aligned = {n.peer_id: n for n in align(nodes, HEAD)}
+    exp = aligned[EXP]
+    assert abs(exp.offset - skews[EXP]) <= exp.offset_error + 1e-9
+    assert exp.offset_error < 0.001  # stage 0's error plus half the quick batches' round trip
+    events = chrome_trace(list(aligned.values()), request_id="r")
+    to_expert = [e for e in events if e["ph"] == "f" and e["pid"] == 4]
+    assert len(to_expert) == 6  # an arrow from each moe.call to the expert's batch
+
+
+def test_the_breakdown_lists_each_block_s_fan_out_and_each_expert_node_apart_from_the_step_s_parts():
+    skews = {HEAD: 0.0, S0: 5.0, S1: 9.0, EXP: -2.0}
+    with_moe = breakdown(chrome_trace(align(moe_spans(skews), HEAD), request_id="r"))
+    without = breakdown(chrome_trace(align(chain_spans(skews), HEAD), request_id="r"))
+    rows = {(r.where, r.phase): r for r in with_moe.rows}
+    exp = f"experts {EXP[-6:]}"
+    assert rows[("stage 0, block 1", "moe.fan_out")].median_ms == pytest.approx(6.0)  # 3 of the 5 steps slow
+    assert rows[(f"stage 0, block 1 -> {exp}", "moe.send")].median_ms == pytest.approx(0.6)
+    assert rows[(f"stage 0, block 1 -> {exp}", "moe.call")].steps == 5
+    assert rows[(f"{exp}, block 1", "expert.forward")].median_ms == pytest.approx(3.0)
+    assert rows[(f"{exp}, block 1", "expert.queue")].prefill_ms == pytest.approx(0.5)
+    assert with_moe.parts_ms == pytest.approx(without.parts_ms)  # inside stage.forward: not counted twice
+    order = [r.where for r in with_moe.rows]
+    assert order.index("stage 0, block 1") < order.index(f"{exp}, block 1")

@@ -154,3 +154,11 @@ def test_expert_expectations_check_width_slots_and_expert_ids():
     three = WireTensor.from_array(np.zeros((2, 3), np.int32))
     with pytest.raises(WireError, match="slots"):
         expect(ExpertBatch("b", 0, 1, hidden(2), three, f32(2, 3)))
+
+
+@pytest.mark.parametrize(("traced", "steps"), [(("r",), ()), (("r", "s", "t"), (1, 2, 3)), (("",), (1,)),
+                                               (("r",), (-1,))])
+def test_an_expert_batch_names_at_most_a_traced_request_per_row_each_with_its_step(traced, steps):
+    ids2 = WireTensor.from_array(np.array([[0, 1], [2, 3]], np.int32))
+    with pytest.raises(WireError, match="traced"):
+        ExpertBatch("b", 0, 1, hidden(2), ids2, f32(2, 2), traced=traced, traced_steps=steps).check()

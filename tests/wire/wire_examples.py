@@ -49,6 +49,8 @@ EXAMPLES = [
     Cancel("req-1", "client went away"),
     Error("bad_shape", "hidden has width 5", request_id="req-1", step=2, hop=1),
     ExpertBatch("b-9", 3, 5, hidden(4), WireTensor.from_array(np.array([[0, 3]] * 4, np.int32)), f32(4, 2)),
+    ExpertBatch("b-10", 4, 5, hidden(2), WireTensor.from_array(np.array([[0, 3]] * 2, np.int32)), f32(2, 2),
+                traced=("req-2",), traced_steps=(6,)),
     ExpertResult("b-9", 3, 5, hidden(4)),
     Forward("req-2", 0, 0, 0, "head-peer", tokens=ids(7), sampling=Sampling(seed=9, trace=True)),
     TraceQuery("req-2", hop=1),
