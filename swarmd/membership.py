@@ -10,8 +10,7 @@
 
 A member whose connection dropped is not dead at its first failed probe (a reset link fails the first
 redials while it comes back), but it need not be silent for a whole suspicion timeout either: when
-`REFUSALS_TO_DIE` redials in a row are refused at once (nothing listens at its address: a killed
-process) and no heartbeat came for a heartbeat interval, it is dead. A hung process keeps its
+`REFUSALS_TO_DIE` redials in a row are refused (nothing listens at its address: a killed process) and no heartbeat came for a heartbeat interval, it is dead. A hung process keeps its
 connection and accepts dials, so only silence for the full timeout marks it.
 
 A member of another wire version or model is never admitted: it is listed as refused with the
@@ -30,9 +29,10 @@ from swarmd.config import Timings
 from swarmd.gossip import Heartbeat
 from swarmd.identity import short_id
 
-# Redials in a row refused at once after a dropped connection that make a member dead (with a heartbeat
-# interval of silence): one refusal can be a reset of the new connection, several in a row are a dead process.
-REFUSALS_TO_DIE = 3
+# Redials in a row refused after a dropped connection that make a member dead (with a heartbeat interval of
+# silence): one refusal can be a reset of the new connection, several in a row are a dead process. (Each
+# redial is itself several connection attempts: py-libp2p retries a refused dial three times.)
+REFUSALS_TO_DIE = 2
 
 
 class State(enum.StrEnum):

@@ -532,9 +532,10 @@ class SwarmService:
             err = f"no answer within {self.timings.probe_timeout:g} s"
         except PeerUnreachable as e:
             err = str(e)
-            # Turned away well inside the timeout: nothing listens there (a hung process would accept and
-            # then say nothing, and a black-holed link times out).
-            refused = must_dial and trio.current_time() - t0 < self.timings.probe_timeout / 2
+            # The dial was turned away inside the timeout (py-libp2p has already retried it a few times):
+            # nothing listens there. A hung process accepts and then says nothing, a black-holed link
+            # swallows the dial: both time out instead.
+            refused = must_dial
         except StreamClosed as e:
             err = str(e)
         if not ok:
