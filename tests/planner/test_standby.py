@@ -9,6 +9,7 @@ from planner_strategies import node, toy_layout
 from planner import Plan, make_plan
 from planner.memory import stage_bytes
 from planner.options import PlanOptions
+from planner.report import node_rows
 from planner.standby import choose_standbys
 
 LAYOUT = toy_layout(12, ends_bytes=2**28)  # the first and last stage carry the embedding and the head
@@ -77,3 +78,10 @@ def test_two_spares_copy_two_different_stages_and_a_spare_too_small_holds_none()
 def test_standbys_survive_the_json_round_trip():
     plan = make_plan(LAYOUT, [node("a", 16), node("b", 16), spare("s", 16)])
     assert Plan.loads(plan.dumps()) == plan and plan.standbys
+
+
+def test_the_plan_report_shows_a_spare_with_the_blocks_it_holds():
+    nodes = [node("a", 16), node("b", 16), spare("s", 16)]
+    plan = make_plan(LAYOUT, nodes)
+    [row] = [r for r in node_rows(plan, LAYOUT, nodes) if r.peer_id == "s"]
+    assert (row.role, row.blocks) == ("standby", plan.standbys["s"]) and row.memory_used > 0
