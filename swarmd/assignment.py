@@ -9,13 +9,14 @@ get the loaded stage from `stage` once `await wait_ready()` returns, and the exp
 A stage of a MoE model loads no routed expert: they are served by the expert actors wherever the
 plan put them (this daemon's included).
 
-A spare (`Plan.standbys`) loads its copy of a stage's blocks the same way, warms it (every jitted graph
-captured) and reports "standby" with those layers; when a repaired plan gives it that very stage, it
+A spare (`Plan.standbys`) loads its copy of a stage's blocks the same way, warms it (the jitted graphs a
+takeover needs first are captured) and reports "standby" with those layers; when a repaired plan gives it that very stage, it
 is ready at once: nothing loads, nothing compiles.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -169,7 +170,10 @@ class Assignment:
             stage = await self.compute.run(self.loader, self.model, a, b, self.device, self.max_context,
                                            self.max_requests)
             if warm and hasattr(stage, "warmup"):
-                await self.compute.run(stage.warmup)
+                # What taking over a request needs at once: the replay's prefill and one request's decode
+                # (larger batches and prompt scoring are captured when first used; on a small CPU each
+                # graph costs many seconds).
+                await self.compute.run(functools.partial(stage.warmup, most_requests=1, prompt_scores=False))
         except Exception as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             self._set(AssignmentStatus(epoch, layers, experts, "failed", 0.0, reason))

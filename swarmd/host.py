@@ -170,14 +170,14 @@ class Libp2pNetwork:
             announce_addrs=self._announce or None,
             connection_config=ConnectionConfig(max_connections_per_peer=1, dial_timeout=t.dial_timeout,
                                                inbound_upgrade_timeout=max(t.dial_timeout, 2.0)),
-            # py-libp2p retries a failed dial 3 times after 0.1, 0.2 and 0.4 s: a dead peer's refusal then
-            # takes a second or more per address, longer than a probe waits, and membership could not tell it
-            # from a hung peer. The same 3 retries, closer together, refuse within a few hundred ms (swarmd's
-            # own dial loop and transport back off between dials).
-            retry_config=RetryConfig(max_retries=3, initial_delay=0.02, max_delay=0.1),
             enable_mDNS=self._mdns,
             psk=self.swarm_key.hex if self.swarm_key is not None else None,
         )
+        # py-libp2p retries a failed dial 3 times after 0.1, 0.2 and 0.4 s: a dead peer's refusal then takes a
+        # second or more per address, longer than a probe waits, and membership could not tell it from a hung
+        # peer. The same 3 retries, closer together, refuse within a few hundred ms (swarmd's own dial loop
+        # and transport back off between dials).
+        host.get_network().retry_config = RetryConfig(max_retries=3, initial_delay=0.02, max_delay=0.1)
         self._gated = install_gate(host, self.gate)
         guard_all_handlers(host, self.gate)  # before gossipsub registers its handlers
         d, d_lo, d_hi = GOSSIP_DEGREE

@@ -60,7 +60,7 @@ async def test_a_load_that_fails_is_reported_with_its_reason(tiny_model):
             nursery.cancel_scope.cancel()
 
 
-@pytest.mark.slow  # the warmup captures every jitted graph of the copy
+@pytest.mark.slow  # the warmup captures the jitted graphs of the copy
 async def test_a_spare_loads_and_warms_its_copy_and_takes_that_stage_over_without_loading(tiny_model):
     model = served_model(str(tiny_model))
     a = Assignment(ME, model, "CPU", ComputeThread(), max_context=64, max_requests=1)
