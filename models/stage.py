@@ -279,13 +279,15 @@ class StageModel:
         """How many tokens of `request_id` the cache holds."""
         return self.slots.length(request_id)
 
-    def warmup(self) -> None:
-        """Compile and capture every jitted graph (prefill, and decode at each padded batch size) with
-        throwaway requests, so that first requests do not wait for tinygrad's compiler."""
+    def warmup(self, *, most_requests: int | None = None, prompt_scores: bool = True) -> None:
+        """Compile and capture every jitted graph (prefill, and decode at each padded batch size up to
+        `most_requests`, all by default; the prefill that scores the prompt too unless `prompt_scores` is
+        False) with throwaway requests, so that first requests do not wait for tinygrad's compiler."""
         if len(self.slots):
             raise ModelError("warmup() needs a stage with no requests")
         row = np.zeros((2,), np.int64) if self.is_first else np.zeros((2, self.hidden_size), np.float32)
-        sizes = sorted({self._bucket(n) for n in range(1, self.max_requests + 1)})
+        most = self.max_requests if most_requests is None else min(most_requests, self.max_requests)
+        sizes = sorted({self._bucket(n) for n in range(1, most + 1)})
         ids = [f"warmup-{b}" for b in range(self.max_requests)]
 
         def no_experts(call: ExpertCall) -> np.ndarray:
@@ -293,8 +295,8 @@ class StageModel:
 
         try:
             self.add_request(ids[0])
-            for all_logits in (False, True) if self.is_last else (False,):  # each graph captures on its first call
-                self.forward([StageInput(ids[0], 0, row, all_logits=all_logits)], experts=no_experts)
+            for all_logits in (False, True) if self.is_last and prompt_scores else (False,):
+                self.forward([StageInput(ids[0], 0, row, all_logits=all_logits)], experts=no_experts)  # captures
             for size in sizes:
                 for rid in ids[:size]:
                     self.add_request(rid)

@@ -34,6 +34,7 @@ class NodeDescriptor:
     model_digest: str = ""
     load: float = 0.0  # requests in flight
     incarnation: int = 0  # bumped on every restart, so a rejoin is told from a stale heartbeat
+    standby: bool = False  # a spare (`swarmd join --standby`): holds a warm copy of a stage, serves when one is lost
 
     def rtt_to(self, other: str, default_ms: float = 1.0) -> float:
         return self.rtt_ms.get(other, default_ms)
@@ -72,6 +73,8 @@ def _number(value: Any) -> bool:
 
 
 def _has_type(value: Any, annotation: str) -> bool:
+    if annotation == "bool":
+        return isinstance(value, bool)
     if annotation == "str":
         return isinstance(value, str)
     if annotation == "int":

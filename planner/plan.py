@@ -5,13 +5,16 @@
      "head": "<peer id holding the output head>",
      "stages": [{"peer_id": ..., "layers": [0, 10], "actors": ["stage-0", "moe-router-3"]}, ...],
      "experts": {"3": {"0": ["<peer id>", ...], ...}},
+     "standbys": [{"peer_id": ..., "layers": [10, 20]}, ...],
      "predicted": {"token_latency_ms": ..., "stream_tokens_per_s": ..., "aggregate_tokens_per_s": ...,
                    "saturated_tokens_per_s": ..., "bottleneck": "..."},
      "reasons": ["...", ...]}
 
 `layers` are [start, end) over block indices; the embedding travels with the first stage and the
 output head with the last. `experts` maps an MoE block to each routed expert's holders, nearest to
-the block's stage first: a router sends to the first live one. `aggregate_tokens_per_s` is what the
+the block's stage first: a router sends to the first live one. `standbys` are spare nodes, each holding a
+loaded copy of one stage's blocks (the same [start, end)) but no stage: if that stage's node is lost, the
+repaired plan puts the spare in its place and nothing has to load. `aggregate_tokens_per_s` is what the
 configured number of concurrent streams would get; `saturated_tokens_per_s` what enough streams to
 keep the busiest node busy would get (no batching assumed in either).
 """
@@ -68,6 +71,7 @@ class Plan:
     model: ModelRef
     stages: tuple[Stage, ...]
     experts: dict[int, dict[int, tuple[str, ...]]] = field(default_factory=dict)
+    standbys: dict[str, tuple[int, int]] = field(default_factory=dict)  # spare peer -> the blocks it holds a copy of
     predicted: Prediction = Prediction()
     reasons: tuple[str, ...] = ()
     policy: str = "balanced"
@@ -124,6 +128,7 @@ class Plan:
                 str(b): {str(e): list(peers) for e, peers in sorted(by_e.items())}
                 for b, by_e in sorted(self.experts.items())
             },
+            "standbys": [{"peer_id": p, "layers": [a, b]} for p, (a, b) in sorted(self.standbys.items())],
             "predicted": {
                 "token_latency_ms": self.predicted.token_latency_ms,
                 "stream_tokens_per_s": self.predicted.stream_tokens_per_s,
@@ -153,6 +158,8 @@ class Plan:
                 int(b): {int(e): tuple(str(p) for p in peers) for e, peers in by_e.items()}
                 for b, by_e in doc.get("experts", {}).items()
             }
+            standbys = {str(s["peer_id"]): (int(s["layers"][0]), int(s["layers"][1]))
+                        for s in doc.get("standbys", ())}
             m = doc["model"]
             p = doc.get("predicted", {})
             plan = Plan(
@@ -160,6 +167,7 @@ class Plan:
                 model=ModelRef(str(m["name"]), str(m.get("digest", "")), str(m.get("dtype", ""))),
                 stages=stages,
                 experts=experts,
+                standbys=standbys,
                 predicted=Prediction(
                     float(p.get("token_latency_ms", 0.0)), float(p.get("stream_tokens_per_s", 0.0)),
                     float(p.get("aggregate_tokens_per_s", 0.0)), str(p.get("bottleneck", "")),
@@ -171,6 +179,7 @@ class Plan:
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
             raise PlanSchemaError(f"bad Plan document: {type(e).__name__}: {e}") from e
         validate_chain(plan)
+        validate_standbys(plan)
         if "head" in doc and plan.stages and doc["head"] != plan.head:
             raise PlanSchemaError("Plan 'head' must be the last stage's peer")
         return plan
@@ -195,3 +204,14 @@ def validate_chain(plan: Plan, n_blocks: int | None = None) -> None:
         expect = b
     if n_blocks is not None and expect != n_blocks:
         raise PlanSchemaError(f"the stages cover blocks 0-{expect - 1} of a model with {n_blocks}")
+
+
+def validate_standbys(plan: Plan) -> None:
+    """Every standby copy is the block range of one stage, held by a peer that has no stage."""
+    ranges = {s.layers for s in plan.stages}
+    holders = {s.peer_id for s in plan.stages}
+    for peer, layers in plan.standbys.items():
+        if peer in holders:
+            raise PlanSchemaError(f"standby {peer} also runs a stage")
+        if layers not in ranges:
+            raise PlanSchemaError(f"standby {peer} holds blocks [{layers[0]}, {layers[1]}), which is no stage's range")

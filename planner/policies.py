@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from planner.memory import dense_bytes, expert_bytes, stage_need_matrix
 from planner.node import NodeDescriptor
 from planner.options import GiB, PlanOptions
 from planner.plan import ModelRef, Plan, Stage, router_actor, stage_actor
+from planner.standby import choose_standbys
 from planner.topology import build_topology
 
 POLICIES = ("balanced", "min-latency")
@@ -61,8 +63,15 @@ def make_plan(
         raise PlanSchemaError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
     if layout.n_blocks == 0:
         raise PlanSchemaError("the model layout has no blocks")
-    planner = Planner(layout, sorted_nodes(nodes), options or PlanOptions(), policy, previous)
-    return planner.plan(epoch)
+    ordered = sorted_nodes(nodes)
+    try:
+        return Planner(layout, ordered, options or PlanOptions(), policy, previous).plan(epoch)
+    except InfeasiblePlan:
+        if not any(n.standby for n in ordered):
+            raise
+    # The others cannot hold the model: the spares hold stages like everyone else.
+    plan = Planner(layout, ordered, options or PlanOptions(), policy, previous, reserve_standbys=False).plan(epoch)
+    return replace(plan, reasons=("standby nodes run stages: the other nodes cannot hold the model", *plan.reasons))
 
 
 def sorted_nodes(nodes: Sequence[NodeDescriptor]) -> list[NodeDescriptor]:
@@ -78,13 +87,20 @@ class Planner:
     """One planning run: the nodes, their costs and every candidate."""
 
     def __init__(self, layout: ModelLayout, nodes: list[NodeDescriptor], opts: PlanOptions, policy: str,
-                 previous: Plan | None = None):
+                 previous: Plan | None = None, *, reserve_standbys: bool = True):
         if not nodes:
             raise InfeasiblePlan("no nodes to plan over")
         self.layout, self.nodes, self.opts, self.policy = layout, nodes, opts, policy
         self.previous = previous if previous is not None and _same_model(previous, layout) else None
         self.index = {n.peer_id: i for i, n in enumerate(nodes)}
-        self.free = self._capacity()
+        self.capacity = self._capacity()
+        # Spares without a stage are kept out of every candidate (free 0): only the repair of a lost stage
+        # and the standby copies use them (their real room is `capacity`). A spare already promoted to a
+        # stage is a member like any other.
+        holders = {s.peer_id for s in self.previous.stages} if self.previous else set()
+        self.spares = [i for i, n in enumerate(nodes) if reserve_standbys and n.standby and n.peer_id not in holders]
+        self.free = self.capacity.copy()
+        self.free[self.spares] = 0.0
         self.ready = [i for i in range(len(nodes)) if self.free[i] > 0]
         if not self.ready:
             raise InfeasiblePlan(f"no node has memory beyond the {opts.runtime_overhead_bytes / GiB:.2f} GiB "
@@ -118,7 +134,7 @@ class Planner:
             return {}
         from planner.memory import node_memory_use
 
-        stages = [(s.peer_id, s.layers) for s in self.previous.stages]
+        stages = [(s.peer_id, s.layers) for s in self.previous.stages] + list(self.previous.standbys.items())
         use = node_memory_use(self.layout, stages, self.previous.experts, self.opts)
         return {p: u - self.opts.runtime_overhead_bytes for p, u in use.items()}
 
@@ -317,6 +333,7 @@ class Planner:
                 reasons.append(why)
                 if take:
                     best_eval, best = kept_eval, kept
+                    reasons.append(f"repair: {', '.join(kept.notes)}")
         return self._to_plan(best, best_eval, epoch, reasons)
 
     def _prefer_previous(self, kept: Evaluation, best: Evaluation) -> tuple[bool, str]:
@@ -370,7 +387,11 @@ class Planner:
             stage_reasons = [*stage_reasons[:MAX_STAGE_REASONS], f"... and {len(stage_reasons) - MAX_STAGE_REASONS} more stages"]
         reasons.extend(stage_reasons)
         used = _used(d)
-        idle = [peers[i] for i in range(len(peers)) if i not in used]
+        standbys, standby_reasons = choose_standbys(
+            self.layout, self.nodes, [(peers[n], (a, b)) for n, a, b in d.stages], {peers[i] for i in used},
+            self.opts, self.previous.standbys if self.previous else None)
+        reasons.extend(standby_reasons)
+        idle = [peers[i] for i in range(len(peers)) if i not in used and peers[i] not in standbys]
         if idle:
             reasons.append(f"{len(idle)} node(s) without an assignment: {', '.join(idle[:8])}"
                            + (" ..." if len(idle) > 8 else ""))
@@ -380,6 +401,7 @@ class Planner:
             model=ModelRef(self.layout.name, self.layout.digest, self.layout.dtype),
             stages=tuple(stages),
             experts=experts,
+            standbys=standbys,
             predicted=ev.prediction,
             reasons=tuple(reasons),
             policy=self.policy,

@@ -21,7 +21,7 @@ from planner.topology import build_topology
 
 @dataclass(frozen=True)
 class NodeRow:
-    role: str  # "stage-3" or "experts"
+    role: str  # "stage-3", "experts", "standby" (a spare holding a copy of `blocks`) or "idle"
     peer_id: str
     label: str
     blocks: tuple[int, int] | None
@@ -52,7 +52,7 @@ def evaluate_plan(plan: Plan, layout: ModelLayout, nodes: Sequence[NodeDescripto
 
 def node_rows(plan: Plan, layout: ModelLayout, nodes: Sequence[NodeDescriptor],
               options: PlanOptions | None = None) -> list[NodeRow]:
-    """Stages in chain order, then nodes that hold only experts, then idle nodes."""
+    """Stages in chain order, then nodes that hold only experts, then spares and idle nodes."""
     opts = options or PlanOptions()
     ev, _ = evaluate_plan(plan, layout, nodes, opts)
     by_peer = {n.peer_id: n for n in nodes}
@@ -75,7 +75,10 @@ def node_rows(plan: Plan, layout: ModelLayout, nodes: Sequence[NodeDescriptor],
             n = by_peer[peer]
             rows.append(NodeRow("experts", peer, n.label, None, held[peer], tuple(sorted(blocks_of[peer])),
                                 use.get(peer, 0), n.memory_free, None))
+    copies = node_memory_use(layout, list(plan.standbys.items()), {}, opts)
     for n in sorted(nodes, key=lambda n: n.peer_id):
         if n.peer_id not in staged and n.peer_id not in held:
-            rows.append(NodeRow("idle", n.peer_id, n.label, None, 0, (), 0, n.memory_free, None))
+            copy = plan.standbys.get(n.peer_id)
+            rows.append(NodeRow("standby" if copy else "idle", n.peer_id, n.label, copy, 0, (),
+                                copies.get(n.peer_id, 0), n.memory_free, None))
     return rows

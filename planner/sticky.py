@@ -1,7 +1,9 @@
 """The previous plan, repaired for the nodes that left: survivors keep everything they hold.
 
-A run of lost stages goes to the stage before it, the stage after it, both (split at the best
-block), or one newcomer, whichever fits in memory and keeps the busiest of them least busy.
+A lost stage whose exact block range a spare holds a copy of (`Plan.standbys`) goes to that spare:
+nothing loads. Any other run of lost stages goes to the stage before it, the stage after it, both
+(split at the best block), or one newcomer or spare without a stage, whichever fits in memory and
+keeps the busiest of them least busy.
 Experts whose every holder left go to the block's stage if it has room, else to the emptiest
 node of the stage's group, else to the emptiest node anywhere.
 """
@@ -39,7 +41,18 @@ def repair(p: Planner, previous: Plan) -> Draft | None:
             return None
         experts[blk] = [[i for i in (alive(h) for h in by[x]) if i is not None] for x in range(n_exp)]
 
-    kept = [(alive(s.peer_id), s.layers[0], s.layers[1]) for s in previous.stages]
+    # The spares' real room (the planner keeps them out of fresh plans with a free of 0).
+    free = p.free.copy()
+    free[p.spares] = p.capacity[p.spares]
+    copies = {layers: p.index[peer] for peer, layers in sorted(previous.standbys.items())
+              if peer in p.index and p.index[peer] in p.spares and free[p.index[peer]] > 0}
+    kept, promoted = [], []
+    for s in previous.stages:
+        n = alive(s.peer_id)
+        if n is None and s.layers in copies:
+            n = copies.pop(s.layers)
+            promoted.append(p.nodes[n].peer_id)
+        kept.append((n, s.layers[0], s.layers[1]))
     survivors: list[Stage3] = [[n, a, b] for n, a, b in kept if n is not None]
     if not survivors:
         return None
@@ -50,27 +63,32 @@ def repair(p: Planner, previous: Plan) -> Draft | None:
         size = layout.blocks[blk].moe.bytes_per_expert  # type: ignore[union-attr]
         for h in hs:
             use[h] += size
-    if np.any(use > p.free + 1e-6):
+    if np.any(use > free + 1e-6):
         return None
     previous_peers = set(previous.peers())
+    taken = {n for n, _, _ in survivors}
     newcomers = [i for i in p.order if p.nodes[i].peer_id not in previous_peers]
+    newcomers += [i for i in p.spares if i not in taken and free[i] > 0]
 
-    stages = _fill_gaps(p, survivors, use, newcomers)
+    stages = _fill_gaps(p, survivors, use, newcomers, free)
     if stages is None:
         return None
     for n, a, b in stages:
-        if n not in {s[0] for s in survivors}:
+        if n not in taken:
             use[n] += need[a, b]
     if not _place_orphans(p, stages, experts, use):
         return None
     draft = Draft(stages=[(n, a, b) for n, a, b in stages],
                   experts={b: [tuple(h) for h in hs] for b, hs in experts.items()}, mode="kept")
-    lost = len(previous.stages) - len(survivors)
+    lost = len(previous.stages) - len(survivors) + len(promoted)
     draft.notes.append(f"{lost} lost stage(s) refilled" if lost else "no stage lost")
+    if promoted:
+        draft.notes.append(f"{len(promoted)} taken over by the standby holding a copy ({', '.join(promoted)})")
     return draft
 
 
-def _fill_gaps(p: Planner, survivors: list[Stage3], use: np.ndarray, newcomers: list[int]) -> list[Stage3] | None:
+def _fill_gaps(p: Planner, survivors: list[Stage3], use: np.ndarray, newcomers: list[int],
+               free: np.ndarray) -> list[Stage3] | None:
     need, nb = p.need["dense"], p.n_blocks
     out: list[Stage3] = []
     pos = 0  # first block not yet covered
@@ -82,7 +100,7 @@ def _fill_gaps(p: Planner, survivors: list[Stage3], use: np.ndarray, newcomers: 
             pos = out[-1][2]
             continue
         hi = nxt[1] if nxt is not None else nb
-        choice = _best_fill(p, out[-1] if out else None, nxt, pos, hi, use, newcomers)
+        choice = _best_fill(p, out[-1] if out else None, nxt, pos, hi, use, newcomers, free)
         if choice is None:
             return None
         kind, value = choice
@@ -101,7 +119,7 @@ def _fill_gaps(p: Planner, survivors: list[Stage3], use: np.ndarray, newcomers: 
 
 
 def _best_fill(p: Planner, before: Stage3 | None, after: Stage3 | None, lo: int, hi: int,
-               use: np.ndarray, newcomers: list[int]) -> tuple[str, int] | None:
+               use: np.ndarray, newcomers: list[int], free: np.ndarray) -> tuple[str, int] | None:
     """The option for blocks [lo, hi) that fits and keeps the busiest involved node least busy."""
     need, ms = p.need["dense"], p.cm.block_ms
     head = p.cm.head_ms
@@ -110,7 +128,7 @@ def _best_fill(p: Planner, before: Stage3 | None, after: Stage3 | None, lo: int,
         return float(ms[node, a:b].sum() + (head[node] if b == p.n_blocks else 0.0))
 
     def room(node: int) -> float:
-        return float(p.free[node] - use[node])
+        return float(free[node] - use[node])
 
     options: list[tuple[tuple[float, float], tuple[str, int]]] = []
     for k in range(lo, hi + 1):

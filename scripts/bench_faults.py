@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
 """Fault-tolerance figures: recovery from `kill -9` of a stage, split into its parts, and the cost of resets.
 
-    .venv/bin/python scripts/bench_faults.py --daemons 3 --tokens 32
+    .venv/bin/python scripts/bench_faults.py --daemons 3 --tokens 32 --kills 2
+    .venv/bin/python scripts/bench_faults.py --daemons 3 --standby 1 --tokens 32 --kills 2 --skip-resets
     .venv/bin/python scripts/bench_faults.py --skip-kill --reset-rates 0,0.01,0.05
 
 Starts a swarm of real daemons on loopback, each behind an emulated link (`scripts/link_emulator.py`), serving
 SmolLM2 (the kernel cache is warm after the first request). Then:
 
 * recovery: a greedy request through the leader; after `--kill-after` tokens a stage that is neither the head
-  nor the leader gets `kill -9`. From the daemons' logs and the head's own record of the move:
+  nor the leader gets `kill -9` (with `--standby`, the stage a spare holds a warm copy of). With `--kills K`
+  the killed daemon is started again (as the new spare, with `--standby`) and the swarm re-formed before
+  the next kill; the parts are given per run and as medians. From the daemons' logs and the head's own record of the move:
   detection (kill -> the leader marks the member dead), re-plan (-> the head has the new plan), weight loading
   (the slowest stage that loaded blocks for that plan), replay (the head sends the token history to the new
   chain -> the next token: kernel compilation, with a warm cache only lookups, and the KV rebuild), the total
@@ -61,56 +64,100 @@ def first_line(path: Path, pattern: str, after: float) -> tuple[float, str] | No
     return None
 
 
-def recovery(swarm: FaultSwarm, tokens: int, kill_after: int) -> dict[str, Any]:
+def victim_and_head(swarm: FaultSwarm) -> tuple[int, int]:
+    """The stage to kill and the daemon that heads the request: with a standby, the stage it holds a copy of
+    (else a stage that is not the leader); the head is the leader unless that is the victim."""
     status = swarm.running[0].status()
-    leader = status["leader"]
+    plan, leader = status["plan"], status["leader"]
+    copies = set(swarm.standby_of(plan).values())
+    stages = [s["peer_id"] for s in plan["stages"]]
+    if copies:
+        victim = next(swarm.index_of(s["peer_id"]) for s in plan["stages"] if tuple(s["layers"]) in copies)
+    else:
+        victim = next(swarm.index_of(p) for p in stages if p != leader)
     head = swarm.index_of(leader)
-    stages = [s["peer_id"] for s in status["plan"]["stages"]]
-    victim = next(swarm.index_of(p) for p in stages if p != leader)
+    if head == victim:
+        head = next(swarm.index_of(p) for p in stages if swarm.index_of(p) != victim)
+    return victim, head
+
+
+def log_lines(path: Path, after: float, before: float) -> list[tuple[float, str]]:
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        t = log_time(line)
+        if t is not None and after - 0.002 <= t <= before:
+            out.append((t, line))
+    return out
+
+
+def recovery(swarm: FaultSwarm, tokens: int, kill_after: int) -> dict[str, Any]:
+    victim, head = victim_and_head(swarm)
+    leader = swarm.index_of(swarm.running[0].status()["leader"])
     expected, _ = swarm.stream(head, prompt=PROMPT, max_tokens=tokens)
     killed: dict[str, float] = {}
+    arrivals: list[tuple[float, float]] = []  # (perf_counter, wall clock) of each token
 
-    def kill(n: int) -> None:
+    def on_token(n: int) -> None:
+        arrivals.append((time.perf_counter(), time.time()))
         if n == kill_after:
             killed["wall"], killed["perf"] = time.time(), time.perf_counter()
             swarm.daemons[victim].kill9()
 
-    arrivals: list[float] = []
-
-    def on_token(n: int) -> None:
-        arrivals.append(time.perf_counter())
-        kill(n)
-
     pairs, end = swarm.stream(head, prompt=PROMPT, max_tokens=tokens, on_token=on_token)
     if end["event"] != "done":
         raise RuntimeError(f"the request failed: {end}")
+    after_kill = [(p, w) for p, w in arrivals if p > killed["perf"]]
+    until = after_kill[0][1] if after_kill else time.time()
     short = swarm.peers[victim][-6:]
-    leader_log = swarm.daemons[head].log_path
-    dead = first_line(leader_log, rf"member {short}: .*-> dead", killed["wall"])
-    planned = first_line(leader_log, r"plan epoch \d+ from", killed["wall"])
+    dead = next(((t, ln) for t, ln in log_lines(swarm.daemons[leader].log_path, killed["wall"], until)
+                 if re.search(rf"member {short}: .*-> dead", ln)), None)
+    planned = next(((t, ln) for t, ln in log_lines(swarm.daemons[head].log_path, killed["wall"], until)
+                    if re.search(r"plan epoch \d+ from", ln)), None)
     loads = []
-    for i in range(len(swarm.daemons)):
+    for i, d in enumerate(swarm.daemons):
         if i == victim:
             continue
-        for line in swarm.daemons[i].log_path.read_text(errors="replace").splitlines():
-            t = log_time(line)
+        for _, line in log_lines(d.log_path, killed["wall"], until):
             m = re.search(r"ready: blocks \d+-\d+ loaded in ([\d.]+) s", line)
-            if m and t is not None and t >= killed["wall"]:
+            if m:
                 loads.append(float(m.group(1)))
     rec = end.get("recoveries", [{}])[0]
-    after_kill = [t for t in arrivals if t > killed["perf"]]
     return {
-        "daemons": len(swarm.daemons), "tokens": tokens, "killed_after_token": kill_after,
+        "daemons": len(swarm.running) + 1, "tokens": tokens, "killed_after_token": kill_after,
         "detection_s": round(dead[0] - killed["wall"], 3) if dead else None,
+        "detected_by": dead[1].split("(", 1)[-1].rstrip(")") if dead else None,
         "replan_s": round(planned[0] - dead[0], 3) if dead and planned else None,
         "weight_loading_s": max(loads) if loads else 0.0,
         "wait_for_chain_s": rec.get("wait_for_chain_s"),
         "replay_compile_and_kv_rebuild_s": rec.get("replay_s"),
         "replayed_tokens": rec.get("replayed_tokens"),
-        "kill_to_next_token_s": round(after_kill[0] - killed["perf"], 3) if after_kill else None,
+        "kill_to_next_token_s": round(after_kill[0][0] - killed["perf"], 3) if after_kill else None,
         "tokens_lost": sum(1 for a, b in zip(pairs, expected, strict=False) if a != b) + abs(len(pairs) - len(expected)),
         "same_tokens": pairs == expected,
+        "victim": victim,
     }
+
+
+def restore(swarm: FaultSwarm, victim: int, n_stages: int) -> None:
+    """Start the killed daemon again (a spare again when the run has standbys) and wait for the full swarm."""
+    if swarm.spares:
+        swarm.spares.add(victim)  # the spare that took its stage over serves it now; the restarted one stands by
+    via = next(i for i, d in enumerate(swarm.daemons) if d in swarm.running)
+    swarm.start_daemon(victim, (f"{swarm.announced(via)}/p2p/{swarm.peers[via]}",))
+    swarm.daemons[victim].wait_ready(60)
+    swarm.wait_chain(n_stages, 600)
+
+
+def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = ("detection_s", "replan_s", "weight_loading_s", "wait_for_chain_s", "replay_compile_and_kv_rebuild_s",
+            "kill_to_next_token_s", "tokens_lost")
+    out: dict[str, Any] = {}
+    for k in keys:
+        values = [r[k] for r in runs if r.get(k) is not None]
+        out[k] = round(statistics.median(values), 3) if values else None
+    out["runs"] = len(runs)
+    out["all_same_tokens"] = all(r["same_tokens"] for r in runs)
+    return out
 
 
 def decode_rate(swarm: FaultSwarm, tokens: int, via: int) -> tuple[float, bool, list[tuple[int, int]]]:
@@ -158,6 +205,10 @@ def main() -> int:
     p.add_argument("--kill-after", type=int, default=8)
     p.add_argument("--reset-rates", default="0,0.01,0.05")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--kills", type=int, default=1,
+                   help="recoveries to measure (the killed daemon is started again between them); medians")
+    p.add_argument("--standby", type=int, default=0, metavar="N",
+                   help="N more daemons join as spares (--standby); the stage a spare holds a copy of is killed")
     p.add_argument("--skip-kill", action="store_true")
     p.add_argument("--skip-resets", action="store_true")
     args = p.parse_args()
@@ -168,17 +219,25 @@ def main() -> int:
 
         device = resolve_device("auto")
         load_or_measure(base, device, device_name(device))
-        swarm = FaultSwarm(base / "swarm", base / BENCH_FILE, args.daemons, extra=("--max-context", "256"))
+        swarm = FaultSwarm(base / "swarm", base / BENCH_FILE, args.daemons + args.standby,
+                           extra=("--max-context", "256"), standby=args.standby)
         try:
-            say(f"starting {args.daemons} daemons")
+            say(f"starting {args.daemons} daemons" + (f" and {args.standby} standby" if args.standby else ""))
             swarm.start()
             swarm.stream(0, prompt=PROMPT, max_tokens=4)  # warm every stage's kernels
             if not args.skip_kill:
-                say("kill -9 of a stage")
-                results["recovery"] = recovery(swarm, args.tokens, args.kill_after)
-                say(json.dumps(results["recovery"]))
+                runs = []
+                for k in range(args.kills):
+                    if k:
+                        restore(swarm, runs[-1]["victim"], args.daemons)
+                        swarm.stream(0, prompt=PROMPT, max_tokens=4)
+                    say(f"kill -9 of a stage ({k + 1} of {args.kills})")
+                    runs.append(recovery(swarm, args.tokens, args.kill_after))
+                    say(json.dumps(runs[-1]))
+                results["recovery"] = {"runs": runs, "median": medians(runs)}
             if not args.skip_resets:  # on the daemons left; the highest rate last (it may split the swarm)
-                swarm.wait_chain(len(swarm.running), 300)
+                spares = swarm.standby_of(swarm.running[0].status()["plan"])
+                swarm.wait_chain(len(swarm.running) - len(spares), 300)
                 say(f"resets over {len(swarm.running)} daemons")
                 results["resets"] = resets(swarm, args.tokens, [float(x) for x in args.reset_rates.split(",")],
                                            args.repeats)

@@ -8,10 +8,15 @@ follows the plan, and reports idle -> loading -> ready (or failed, with the reas
 get the loaded stage from `stage` once `await wait_ready()` returns, and the experts from `experts`.
 A stage of a MoE model loads no routed expert: they are served by the expert actors wherever the
 plan put them (this daemon's included).
+
+A spare (`Plan.standbys`) loads its copy of a stage's blocks the same way, warms it (the jitted graphs a
+takeover needs first are captured) and reports "standby" with those layers; when a repaired plan gives it that very stage, it
+is ready at once: nothing loads, nothing compiles.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -75,7 +80,9 @@ class Assignment:
         self.experts: Any = None  # the loaded ExpertShard, or None
         self.loaded_experts: dict[int, tuple[int, ...]] = {}
         self._status = AssignmentStatus()
-        self._wanted: tuple[int, tuple[int, int] | None, dict[int, tuple[int, ...]]] = (0, None, {})
+        # (epoch, the stage's layers, experts, the layers of a standby copy)
+        self._wanted: tuple[int, tuple[int, int] | None, dict[int, tuple[int, ...]], tuple[int, int] | None] = (
+            0, None, {}, None)
         self._wake = trio.Event()
         self._ready = trio.Event()
         self.load_started: float | None = None
@@ -90,10 +97,15 @@ class Assignment:
         if len(mine) > 1:
             log.warning("plan epoch %d gives this node %d stages; only the first is loaded", plan.epoch, len(mine))
         layers = mine[0] if mine else None
+        copy = plan.standbys.get(self.peer_id) if layers is None else None
         experts = {b: tuple(es) for b, es in plan.experts_on(self.peer_id).items()}
-        self._wanted = (plan.epoch, layers, experts)
-        if layers == self.loaded_layers and experts == self.loaded_experts and self._status.state in ("ready", "idle"):
-            self._status = replace(self._status, epoch=plan.epoch, experts=experts)
+        self._wanted = (plan.epoch, layers, experts, copy)
+        if ((layers or copy) == self.loaded_layers and experts == self.loaded_experts
+                and self._status.state in ("ready", "idle", "standby")):
+            # Already loaded (a spare promoted to the stage it holds a copy of, or a survivor keeping its
+            # blocks): say so now, so that the next heartbeat shows the chain ready.
+            self._set(replace(self._status, epoch=plan.epoch, experts=experts, state=_state(layers, copy, experts),
+                              progress=1.0 if layers or copy else 0.0))
         self._wake.set()
 
     async def wait_ready(self) -> Any:
@@ -109,19 +121,20 @@ class Assignment:
         while True:
             await self._wake.wait()
             self._wake = trio.Event()
-            epoch, layers, experts = self._wanted
+            epoch, layers, experts, copy = self._wanted
             if experts != self.loaded_experts and not await self._load_experts(epoch, layers, experts):
                 continue
-            if layers == self.loaded_layers:
-                state = "ready" if layers or experts else "idle"
-                self._set(AssignmentStatus(epoch, layers, experts, state, 1.0 if layers or experts else 0.0))
+            target = layers or copy
+            if target == self.loaded_layers:
+                self._set(AssignmentStatus(epoch, target, experts, _state(layers, copy, experts),
+                                           1.0 if target or experts else 0.0))
                 continue
             self._release()
-            if layers is None:
+            if target is None:
                 self._set(AssignmentStatus(epoch, None, experts, "ready" if experts else "idle"))
                 log.info("plan epoch %d: no blocks for this node; released the stage", epoch)
                 continue
-            await self._load(epoch, layers, experts)
+            await self._load(epoch, target, experts, warm=layers is None)
 
     async def _load_experts(self, epoch: int, layers: tuple[int, int] | None,
                             experts: dict[int, tuple[int, ...]]) -> bool:
@@ -144,28 +157,40 @@ class Assignment:
         log.info("loaded %d experts of %d MoE blocks", count, len(experts))
         return True
 
-    async def _load(self, epoch: int, layers: tuple[int, int], experts: dict[int, tuple[int, ...]]) -> None:
+    async def _load(self, epoch: int, layers: tuple[int, int], experts: dict[int, tuple[int, ...]], *,
+                    warm: bool = False) -> None:
+        """Load blocks `layers`; `warm` (a standby copy) also captures every jitted graph before it is ready."""
         a, b = layers
         self._set(AssignmentStatus(epoch, layers, experts, "loading", 0.0))
         self.load_started = trio.current_time()
-        log.info("loading blocks %d-%d of %s (plan epoch %d)", a, b - 1, self.model.name, epoch)
+        what = "a standby copy of blocks" if warm else "blocks"
+        log.info("loading %s %d-%d of %s (plan epoch %d)", what, a, b - 1, self.model.name, epoch)
         try:
             # a daemon told to stop does not wait for a load to finish: run() returns when cancelled
             stage = await self.compute.run(self.loader, self.model, a, b, self.device, self.max_context,
                                            self.max_requests)
+            if warm and hasattr(stage, "warmup"):
+                # What taking over a request needs at once: the replay's prefill and one request's decode
+                # (larger batches and prompt scoring are captured when first used; on a small CPU each
+                # graph costs many seconds).
+                await self.compute.run(functools.partial(stage.warmup, most_requests=1, prompt_scores=False))
         except Exception as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             self._set(AssignmentStatus(epoch, layers, experts, "failed", 0.0, reason))
             log.warning("loading blocks %d-%d failed: %s", a, b - 1, reason)
             return
         took = trio.current_time() - self.load_started
-        if self._wanted[1] != layers:
+        epoch, wanted, experts, copy = self._wanted
+        if (wanted or copy) != layers:
             log.info("blocks %d-%d loaded in %.1f s but the plan moved on; loading again", a, b - 1, took)
             return  # the wake event is already set by apply()
         self.stage, self.loaded_layers = stage, layers
-        epoch = self._wanted[0]
-        self._set(AssignmentStatus(epoch, layers, self._wanted[2], "ready", 1.0))
-        log.info("ready: blocks %d-%d loaded in %.1f s", a, b - 1, took)
+        state = _state(wanted, copy, experts)
+        self._set(AssignmentStatus(epoch, layers, experts, state, 1.0))
+        if state == "standby":
+            log.info("standby: a copy of blocks %d-%d loaded and warmed in %.1f s", a, b - 1, took)
+        else:
+            log.info("ready: blocks %d-%d loaded in %.1f s", a, b - 1, took)
 
     def _release(self) -> None:
         self.stage, self.loaded_layers = None, None
@@ -176,3 +201,10 @@ class Assignment:
             self._ready.set()
         elif self._ready.is_set():
             self._ready = trio.Event()
+
+
+def _state(layers: tuple[int, int] | None, copy: tuple[int, int] | None, experts: dict[int, tuple[int, ...]]) -> str:
+    """What a loaded assignment reports: a stage or experts are "ready", a spare's copy "standby"."""
+    if layers or experts:
+        return "ready"
+    return "standby" if copy else "idle"

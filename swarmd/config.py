@@ -27,6 +27,7 @@ class Timings:
     probe_interval: float = 2.0  # routine direct probes (RTT and hung-peer detection)
     dead_retention: float = 60.0  # how long a dead member stays in status before it is forgotten
     replan_debounce: float = 1.0  # membership quiet for this long before the leader re-plans
+    replan_after_loss: float = 0.1  # the debounce when a member holding a stage is gone (the chain is broken)
     plan_republish_interval: float = 3.0  # the leader repeats its plan for late joiners
     dial_backoff_initial: float = 0.5  # first retry of a failed dial (bootstrap, members)
     dial_backoff_max: float = 8.0
@@ -90,6 +91,7 @@ class DaemonConfig:
     mdns: bool = False
     uplink_mbps: float | None = None  # None: read the interface speed, else 1000
     plan: Path | None = None  # a Plan JSON file the founding daemon adopts instead of planning
+    standby: bool = False  # a spare: the planner gives it a warm copy of a stage instead of a stage
     max_context: int = 2048
     max_requests: int = 4  # KV cache slots of this daemon's stage: requests it can hold at once
     wire_dtype: str = ""  # "" sends activations in their compute dtype (lossless); or float16, bfloat16
@@ -197,7 +199,7 @@ def config_changes(doc: dict[str, Any], source: str = "config") -> dict[str, Any
             out[key] = Path(str(value)).expanduser()
         elif key == "memory_limit":
             out[key] = parse_size(value)
-        elif key in ("mdns",):
+        elif key in ("mdns", "standby"):
             out[key] = bool(value)
         elif key in ("uplink_mbps",):
             out[key] = float(value)

@@ -215,6 +215,7 @@ class LocalDescriptor:
     uplink: float
     addresses: Callable[[], list[str]]
     load: Callable[[], float] = field(default=lambda: 0.0)
+    standby: bool = False
     memory_refresh_s: float = 5.0
     _memory: tuple[float, int, int] = (float("-inf"), 0, 0)
 
@@ -250,4 +251,5 @@ class LocalDescriptor:
             model_digest=self.model_digest,
             load=float(self.load()),
             incarnation=self.incarnation,
+            standby=self.standby,
         )

@@ -1,7 +1,8 @@
 """`swarmd join --plan FILE`: the founding daemon's leader adopts a given Plan instead of computing one.
 
 It waits, with progress in status, until every peer the plan names is a live member, then publishes
-the plan under a fresh epoch. If a named peer goes later, the planner plans around it until the peer
+the plan under a fresh epoch; members it does not name that joined as spares (`--standby`) get a copy
+of a stage to hold (`planner.standby`), unless the file names its own standbys. If a named peer goes later, the planner plans around it until the peer
 is back, and the file's plan is adopted again.
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from planner import ModelLayout, Plan, PlanOptions, check_plan_against
 from planner.check import missing_peers
 from planner.errors import PlanSchemaError
+from planner.standby import choose_standbys
 from swarmd.errors import UserError
 from swarmd.identity import short_id
 from swarmd.planning import MakePlan
@@ -56,7 +58,7 @@ class FixedPlan:
             if not self.adopted:
                 log.info("every peer named in %s has joined: adopting it", self.source)
             self.adopted = True
-            return replace(self.plan, epoch=action.epoch)
+            return self._with_standbys(replace(self.plan, epoch=action.epoch), action)
         if not missing_peers(problems):
             raise PlanNotAdopted(f"the plan in {self.source} does not fit the members: {'; '.join(problems)}")
         live = {n.peer_id for n in action.nodes}
@@ -68,3 +70,11 @@ class FixedPlan:
             return fallback(action)
         raise PlanNotAdopted(f"waiting for {len(missing)} of {len(named)} peers named in {self.source} to join: "
                              + ", ".join(short_id(p) for p in missing))
+
+    def _with_standbys(self, plan: Plan, action: MakePlan) -> Plan:
+        if plan.standbys:
+            return plan
+        previous = action.previous.standbys if action.previous is not None else None
+        standbys, reasons = choose_standbys(self.layout, action.nodes, [(s.peer_id, s.layers) for s in plan.stages],
+                                            set(plan.peers()), self.options or PlanOptions(), previous)
+        return replace(plan, standbys=standbys, reasons=(*plan.reasons, *reasons))

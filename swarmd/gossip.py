@@ -25,7 +25,7 @@ from swarmd.wire.codec import WireError, decode_cbor
 
 MAX_MESSAGE_BYTES = 1 << 20  # gossipsub's own inbound limit
 MAX_DEPTH = 16  # a plan nests 7 deep (envelope, body, plan, stages, stage, experts, list)
-ASSIGNMENT_STATES = ("idle", "loading", "ready", "failed")
+ASSIGNMENT_STATES = ("idle", "loading", "ready", "standby", "failed")
 
 
 class ForgedMessage(RemoteProtocolError):
@@ -55,7 +55,7 @@ class AssignmentStatus:
     epoch: int = 0
     layers: tuple[int, int] | None = None
     experts: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    state: str = "idle"  # idle | loading | ready | failed
+    state: str = "idle"  # idle | loading | ready | standby (a spare's warm copy of `layers`) | failed
     progress: float = 0.0  # 0..1 while loading
     error: str = ""
 

@@ -158,7 +158,7 @@ class Libp2pNetwork:
     # --- lifecycle ------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         from libp2p import new_host
-        from libp2p.network.config import ConnectionConfig
+        from libp2p.network.config import ConnectionConfig, RetryConfig
         from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, GossipSub
         from libp2p.pubsub.pubsub import Pubsub
         from libp2p.tools.anyio_service import background_trio_service
@@ -173,6 +173,11 @@ class Libp2pNetwork:
             enable_mDNS=self._mdns,
             psk=self.swarm_key.hex if self.swarm_key is not None else None,
         )
+        # py-libp2p retries a failed dial 3 times after 0.1, 0.2 and 0.4 s: a dead peer's refusal then takes a
+        # second or more per address, longer than a probe waits, and membership could not tell it from a hung
+        # peer. The same 3 retries, closer together, refuse within a few hundred ms (swarmd's own dial loop
+        # and transport back off between dials).
+        host.get_network().retry_config = RetryConfig(max_retries=3, initial_delay=0.02, max_delay=0.1)
         self._gated = install_gate(host, self.gate)
         guard_all_handlers(host, self.gate)  # before gossipsub registers its handlers
         d, d_lo, d_hi = GOSSIP_DEGREE

@@ -4,8 +4,14 @@
     alive   --no heartbeat for the suspicion timeout, or a lost connection--> suspect
     suspect --heartbeat or probe answer--> alive
     suspect --direct probe failed (or no answer for another timeout)--> dead
+    suspect (its connection dropped) --redials refused for a heartbeat interval--> dead
     dead    --higher incarnation (a restart), or a newer heartbeat confirmed by a probe--> alive
     any     --leave--> dead;  dead --dead_retention--> forgotten
+
+A member whose connection dropped is not dead at its first failed probe (a reset link fails the first
+redials while it comes back), but it need not be silent for a whole suspicion timeout either: when
+`REFUSALS_TO_DIE` redials in a row are refused (nothing listens at its address: a killed process) and no heartbeat came for a heartbeat interval, it is dead. A hung process keeps its
+connection and accepts dials, so only silence for the full timeout marks it.
 
 A member of another wire version or model is never admitted: it is listed as refused with the
 reason. A daemon that joins (has bootstrap peers) counts as admitted once an admitted, compatible
@@ -22,6 +28,11 @@ from planner.node import NodeDescriptor
 from swarmd.config import Timings
 from swarmd.gossip import Heartbeat
 from swarmd.identity import short_id
+
+# Redials in a row refused after a dropped connection that make a member dead (with a heartbeat interval of
+# silence): one refusal can be a reset of the new connection, several in a row are a dead process. (Each
+# redial is itself several connection attempts: py-libp2p retries a refused dial three times.)
+REFUSALS_TO_DIE = 2
 
 
 class State(enum.StrEnum):
@@ -48,6 +59,7 @@ class ProbeResult:
     ok: bool
     rtt_ms: float | None = None
     error: str = ""
+    refused: bool = False  # the probe had to dial, and the dial was turned away at once (not a timeout)
 
 
 @dataclass(frozen=True)
@@ -120,6 +132,7 @@ class Member:
     newer_while_dead: bool = False  # a fresh heartbeat arrived while dead: a probe decides
     failed_probes: int = 0  # routine probes that failed while heartbeats still arrived
     connection_lost: bool = False  # suspect because its connection dropped, not because it went silent
+    refused_redials: int = 0  # probes in a row, since the connection dropped, whose dial was refused
     reason: str = ""
 
     @property
@@ -285,9 +298,14 @@ class Membership:
         detail = f": {r.error}" if r.error else ""
         if m.state == State.SUSPECT:
             if m.connection_lost and now - m.since <= self.suspicion_timeout():
-                # A reset link fails the first probes while it is dialled again: only silence for a whole
-                # suspicion timeout makes such a member dead (tick probes again meanwhile).
+                # A reset link fails the first probes while it is dialled again: one failure proves nothing
+                # (tick probes again meanwhile). Refused redials in a row over a heartbeat interval of
+                # silence are a process that is gone; anything else waits for the whole suspicion timeout.
                 m.failed_probes += 1
+                m.refused_redials = m.refused_redials + 1 if r.refused else 0
+                if m.refused_redials >= REFUSALS_TO_DIE and now - m.since >= self.timings.heartbeat_interval:
+                    return self._move(m, State.DEAD, now, f"connection lost and {m.refused_redials} redials "
+                                                          f"refused{detail}")
                 return []
             return self._move(m, State.DEAD, now, f"direct probe failed{detail}")
         if m.state == State.ALIVE:
@@ -305,6 +323,7 @@ class Membership:
         if m.state == new and not force:
             return []
         old, m.state, m.since, m.reason = m.state, new, now, reason
+        m.refused_redials = 0
         if new != State.SUSPECT:
             m.connection_lost = False
         return [StateChanged(m.peer_id, old, new, reason)]

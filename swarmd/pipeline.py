@@ -79,7 +79,7 @@ class Pipeline:
         self.expert = ExpertActor(self._expert_shard, compute=node.compute, wire_dtype=wire_dtype)
         self.stage = StageActor(self.loaded, compute=node.compute, max_context=cfg.max_context,
                                 wire_dtype=wire_dtype, idle_timeout=cfg.timings.request_idle_timeout,
-                                experts=self.router.call)
+                                experts=self.router.call, plan_epoch=lambda: self.registry().epoch)
         self.head = HeadService(node.peer_id, transport, chain=self.chain, registry=self.registry,
                                 timings=cfg.timings, load_model=self._load_model, in_flight=self._count,
                                 leaving=lambda: node.leaving)

@@ -1,7 +1,8 @@
 """Who plans and which plan counts: a sans-IO state machine beside the election.
 
 Leader side: when the set of members it plans over changes (membership, or a member whose load
-failed), it waits for the change to settle (debounce), asks for a plan with an epoch above every
+failed), it waits for the change to settle (debounce; only `replan_after_loss` when a member that
+holds a stage of the plan in force is gone: every request through it waits for the new plan), asks for a plan with an epoch above every
 epoch it has seen, publishes it, and repeats it now and then for late joiners. Load changes never
 cause a re-plan: they are not part of the basis. A new leader always plans on taking office.
 
@@ -124,6 +125,7 @@ class PlanCoordinator:
     basis: Basis = Basis(frozenset())
     basis_changed_at: float = 0.0
     planned: tuple[int, Basis] | None = None  # (term, basis) of the last plan this node made
+    chain_broken: bool = False  # the basis lost a member that holds a stage of the plan in force
     in_flight: bool = False
     last_publish: float = float("-inf")
     error: str = ""
@@ -152,6 +154,8 @@ class PlanCoordinator:
             excluded = frozenset(n.peer_id for n in self.nodes if (n.peer_id, n.incarnation) in self.failed)
             basis = Basis(frozenset(n.peer_id for n in self.nodes) - excluded, excluded)
             if basis != self.basis:
+                holders = {s.peer_id for s in self.current.plan.stages} if self.current else set()
+                self.chain_broken = bool(holders - basis.peers)
                 self.basis, self.basis_changed_at = basis, now
             return []
         if isinstance(msg, EpochSeen):
@@ -179,7 +183,8 @@ class PlanCoordinator:
     def tick(self, now: float) -> list[PlanningAction]:
         if not self.is_leader or self.in_flight:
             return []
-        settled = now - self.basis_changed_at >= self.timings.replan_debounce
+        debounce = self.timings.replan_after_loss if self.chain_broken else self.timings.replan_debounce
+        settled = now - self.basis_changed_at >= min(debounce, self.timings.replan_debounce)
         if self.planned != (self.term, self.basis) and settled and self.basis.peers:
             self.in_flight = True
             nodes = tuple(n for n in self.nodes if n.peer_id in self.basis.peers)

@@ -91,7 +91,8 @@ def chain_status(plan: Mapping[str, Any] | None, members: Sequence[Mapping[str, 
         assignment = m.get("assignment") or {}
         if assignment.get("state") == "failed":
             failed.append(f"{what}: {assignment.get('error') or 'loading failed'}")
-        elif assignment.get("state") != "ready" or list(assignment.get("layers") or ()) != [a, b]:
+        # a spare's warm copy of exactly these blocks is as good as loaded: its next heartbeat says "ready"
+        elif assignment.get("state") not in ("ready", "standby") or list(assignment.get("layers") or ()) != [a, b]:
             loading.append(what)
     if failed:
         return ChainStatus(False, "loading failed at " + "; ".join(failed))

@@ -107,13 +107,19 @@ class StageStats:
 STEP_FIELDS = ("request_id", "step", "rows", "batch", "received", "taken", "started", "ended", "sent")
 
 
+# How long a Forward sent under a newer plan waits for that plan to reach this daemon.
+PLAN_CATCH_UP_S = 2.0
+
+
 class StageActor:
     """Serves `Forward`, `Token` (hop 0) and `Cancel` for the stage `current()` names."""
 
     def __init__(self, current: Callable[[], Loaded | None], *, compute: ComputeThread, max_context: int,
                  wire_dtype: str | None, idle_timeout: float,
-                 experts: Callable[..., Awaitable[np.ndarray]] | None = None) -> None:
+                 experts: Callable[..., Awaitable[np.ndarray]] | None = None,
+                 plan_epoch: Callable[[], int] = lambda: 0) -> None:
         self._current = current
+        self._plan_epoch = plan_epoch  # the epoch of the plan this daemon has accepted
         self.experts = experts  # the MoE router: (ExpertCall, traced) -> the gate-weighted expert sum
         self.compute = compute  # the daemon's one thread for tinygrad
         self.max_context = max_context
@@ -134,6 +140,12 @@ class StageActor:
 
     async def on_forward(self, peer: str, msg: Forward) -> HandlerResult:
         received = time.perf_counter()
+        if msg.epoch > self._plan_epoch():
+            # The head saw a new plan first (it gossips to everyone at once): wait a moment for it here
+            # rather than refuse, which would send the request round another move.
+            with trio.move_on_after(PLAN_CATCH_UP_S):
+                while msg.epoch > self._plan_epoch():  # noqa: ASYNC110 - the plan arrives through gossip
+                    await trio.sleep(0.01)
         try:
             loaded, book = self._book()
             work = book.on_forward(msg, trio.current_time())

@@ -508,8 +508,9 @@ class SwarmService:
     # --- probes -------------------------------------------------------------------------------
     async def _probe(self, peer: str) -> None:
         t0 = trio.current_time()
-        ok, rtt, err = False, None, ""
+        ok, rtt, err, refused = False, None, "", False
         nonce = secrets.randbits(64)
+        must_dial = not self.network.is_connected(peer)
         try:
             with trio.fail_after(self.timings.probe_timeout):
                 stream = self._probe_streams.get(peer)
@@ -529,12 +530,18 @@ class SwarmService:
             self.clocks.add(peer, sent, received, answered, back)
         except trio.TooSlowError:
             err = f"no answer within {self.timings.probe_timeout:g} s"
-        except (PeerUnreachable, StreamClosed) as e:
+        except PeerUnreachable as e:
+            err = str(e)
+            # The dial was turned away inside the timeout (py-libp2p has already retried it a few times):
+            # nothing listens there. A hung process accepts and then says nothing, a black-holed link
+            # swallows the dial: both time out instead.
+            refused = must_dial
+        except StreamClosed as e:
             err = str(e)
         if not ok:
             self._drop_probe_stream(peer)
             self.stats["probes_failed"] += 1
-        self._feed(ProbeResult(peer, ok, rtt, err), trio.current_time())
+        self._feed(ProbeResult(peer, ok, rtt, err, refused), trio.current_time())
 
     async def _serve_probe(self, peer: str, stream: Stream) -> None:
         """Echo 8-byte nonces, and answer 16-byte clock probes with this daemon's clock readings, at most

@@ -36,6 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plan", type=Path, metavar="FILE",
                    help="founding daemon only: adopt this Plan (JSON, e.g. from `swarmd plan --json`) once the "
                         "peers it names have joined, instead of computing one")
+    p.add_argument("--standby", action="store_true", default=None,
+                   help="be a spare: hold a warm copy of one stage's blocks and take that stage over at once "
+                        "if its daemon is lost (the planner gives this daemon no stage while the others suffice)")
     p.add_argument("--max-requests", type=int, metavar="N",
                    help="requests this daemon's stage holds at once (its KV cache slots; default 4)")
     p.add_argument("--max-context", type=int, metavar="TOKENS",
@@ -97,6 +100,7 @@ def build_config(args: argparse.Namespace):
         mdns=args.mdns,
         timings=parse_timings(args.timings) if args.timings else None,
         plan=args.plan.expanduser() if args.plan else None,
+        standby=args.standby,
         max_requests=args.max_requests,
         max_context=args.max_context,
         wire_dtype=args.wire_dtype,

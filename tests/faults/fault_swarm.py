@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from tests.pipeline.daemon_swarm import DaemonSwarm
+from tests.pipeline.daemon_swarm import DaemonSwarm, even_plan
 from tests.swarm.daemons import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,12 +83,16 @@ class FaultSwarm(DaemonSwarm):
     """A DaemonSwarm whose daemons are reached through emulated links (`links`, one named d{i} per daemon)."""
 
     def __init__(self, base: Path, bench_file: Path, n: int, *, extra: tuple[str, ...] = (),
-                 model: str | None = None, n_blocks: int = 30) -> None:
+                 model: str | None = None, n_blocks: int = 30, standby: int = 0) -> None:
         base.mkdir(parents=True, exist_ok=True)
         config = base / "timings.toml"
         config.write_text(TOLERANT)
         super().__init__(base, bench_file, n, extra=("--data-plane", "libp2p", "--config", str(config), *extra),
                          model=model, n_blocks=n_blocks)
+        # The last `standby` daemons are spares (`--standby`): the plan file names only the others as stages.
+        self.spares = set(range(n - standby, n))
+        if standby:
+            self.plan_file.write_text(even_plan(self.peers[:n - standby], model or "smollm2-135m", n_blocks).dumps())
         self.listen_ports = {f"d{i}": free_port() for i in range(n)}
         self.links = LinkEmulator(self.listen_ports, base / "links.log")
 
@@ -96,8 +100,9 @@ class FaultSwarm(DaemonSwarm):
         return f"/ip4/127.0.0.1/tcp/{self.links.ports[f'd{i}']}"
 
     def start_daemon(self, i: int, bootstrap: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> None:
+        spare = ("--standby",) if i in self.spares else ()
         self.daemons[i].start(bootstrap=bootstrap, listen=f"/ip4/127.0.0.1/tcp/{self.listen_ports[f'd{i}']}",
-                              extra=("--announce", self.announced(i), *extra))
+                              extra=("--announce", self.announced(i), *spare, *extra))
 
     def start(self, timeout: float = 300.0) -> FaultSwarm:
         self.start_daemon(0, extra=("--plan", str(self.plan_file)))
@@ -107,8 +112,30 @@ class FaultSwarm(DaemonSwarm):
             self.start_daemon(i, boot)
         for d in self.daemons[1:]:
             d.wait_ready(60)
-        self.wait_chain(len(self.daemons), timeout)
+        self.wait_chain(len(self.daemons) - len(self.spares), timeout)
         return self
+
+    def wait_chain(self, n: int, timeout: float = 300.0) -> dict[str, Any]:
+        """Until every daemon agrees on a plan of `n` stages over the running daemons that are not standbys,
+        all loaded, and every standby the plan names holds its warm copy."""
+        def ready() -> dict[str, Any] | None:
+            alive = {d.peer_id for d in self.running}
+            statuses = [d.status() for d in self.running]
+            plans = [st["plan"] for st in statuses]
+            if not all(plans) or any(p != plans[0] for p in plans):
+                return None
+            plan = plans[0]
+            spares = {s["peer_id"] for s in plan.get("standbys", ())}
+            if {s["peer_id"] for s in plan["stages"]} | spares != alive or len(plan["stages"]) != n:
+                return None
+            warm = all(st["assignment"]["state"] == "standby" for st in statuses if st["self"]["peer_id"] in spares)
+            return plan if warm and self.pipeline()["chain"]["ready"] else None
+
+        return wait_until(ready, timeout, f"a ready chain of {n} stages")
+
+    def standby_of(self, plan: dict[str, Any]) -> dict[str, tuple[int, int]]:
+        """The plan's standbys: spare peer -> the blocks it holds a copy of."""
+        return {s["peer_id"]: tuple(s["layers"]) for s in plan.get("standbys", ())}
 
     def stop(self) -> None:
         super().stop()

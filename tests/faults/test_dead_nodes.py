@@ -1,8 +1,9 @@
 """Daemons that die or leave under a request: the swarm heals and the request gives the undisturbed run's tokens.
 
-Four real daemons on loopback serve SmolLM2 split in four. Each test takes one daemon away, in the order
-written: one leaves on purpose (SIGTERM, it drains), a stage is killed (kill -9), and the leader is killed while
-it heads a request of its own.
+Four real daemons on loopback: three serve SmolLM2 split in three, the fourth is a spare (`--standby`) holding
+a warm copy of one stage. Each test takes one daemon away, in the order written: the stage the spare copies is
+killed (kill -9: the spare takes its place and nothing loads), one leaves on purpose (SIGTERM, it drains), and
+the leader is killed while it heads a request of its own.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from tests.faults.fault_swarm import FaultSwarm
 from tests.swarm.daemons import wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the module fixture starts 4 daemons and warms a spare
 
 CONTEXT = 256
 PROMPT = "The history of the printing press begins in"
@@ -26,7 +27,8 @@ N_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory, bench_file):
-    swarm = FaultSwarm(tmp_path_factory.mktemp("dead"), bench_file, 4, extra=("--max-context", str(CONTEXT)))
+    swarm = FaultSwarm(tmp_path_factory.mktemp("dead"), bench_file, 4, extra=("--max-context", str(CONTEXT)),
+                       standby=1)
     try:
         yield swarm.start()
     finally:
@@ -52,6 +54,38 @@ def leader(swarm: FaultSwarm) -> str:
     return swarm.running[0].status()["leader"]
 
 
+def test_a_killed_stage_is_taken_over_by_the_spare_holding_its_copy_and_the_text_is_the_undisturbed_runs(
+        swarm, undisturbed):
+    plan = swarm.running[0].status()["plan"]
+    [(spare, copy)] = swarm.standby_of(plan).items()
+    stages = stage_peers(swarm)
+    victim = next(swarm.index_of(s["peer_id"]) for s in plan["stages"] if tuple(s["layers"]) == copy)
+    assert swarm.peers[victim] != leader(swarm)
+    head = swarm.index_of(stages[0])
+    killed: list[float] = []
+
+    def kill(n: int) -> None:
+        if n == 6:
+            killed.append(time.time())
+            swarm.daemons[victim].kill9()
+
+    pairs, end = swarm.stream(head, prompt=PROMPT, max_tokens=N_TOKENS, on_token=kill)
+    assert end["event"] == "done", f"{end}\n{swarm.logs()}"
+    assert pairs == undisturbed[PROMPT]  # no token repeated, none skipped, the same text
+    assert end["recoveries"], end
+    print("recovery:", json.dumps(end["recoveries"]))
+    after = swarm.running[0].status()["plan"]
+    before = {s["peer_id"]: s["layers"] for s in plan["stages"]}
+    # the spare runs exactly the lost blocks, the survivors keep theirs, and the spare loaded nothing
+    assert {s["peer_id"]: s["layers"] for s in after["stages"]} == {
+        **{p: layers for p, layers in before.items() if p != swarm.peers[victim]}, spare: list(copy)}
+    spare_log = swarm.daemons[swarm.index_of(spare)].log_path.read_text()
+    assert "ready: blocks" not in spare_log and "loading blocks" not in spare_log
+    # dead because its port refused the redials, not after a whole suspicion timeout
+    detected = swarm.daemons[swarm.index_of(leader(swarm))].log_path.read_text()
+    assert f"member {swarm.peers[victim][-6:]}: suspect -> dead (connection lost and" in detected
+
+
 def test_a_stage_that_leaves_on_purpose_drains_and_no_request_sees_an_error(swarm, undisturbed):
     stages = stage_peers(swarm)
     head, goes = swarm.index_of(stages[0]), swarm.index_of(stages[2])
@@ -65,24 +99,6 @@ def test_a_stage_that_leaves_on_purpose_drains_and_no_request_sees_an_error(swar
     assert pairs == undisturbed[PROMPT]
     assert swarm.daemons[goes].proc.wait(30) == 0
     assert goes not in [swarm.index_of(p) for p in stage_peers(swarm)]
-
-
-def test_a_stage_killed_mid_generation_is_replaced_and_the_text_is_the_undisturbed_runs(swarm, undisturbed):
-    stages = stage_peers(swarm)
-    head = swarm.index_of(stages[0])
-    victim = next(swarm.index_of(p) for p in stages[1:] if p != leader(swarm))
-    killed: list[float] = []
-
-    def kill(n: int) -> None:
-        if n == 6:
-            killed.append(time.perf_counter())
-            swarm.daemons[victim].kill9()
-
-    pairs, end = swarm.stream(head, prompt=PROMPT, max_tokens=N_TOKENS, on_token=kill)
-    assert end["event"] == "done", f"{end}\n{swarm.logs()}"
-    assert pairs == undisturbed[PROMPT]  # no token repeated, none skipped, the same text
-    assert end["recoveries"], end
-    print("recovery:", json.dumps(end["recoveries"]))
 
 
 def test_a_dead_leader_and_head_ends_its_request_only_and_a_new_leader_takes_over(swarm, undisturbed):

@@ -1,16 +1,31 @@
 """Moving a request to a new chain, without a network: what the head replays, how stages take it, and what a
-stage forgets when a request's head is gone (sans-IO: `swarmd.recovery`, `StageBook`)."""
+stage forgets when a request's head is gone (sans-IO: `swarmd.recovery`, `StageBook`); and how soon a killed
+stage is declared dead and re-planned (`swarmd.membership`, `swarmd.planning`)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from planner.plan import ModelRef, Plan, Stage
+from swarmd.config import LAN
+from swarmd.membership import (
+    REFUSALS_TO_DIE,
+    ConnectionLost,
+    HeartbeatReceived,
+    Membership,
+    ProbeResult,
+    State,
+    StateChanged,
+)
+from swarmd.planning import Candidates, Leadership, MakePlan, PlanCoordinator, PlanMade
 from swarmd.recovery import Recovery, attempt_id, chain_changed, replay_forward
 from swarmd.registry import Registry
 from swarmd.stage_session import Sampled, StageBook
 from swarmd.wire import Forward, Sampling, Token, WireTensor
+from tests.swarm.swarm_helpers import descriptor, heartbeat, peer
 
 HIDDEN, VOCAB = 8, 100
+ME, A, B = sorted(peer(i) for i in range(1, 4))
 SAMPLING = Sampling(temperature=0.0, seed=5, max_tokens=10, stop_ids=(2,))
 
 
@@ -76,3 +91,98 @@ def test_the_chain_status_names_the_peers_gone_so_heads_know_which_requests_to_m
     status = chain_status(plan, [{"peer_id": "A", "state": "alive", "assignment": ready},
                                  {"peer_id": "B", "state": "dead", "assignment": {"state": "ready", "layers": [15, 30]}}])
     assert not status.ready and status.gone == {"B"} and "gone" in status.detail
+
+
+# --- detection and re-planning: how fast a dead stage is noticed and replaced (sans-IO) ----------------------
+
+
+def founder() -> Membership:
+    return Membership(local=descriptor(ME), timings=LAN, founder=True)
+
+
+def deaths(actions) -> list[str]:
+    return [a.reason for a in actions if isinstance(a, StateChanged) and a.new == State.DEAD]
+
+
+def test_a_member_whose_connection_dropped_and_whose_address_refuses_redials_is_dead_within_a_heartbeat():
+    m = founder()
+    m.handle(HeartbeatReceived(heartbeat(A, 1)), now=0.0)
+    m.handle(ConnectionLost(A), now=10.0)
+    died = None
+    for k in range(1, 8):  # tick probes the suspect again every quarter second; each dial is refused at once
+        out = m.handle(ProbeResult(A, ok=False, error="connection refused", refused=True), now=10.0 + 0.25 * k)
+        if deaths(out):
+            died = (10.0 + 0.25 * k, deaths(out))
+            break
+    assert died == (10.0 + LAN.heartbeat_interval, ["connection lost and 4 redials refused: connection refused"])
+    assert REFUSALS_TO_DIE <= 4
+    assert LAN.heartbeat_interval < LAN.suspicion_timeout(2)  # sooner than silence would have
+
+
+def test_a_reset_link_whose_redials_fail_but_then_reconnect_is_never_dead():
+    m = founder()
+    m.handle(HeartbeatReceived(heartbeat(A, 1)), now=0.0)
+    m.handle(ConnectionLost(A), now=10.0)
+    m.handle(ProbeResult(A, ok=False, refused=True), now=10.1)
+    m.handle(ProbeResult(A, ok=False, refused=True), now=10.3)
+    m.handle(ProbeResult(A, ok=True, rtt_ms=1.0), now=10.5)  # the link is back
+    assert m.state_of(A) == State.ALIVE
+    m.handle(ConnectionLost(A), now=20.0)  # the count starts again with every drop
+    for now in (20.1, 20.3, 20.5):
+        m.handle(ProbeResult(A, ok=False, refused=True), now=now)
+    m.handle(HeartbeatReceived(heartbeat(A, 2)), now=20.7)  # its heartbeats come round through other members
+    m.handle(ProbeResult(A, ok=False, refused=True), now=21.5)
+    assert m.state_of(A) == State.ALIVE
+
+
+def test_redials_that_time_out_or_interleave_with_other_failures_wait_for_the_suspicion_timeout():
+    m = founder()
+    m.handle(HeartbeatReceived(heartbeat(A, 1)), now=0.0)
+    m.handle(ConnectionLost(A), now=10.0)
+    for k in range(1, 12):  # a flaky link: refusals never come twice in a row, the other dials time out
+        m.handle(ProbeResult(A, ok=False, error="timed out", refused=k % 2 == 0), now=10.0 + 0.25 * k)
+    assert m.state_of(A) == State.SUSPECT
+    assert deaths(m.tick(now=10.0 + LAN.suspicion_timeout(2) + 0.1)) == ["suspect for a whole timeout without an answer"]
+
+
+def test_refusals_within_the_first_heartbeat_interval_are_not_yet_enough():
+    m = founder()
+    m.handle(HeartbeatReceived(heartbeat(A, 1)), now=0.0)
+    m.handle(ConnectionLost(A), now=10.0)
+    for now in (10.1, 10.2, 10.3, 10.4):
+        assert m.handle(ProbeResult(A, ok=False, refused=True), now=now) == []
+    assert deaths(m.handle(ProbeResult(A, ok=False, refused=True), now=10.0 + LAN.heartbeat_interval))
+
+
+def stages_plan(epoch: int, *peers: str) -> Plan:
+    n = len(peers)
+    return Plan(epoch=epoch, model=ModelRef("smollm2-135m"),
+                stages=tuple(Stage(p, (i * 30 // n, (i + 1) * 30 // n)) for i, p in enumerate(peers)))
+
+
+def leader_planned(*peers: str) -> PlanCoordinator:
+    c = PlanCoordinator(ME, LAN)
+    c.handle(Leadership(1, ME), now=0.0)
+    c.handle(Candidates(tuple(descriptor(p) for p in peers)), now=0.0)
+    [make] = c.tick(now=LAN.replan_debounce)
+    c.handle(PlanMade(stages_plan(make.epoch, *peers), make.basis, make.term), now=LAN.replan_debounce)
+    return c
+
+
+def plans(actions) -> list[MakePlan]:
+    return [a for a in actions if isinstance(a, MakePlan)]
+
+
+def test_the_leader_re_plans_at_once_when_a_stage_holder_is_gone_but_debounces_joins_and_spares():
+    c = leader_planned(ME, A)
+    c.handle(Candidates((descriptor(ME), descriptor(A), descriptor(B))), now=5.0)  # B joins: no stage lost
+    assert plans(c.tick(now=5.0 + LAN.replan_after_loss)) == []
+    [make] = plans(c.tick(now=5.0 + LAN.replan_debounce))
+    c.handle(PlanMade(stages_plan(make.epoch, ME, A), make.basis, make.term), now=6.5)
+    c.handle(Candidates((descriptor(ME), descriptor(A))), now=8.0)  # B held no stage: its loss can wait
+    assert plans(c.tick(now=8.0 + LAN.replan_after_loss)) == []
+    assert plans(c.tick(now=8.0 + LAN.replan_debounce))
+    c = leader_planned(ME, A)
+    c.handle(Candidates((descriptor(ME),)), now=5.0)  # A held a stage: the chain is broken
+    [make] = plans(c.tick(now=5.0 + LAN.replan_after_loss + 1e-6))
+    assert [n.peer_id for n in make.nodes] == [ME] and LAN.replan_after_loss < LAN.replan_debounce

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
 from swarm_helpers import peer
 
@@ -56,4 +57,23 @@ async def test_a_load_that_fails_is_reported_with_its_reason(tiny_model):
             a.apply(announce(1, Stage(ME, (0, 12))))  # the model has 8 blocks
             await reaches(a, "failed")
             assert "bad block range [0, 12)" in a.status().error and a.stage is None
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.slow  # the warmup captures the jitted graphs of the copy
+async def test_a_spare_loads_and_warms_its_copy_and_takes_that_stage_over_without_loading(tiny_model):
+    model = served_model(str(tiny_model))
+    a = Assignment(ME, model, "CPU", ComputeThread(), max_context=64, max_requests=1)
+    stages = (Stage(OTHER, (0, 5)), Stage(peer(3), (5, 8)))
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(a.run)
+            spare = Plan(epoch=1, model=ModelRef("tiny"), stages=stages, standbys={ME: (5, 8)})
+            a.apply(PlanAnnouncement(OTHER, 1, spare))
+            await reaches(a, "standby")
+            copy = a.stage
+            assert a.status().layers == (5, 8) and copy._decode_jits  # warmed: the decode graphs are captured
+            a.apply(announce(2, Stage(OTHER, (0, 5)), Stage(ME, (5, 8))))  # its stage's node was lost
+            assert a.status().state == "ready" and a.status().epoch == 2  # at once, before run() wakes
+            assert await a.wait_ready() is copy  # the same loaded stage: nothing reloaded
             nursery.cancel_scope.cancel()
