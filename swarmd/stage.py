@@ -8,13 +8,13 @@ stage 0 the `Token` the last stage sampled (the input of the next step), and `Ca
 
 One worker task owns the model: it takes every job queued since its last run, frees the KV caches of
 finished requests and runs all the jobs in one `StageModel.forward` call on the compute thread (decode steps
-of several requests become one batched forward). Two task switches are saved on every step's path: when the
-worker is idle and the step has no one to wait for, the handler hands the batch to the compute thread itself
-(the worker then only sees it through), and the compute thread's completion wakes the handlers directly. A stage of a MoE model whose
-experts live elsewhere runs its forward in segments (`StageModel.forward_steps`): between two segments the
-compute thread is free (this daemon's own experts may need it) while `experts` (the MoE router) asks the
-expert actors for the block's experts. While the model runs, new jobs
-queue up and form the next batch. A handler returns its Sends to the transport, which caches them under the
+of several requests become one batched forward). Two task switches are kept off every step's path: when the
+worker is idle and the step has no one to wait for, the handler starts the batch on the compute thread itself
+(the worker then only sees it through), and the compute thread's completion wakes the handlers directly. A
+stage of a MoE model whose experts live elsewhere runs its forward in segments (`StageModel.forward_steps`):
+between two segments the compute thread is free (this daemon's own experts may need it) while `experts` (the
+MoE router) asks the expert actors for the block's experts. While the model runs, new jobs queue up and form
+the next batch. A handler returns its Sends to the transport, which caches them under the
 message's key: a repeated frame gets the same answer again and never touches the KV cache twice.
 """
 
@@ -306,7 +306,10 @@ class StageActor:
         for job in jobs:
             job.taken = taken
         batch = self._inflight = Batch(jobs, run_batch(jobs, frees))
-        self.compute.submit(advance, batch.steps, None, None, then=partial(_first_segment_done, batch))
+        try:
+            self.compute.submit(advance, batch.steps, None, None, then=partial(_first_segment_done, batch))
+        except RuntimeError as e:  # the compute handle is closed (the daemon is stopping): the jobs fail
+            _first_segment_done(batch, None, e)
 
     async def _see_through(self, batch: Batch) -> None:
         """Wait for the batch's first segment; for a MoE stage whose experts live elsewhere, ask them and run
