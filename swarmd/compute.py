@@ -3,7 +3,8 @@
 Heartbeats, probes and API calls never wait behind a prefill, and tinygrad, whose caches and
 device state are not made for several threads at once, only ever sees one. `await
 compute.run(fn, *args)` hands `fn` to the thread and waits for it; a caller that is cancelled stops
-waiting, while the call itself runs to its end (a kernel cannot be interrupted).
+waiting, while the call itself runs to its end (a kernel cannot be interrupted). `compute.submit(fn, *args,
+then=...)` returns at once and calls `then` on the event loop when `fn` has run.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class ComputeThread:
 
     def submit(self, fn: Callable[..., T], *args: Any, then: Callable[[T | None, BaseException | None], None]) -> None:
         """Queue `fn(*args)` and return at once; `then(value, error)` runs on the calling trio thread when it
-        has run (not at all if that trio run has ended). A caller that must act the moment a job ends (wake
+        has run (not at all if that trio run has ended); it must not raise. A caller that must act the moment a job ends (wake
         the tasks waiting for it) does so in `then`, one scheduler pass sooner than a task awaiting `run`."""
         if self._closed:
             raise RuntimeError("this compute handle is closed")
