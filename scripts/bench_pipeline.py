@@ -17,6 +17,10 @@
 * aggregate tokens/s with 1, 4 and 8 requests at once on the N = 4 swarm (its daemons hold 8 requests):
   total tokens / wall time from the first request sent to the last one done.
 
+* `--baseline DIR`: a second N = 4 swarm whose daemons run the code of another checkout (DIR, e.g. a copy of
+  main), measured in the same rounds ("4 (baseline)"): a change to the pipeline's code, before and after,
+  side by side. `--decode-only` measures decode alone (no N = 2, prefill or requests at once): quicker.
+
 Results go to stdout as a Markdown section for docs/BENCHMARKS.md (and as JSON with --json).
 """
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import struct
@@ -50,6 +55,7 @@ PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, i
            "The three primary colours are", "import numpy as np", "Dear Sir or Madam,",
            "The quick brown fox", "In 1969, the first")
 HIDDEN_BYTES = 576 * 4
+BASELINE = "4 (baseline)"
 
 
 # --- N = 1: swarmd run's loop in this process -------------------------------------------------------------
@@ -92,7 +98,8 @@ class SingleProcess:
 # --- swarms ------------------------------------------------------------------------------------------------
 
 
-def start_swarm(n: int, context: int, max_requests: int, bootstrap_of: Any = None, **options: Any) -> LocalSwarm:
+def start_swarm(n: int, context: int, max_requests: int, bootstrap_of: Any = None, name: str = "",
+                **options: Any) -> LocalSwarm:
     """N daemons with an even plan file (one stage each). `options` go to LocalSwarm (per-daemon addresses and
     options); `bootstrap_of(peer ids)`, if given, is the address the others join through."""
     from planner.plan import ModelRef, Plan, Stage, stage_actor
@@ -109,7 +116,7 @@ def start_swarm(n: int, context: int, max_requests: int, bootstrap_of: Any = Non
                 tuple(Stage(p, (bounds[i], bounds[i + 1]), (stage_actor(i),)) for i, p in enumerate(peers)))
     (base / "plan.json").write_text(plan.dumps())
     extra = ("--max-context", str(context), "--max-requests", str(max_requests))
-    swarm = LocalSwarm(n, base=base, extra=extra, swarm=f"bench{n}", first_extra=("--plan", str(base / "plan.json")),
+    swarm = LocalSwarm(n, base=base, extra=extra, swarm=name or f"bench{n}", first_extra=("--plan", str(base / "plan.json")),
                        bootstrap=bootstrap_of(peers) if bootstrap_of else None, **options)
     try:
         swarm.start()
@@ -257,6 +264,9 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=48, help="tokens per request (default: 48)")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--prefill-tokens", type=int, default=128, help="prompt length for prefill (default: 128)")
+    parser.add_argument("--baseline", type=Path, help="also measure an N = 4 swarm running the code in this checkout")
+    parser.add_argument("--decode-only", action="store_true", help="decode tokens/s only (no N = 2, prefill, "
+                        "requests at once)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--tcp-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -269,14 +279,21 @@ def main() -> int:
     port = int(server.stdout.readline())
     say("loading the single-process model")
     single = SingleProcess(args.context)
-    say("starting swarms of 2 and 4 daemons")
-    swarms: dict[int, LocalSwarm] = {}
-    results: dict[str, Any] = {"decode": {1: [], 2: [], 4: []}, "prefill": {1: [], 2: [], 4: []}, "raw_tcp_ms": [], "token_ms": [],
+    sizes = (4,) if args.decode_only else (2, 4)
+    say(f"starting swarms of {' and '.join(map(str, sizes))} daemons" + (" and a baseline of 4" if args.baseline else ""))
+    swarms: dict[int | str, LocalSwarm] = {}
+    kinds: list[int | str] = [*sizes, *([BASELINE] if args.baseline else [])]
+    results: dict[str, Any] = {"decode": {k: [] for k in [1, *kinds]}, "prefill": {k: [] for k in [1, *kinds]},
+                               "raw_tcp_ms": [], "token_ms": [],
                                "breakdown": {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": []},
+                               "breakdown_baseline": {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": []},
                                "aggregate": {1: [], 4: [], 8: []}, "batch": {4: [], 8: []}}
     try:
-        for n in (2, 4):
+        for n in sizes:
             swarms[n] = start_swarm(n, args.context, 8)
+        if args.baseline:
+            env = {"PYTHONPATH": str(args.baseline.resolve()), "PYTHONSAFEPATH": "1"}  # not the working directory
+            swarms[BASELINE] = start_swarm(4, args.context, 8, name="bench4base", env_of=lambda i: env)
         say("warming up (kernel compile, JIT capture of every batch size)")
         single.decode_rate(PROMPTS[0], 8)
         long_ids = single.tokenizer.encode(" ".join(PROMPTS * 8))[:args.prefill_tokens]
@@ -284,31 +301,39 @@ def main() -> int:
         say("warm-up: single process done")
         for n, swarm in swarms.items():
             warm_up(f"N = {n} prefill", generate, swarm.api, long_ids, 1)
+            warm_up(f"N = {n} decode", generate, swarm.api, PROMPTS[0], 8)
         apis = [d.api for d in swarms[4].daemons]
-        warm_up("N = 2 decode", generate, swarms[2].api, PROMPTS[0], 8)
-        for c in (1, 2, 4, 8):
-            warm_up(f"N = 4, {c} at once", aggregate, apis, c, 12)
+        if not args.decode_only:
+            for c in (1, 2, 4, 8):
+                warm_up(f"N = 4, {c} at once", aggregate, apis, c, 12)
         for r in range(args.rounds):
             prompt = PROMPTS[r % len(PROMPTS)]
             results["decode"][1].append(single.decode_rate(prompt, args.tokens))
-            results["prefill"][1].append(single.prefill_rate(long_ids))
-            for n, swarm in swarms.items():
-                results["prefill"][n].append(prefill_rate(generate(swarm.api, long_ids, 1)))
+            if not args.decode_only:
+                results["prefill"][1].append(single.prefill_rate(long_ids))
+            order = kinds if r % 2 == 0 else kinds[::-1]  # neither swarm always goes first
+            for n in order:
+                swarm = swarms[n]
+                if not args.decode_only:
+                    results["prefill"][n].append(prefill_rate(generate(swarm.api, long_ids, 1)))
                 run = generate(swarm.api, prompt, args.tokens)
                 results["decode"][n].append(decode_rate(run))
                 if n == 4:
                     results["token_ms"].append(1e3 / decode_rate(run))
+                if n in (4, BASELINE):
+                    into = results["breakdown" if n == 4 else "breakdown_baseline"]
                     for part, values in step_breakdown(swarm, run["request_id"]).items():
-                        results["breakdown"][part] += values
+                        into[part] += values
             results["raw_tcp_ms"].append(raw_tcp_ms(port, HIDDEN_BYTES, 200))
-            for c in (1, 4, 8):
-                since = time.perf_counter()
-                results["aggregate"][c].append(aggregate(apis, c, args.tokens))
-                if c > 1:
-                    results["batch"][c].append(batch_sizes(swarms[4], since))
-            say(f"round {r + 1}: decode tok/s N=1 {results['decode'][1][-1]:.2f}, N=2 {results['decode'][2][-1]:.2f}, "
-                f"N=4 {results['decode'][4][-1]:.2f}; aggregate "
-                + ", ".join(f"{c}: {results['aggregate'][c][-1]:.2f}" for c in (1, 4, 8)))
+            if not args.decode_only:
+                for c in (1, 4, 8):
+                    since = time.perf_counter()
+                    results["aggregate"][c].append(aggregate(apis, c, args.tokens))
+                    if c > 1:
+                        results["batch"][c].append(batch_sizes(swarms[4], since))
+            say(f"round {r + 1}: decode tok/s " + ", ".join(f"N={n} {results['decode'][n][-1]:.2f}" for n in [1, *kinds])
+                + ("" if args.decode_only else "; aggregate "
+                   + ", ".join(f"{c}: {results['aggregate'][c][-1]:.2f}" for c in (1, 4, 8))))
     finally:
         for swarm in swarms.values():
             swarm.stop()
@@ -318,9 +343,12 @@ def main() -> int:
 
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> None:
-    med = {k: statistics.median(v) for k, v in results["decode"].items()}
-    pre = {k: statistics.median(v) for k, v in results["prefill"].items()}
-    agg = {k: statistics.median(v) for k, v in results["aggregate"].items()}
+    def median(values: list[float]) -> float:
+        return statistics.median(values) if values else math.nan
+
+    med = {k: median(v) for k, v in results["decode"].items()}
+    pre = {k: median(v) for k, v in results["prefill"].items()}
+    agg = {k: median(v) for k, v in results["aggregate"].items()}
     parts = {k: statistics.median(v) for k, v in results["breakdown"].items()}
     means = {k: statistics.fmean(v) for k, v in results["breakdown"].items()}
     raw = statistics.median(results["raw_tcp_ms"])
@@ -329,13 +357,14 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                           "raw_tcp_ms": raw, "raw": results}, indent=2))
         return
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    options = (" --decode-only" if args.decode_only else "") + (f" --baseline {args.baseline}" if args.baseline else "")
     print(f"Command: `.venv/bin/python scripts/bench_pipeline.py --rounds {args.rounds} --tokens {args.tokens} "
-          f"--prefill-tokens {args.prefill_tokens}`  ")
+          f"--prefill-tokens {args.prefill_tokens}{options}`  ")
     print(f"Machine: {platform.machine()}, Python {platform.python_version()}; {load}  ")
     print(f"Date: {time.strftime('%Y-%m-%d %H:%M %Z')}\n")
     print("| N | decode tok/s (median) | rounds | × single process | prefill tok/s (median) | rounds | × single |")
     print("|---|---|---|---|---|---|---|")
-    for n in (1, 2, 4):
+    for n in results["decode"]:
         rounds = ", ".join(f"{x:.2f}" for x in results["decode"][n])
         prounds = ", ".join(f"{x:.1f}" for x in results["prefill"][n])
         print(f"| {n} | {med[n]:.2f} | {rounds} | {med[n] / med[1]:.2f} | {pre[n]:.1f} | {prounds} | "
@@ -356,6 +385,13 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"| raw TCP request/response of {HIDDEN_BYTES} B, second process | {raw:.3f} | |")
     added = parts["hop"] + parts["stage_overhead"] - raw
     print(f"\nAdded per hop over raw TCP (hop + stage overhead - raw TCP): **{added:.3f} ms** (median).\n")
+    if args.baseline:
+        base = {k: statistics.median(v) for k, v in results["breakdown_baseline"].items() if v}
+        if len(base) == len(parts):
+            print("The same parts for the baseline swarm (medians, ms): " + ", ".join(f"{k} {v:.3f}" for k, v in base.items())
+                  + f"; added per hop over raw TCP **{base['hop'] + base['stage_overhead'] - raw:.3f} ms**.\n")
+    if args.decode_only:
+        return
     print("| requests at once (N = 4) | aggregate tok/s (median) | rounds | × one request | mean decode batch per stage |")
     print("|---|---|---|---|---|")
     for c in (1, 4, 8):

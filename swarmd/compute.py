@@ -3,7 +3,8 @@
 Heartbeats, probes and API calls never wait behind a prefill, and tinygrad, whose caches and
 device state are not made for several threads at once, only ever sees one. `await
 compute.run(fn, *args)` hands `fn` to the thread and waits for it; a caller that is cancelled stops
-waiting, while the call itself runs to its end (a kernel cannot be interrupted).
+waiting, while the call itself runs to its end (a kernel cannot be interrupted). `compute.submit(fn, *args,
+then=...)` returns at once and calls `then` on the event loop when `fn` has run.
 """
 
 from __future__ import annotations
@@ -61,25 +62,40 @@ class ComputeThread:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         if self._closed:
             raise RuntimeError("this compute handle is closed")
-        token = trio.lowlevel.current_trio_token()
         done = trio.Event()
         box: dict[str, Any] = {}
 
-        def job() -> None:
-            t0 = time.perf_counter()
-            try:
-                box["value"] = fn(*args)
-            except BaseException as e:
-                box["error"] = e
-            self.busy_seconds += time.perf_counter() - t0
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(done.set)
+        def settle(value: Any, error: BaseException | None) -> None:
+            box["value"], box["error"] = value, error
+            done.set()
 
-        _the_worker().jobs.put(job)
+        self.submit(fn, *args, then=settle)
         await done.wait()
-        if "error" in box:
+        if box["error"] is not None:
             raise box["error"]
         return box["value"]
+
+    def submit(self, fn: Callable[..., T], *args: Any, then: Callable[[T | None, BaseException | None], None]) -> None:
+        """Queue `fn(*args)` and return at once; `then(value, error)` runs on the calling trio thread when it
+        has run (not at all if that trio run has ended); it must not raise. A caller that must act the moment a job ends (wake
+        the tasks waiting for it) does so in `then`, one scheduler pass sooner than a task awaiting `run`."""
+        if self._closed:
+            raise RuntimeError("this compute handle is closed")
+        token = trio.lowlevel.current_trio_token()
+
+        def job() -> None:
+            t0 = time.perf_counter()
+            value: Any = None
+            error: BaseException | None = None
+            try:
+                value = fn(*args)
+            except BaseException as e:
+                error = e
+            self.busy_seconds += time.perf_counter() - t0
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(then, value, error)
+
+        _the_worker().jobs.put(job)
 
     def close(self) -> None:
         """Refuse further jobs from this handle (those queued so far still run)."""

@@ -7,12 +7,14 @@ stage 0 the `Token` the last stage sampled (the input of the next step), and `Ca
     handler: book.on_forward(msg) -> Work -> queue -> (worker) -> book.complete(work, output) -> Sends
 
 One worker task owns the model: it takes every job queued since its last run, frees the KV caches of
-finished requests and runs all the jobs in one `StageModel.forward` call in a worker thread (decode steps of
-several requests become one batched forward), then wakes their handlers. A stage of a MoE model whose
-experts live elsewhere runs its forward in segments (`StageModel.forward_steps`): between two segments the
-compute thread is free (this daemon's own experts may need it) while `experts` (the MoE router) asks the
-expert actors for the block's experts. While the model runs, new jobs
-queue up and form the next batch. A handler returns its Sends to the transport, which caches them under the
+finished requests and runs all the jobs in one `StageModel.forward` call on the compute thread (decode steps
+of several requests become one batched forward). Two task switches are kept off every step's path: when the
+worker is idle and the step has no one to wait for, the handler starts the batch on the compute thread itself
+(the worker then only sees it through), and the compute thread's completion wakes the handlers directly. A
+stage of a MoE model whose experts live elsewhere runs its forward in segments (`StageModel.forward_steps`):
+between two segments the compute thread is free (this daemon's own experts may need it) while `experts` (the
+MoE router) asks the expert actors for the block's experts. While the model runs, new jobs queue up and form
+the next batch. A handler returns its Sends to the transport, which caches them under the
 message's key: a repeated frame gets the same answer again and never touches the KV cache twice.
 """
 
@@ -24,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -57,6 +60,17 @@ class Job:
     output: np.ndarray | Sampled | None = None
     error: tuple[str, str] | None = None  # (code, message)
     batch: int = 1
+
+
+@dataclass(eq=False)
+class Batch:
+    """Jobs on the compute thread: `run_batch`'s steps and the answer to its first segment once it is in."""
+
+    jobs: list[Job]
+    steps: Generator[Any, Any, None]
+    answer: tuple[bool, Any] = (False, None)  # advance's (done, next question)
+    error: BaseException | None = None
+    arrived: trio.Event = field(default_factory=trio.Event)
 
 
 @dataclass(frozen=True)
@@ -131,6 +145,8 @@ class StageActor:
         self._jobs: list[Job] = []
         self._frees: list[tuple[Any, str]] = []  # (model, request id) whose KV caches to free
         self._wake = trio.Event()
+        self._idle = False  # the worker waits for work (a handler may then start a batch itself)
+        self._inflight: Batch | None = None  # the batch on the compute thread
         self._first_queued = 0.0
         self.periods: deque[float] = deque(maxlen=64)  # stage 0: recent times for a token to come round
         self.stats = StageStats()
@@ -212,6 +228,8 @@ class StageActor:
         if not self._jobs:
             self._first_queued = trio.current_time()
         self._jobs.append(job)
+        if self._idle and self._inflight is None and not self._must_wait():
+            self._launch()  # the compute thread starts now, not after the worker's wake-up
         self._wake.set()
         await job.done.wait()
         if book is not self.book or work.request_id not in book.requests:
@@ -268,47 +286,70 @@ class StageActor:
             nursery.start_soon(self._expire_idle)
             task_status.started(self)
             while True:
+                self._idle = True
                 await self._wake.wait()
+                self._idle = False
                 self._wake = trio.Event()
-                while self._jobs or self._frees:
-                    await self._gather()
-                    frees, self._frees = self._frees, []
-                    jobs = self._take_batch() if self._jobs else []
-                    taken = time.perf_counter()
-                    for job in jobs:
-                        job.taken = taken
+                while self._jobs or self._frees or self._inflight is not None:
+                    if self._inflight is None:
+                        await self._gather()
+                        self._launch()
+                    batch = self._inflight
+                    assert batch is not None
                     try:  # cancelled only when the daemon stops: then it does not wait for a long prefill
-                        await self._run_batch(jobs, frees)
+                        await self._see_through(batch)
                     except Exception as e:  # a bug in the model code: these requests fail, the daemon goes on
-                        log.exception("stage batch of %d failed", len(jobs))
-                        for job in jobs:
+                        log.exception("stage batch of %d failed", len(batch.jobs))
+                        for job in batch.jobs:
                             if job.output is None and job.error is None:
                                 job.error = ("internal", f"the stage failed: {type(e).__name__}: {e}")
                     finally:
-                        for job in jobs:
+                        self._inflight = None
+                        for job in batch.jobs:
                             job.done.set()
-                    if jobs:
-                        self.stats.record_batch(jobs)
+                    if batch.jobs:
+                        self.stats.record_batch(batch.jobs)
 
-    async def _run_batch(self, jobs: list[Job], frees: list[tuple[Any, str]]) -> None:
-        """`run_batch` on the compute thread, one segment at a time, the experts asked for in between."""
-        steps = run_batch(jobs, frees)
+    def _launch(self) -> None:
+        """Take the next batch (and the KV caches to free) and start it on the compute thread."""
+        frees, self._frees = self._frees, []
+        jobs = self._take_batch() if self._jobs else []
+        taken = time.perf_counter()
+        for job in jobs:
+            job.taken = taken
+        batch = self._inflight = Batch(jobs, run_batch(jobs, frees))
+        try:
+            self.compute.submit(advance, batch.steps, None, None, then=partial(_first_segment_done, batch))
+        except RuntimeError as e:  # the compute handle is closed (the daemon is stopping): the jobs fail
+            _first_segment_done(batch, None, e)
+
+    async def _see_through(self, batch: Batch) -> None:
+        """Wait for the batch's first segment; for a MoE stage whose experts live elsewhere, ask them and run
+        the next segment, until the batch is done."""
+        await batch.arrived.wait()
+        if batch.error is not None:
+            raise batch.error
+        done, call = batch.answer
         rec = self.recorder
-        traced = {j.work.request_id: j.work.step for j in jobs if rec is not None and rec.wants(j.work.request_id)}
-        answer: np.ndarray | None = None
-        error: Exception | None = None
-        while True:
-            done, call = await self.compute.run(advance, steps, answer, error)
-            if done:
-                return
-            answer, error = None, None
+        traced = {j.work.request_id: j.work.step for j in batch.jobs if rec is not None and rec.wants(j.work.request_id)}
+        while not done:
+            answer: np.ndarray | None = None
+            error: Exception | None = None
             if self.experts is None:
                 error = ExpertsFailed("this stage's experts live elsewhere and the daemon has no MoE router")
-                continue
-            try:
-                answer = await self.experts(call, traced) if traced else await self.experts(call)
-            except Exception as e:  # the step fails for these requests (see run_batch), the daemon goes on
-                error = ExpertsFailed(f"{type(e).__name__}: {e}")
+            else:
+                try:
+                    answer = await self.experts(call, traced) if traced else await self.experts(call)
+                except Exception as e:  # the step fails for these requests (see run_batch), the daemon goes on
+                    error = ExpertsFailed(f"{type(e).__name__}: {e}")
+            done, call = await self.compute.run(advance, batch.steps, answer, error)
+
+    def _must_wait(self) -> bool:
+        """Whether `_gather` would wait for other requests' decode steps now."""
+        book = self.book
+        if book is None or not self._jobs or any(j.work.rows != 1 for j in self._jobs):
+            return False
+        return any(not st.busy for st in book.requests.values())
 
     async def _gather(self) -> None:
         """Let the decode steps of other requests here catch up, so that they run as one batch.
@@ -318,7 +359,7 @@ class StageActor:
         other stages wait only for frames of the same convoy still landing (SETTLE). A lone request, or a
         prefill, never waits."""
         book = self.book
-        if book is None or not self._jobs or any(j.work.rows != 1 for j in self._jobs):
+        if book is None or not self._must_wait():
             return
         window = min(statistics.median(self.periods), MAX_GATHER) if book.is_first and self.periods else SETTLE
         deadline = self._first_queued + window
@@ -341,7 +382,19 @@ def _refusal(head: str, request_id: str, step: int, hop: int, e: StageRefusal) -
     return Send(head, Error(e.code, str(e), request_id=request_id, step=step, hop=hop))
 
 
-# --- in the worker thread -------------------------------------------------------------------------------
+def _first_segment_done(batch: Batch, answer: tuple[bool, Any] | None, error: BaseException | None) -> None:
+    """On the event loop, as the compute thread finishes a batch's first segment: a finished batch wakes its
+    handlers at once (the worker, woken too, records it after them). Must not raise."""
+    batch.error = error
+    if error is None and answer is not None:
+        batch.answer = answer
+        if answer[0]:
+            for job in batch.jobs:
+                job.done.set()
+    batch.arrived.set()
+
+
+# --- on the compute thread ------------------------------------------------------------------------------
 
 
 class ExpertsFailed(Exception):

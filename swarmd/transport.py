@@ -238,6 +238,7 @@ class _InLink:
         self.bucket = bucket
         self.peer_slots = peer_slots
         self.queued_bytes = 0  # received, not yet admitted
+        self.acks: list[int] = []  # frames the reader admitted, acked together once it has taken all it read
 
 
 class ActorTransport:
@@ -708,6 +709,8 @@ class ActorTransport:
                 if body is None:
                     break
                 await self._on_frame(link, body, queue)
+            if link.acks:  # one write for the acks of every frame this read completed
+                await self._reply(link, None, 0)
                 if decoder.mid_frame:
                     frame_started = trio.current_time()
 
@@ -733,7 +736,7 @@ class ActorTransport:
         if obs is not None:
             obs.decoded(link.peer, msg, started, len(body))
         if queue.statistics().current_buffer_used == 0 and self._try_admit_now(link, msg):
-            await self._reply(link, Ack(), env.seq)  # admitted from the reader: no hand-over to the dispatcher
+            link.acks.append(env.seq)  # admitted from the reader: no hand-over to the dispatcher
             return
         try:
             if link.queued_bytes + len(body) > self.config.link_buffer_bytes:
@@ -808,8 +811,10 @@ class ActorTransport:
         self._admit(link.peer, msg, (link.peer_slots, self._handlers))
         return True
 
-    async def _reply(self, link: _InLink, msg: Message, seq: int) -> None:
-        data = encode(msg, seq)
+    async def _reply(self, link: _InLink, msg: Message | None, seq: int) -> None:
+        """Write `msg` (if any) on the link, after the acks the reader has not written yet."""
+        data = b"".join(encode(Ack(), s) for s in link.acks) + (encode(msg, seq) if msg is not None else b"")
+        link.acks.clear()
         try:
             await _acquire(link.write_lock)
             try:

@@ -64,6 +64,8 @@ M = TypeVar("M", bound=type[Message])
 REGISTRY: dict[str, type[Message]] = {}
 _Decoder = Callable[[Any, str], Any]
 _FIELDS: dict[type, list[tuple[str, _Decoder, bool]]] = {}
+_NAMES: dict[type, frozenset[str]] = {}  # field names per class: checked on every frame, so made once
+_ENCODE_NAMES: dict[type, tuple[str, ...]] = {}  # the same, in order, for encoding (dataclasses.fields is slow)
 
 
 def wire(tag: str, version: int = 1, *, control: bool = False) -> Callable[[M], M]:
@@ -156,7 +158,9 @@ def _decode_fields(cls: type, body: Any, what: str) -> Any:
     if not isinstance(body, dict):
         raise WireError("bad_field", f"{what} must be a map")
     fields = _FIELDS[cls]
-    known = {name for name, _, _ in fields}
+    known = _NAMES.get(cls)
+    if known is None:
+        known = _NAMES[cls] = frozenset(name for name, _, _ in fields)
     unknown = [k for k in body if k not in known]
     if unknown:
         raise WireError("unknown_field", f"{what} has unknown field(s) {sorted(map(str, unknown))}")
@@ -172,8 +176,11 @@ def _decode_fields(cls: type, body: Any, what: str) -> Any:
 def _to_cbor(value: Any) -> Any:
     if isinstance(value, WireTensor):
         return value.to_cbor()
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_cbor(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    names = _ENCODE_NAMES.get(type(value))
+    if names is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = _ENCODE_NAMES[type(value)] = tuple(f.name for f in dataclasses.fields(value))
+    if names is not None:
+        return {name: _to_cbor(getattr(value, name)) for name in names}
     if isinstance(value, tuple):
         return [_to_cbor(x) for x in value]
     return value

@@ -46,3 +46,25 @@ async def test_tinygrad_runs_there_after_it_ran_on_the_main_thread():
     compute = ComputeThread()
     assert await compute.run(lambda: (Tensor([1.0, 2.0]) + 5).tolist()) == [6.0, 7.0]
     compute.close()
+
+
+async def test_submit_returns_at_once_and_its_callback_runs_on_the_event_loop_with_the_result_or_error():
+    compute = ComputeThread()
+    loop_thread = threading.current_thread().name
+    seen: list[tuple[object, str, str]] = []
+    both = trio.Event()
+
+    def then(value, error):
+        seen.append((value, type(error).__name__, threading.current_thread().name))
+        if len(seen) == 2:
+            both.set()
+
+    compute.submit(lambda: 41 + 1, then=then)
+    compute.submit(lambda: 1 / 0, then=then)
+    assert seen == []  # nothing ran on the caller's side yet
+    with trio.fail_after(10):
+        await both.wait()
+    assert seen == [(42, "NoneType", loop_thread), (None, "ZeroDivisionError", loop_thread)]
+    compute.close()
+    with pytest.raises(RuntimeError):
+        compute.submit(sum, [1], then=then)
