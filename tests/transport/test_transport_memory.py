@@ -144,7 +144,8 @@ async def test_duplicate_and_reordered_frames_are_acked_each_and_delivered_once(
     acks = [await link.reply() for _ in order]
     assert all(isinstance(env.msg, Ack) for env in acks)
     assert sorted(env.seq for env in acks) == list(range(1, len(order) + 1))
-    assert got.keys == [fwd(1).key(), fwd(2).key(), fwd(3).key()]
+    # handlers run concurrently, so in any order: each step once
+    assert sorted(got.keys) == [fwd(1).key(), fwd(2).key(), fwd(3).key()]
     assert b.stats.duplicates == 4
 
 
