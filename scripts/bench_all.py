@@ -13,6 +13,8 @@ prints a Markdown section; the report collects them with the command line, the m
     trace      scripts/bench_trace.py     tracing off vs on (interleaved), the per-token breakdown and its PNG
     wan        scripts/bench_wan.py       N = 2, 4 behind the link emulator (10 ms one way, 100 Mbit/s) against
                                           1 / (compute + N x (delay + loopback hop)), 8 requests at once
+    moe        scripts/bench_moe.py       expert parallelism on 4 daemons: fan-out per MoE layer against a hop,
+                                          messages per token, decode tok/s against one process, expert load
 
 Each benchmark's own progress lines (its stderr) show as it runs, and each has a time limit (`--limit-min`
 scales them): one that fails or runs over is reported with its exit code and the end of its stderr, its
@@ -51,6 +53,9 @@ SUITE: dict[str, tuple[str, list[str], list[str], float]] = {
     "wan": ("WAN: 10 ms one way, 100 Mbit/s per link",
             ["scripts/bench_wan.py", "--daemons", "2,4", "--rounds", "3", "--tokens", "32"],
             ["scripts/bench_wan.py", "--daemons", "2,4", "--rounds", "1", "--tokens", "16"], 35),
+    "moe": ("Expert parallelism: MoE fan-out on loopback",
+            ["scripts/bench_moe.py", "--rounds", "3", "--tokens", "32"],
+            ["scripts/bench_moe.py", "--rounds", "1", "--tokens", "16", "--balance-tokens", "8"], 25),
 }
 
 
