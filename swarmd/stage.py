@@ -131,9 +131,10 @@ class StageActor:
     def __init__(self, current: Callable[[], Loaded | None], *, compute: ComputeThread, max_context: int,
                  wire_dtype: str | None, idle_timeout: float,
                  experts: Callable[..., Awaitable[np.ndarray]] | None = None,
-                 plan_epoch: Callable[[], int] = lambda: 0) -> None:
+                 plan_epoch: Callable[[], int] | None = None) -> None:
         self._current = current
-        self._plan_epoch = plan_epoch  # the epoch of the plan this daemon has accepted
+        # the epoch of the plan this daemon has accepted (by default, that of the stage it runs)
+        self._plan_epoch = plan_epoch or self._loaded_epoch
         self.experts = experts  # the MoE router: (ExpertCall, traced) -> the gate-weighted expert sum
         self.compute = compute  # the daemon's one thread for tinygrad
         self.max_context = max_context
@@ -151,6 +152,10 @@ class StageActor:
         self.periods: deque[float] = deque(maxlen=64)  # stage 0: recent times for a token to come round
         self.stats = StageStats()
         self.recorder: SpanRecorder | None = None  # spans of traced requests
+
+    def _loaded_epoch(self) -> int:
+        loaded = self._current()
+        return loaded.registry.epoch if loaded is not None else 0
 
     # --- handlers --------------------------------------------------------------------------------------
 
