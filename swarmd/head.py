@@ -320,8 +320,9 @@ class HeadService:
         except Refused as e:
             raise HeadError(e.error.code, f"stage 0 refused the request: {e.error.message}", 502) from None
         except DeliveryFailed as e:
-            raise HeadError("unreachable", f"stage 0 ({stage0[-6:]}) did not take the request: {e.reason}",
-                            503) from None
+            # stage 0 died between the plan and this send: the request moves to the next chain, as one
+            # already running would (the move has its own deadline and gives the client a clear error)
+            self._start_move(handle, f"stage 0 ({stage0[-6:]}) did not take the request: {e.reason}")
 
     async def _cancel_chain(self, request_id: str, registry: Registry, reason: str) -> None:
         """Tell every stage the request is over, so that each frees its KV cache (best effort, bounded)."""
