@@ -74,7 +74,7 @@ def run_layout(args: argparse.Namespace, n_blocks: int, stages: int, gpus: int) 
         for r in range(args.rounds):
             got = generate(swarm.api, PROMPTS[0], args.tokens)
             out["tokens"] = out["tokens"] or got
-            out["rates"].append(decode_rate(got["token_us"]))
+            out["rates"].append(decode_rate(got))
             for k, v in step_breakdown(swarm, got["request_id"]).items():
                 parts.setdefault(k, []).extend(v)
             say(f"{stages}x{gpus}, round {r + 1}: {out['rates'][-1]:.1f} tok/s")

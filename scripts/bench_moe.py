@@ -185,7 +185,7 @@ def main() -> int:
             prompt = PROMPTS[r % len(PROMPTS)]
             results["single"].append(single.decode_rate(prompt, args.tokens))
             run = generate(swarm.daemons[r % N_DAEMONS].api, prompt, args.tokens)
-            results["swarm"].append(decode_rate(run["token_us"]))
+            results["swarm"].append(decode_rate(run))
             results["hop_ms"] += hops_ms(swarm, run["request_id"])
             say(f"round {r + 1}: single {results['single'][-1]:.1f} tok/s, swarm {results['swarm'][-1]:.1f} tok/s")
         for block, layer in sorted(router_layers(swarm).items(), key=lambda kv: int(kv[0])):
