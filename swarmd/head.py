@@ -322,7 +322,9 @@ class HeadService:
         except DeliveryFailed as e:
             # stage 0 died between the plan and this send: the request moves to the next chain, as one
             # already running would (the move has its own deadline and gives the client a clear error)
-            self._start_move(handle, f"stage 0 ({stage0[-6:]}) did not take the request: {e.reason}")
+            reason = f"stage 0 ({stage0[-6:]}) did not take the request: {e.reason}"
+            if not self._start_move(handle, reason):
+                raise HeadError("unreachable", reason, 503) from None
 
     async def _cancel_chain(self, request_id: str, registry: Registry, reason: str) -> None:
         """Tell every stage the request is over, so that each frees its KV cache (best effort, bounded)."""
@@ -353,10 +355,14 @@ class HeadService:
                 elif status.gone & set(handle.registry.stages):
                     self._start_move(handle, status.detail)
 
-    def _start_move(self, handle: RequestHandle, reason: str) -> None:
-        if self._nursery is not None and not handle.moving and not handle.closed:
+    def _start_move(self, handle: RequestHandle, reason: str) -> bool:
+        """Start moving `handle` to the current chain; False if it cannot move (closed, or no task to move it)."""
+        if self._nursery is None or handle.closed:
+            return False
+        if not handle.moving:
             handle.moving = True
             self._nursery.start_soon(self._move, handle, reason)
+        return True
 
     async def _move(self, handle: RequestHandle, reason: str) -> None:
         """Replay the request's tokens through the current chain as a new attempt (see `swarmd.recovery`)."""
