@@ -114,10 +114,31 @@ def build_config(args: argparse.Namespace):
     )
 
 
+# py-libp2p logs these as errors on every failed dial; to a daemon they are routine (a member died or left,
+# and membership says so in its own words)
+ROUTINE_LIBP2P = ("Failed to open TCP stream", "MultiselectClient handshake: read failed",
+                  "failed to upgrade security for peer")
+
+
+class RoutineLibp2pErrors(logging.Filter):
+    """Drops py-libp2p's routine dial-failure errors (shown at --log-level debug)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name.startswith("libp2p") and record.getMessage().startswith(ROUTINE_LIBP2P))
+
+
 def setup_logging(level: str) -> None:
+    import libp2p  # noqa: F401 - importing it configures its logger (no handler, no propagation): undo that after
+
     logging.basicConfig(level=getattr(logging, level.upper()), format=LOG_FORMAT, stream=sys.stderr, force=True)
-    # py-libp2p warns a lot about routine things (resets, closed streams); keep its errors only.
-    logging.getLogger("libp2p").setLevel(logging.WARNING if level == "debug" else logging.ERROR)
+    # py-libp2p warns a lot about routine things (resets, closed streams); keep its errors only, in our format
+    # (without propagation Python's last-resort handler printed them bare, with no time or source).
+    libp2p_log = logging.getLogger("libp2p")
+    libp2p_log.setLevel(logging.WARNING if level == "debug" else logging.ERROR)
+    libp2p_log.propagate = True
+    if level != "debug":
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(RoutineLibp2pErrors())
 
 
 def say(line: str) -> None:
