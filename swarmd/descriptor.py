@@ -218,6 +218,9 @@ class LocalDescriptor:
     standby: bool = False
     memory_refresh_s: float = 5.0
     _memory: tuple[float, int, int] = (float("-inf"), 0, 0)
+    _host_ram: int = 0  # read once: it does not change while the daemon runs
+    addresses_refresh_s: float = 1.0
+    _addresses: tuple[float, tuple[str, ...]] = (float("-inf"), ())
 
     def memory(self) -> tuple[int, int]:
         now = time.monotonic()
@@ -229,9 +232,21 @@ class LocalDescriptor:
             return self.memory_limit, min(self.memory_limit, free)
         return total, free
 
-    def __call__(self) -> NodeDescriptor:
-        import psutil
+    def listen_addresses(self) -> tuple[str, ...]:
+        """The host's addresses, asked again at most once a second (libp2p asks every listening socket)."""
+        now = time.monotonic()
+        if not self._addresses[1] or now - self._addresses[0] > self.addresses_refresh_s:
+            self._addresses = (now, tuple(self.addresses()))
+        return self._addresses[1]
 
+    def host_ram(self) -> int:
+        if not self._host_ram:
+            import psutil
+
+            self._host_ram = psutil.virtual_memory().total
+        return self._host_ram
+
+    def __call__(self) -> NodeDescriptor:
         total, free = self.memory()
         return NodeDescriptor(
             peer_id=self.peer_id,
@@ -240,13 +255,13 @@ class LocalDescriptor:
             flops=self.bench.flops,
             mem_bandwidth=self.bench.mem_bandwidth,
             uplink_bps=self.uplink,
-            addresses=tuple(self.addresses()),
+            addresses=self.listen_addresses(),
             swarmd_version=__version__,
             wire_version=WIRE_VERSION,
             label=self.label or self.device_name,
             device=self.device,
             device_name=self.device_name,
-            host_ram=psutil.virtual_memory().total,
+            host_ram=self.host_ram(),
             model_name=self.model_name,
             model_digest=self.model_digest,
             load=float(self.load()),

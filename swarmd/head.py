@@ -359,6 +359,8 @@ class HeadService:
         whose stages membership marks dead (the move waits for the plan that replaces it)."""
         while True:
             await trio.sleep(MOVE_CHECK_INTERVAL)
+            if not self.requests:
+                continue  # nothing to move: the chain's status (a status snapshot) is not worth making
             now, status = self._registry(), self._chain()
             for handle in {id(h): h for h in self.requests.values()}.values():
                 if handle.moving or handle.session.ended:
