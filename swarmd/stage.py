@@ -234,8 +234,11 @@ class StageActor:
             self._first_queued = trio.current_time()
         self._jobs.append(job)
         if self._idle and self._inflight is None and not self._must_wait():
-            self._launch()  # the compute thread starts now, not after the worker's wake-up
-        self._wake.set()
+            # The compute thread starts now, not after the worker's wake-up; the worker is woken when the
+            # batch's first segment is done (`_segment_done`), so no task runs beside the thread's start.
+            self._launch()
+        else:
+            self._wake.set()
         await job.done.wait()
         if book is not self.book or work.request_id not in book.requests:
             return None  # the stage was replaced meanwhile (a new plan): the request is lost here
@@ -292,7 +295,13 @@ class StageActor:
             task_status.started(self)
             while True:
                 self._idle = True
-                await self._wake.wait()
+                try:
+                    await self._wake.wait()
+                except trio.Cancelled:  # the daemon stops: a batch a handler launched must not hold its handlers
+                    if self._inflight is not None:
+                        for job in self._inflight.jobs:
+                            job.done.set()
+                    raise
                 self._idle = False
                 self._wake = trio.Event()
                 while self._jobs or self._frees or self._inflight is not None:
@@ -324,9 +333,13 @@ class StageActor:
             job.taken = taken
         batch = self._inflight = Batch(jobs, run_batch(jobs, frees))
         try:
-            self.compute.submit(advance, batch.steps, None, None, then=partial(_first_segment_done, batch))
+            self.compute.submit(advance, batch.steps, None, None, then=partial(self._segment_done, batch))
         except RuntimeError as e:  # the compute handle is closed (the daemon is stopping): the jobs fail
-            _first_segment_done(batch, None, e)
+            self._segment_done(batch, None, e)
+
+    def _segment_done(self, batch: Batch, answer: tuple[bool, Any] | None, error: BaseException | None) -> None:
+        _first_segment_done(batch, answer, error)
+        self._wake.set()  # the worker sees the batch through (a handler may have launched it while it slept)
 
     async def _see_through(self, batch: Batch) -> None:
         """Wait for the batch's first segment; for a MoE stage whose experts live elsewhere, ask them and run
