@@ -157,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
 
     config = build_config(args)
     setup_logging(config.log_level)
+    from swarmd.compute import collect_garbage_on_the_compute_thread
+
+    collect_garbage_on_the_compute_thread()  # a finaliser run on tinygrad's own thread would hang the daemon
     from swarmd.host import parse_multiaddr, split_peer_addr
 
     for addr in config.listen:
