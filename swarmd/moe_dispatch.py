@@ -3,12 +3,14 @@
 `split_by_node` picks one holder per selected expert (`ReplicaChooser`: lowest observed latency
 times load, the Plan's nearest-first order breaking ties) and groups the experts by node, so each
 node gets one batched `ExpertCall` per layer and step with just the rows that select its experts;
-`combine` adds the nodes' gated sums back into one (rows, dim) answer.
+`combine` adds the nodes' gated sums back into one (rows, dim) answer. `unserved` and
+`give_up_reason` decide what a router does when a selected expert has no usable holder (every one is
+dead or failed): wait for a plan that places it on a live node, or fail the step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -86,3 +88,27 @@ def tokens_per_expert(call: ExpertCall) -> dict[int, int]:
     """How many rows of `call` each expert is asked for (load, for status and re-planning)."""
     experts, counts = np.unique(call.sel[call.sel >= 0], return_counts=True)
     return {int(e): int(c) for e, c in zip(experts, counts, strict=True)}
+
+
+def unserved(call: ExpertCall, holders: Mapping[int, tuple[str, ...]], unusable: Iterable[str]) -> list[int]:
+    """The experts `call` selects that have no holder outside `unusable` (nodes dead or failed this call)."""
+    unusable = set(unusable)
+    return [e for e in sorted(set(call.sel[call.sel >= 0].tolist()))
+            if not any(p not in unusable for p in holders.get(e, ()))]
+
+
+def give_up_reason(missing: Sequence[int], block: int, waited: float, limit: float,
+                   cannot_hold: str | None = None) -> str | None:
+    """Why a step whose experts `missing` have no usable holder fails now; None: wait for a new plan.
+
+    The leader re-places the experts of a dead node on survivors; a step waits for that plan up to `limit`
+    seconds, and not at all once the swarm is known to be unable to hold them (`cannot_hold`, the leader's
+    planning error)."""
+    many = len(missing) > 1
+    which = f"expert{'s' if many else ''} {', '.join(map(str, missing))} of block {block}"
+    has, them = ("have", "them") if many else ("has", "it")
+    if cannot_hold:
+        return f"{which} {has} no live holder and the swarm cannot hold {them}: {cannot_hold}"
+    if waited >= limit:
+        return f"{which} {has} no reachable holder and no new plan placed {them} on a live node within {limit:g} s"
+    return None
