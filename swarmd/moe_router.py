@@ -252,7 +252,8 @@ class MoERouter:
                 "fan_out_ms_median": round(lat[len(lat) // 2], 3) if lat else None,
                 "tokens": {str(e): n for e, n in sorted(s.tokens.items())},
             }
-        return {"layers": out, "latency_ms": {p[:16]: round(v * 1e3, 3) for p, v in sorted(self.chooser.latency.items())}}
+        return {"layers": out, "waited_for_plan": self.waits, "dead_peers": sorted(p[:16] for p in self.dead),
+                "latency_ms": {p[:16]: round(v * 1e3, 3) for p, v in sorted(self.chooser.latency.items())}}
 
 
 def _thread(block: int) -> str:
