@@ -10,7 +10,8 @@ another holder, while any is left.
 
 A node that membership declares dead (`peer_state`) is never asked again, and every batch waiting on it
 (to be acked, or acked and waiting for its answer) ends at once: its rows go to a replica of its
-experts if the plan has one. An expert left with no live holder waits, up to `plan_wait`, for the
+experts if the plan has one. A batch whose experts have a replica does not even wait for that verdict:
+it goes to the replica as soon as the transport's stream to the node breaks (`link_lost`). An expert left with no live holder waits, up to `plan_wait`, for the
 leader's next plan to place it on a survivor (which loads it; its expert actor waits for the load),
 then its rows are sent there; past that, or when the leader says the swarm cannot hold the experts
 (`cannot_hold`), the step fails with `ExpertsUnavailable` saying which experts and why.
@@ -65,6 +66,7 @@ class ExpertsUnavailable(Exception):
 @dataclass
 class _Pending:
     peer: str
+    call: Any  # the part of the layer's call asked of `peer` (a models.moe.ExpertCall)
     done: trio.Event = field(default_factory=trio.Event)
     answer: np.ndarray | None = None
     error: str | None = None
@@ -183,6 +185,16 @@ class MoERouter:
                 pending.error = "the node is dead"
                 pending.scope.cancel()
 
+    def link_lost(self, peer: str) -> None:
+        """The stream to `peer` broke or could not be opened (the transport still retries): a batch waiting on
+        it whose experts all have another live holder is asked of them now, without waiting for membership's
+        verdict (a live peer's late answer is dropped); the others wait for the retries or for that verdict."""
+        for pending in self._pending.values():
+            if pending.peer == peer and not pending.done.is_set() and not unserved(
+                    pending.call, self._holders(pending.call.layer), self.dead | {peer}):
+                pending.error = "the link to the node broke (a replica is asked)"
+                pending.scope.cancel()
+
     async def _ask(self, part: NodePart, results: dict[str, np.ndarray | str], traced: Mapping[str, int]) -> None:
         self._count += 1
         batch_id = f"moe-{self._prefix}-{self._count}"
@@ -191,7 +203,7 @@ class MoERouter:
                           WireTensor.from_array(part.call.sel.astype(np.int32)),
                           WireTensor.from_array(part.call.gates.astype(np.float32)),
                           traced=tuple(traced), traced_steps=tuple(traced.values()))
-        pending = self._pending[batch_id] = _Pending(part.peer)
+        pending = self._pending[batch_id] = _Pending(part.peer, part.call)
         self.chooser.started(part.peer)
         started = time.perf_counter()
         clock = self.recorder.clock if traced and self.recorder is not None else None

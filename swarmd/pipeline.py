@@ -85,6 +85,7 @@ class Pipeline:
                                 timings=cfg.timings, load_model=self._load_model, in_flight=self._count,
                                 leaving=lambda: node.leaving)
         self._observe()
+        transport.on_link_lost = self.router.link_lost  # batches with a replica leave a broken link at once
         swarm = getattr(node, "swarm", None)
         if swarm is not None:  # batches waiting on a node end as soon as membership says it died
             swarm.state_listeners.append(self._member_state)

@@ -74,6 +74,7 @@ async def build(nursery, gguf, config: TransportConfig | None = None, recorders:
     if recorders is not None:
         router.recorder = recorders["s"] = SpanRecorder()
     stage.route(ExpertResult, router.on_result)
+    stage.on_link_lost = router.link_lost
 
     async def on_error(peer, msg):
         router.on_error(msg)
@@ -162,6 +163,30 @@ async def test_a_batch_waiting_on_a_node_that_dies_goes_to_a_replica_as_soon_as_
         asked = router.layers[BLOCK].messages
         await router.call(call)  # the dead node is not asked again: the replica answers at once
         assert router.layers[BLOCK].messages == asked + 2 and router.waits == 0
+        nursery.cancel_scope.cancel()
+    np.testing.assert_allclose(got[0], want, atol=1e-5, rtol=0)
+
+
+async def test_a_batch_whose_link_breaks_goes_to_a_replica_at_once_and_one_without_replica_keeps_waiting(gguf):
+    replicated, alone = one_row(2, 0), one_row(5, 0)  # expert 2: c, then b; expert 5: only c
+    want = ExpertShard.from_gguf(gguf, {BLOCK: range(6)}, dtype="float32")(replicated)
+    async with trio.open_nursery() as nursery:
+        net, router = await build(nursery, gguf, hang=frozenset({"c"}))
+        answered, got = trio.Event(), []
+        nursery.start_soon(ask, router, replicated, got, answered)
+        lone_answered, lone = trio.Event(), []
+        nursery.start_soon(ask, router, alone, lone, lone_answered)
+        with trio.fail_after(10):
+            await net.hung.wait()
+        await trio.sleep(0.2)  # both batches acked by c, which never answers
+        net.down.add("c")
+        broke = trio.current_time()
+        await net.break_links()
+        with trio.fail_after(5):
+            await answered.wait()
+        assert trio.current_time() - broke < 2.0 and "c" not in router.dead  # no verdict from membership needed
+        await trio.sleep(0.5)
+        assert not lone_answered.is_set()  # no other holder: it waits for the retries or for membership
         nursery.cancel_scope.cancel()
     np.testing.assert_allclose(got[0], want, atol=1e-5, rtol=0)
 
