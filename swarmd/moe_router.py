@@ -11,10 +11,11 @@ another holder, while any is left.
 A node that membership declares dead (`peer_state`) is never asked again, and every batch waiting on it
 (to be acked, or acked and waiting for its answer) ends at once: its rows go to a replica of its
 experts if the plan has one. A batch whose experts have a replica does not even wait for that verdict:
-it goes to the replica as soon as the transport's stream to the node breaks (`link_lost`). An expert left with no live holder waits, up to `plan_wait`, for the
-leader's next plan to place it on a survivor (which loads it; its expert actor waits for the load),
-then its rows are sent there; past that, or when the leader says the swarm cannot hold the experts
-(`cannot_hold`), the step fails with `ExpertsUnavailable` saying which experts and why.
+it goes to the replica as soon as the transport's stream to the node breaks (`link_lost`). An expert
+left with no live holder waits, up to `plan_wait`, for the leader's next plan to place it on a survivor
+(which loads it; its expert actor waits for the load), then its rows are sent there; past that, or when
+the leader says the swarm cannot hold the experts (`cannot_hold`), the step fails with
+`ExpertsUnavailable` saying which experts and why.
 
 For traced requests among the rows (`traced`: request id -> step) it records, on this daemon's clock,
 `moe.fan_out` per call (first batch sent -> every answer in; `messages`, `nodes`, `rows`) and per node
