@@ -184,7 +184,7 @@ def run_chaos(swarm: FaultSwarm, *, schedules: int, seed: int, n_tokens: int, de
         crashed = chaos.crashed()
         chaos.counts["crashed daemons"] += len(crashed)
         chaos.stopped.update(crashed)
-        if chaos.stopped:
+        if chaos.stopped and k + 1 < schedules:  # the next schedule starts from the whole swarm
             chaos.heal(deadline)
     chaos.counts["schedules"] = sum(chaos.counts[o] for o in ("correct", "clear error", "hung", "wrong",
                                                              "cut (head killed)"))

@@ -29,6 +29,7 @@ import trio
 
 from swarmd.config import Timings
 from swarmd.head_session import Event, Failed, HeadSession, TokenOut
+from swarmd.identity import short_id
 from swarmd.recovery import CHAIN_ERRORS, MAX_MOVES, Recovery, attempt_id, chain_changed, replay_forward
 from swarmd.registry import ChainStatus, Registry
 from swarmd.spans import SpanRecorder
@@ -171,11 +172,23 @@ class RequestHandle:
             event = await self._recv.receive()
         if timer.cancelled_caught:
             what = "the next token" if self.timing.first else "the first token"
-            failed = self.session.fail("timeout", f"no answer from the swarm for {wait:.0f} s waiting for {what}")
+            failed = self.session.fail("timeout", f"no answer from the swarm for {wait:.0f} s waiting for {what} "
+                                                  f"({self.whereabouts()})")
             event = failed[0] if failed else Failed("timeout", "no answer from the swarm")
         if isinstance(event, Failed) or (self.session.done and self._recv.statistics().current_buffer_used == 0):
             self._over = True
         return event
+
+    def whereabouts(self) -> str:
+        """Where the request was last sent, and its move under way if any (for errors a user can act on)."""
+        chain = " -> ".join(short_id(p) for p in self.registry.stages) or "no chain"
+        said = f"attempt {self.attempt} on plan epoch {self.registry.epoch}: {chain}"
+        if self.moving and self.recoveries:
+            move = self.recoveries[-1]
+            said += f"; moving for {time.perf_counter() - move.noticed:.0f} s ({move.reason})"
+            if move.waiting and not move.ready:
+                said += f", waiting: {move.waiting}"
+        return said
 
     def record(self, name: str, start: float, end: float, **args: Any) -> None:
         """A span of this request on the head (perf_counter seconds), if it is traced."""
@@ -377,7 +390,7 @@ class HeadService:
                 if handle.attempt >= MAX_MOVES:
                     raise HeadError("unreachable", f"moved {MAX_MOVES} times and the chain still does not hold it",
                                     503)
-                registry = await self.wait_ready(give_up_when_too_small=True)
+                registry = await self.wait_ready(give_up_when_too_small=True, on_wait=recovery.wait_says)
                 if handle.session.ended or handle.closed:
                     return
                 recovery.ready, recovery.epoch = time.perf_counter(), registry.epoch

@@ -227,8 +227,11 @@ class Pipeline:
         return {
             "stage": None if loaded is None else {
                 "hop": loaded.hop, "of": loaded.registry.n_stages, "blocks": [loaded.model.start, loaded.model.end],
-                "requests": len(book.requests) if book else 0, **self.stage.stats.to_json()},
-            "head": {"in_flight": len(self.head.requests), **self.head.stats},
+                "requests": len(book.requests) if book else 0, **self.stage.queue_state(),
+                **self.stage.stats.to_json()},
+            "head": {"in_flight": len(self.head.requests), **self.head.stats,
+                     "requests": [{"request_id": h.request_id, "tokens": h.timing.tokens, "where": h.whereabouts()}
+                                  for h in {id(h): h for h in self.head.requests.values()}.values()]},
             "moe": {"router": self.router.status(), "expert": self.expert.status()},
             "chain": {"ready": chain.ready, "detail": chain.detail},
             "transport": {k: v for k, v in vars(self.transport.stats).items()},

@@ -67,6 +67,10 @@ class Recovery:
     first_token: float = 0.0  # the first new token came back (the KV caches are rebuilt)
     replayed_tokens: int = 0
     epoch: int = 0
+    waiting: str = ""  # what the new chain was last waiting for
+
+    async def wait_says(self, detail: str) -> None:
+        self.waiting = detail
 
     def to_json(self) -> dict[str, Any]:
         def span(a: float, b: float) -> float | None:

@@ -114,10 +114,38 @@ def build_config(args: argparse.Namespace):
     )
 
 
+# py-libp2p logs these as errors on every failed dial; to a daemon they are routine (a member died or left,
+# and membership says so in its own words)
+ROUTINE_LIBP2P = ("Failed to open TCP stream", "MultiselectClient handshake: read failed",
+                  "failed to upgrade security for peer")
+
+
+class Libp2pNoise(logging.Filter):
+    """Lets py-libp2p's records through only from `level` up (its modules set their own, lower levels), and
+    without its routine dial failures unless `routine` (at --log-level debug)."""
+
+    def __init__(self, level: int, routine: bool) -> None:
+        super().__init__()
+        self.level, self.routine = level, routine
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith("libp2p"):
+            return True
+        if record.levelno < self.level:
+            return False
+        return self.routine or not record.getMessage().startswith(ROUTINE_LIBP2P)
+
+
 def setup_logging(level: str) -> None:
+    import libp2p  # noqa: F401 - importing it configures its logger (no handler, no propagation): undo that after
+
     logging.basicConfig(level=getattr(logging, level.upper()), format=LOG_FORMAT, stream=sys.stderr, force=True)
-    # py-libp2p warns a lot about routine things (resets, closed streams); keep its errors only.
-    logging.getLogger("libp2p").setLevel(logging.WARNING if level == "debug" else logging.ERROR)
+    # py-libp2p warns a lot about routine things (resets, closed streams): keep its errors only, in our format
+    # (without propagation Python's last-resort handler printed them bare, with no time or source).
+    debug = level == "debug"
+    logging.getLogger("libp2p").propagate = True
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(Libp2pNoise(logging.WARNING if debug else logging.ERROR, routine=debug))
 
 
 def say(line: str) -> None:

@@ -102,7 +102,7 @@ class DaemonSwarm:
         return tokens, {"event": "cut"}
 
     def logs(self) -> str:
-        return "\n".join(f"--- {d.home.name}\n{d.log()[-2000:]}" for d in self.daemons)
+        return "\n".join(f"--- {d.home.name}\n{d.log()[-4000:]}" for d in self.daemons)
 
 
 def timed(fn, *args, **kw) -> tuple[Any, float]:
