@@ -266,7 +266,7 @@ class MoERouter:
                 "tokens": {str(e): n for e, n in sorted(s.tokens.items())},
             }
         return {"layers": out, "waited_for_plan": self.waits, "dead_peers": sorted(p[:16] for p in self.dead),
-                "latency_ms": {p[:16]: round(v * 1e3, 3) for p, v in sorted(self.chooser.latency.items())}}
+                "latency_ms": {p[:16]: round(self.chooser.estimate(p) * 1e3, 3) for p in sorted(self.chooser.latency)}}
 
 
 def _thread(block: int) -> str:

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from planner.plan import Plan
-from tests.moe.moe_swarm import ExpertNodeSwarm, MoESwarm
+from tests.moe.moe_swarm import ExpertNodeSwarm, MoESwarm, write_tiny_moe
 
 pytestmark = pytest.mark.slow
 
@@ -59,10 +59,7 @@ def bench_file(tmp_path_factory) -> Path:
 def tiny_moe(tmp_path_factory, smollm2_gguf):
     """A 4-block synthetic MoE (8 experts, top-2, sigmoid scores with a selection bias, a shared expert,
     one leading dense block) with SmolLM2's tokenizer."""
-    from models.moe_gguf import SYNTHETIC_MOE, write_synthetic_moe
-
-    path = tmp_path_factory.mktemp("moe") / "tiny-moe.gguf"
-    return write_synthetic_moe(path, SYNTHETIC_MOE["tiny"], seed=11, tokenizer_from=smollm2_gguf)
+    return write_tiny_moe(tmp_path_factory.mktemp("moe") / "tiny-moe.gguf")
 
 
 def check_greedy(swarm: MoESwarm, want: dict[str, list[int]]) -> None:

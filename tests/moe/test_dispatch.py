@@ -65,6 +65,22 @@ def test_a_failed_replica_is_avoided_until_it_answers_fast_again():
     assert chooser.choose(("c", "b")) == "c"
 
 
+def test_an_estimate_no_call_refreshes_relaxes_so_a_holder_shunned_once_is_tried_again():
+    now = [0.0]
+    chooser = ReplicaChooser(clock=lambda: now[0])
+    chooser.finished("c", 0.400)  # its first batch compiled kernels
+    chooser.finished("b", 0.010)
+    assert chooser.choose(("c", "b")) == "b"
+    for t in range(1, 11):  # b answers in 10 ms all along
+        now[0] = t * chooser.half_life_s
+        chooser.finished("b", 0.010)
+        if t == 3:  # c's estimate is 1/8 of its excess over the prior: still slower than b
+            assert chooser.choose(("c", "b")) == "b"
+    assert chooser.choose(("c", "b")) == "c"  # an unrefreshed estimate drifts back to the prior: c is asked again
+    chooser.finished("c", None)  # and if it fails it is shunned again, for a while
+    assert chooser.choose(("c", "b")) == "b"
+
+
 def test_load_counts_tokens_per_expert():
     assert tokens_per_expert(call([[0, 1], [2, 0], [3, -1]])) == {0: 2, 1: 1, 2: 1, 3: 1}
 
