@@ -250,6 +250,7 @@ def expert_recovery(swarm: Any, tokens: int, kill_after: int) -> dict[str, Any]:
 
 def expert_node_runs(base: Path, bench_file: Path, model: Path, replicas: bool, args: argparse.Namespace) -> dict[str, Any]:
     """`--kills` expert node kills over one swarm (with or without replicas of its experts), and medians."""
+    from swarmd.moe_dispatch import ReplicaChooser
     from tests.moe.moe_swarm import ExpertNodeSwarm
 
     swarm = ExpertNodeSwarm(base, bench_file, 4, str(model), replicated=None if replicas else frozenset())
@@ -264,6 +265,9 @@ def expert_node_runs(base: Path, bench_file: Path, model: Path, replicas: bool, 
                 swarm.daemons[swarm.expert_node].wait_ready(60)
                 swarm.wait_chain(timeout=300)
                 swarm.stream(0, prompt=PROMPT, max_tokens=4)
+            # the routers shun a holder whose last call was slow (its first batch compiles) or failed, until
+            # their estimate of it relaxes (ReplicaChooser.half_life_s): let it, so that the expert node is used
+            time.sleep(4 * ReplicaChooser.half_life_s)
             say(f"kill -9 of the expert node ({k + 1} of {args.kills})")
             runs.append(expert_recovery(swarm, args.tokens, args.kill_after))
             say(json.dumps(runs[-1]))
