@@ -147,17 +147,17 @@ def collect_if_due() -> None:
     gc.collect(generation)
 
 
-def collect_now(timeout: float) -> bool:
-    """A full collection on the compute thread (on this thread if it never started); False if it took
-    longer than `timeout` s. For a caller that runs tinygrad on its own thread only while the compute
-    thread is idle (a test), with automatic collection off."""
+def collect_due_garbage(timeout: float) -> bool:
+    """`collect_if_due` on the compute thread (on this thread if it never started); False if that took
+    longer than `timeout` s. For a caller that runs tinygrad on its own thread only while the compute thread
+    is idle (a test), with automatic collection off."""
     if _worker is None:
-        gc.collect()
+        collect_if_due()
         return True
     finished = threading.Event()
 
     def collect() -> None:
-        gc.collect()
+        collect_if_due()
         finished.set()
 
     _worker.jobs.put(collect)
