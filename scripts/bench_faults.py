@@ -4,6 +4,7 @@
     .venv/bin/python scripts/bench_faults.py --daemons 3 --tokens 32 --kills 2
     .venv/bin/python scripts/bench_faults.py --daemons 3 --standby 1 --tokens 32 --kills 2 --skip-resets
     .venv/bin/python scripts/bench_faults.py --skip-kill --reset-rates 0,0.01,0.05
+    .venv/bin/python scripts/bench_faults.py --expert-node --tokens 32 --kills 3
 
 Starts a swarm of real daemons on loopback, each behind an emulated link (`scripts/link_emulator.py`), serving
 SmolLM2 (the kernel cache is warm after the first request). Then:
@@ -19,6 +20,14 @@ SmolLM2 (the kernel cache is warm after the first request). Then:
 * resets (on the daemons left after the kill): the same request with each link resetting every forwarded chunk
   with probability p; decode tokens/s side by side with p = 0 (medians of `--repeats` runs), frames the
   transports resent, and runs whose tokens differed or that failed.
+
+* expert node (`--expert-node`, instead of the above): a tiny synthetic MoE (4 blocks, 8 experts, top-2) on
+  three stage daemons and one daemon holding only experts (half of each MoE block's), twice side by side:
+  with a replica of each of its experts on a stage node, and without. After `--kill-after` tokens the expert
+  node gets `kill -9`; per run: kill -> the next token, detection (kill -> the head marks it dead),
+  re-plan (-> the head has the plan without it), kill -> the last survivor holding its re-placed experts,
+  whether a step waited for that plan, and tokens lost.
+  The expert node is started again between runs (the founder adopts its plan file again).
 
 Prints one JSON document.
 """
@@ -198,6 +207,80 @@ def resets(swarm: FaultSwarm, tokens: int, rates: list[float], repeats: int) -> 
     return out
 
 
+def expert_recovery(swarm: Any, tokens: int, kill_after: int) -> dict[str, Any]:
+    """Kill the expert node of an `ExpertNodeSwarm` under a request headed by daemon 0: the figures."""
+    victim, head = swarm.expert_node, 0
+    served_before = swarm.pipeline(victim)["moe"]["expert"]["batches"]
+    expected, _ = swarm.stream(head, prompt=PROMPT, max_tokens=tokens)
+    served = swarm.pipeline(victim)["moe"]["expert"]["batches"] - served_before  # by the expert node, undisturbed
+    waited_before = sum(swarm.pipeline(i)["moe"]["router"]["waited_for_plan"] for i in range(len(swarm.running)))
+    killed: dict[str, float] = {}
+    arrivals: list[float] = []
+
+    def on_token(n: int) -> None:
+        arrivals.append(time.perf_counter())
+        if n == kill_after:
+            killed["wall"], killed["perf"] = time.time(), time.perf_counter()
+            swarm.daemons[victim].kill9()
+
+    pairs, end = swarm.stream(head, prompt=PROMPT, max_tokens=tokens, on_token=on_token)
+    if end["event"] != "done":
+        raise RuntimeError(f"the request failed: {end}")
+    after_kill = [p for p in arrivals if p > killed["perf"]]
+    short = swarm.peers[victim][-6:]
+    lines = log_lines(swarm.daemons[head].log_path, killed["wall"], time.time())
+    dead = next((t for t, ln in lines if re.search(rf"member {short}: .*-> dead", ln)), None)
+    planned = next((t for t, ln in lines if re.search(r"plan epoch \d+ from", ln)), None)
+    waited = sum(swarm.pipeline(i)["moe"]["router"]["waited_for_plan"] for i in range(len(swarm.running)))
+    next_token = killed["wall"] + (after_kill[0] - killed["perf"]) if after_kill else time.time()
+    loaded = [t for i, d in enumerate(swarm.daemons) if i != victim
+              for t, ln in log_lines(d.log_path, killed["wall"], next_token) if re.search(r"loaded \d+ experts", ln)]
+    return {
+        "tokens": tokens, "killed_after_token": kill_after, "expert_node_batches_undisturbed": served,
+        "kill_to_next_token_s": round(after_kill[0] - killed["perf"], 3) if after_kill else None,
+        "detection_s": round(dead - killed["wall"], 3) if dead else None,
+        "replan_s": round(planned - dead, 3) if dead and planned else None,
+        "experts_reloaded_s": round(max(loaded) - killed["wall"], 3) if loaded else None,  # kill -> last survivor ready
+        "steps_that_waited_for_the_plan": waited - waited_before,
+        "tokens_lost": sum(1 for a, b in zip(pairs, expected, strict=False) if a != b) + abs(len(pairs) - len(expected)),
+        "same_tokens": pairs == expected,
+        "moved": bool(end.get("recoveries")),
+    }
+
+
+def expert_node_runs(base: Path, bench_file: Path, model: Path, replicas: bool, args: argparse.Namespace) -> dict[str, Any]:
+    """`--kills` expert node kills over one swarm (with or without replicas of its experts), and medians."""
+    from swarmd.moe_dispatch import ReplicaChooser
+    from tests.moe.moe_swarm import ExpertNodeSwarm
+
+    swarm = ExpertNodeSwarm(base, bench_file, 4, str(model), replicated=None if replicas else frozenset())
+    runs = []
+    try:
+        say(f"starting 3 stage daemons and an expert node ({'with' if replicas else 'no'} replicas)")
+        swarm.start()
+        swarm.stream(0, prompt=PROMPT, max_tokens=4)  # warm every stage's kernels
+        for k in range(args.kills):
+            if k:
+                swarm.start_daemon(swarm.expert_node, (f"{swarm.announced(0)}/p2p/{swarm.peers[0]}",))
+                swarm.daemons[swarm.expert_node].wait_ready(60)
+                swarm.wait_chain(timeout=300)
+                swarm.stream(0, prompt=PROMPT, max_tokens=4)
+            # the routers shun a holder whose last call was slow (its first batch compiles) or failed, until
+            # their estimate of it relaxes (ReplicaChooser.half_life_s): let it, so that the expert node is used
+            time.sleep(4 * ReplicaChooser.half_life_s)
+            say(f"kill -9 of the expert node ({k + 1} of {args.kills})")
+            runs.append(expert_recovery(swarm, args.tokens, args.kill_after))
+            say(json.dumps(runs[-1]))
+    finally:
+        swarm.stop()
+    out: dict[str, Any] = {}
+    for key in ("kill_to_next_token_s", "detection_s", "replan_s", "experts_reloaded_s", "tokens_lost"):
+        values = [r[key] for r in runs if r.get(key) is not None]
+        out[key] = round(statistics.median(values), 3) if values else None
+    out["all_same_tokens"] = all(r["same_tokens"] for r in runs)
+    return {"runs": runs, "median": out}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--daemons", type=int, default=3)
@@ -211,6 +294,8 @@ def main() -> int:
                    help="N more daemons join as spares (--standby); the stage a spare holds a copy of is killed")
     p.add_argument("--skip-kill", action="store_true")
     p.add_argument("--skip-resets", action="store_true")
+    p.add_argument("--expert-node", action="store_true",
+                   help="measure kill -9 of an expert-only node of a MoE swarm instead (with and without replicas)")
     args = p.parse_args()
     results: dict[str, Any] = {"command": " ".join(sys.argv)}
     with tempfile.TemporaryDirectory(prefix="swarmd-faults-") as tmp:
@@ -219,6 +304,15 @@ def main() -> int:
 
         device = resolve_device("auto")
         load_or_measure(base, device, device_name(device))
+        if args.expert_node:
+            from tests.moe.moe_swarm import write_tiny_moe
+
+            model = write_tiny_moe(base / "tiny-moe.gguf")
+            results["expert_node"] = {
+                "with_replicas": expert_node_runs(base / "replicas", base / BENCH_FILE, model, True, args),
+                "without_replicas": expert_node_runs(base / "alone", base / BENCH_FILE, model, False, args)}
+            print(json.dumps(results, indent=1))
+            return 0
         swarm = FaultSwarm(base / "swarm", base / BENCH_FILE, args.daemons + args.standby,
                            extra=("--max-context", "256"), standby=args.standby)
         try:

@@ -3,10 +3,13 @@
 
     .venv/bin/python scripts/chaos.py --daemons 5 --schedules 20 --seed 1
     .venv/bin/python scripts/chaos.py --daemons 4 --schedules 3 --max-tokens 12      # the CI subset's size
+    .venv/bin/python scripts/chaos.py --moe --daemons 5 --schedules 20 --seed 1       # a MoE swarm, expert kills
 
 Each daemon is reached through its own emulated link (`scripts/link_emulator.py`). A schedule sends one
 request (greedy, so its tokens are known from an undisturbed run) and, at random tokens of it, injects faults:
 resets of random links, a delay spike on a link, `kill -9` of a stage or of the leader, SIGTERM of a stage.
+With `--moe` the swarm serves a tiny synthetic MoE (4 blocks, 8 experts, top-2): the last daemon holds only
+routed experts (half of each MoE block's, no replicas) and faults also include `kill -9` of that expert node.
 The request ends `correct` (the undisturbed tokens, each step once), with a `clear error` (an error event
 with a code and a message), `hung` (no end within the deadline) or `cut` (the stream broke: its head was
 killed). A daemon that exits without being told to is `crashed`. Killed daemons are started again (same
@@ -33,10 +36,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.faults.fault_swarm import FaultSwarm  # noqa: E402
+from tests.moe.moe_swarm import ExpertNodeSwarm, write_tiny_moe  # noqa: E402
 from tests.swarm.daemons import wait_until  # noqa: E402
 
 PROMPT = "The history of the printing press begins in"
 FAULTS = ("reset", "reset", "delay", "kill_stage", "kill_leader", "leave")
+MOE_FAULTS = (*FAULTS, "kill_experts", "kill_experts")  # over a MoE swarm with an expert-only node
+REMOVALS = ("kill_stage", "kill_leader", "leave", "kill_experts")
 
 
 def say(line: str) -> None:
@@ -51,10 +57,11 @@ class Schedule:
     via: int  # the daemon (index) the request goes to
 
     @staticmethod
-    def draw(rng: random.Random, n_tokens: int, alive: list[int], max_faults: int) -> Schedule:
+    def draw(rng: random.Random, n_tokens: int, alive: list[int], max_faults: int,
+             kinds: tuple[str, ...] = FAULTS) -> Schedule:
         k = rng.randint(1, max_faults)
-        faults = sorted((rng.randint(1, max(1, n_tokens - 2)), rng.choice(FAULTS)) for _ in range(k))
-        removals = [f for f in faults if f[1] in ("kill_stage", "kill_leader", "leave")]
+        faults = sorted((rng.randint(1, max(1, n_tokens - 2)), rng.choice(kinds)) for _ in range(k))
+        removals = [f for f in faults if f[1] in REMOVALS]
         for extra in removals[max(0, len(alive) - 2):]:  # keep at least two daemons
             faults.remove(extra)
         return Schedule(faults, rng.choice(alive))
@@ -91,6 +98,10 @@ class Chaos:
             return "none (two daemons left)"
         if fault == "kill_leader":
             targets = [i for i in alive if self.swarm.peers[i] == leader]
+        elif fault == "kill_experts":  # a node holding experts and no stage
+            plan = status["plan"] or {}
+            holders = {p for by in (plan.get("experts") or {}).values() for ps in by.values() for p in ps}
+            targets = [i for i in alive if self.swarm.peers[i] in holders - set(stages)]
         else:
             targets = [i for i in alive if self.swarm.peers[i] in stages and self.swarm.peers[i] != leader]
         if not targets:
@@ -152,10 +163,12 @@ class Chaos:
         n = len(self.swarm.daemons)
         wait_until(lambda: self.swarm.pipeline()["chain"]["ready"] and
                    len(self.swarm.running[0].status()["plan"]["stages"]) >= min(n, 2), timeout, "a ready chain")
+        if isinstance(self.swarm, ExpertNodeSwarm):  # and every expert of the plan loaded by a holder
+            self.swarm.wait_chain(timeout=timeout, everyone=False)
 
 
 def run_chaos(swarm: FaultSwarm, *, schedules: int, seed: int, n_tokens: int, deadline: float, budget: float,
-              max_faults: int = 3) -> Counter:
+              max_faults: int = 3, kinds: tuple[str, ...] = FAULTS) -> Counter:
     """Run up to `schedules` schedules (within `budget` s); the counts of outcomes and crashed daemons."""
     rng = random.Random(seed)
     expected, end = swarm.stream(0, prompt=PROMPT, max_tokens=n_tokens)
@@ -167,11 +180,11 @@ def run_chaos(swarm: FaultSwarm, *, schedules: int, seed: int, n_tokens: int, de
         if time.monotonic() - started > budget:
             say(f"budget of {budget:.0f} s spent after {k} schedules")
             break
-        chaos.counts[chaos.run_one(Schedule.draw(rng, n_tokens, chaos.alive(), max_faults), expected)] += 1
+        chaos.counts[chaos.run_one(Schedule.draw(rng, n_tokens, chaos.alive(), max_faults, kinds), expected)] += 1
         crashed = chaos.crashed()
         chaos.counts["crashed daemons"] += len(crashed)
         chaos.stopped.update(crashed)
-        if chaos.stopped:
+        if chaos.stopped and k + 1 < schedules:  # the next schedule starts from the whole swarm
             chaos.heal(deadline)
     chaos.counts["schedules"] = sum(chaos.counts[o] for o in ("correct", "clear error", "hung", "wrong",
                                                              "cut (head killed)"))
@@ -187,6 +200,7 @@ def main() -> int:
     p.add_argument("--max-faults", type=int, default=3, help="faults per schedule, at most")
     p.add_argument("--deadline", type=float, default=120.0, help="seconds a request may take, faults included")
     p.add_argument("--budget", type=float, default=1800.0, help="seconds for the whole run")
+    p.add_argument("--moe", action="store_true", help="a MoE swarm whose last daemon holds only experts")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="swarmd-chaos-") as tmp:
         base = Path(tmp)
@@ -194,13 +208,17 @@ def main() -> int:
 
         device = resolve_device("auto")
         load_or_measure(base, device, device_name(device))
-        swarm = FaultSwarm(base / "swarm", base / BENCH_FILE, args.daemons,
-                           extra=("--max-context", "256"))
+        if args.moe:
+            model = write_tiny_moe(base / "tiny-moe.gguf")
+            swarm: FaultSwarm = ExpertNodeSwarm(base / "swarm", base / BENCH_FILE, args.daemons, str(model))
+        else:
+            swarm = FaultSwarm(base / "swarm", base / BENCH_FILE, args.daemons, extra=("--max-context", "256"))
         try:
             say(f"starting {args.daemons} daemons")
             swarm.start()
             counts = run_chaos(swarm, schedules=args.schedules, seed=args.seed, n_tokens=args.max_tokens,
-                               deadline=args.deadline, budget=args.budget, max_faults=args.max_faults)
+                               deadline=args.deadline, budget=args.budget, max_faults=args.max_faults,
+                               kinds=MOE_FAULTS if args.moe else FAULTS)
         finally:
             swarm.stop()
     print(json.dumps(dict(counts)))

@@ -5,11 +5,18 @@ device state are not made for several threads at once, only ever sees one. `awai
 compute.run(fn, *args)` hands `fn` to the thread and waits for it; a caller that is cancelled stops
 waiting, while the call itself runs to its end (a kernel cannot be interrupted). `compute.submit(fn, *args,
 then=...)` returns at once and calls `then` on the event loop when `fn` has run.
+
+Python's cyclic garbage collector runs on whichever thread happens to allocate when a threshold is crossed,
+tinygrad's own CPU worker thread included. A dropped stage's jitted graphs are cyclic garbage, and a graph's
+finaliser frees its buffers by waiting for the device to finish: on that worker thread it waits for itself,
+and the daemon hangs (seen when a plan replaced a stage). So a daemon hands collection to the compute thread
+(`collect_garbage_on_the_compute_thread`), which collects between jobs as the automatic collector would.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import queue
 import sqlite3
@@ -28,16 +35,25 @@ class _Worker:
 
     def __init__(self) -> None:
         self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.collects_garbage = False  # the cyclic collector runs here, between jobs (and when idle)
         self.thread = threading.Thread(target=self._main, name=THREAD_NAME, daemon=True)
         self.thread.start()
 
     def _main(self) -> None:
         use_a_kernel_cache_connection_per_thread()
         while True:
-            self.jobs.get()()
+            try:
+                job = self.jobs.get(timeout=IDLE_COLLECT_S)
+            except queue.Empty:
+                job = None
+            if job is not None:
+                job()
+            if self.collects_garbage:
+                collect_if_due()
 
 
 THREAD_NAME = "swarmd-compute"
+IDLE_COLLECT_S = 1.0  # an idle compute thread still collects what the event loop's thread left
 _worker: _Worker | None = None
 _worker_lock = threading.Lock()
 
@@ -109,6 +125,42 @@ def wait_until_idle(timeout: float) -> bool:
         return True
     finished = threading.Event()
     _worker.jobs.put(finished.set)
+    return finished.wait(timeout)
+
+
+def collect_garbage_on_the_compute_thread() -> None:
+    """Turn Python's automatic cyclic collection off and let the compute thread collect instead, so that no
+    finaliser of a tinygrad object runs on tinygrad's worker thread. For a process whose tinygrad calls all
+    go through `ComputeThread` (a daemon)."""
+    gc.disable()
+    _the_worker().collects_garbage = True
+
+
+def collect_if_due() -> None:
+    """What the automatic collector would do now: collect the oldest generation past its threshold."""
+    counts, limits = gc.get_count(), gc.get_threshold()
+    if counts[0] < limits[0]:
+        return
+    generation = 0
+    if counts[1] >= limits[1]:
+        generation = 2 if counts[2] >= limits[2] else 1
+    gc.collect(generation)
+
+
+def collect_due_garbage(timeout: float) -> bool:
+    """`collect_if_due` on the compute thread (on this thread if it never started); False if that took
+    longer than `timeout` s. For a caller that runs tinygrad on its own thread only while the compute thread
+    is idle (a test), with automatic collection off."""
+    if _worker is None:
+        collect_if_due()
+        return True
+    finished = threading.Event()
+
+    def collect() -> None:
+        collect_if_due()
+        finished.set()
+
+    _worker.jobs.put(collect)
     return finished.wait(timeout)
 
 

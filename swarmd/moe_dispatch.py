@@ -3,12 +3,15 @@
 `split_by_node` picks one holder per selected expert (`ReplicaChooser`: lowest observed latency
 times load, the Plan's nearest-first order breaking ties) and groups the experts by node, so each
 node gets one batched `ExpertCall` per layer and step with just the rows that select its experts;
-`combine` adds the nodes' gated sums back into one (rows, dim) answer.
+`combine` adds the nodes' gated sums back into one (rows, dim) answer. `unserved` and
+`give_up_reason` decide what a router does when a selected expert has no usable holder (every one is
+dead or failed): wait for a plan that places it on a live node, or fail the step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,16 +21,30 @@ from models.moe import ExpertCall, rows_for
 
 @dataclass
 class ReplicaChooser:
-    """Per-peer round-trip latency (exponentially weighted) and calls in flight."""
+    """Per-peer round-trip latency (exponentially weighted) and calls in flight.
+
+    An estimate that no new call refreshes relaxes toward the prior (`half_life_s`): a holder that was slow
+    once (compiling its first batch) or failed (restarted since) is tried again after a while instead of
+    being shunned for good while another holder answers."""
 
     alpha: float = 0.3  # weight of the newest sample
     prior_s: float = 0.005  # what an unmeasured peer is assumed to take
     failure_penalty: float = 4.0  # a failed call: the slowest estimate times this
+    half_life_s: float = 3.0
+    clock: Callable[[], float] = time.monotonic
     latency: dict[str, float] = field(default_factory=dict)
     in_flight: dict[str, int] = field(default_factory=dict)
+    sampled_at: dict[str, float] = field(default_factory=dict)
+
+    def estimate(self, peer: str) -> float:
+        """The peer's latency as believed now (seconds)."""
+        if peer not in self.latency:
+            return self.prior_s
+        age = max(0.0, self.clock() - self.sampled_at.get(peer, self.clock()))
+        return self.prior_s + (self.latency[peer] - self.prior_s) * 0.5 ** (age / self.half_life_s)
 
     def cost(self, peer: str) -> float:
-        return self.latency.get(peer, self.prior_s) * (1 + self.in_flight.get(peer, 0))
+        return self.estimate(peer) * (1 + self.in_flight.get(peer, 0))
 
     def choose(self, holders: tuple[str, ...], avoid: Iterable[str] = ()) -> str | None:
         """The holder to ask (None when every holder is avoided); ties go to the Plan's order."""
@@ -41,11 +58,12 @@ class ReplicaChooser:
     def finished(self, peer: str, seconds: float | None) -> None:
         """A call to `peer` ended: after `seconds`, or failed (None)."""
         self.in_flight[peer] = max(0, self.in_flight.get(peer, 0) - 1)
-        old = self.latency.get(peer, self.prior_s)
+        old = self.estimate(peer)
         if seconds is None:  # worse than the slowest peer that answers, until it answers fast again
-            self.latency[peer] = max([old, *self.latency.values()]) * self.failure_penalty
+            self.latency[peer] = max([old, *(self.estimate(p) for p in self.latency)]) * self.failure_penalty
         else:
             self.latency[peer] = (1 - self.alpha) * old + self.alpha * seconds
+        self.sampled_at[peer] = self.clock()
 
 
 @dataclass(frozen=True)
@@ -86,3 +104,27 @@ def tokens_per_expert(call: ExpertCall) -> dict[int, int]:
     """How many rows of `call` each expert is asked for (load, for status and re-planning)."""
     experts, counts = np.unique(call.sel[call.sel >= 0], return_counts=True)
     return {int(e): int(c) for e, c in zip(experts, counts, strict=True)}
+
+
+def unserved(call: ExpertCall, holders: Mapping[int, tuple[str, ...]], unusable: Iterable[str]) -> list[int]:
+    """The experts `call` selects that have no holder outside `unusable` (nodes dead or failed this call)."""
+    unusable = set(unusable)
+    return [e for e in sorted(set(call.sel[call.sel >= 0].tolist()))
+            if not any(p not in unusable for p in holders.get(e, ()))]
+
+
+def give_up_reason(missing: Sequence[int], block: int, waited: float, limit: float,
+                   cannot_hold: str | None = None) -> str | None:
+    """Why a step whose experts `missing` have no usable holder fails now; None: wait for a new plan.
+
+    The leader re-places the experts of a dead node on survivors; a step waits for that plan up to `limit`
+    seconds, and not at all once the swarm is known to be unable to hold them (`cannot_hold`, the leader's
+    planning error)."""
+    many = len(missing) > 1
+    which = f"expert{'s' if many else ''} {', '.join(map(str, missing))} of block {block}"
+    has, them = ("have", "them") if many else ("has", "it")
+    if cannot_hold:
+        return f"{which} {has} no live holder and the swarm cannot hold {them}: {cannot_hold}"
+    if waited >= limit:
+        return f"{which} {has} no reachable holder and no new plan placed {them} on a live node within {limit:g} s"
+    return None

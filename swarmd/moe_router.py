@@ -8,6 +8,15 @@ residual stream. Frames are retried over dropped links and de-duplicated by the 
 that refuses, cannot be reached or does not answer in time is avoided and its experts are asked of
 another holder, while any is left.
 
+A node that membership declares dead (`peer_state`) is never asked again, and every batch waiting on it
+(to be acked, or acked and waiting for its answer) ends at once: its rows go to a replica of its
+experts if the plan has one. A batch whose experts have a replica does not even wait for that verdict:
+it goes to the replica as soon as the transport's stream to the node breaks (`link_lost`). An expert
+left with no live holder waits, up to `plan_wait`, for the leader's next plan to place it on a survivor
+(which loads it; its expert actor waits for the load), then its rows are sent there; past that, or when
+the leader says the swarm cannot hold the experts (`cannot_hold`), the step fails with
+`ExpertsUnavailable` saying which experts and why.
+
 For traced requests among the rows (`traced`: request id -> step) it records, on this daemon's clock,
 `moe.fan_out` per call (first batch sent -> every answer in; `messages`, `nodes`, `rows`) and per node
 `moe.send` (batch ready -> acked) and `moe.call` (batch ready -> its answer in): the wait for results is
@@ -28,7 +37,15 @@ import numpy as np
 import trio
 
 from planner.plan import router_actor
-from swarmd.moe_dispatch import NodePart, ReplicaChooser, combine, split_by_node, tokens_per_expert
+from swarmd.moe_dispatch import (
+    NodePart,
+    ReplicaChooser,
+    combine,
+    give_up_reason,
+    split_by_node,
+    tokens_per_expert,
+    unserved,
+)
 from swarmd.spans import SpanRecorder, flow_id
 from swarmd.transport import DeliveryFailed, Refused
 from swarmd.wire.codec import WireTensor
@@ -38,18 +55,23 @@ log = logging.getLogger("swarmd.moe")
 
 RESULT_TIMEOUT = 120.0  # s a node that acked a batch has to answer it (first batches compile kernels) before
 # its experts are asked elsewhere
+PLAN_WAIT = 60.0  # s a step waits for a plan that places experts whose every holder died on a live node
+PLAN_POLL = 0.05  # s between looks at the plan while waiting for it
 
 
 class ExpertsUnavailable(Exception):
-    """No holder of some selected expert answered: the step fails (the request gets an error)."""
+    """No holder of some selected expert answered and no plan placed it on a live node in time: the step
+    fails (the request gets an error)."""
 
 
 @dataclass
 class _Pending:
     peer: str
+    call: Any  # the part of the layer's call asked of `peer` (a models.moe.ExpertCall)
     done: trio.Event = field(default_factory=trio.Event)
     answer: np.ndarray | None = None
     error: str | None = None
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)  # cancelled when the peer dies
 
 
 @dataclass
@@ -64,11 +86,16 @@ class LayerStats:
 
 class MoERouter:
     def __init__(self, transport: Any, holders: Callable[[int], Mapping[int, tuple[str, ...]]], *,
-                 wire_dtype: str | None = None, result_timeout: float = RESULT_TIMEOUT) -> None:
+                 wire_dtype: str | None = None, result_timeout: float = RESULT_TIMEOUT,
+                 plan_wait: float = PLAN_WAIT, cannot_hold: Callable[[], str | None] = lambda: None) -> None:
         self.transport = transport
         self._holders = holders  # block -> expert -> holder peer ids (the current plan's, nearest first)
         self.wire_dtype = wire_dtype
         self.result_timeout = result_timeout
+        self.plan_wait = plan_wait
+        self._cannot_hold = cannot_hold  # why the swarm can no longer hold the model, when known here
+        self.dead: set[str] = set()  # peers membership says are dead: never asked
+        self.waits = 0  # steps that waited for a plan to re-place experts of dead nodes
         self.chooser = ReplicaChooser()
         self.layers: dict[int, LayerStats] = defaultdict(LayerStats)
         self._prefix = uuid.uuid4().hex[:12]
@@ -83,16 +110,13 @@ class MoERouter:
         traced = dict(traced or {}) if self.recorder is not None else {}
         span_start = self.recorder.clock() if traced and self.recorder is not None else 0.0
         messages = 0
-        holders = self._holders(call.layer)
         stats = self.layers[call.layer]
         answers: list[tuple[NodePart, np.ndarray]] = []
-        avoid: set[str] = set()
-        todo = call
+        avoid: set[str] = set()  # failed during this call (dead peers are avoided by every call)
+        todo, first = call, True
         while True:
-            try:
-                parts = split_by_node(todo, holders, lambda hs: self.chooser.choose(hs, avoid))
-            except KeyError as e:
-                raise ExpertsUnavailable(str(e.args[0])) from None
+            holders = await self._usable_holders(todo, avoid)
+            parts = split_by_node(todo, holders, lambda hs: self.chooser.choose(hs, avoid | self.dead))
             results: dict[str, np.ndarray | str] = {}
             async with trio.open_nursery() as nursery:
                 for part in parts:
@@ -103,8 +127,9 @@ class MoERouter:
             for p in parts:
                 if isinstance(results[p.peer], np.ndarray):
                     answers.append((p, results[p.peer]))  # type: ignore[arg-type]
-            if todo is call:
+            if first:
                 stats.nodes_hit += len(parts)
+                first = False
             if not failed:
                 break
             for p in failed:
@@ -125,6 +150,52 @@ class MoERouter:
                                   rows=len(call.rows))
         return combine(call, answers)
 
+    async def _usable_holders(self, call: Any, avoid: set[str]) -> Mapping[int, tuple[str, ...]]:
+        """The plan's holders once every expert `call` selects has one neither dead nor in `avoid`: at once
+        when it does, else after waiting for a plan that re-places the lost experts (ExpertsUnavailable when
+        none comes within `plan_wait`, or the swarm cannot hold them)."""
+        started = trio.current_time()
+        holders = self._holders(call.layer)
+        missing = unserved(call, holders, avoid | self.dead)
+        if missing:
+            self.waits += 1
+            log.warning("experts %s of block %d have no live holder: waiting for a plan that re-places them",
+                        missing, call.layer)
+        while missing:
+            reason = give_up_reason(missing, call.layer, trio.current_time() - started, self.plan_wait,
+                                    self._cannot_hold())
+            if reason is not None:
+                raise ExpertsUnavailable(reason)
+            await trio.sleep(PLAN_POLL)
+            latest = self._holders(call.layer)
+            if latest != holders:
+                avoid &= self.dead  # a new plan: nodes that failed under the old one get another chance
+                holders = latest
+            missing = unserved(call, holders, avoid | self.dead)
+        return holders
+
+    def peer_state(self, peer: str, *, dead: bool) -> None:
+        """Membership changed `peer`'s state: a dead peer is not asked again and every batch waiting on it
+        ends now (its rows are asked of another holder); one back alive may be asked again."""
+        if not dead:
+            self.dead.discard(peer)
+            return
+        self.dead.add(peer)
+        for pending in self._pending.values():
+            if pending.peer == peer and not pending.done.is_set():
+                pending.error = "the node is dead"
+                pending.scope.cancel()
+
+    def link_lost(self, peer: str) -> None:
+        """The stream to `peer` broke or could not be opened (the transport still retries): a batch waiting on
+        it whose experts all have another live holder is asked of them now, without waiting for membership's
+        verdict (a live peer's late answer is dropped); the others wait for the retries or for that verdict."""
+        for pending in self._pending.values():
+            if pending.peer == peer and not pending.done.is_set() and not unserved(
+                    pending.call, self._holders(pending.call.layer), self.dead | {peer}):
+                pending.error = "the link to the node broke (a replica is asked)"
+                pending.scope.cancel()
+
     async def _ask(self, part: NodePart, results: dict[str, np.ndarray | str], traced: Mapping[str, int]) -> None:
         self._count += 1
         batch_id = f"moe-{self._prefix}-{self._count}"
@@ -133,16 +204,20 @@ class MoERouter:
                           WireTensor.from_array(part.call.sel.astype(np.int32)),
                           WireTensor.from_array(part.call.gates.astype(np.float32)),
                           traced=tuple(traced), traced_steps=tuple(traced.values()))
-        pending = self._pending[batch_id] = _Pending(part.peer)
+        pending = self._pending[batch_id] = _Pending(part.peer, part.call)
         self.chooser.started(part.peer)
         started = time.perf_counter()
         clock = self.recorder.clock if traced and self.recorder is not None else None
         ready = acked = clock() if clock else 0.0
+        if part.peer in self.dead:  # died since the parts were made: ask no one, fail the part
+            pending.error = "the node is dead"
+            pending.scope.cancel()
         try:
-            await self.transport.send(part.peer, msg)
-            acked = clock() if clock else 0.0
-            with trio.move_on_after(self.result_timeout):
-                await pending.done.wait()
+            with pending.scope:  # cancelled by peer_state when membership says the peer died
+                await self.transport.send(part.peer, msg)
+                acked = clock() if clock else 0.0
+                with trio.move_on_after(self.result_timeout):
+                    await pending.done.wait()
         except (DeliveryFailed, Refused) as e:
             pending.error = str(e)
         finally:
@@ -190,7 +265,8 @@ class MoERouter:
                 "fan_out_ms_median": round(lat[len(lat) // 2], 3) if lat else None,
                 "tokens": {str(e): n for e, n in sorted(s.tokens.items())},
             }
-        return {"layers": out, "latency_ms": {p[:16]: round(v * 1e3, 3) for p, v in sorted(self.chooser.latency.items())}}
+        return {"layers": out, "waited_for_plan": self.waits, "dead_peers": sorted(p[:16] for p in self.dead),
+                "latency_ms": {p[:16]: round(self.chooser.estimate(p) * 1e3, 3) for p in sorted(self.chooser.latency)}}
 
 
 def _thread(block: int) -> str:

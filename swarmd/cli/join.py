@@ -120,25 +120,32 @@ ROUTINE_LIBP2P = ("Failed to open TCP stream", "MultiselectClient handshake: rea
                   "failed to upgrade security for peer")
 
 
-class RoutineLibp2pErrors(logging.Filter):
-    """Drops py-libp2p's routine dial-failure errors (shown at --log-level debug)."""
+class Libp2pNoise(logging.Filter):
+    """Lets py-libp2p's records through only from `level` up (its modules set their own, lower levels), and
+    without its routine dial failures unless `routine` (at --log-level debug)."""
+
+    def __init__(self, level: int, routine: bool) -> None:
+        super().__init__()
+        self.level, self.routine = level, routine
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.name.startswith("libp2p") and record.getMessage().startswith(ROUTINE_LIBP2P))
+        if not record.name.startswith("libp2p"):
+            return True
+        if record.levelno < self.level:
+            return False
+        return self.routine or not record.getMessage().startswith(ROUTINE_LIBP2P)
 
 
 def setup_logging(level: str) -> None:
     import libp2p  # noqa: F401 - importing it configures its logger (no handler, no propagation): undo that after
 
     logging.basicConfig(level=getattr(logging, level.upper()), format=LOG_FORMAT, stream=sys.stderr, force=True)
-    # py-libp2p warns a lot about routine things (resets, closed streams); keep its errors only, in our format
+    # py-libp2p warns a lot about routine things (resets, closed streams): keep its errors only, in our format
     # (without propagation Python's last-resort handler printed them bare, with no time or source).
-    libp2p_log = logging.getLogger("libp2p")
-    libp2p_log.setLevel(logging.WARNING if level == "debug" else logging.ERROR)
-    libp2p_log.propagate = True
-    if level != "debug":
-        for handler in logging.getLogger().handlers:
-            handler.addFilter(RoutineLibp2pErrors())
+    debug = level == "debug"
+    logging.getLogger("libp2p").propagate = True
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(Libp2pNoise(logging.WARNING if debug else logging.ERROR, routine=debug))
 
 
 def say(line: str) -> None:
@@ -150,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
 
     config = build_config(args)
     setup_logging(config.log_level)
+    from swarmd.compute import collect_garbage_on_the_compute_thread
+
+    collect_garbage_on_the_compute_thread()  # a finaliser run on tinygrad's own thread would hang the daemon
     from swarmd.host import parse_multiaddr, split_peer_addr
 
     for addr in config.listen:

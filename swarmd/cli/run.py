@@ -7,6 +7,7 @@ load, the timing summary) goes to stderr, so `swarmd run ... > out.txt` captures
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -104,10 +105,14 @@ def run(args: argparse.Namespace) -> int:
     model = StageModel.from_gguf(source.path, max_context=config.max_context, max_requests=1, numerics=SERVING_NUMERICS)
     _say(f"loaded in {time.perf_counter() - started:.1f} s; generating (a first run also compiles kernels)")
 
+    from swarmd.compute import collect_if_due
+
+    gc.disable()  # collected between tokens on this thread, never on tinygrad's worker (see swarmd.compute)
     generation = generate(model, tokenizer, prompt_ids, params)
     out = sys.stdout
     try:
         for piece in generation:
+            collect_if_due()
             if piece.text:
                 out.write(piece.text)
                 out.flush()

@@ -17,7 +17,7 @@ from swarmd.membership import (
     State,
     StateChanged,
 )
-from swarmd.planning import Candidates, Leadership, MakePlan, PlanCoordinator, PlanMade
+from swarmd.planning import Candidates, Leadership, MakePlan, PlanCoordinator, PlanMade, plan_broken
 from swarmd.recovery import Recovery, attempt_id, chain_changed, replay_forward
 from swarmd.registry import Registry
 from swarmd.stage_session import Sampled, StageBook
@@ -160,13 +160,18 @@ def stages_plan(epoch: int, *peers: str) -> Plan:
                 stages=tuple(Stage(p, (i * 30 // n, (i + 1) * 30 // n)) for i, p in enumerate(peers)))
 
 
-def leader_planned(*peers: str) -> PlanCoordinator:
+def leader_planned(*peers: str, experts: dict | None = None) -> PlanCoordinator:
     c = PlanCoordinator(ME, LAN)
     c.handle(Leadership(1, ME), now=0.0)
-    c.handle(Candidates(tuple(descriptor(p) for p in peers)), now=0.0)
+    members = sorted({*peers, *(p for by in (experts or {}).values() for hs in by.values() for p in hs)})
+    c.handle(Candidates(tuple(descriptor(p) for p in members)), now=0.0)
     [make] = c.tick(now=LAN.replan_debounce)
-    c.handle(PlanMade(stages_plan(make.epoch, *peers), make.basis, make.term), now=LAN.replan_debounce)
+    plan = stages_plan(make.epoch, *peers)
+    if experts:
+        plan = Plan(epoch=plan.epoch, model=plan.model, stages=plan.stages, experts=experts)
+    c.handle(PlanMade(plan, make.basis, make.term), now=LAN.replan_debounce)
     return c
+
 
 
 def plans(actions) -> list[MakePlan]:
@@ -186,3 +191,24 @@ def test_the_leader_re_plans_at_once_when_a_stage_holder_is_gone_but_debounces_j
     c.handle(Candidates((descriptor(ME),)), now=5.0)  # A held a stage: the chain is broken
     [make] = plans(c.tick(now=5.0 + LAN.replan_after_loss + 1e-6))
     assert [n.peer_id for n in make.nodes] == [ME] and LAN.replan_after_loss < LAN.replan_debounce
+
+
+def test_a_plan_is_broken_by_a_lost_stage_or_a_lost_last_holder_of_an_expert_not_by_a_lost_replica():
+    experts = {1: {0: (ME,), 1: (A, B), 2: (B,)}}
+    plan = Plan(epoch=1, model=ModelRef("smollm2-135m"), stages=(Stage(ME, (0, 30)),), experts=experts)
+    assert not plan_broken(plan, frozenset({ME, A, B}))
+    assert not plan_broken(plan, frozenset({ME, B}))  # expert 1 keeps its replica on B
+    assert plan_broken(plan, frozenset({ME, A}))  # expert 2 lost its only holder
+    assert plan_broken(plan, frozenset({A, B}))  # the stage is gone
+
+
+def test_the_leader_re_plans_at_once_when_an_expert_loses_its_last_holder():
+    c = leader_planned(ME, experts={1: {0: (ME,), 1: (A, B), 2: (B,)}})
+    c.handle(Candidates((descriptor(ME), descriptor(B))), now=5.0)  # A held only a replica: no hurry
+    assert plans(c.tick(now=5.0 + LAN.replan_after_loss + 1e-6)) == []
+    [make] = plans(c.tick(now=5.0 + LAN.replan_debounce))
+    c.handle(PlanMade(Plan(epoch=make.epoch, model=ModelRef("smollm2-135m"), stages=(Stage(ME, (0, 30)),),
+                           experts={1: {0: (ME,), 1: (B,), 2: (B,)}}), make.basis, make.term), now=6.5)
+    c.handle(Candidates((descriptor(ME),)), now=8.0)  # B was the last holder of experts 1 and 2
+    [make] = plans(c.tick(now=8.0 + LAN.replan_after_loss + 1e-6))
+    assert [n.peer_id for n in make.nodes] == [ME]

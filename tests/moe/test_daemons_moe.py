@@ -2,7 +2,9 @@
 
 Each stage runs its blocks up to each MoE router, sends one batch per node holding selected experts,
 and continues with their gated sum; the output must be the single-process MoE's (and, for
-SmolLM2-MoE with top-8 of 8, dense SmolLM2's).
+SmolLM2-MoE with top-8 of 8, dense SmolLM2's). A node holding only experts, killed under a request, costs
+the request nothing but time: its replicated experts are asked of the replica, the others wait for the
+leader's plan that re-places them on survivors.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.moe.moe_swarm import MoESwarm
+from planner.plan import Plan
+from tests.moe.moe_swarm import ExpertNodeSwarm, MoESwarm, write_tiny_moe
 
 pytestmark = pytest.mark.slow
 
@@ -56,10 +59,7 @@ def bench_file(tmp_path_factory) -> Path:
 def tiny_moe(tmp_path_factory, smollm2_gguf):
     """A 4-block synthetic MoE (8 experts, top-2, sigmoid scores with a selection bias, a shared expert,
     one leading dense block) with SmolLM2's tokenizer."""
-    from models.moe_gguf import SYNTHETIC_MOE, write_synthetic_moe
-
-    path = tmp_path_factory.mktemp("moe") / "tiny-moe.gguf"
-    return write_synthetic_moe(path, SYNTHETIC_MOE["tiny"], seed=11, tokenizer_from=smollm2_gguf)
+    return write_tiny_moe(tmp_path_factory.mktemp("moe") / "tiny-moe.gguf")
 
 
 def check_greedy(swarm: MoESwarm, want: dict[str, list[int]]) -> None:
@@ -149,6 +149,46 @@ def check_moe_trace(swarm: MoESwarm, want: dict[str, list[int]], out: Path) -> N
     assert {where.rsplit(", ", 1)[1] for where, phase in phases if phase == "moe.fan_out"} == {
         "block 1", "block 2", "block 3"}
     assert {"moe.fan_out", "moe.send", "moe.call", "expert.queue", "expert.forward"} <= {p for _, p in phases}
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_expert_node_is_replaced_by_replicas_and_re_placed_experts_and_the_text_is_the_undisturbed_runs(
+        tmp_path_factory, bench_file, tiny_moe):
+    # block 2's experts on the expert node have a replica on a stage node; blocks 1 and 3's have none
+    swarm = ExpertNodeSwarm(tmp_path_factory.mktemp("experts"), bench_file, 4, str(tiny_moe),
+                            replicated=frozenset({2}))
+    victim, n_tokens = swarm.peers[swarm.expert_node], 16
+    try:
+        swarm.start()
+        undisturbed, end = swarm.stream(0, prompt=PROMPTS[0], max_tokens=n_tokens)
+        assert end["event"] == "done" and [s for s, _ in undisturbed] == list(range(n_tokens)), end
+        assert swarm.pipeline(swarm.expert_node)["moe"]["expert"]["batches"] > 0  # it served this prompt
+
+        def kill(n: int) -> None:
+            if n == 3:
+                swarm.daemons[swarm.expert_node].kill9()
+
+        pairs, end = swarm.stream(0, prompt=PROMPTS[0], max_tokens=n_tokens, on_token=kill)
+        assert end["event"] == "done", f"{end}\n{swarm.logs()}"
+        assert pairs == undisturbed  # the same text, no token repeated, none skipped
+        assert not end.get("recoveries")  # the chain never changed: the request was not moved or replayed
+        after = Plan.from_json(swarm.running[0].status()["plan"])
+        assert victim not in after.peers() and after.stages == swarm.plan.stages
+        for blk, by in swarm.plan.experts.items():
+            for e, holders in by.items():
+                survivors = tuple(p for p in holders if p != victim)
+                if survivors:  # a replica survived: it serves the expert, nothing moved
+                    assert after.experts[blk][e] == survivors, (blk, e)
+                else:  # re-placed on a survivor, which loaded it
+                    assert after.experts[blk][e] and victim not in after.experts[blk][e], (blk, e)
+        moved = {(blk, e) for blk, by in swarm.plan.experts.items() for e, holders in by.items() if holders == (victim,)}
+        served = set()  # re-placed experts that survivors computed for the rest of the request
+        for i in range(len(swarm.running)):
+            for blk, by in swarm.pipeline(i)["moe"]["expert"]["tokens"].items():
+                served |= {(int(blk), int(e)) for e in by} & moved
+        assert served, f"{moved}\n{swarm.logs()}"
+    finally:
+        swarm.stop()
 
 
 @pytest.mark.timeout(1200)

@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 
 from models.moe import ExpertCall
-from swarmd.moe_dispatch import ReplicaChooser, combine, split_by_node, tokens_per_expert
+from swarmd.moe_dispatch import (
+    ReplicaChooser,
+    combine,
+    give_up_reason,
+    split_by_node,
+    tokens_per_expert,
+    unserved,
+)
 
 
 def call(sel: list[list[int]], dim: int = 4) -> ExpertCall:
@@ -58,5 +65,38 @@ def test_a_failed_replica_is_avoided_until_it_answers_fast_again():
     assert chooser.choose(("c", "b")) == "c"
 
 
+def test_an_estimate_no_call_refreshes_relaxes_so_a_holder_shunned_once_is_tried_again():
+    now = [0.0]
+    chooser = ReplicaChooser(clock=lambda: now[0])
+    chooser.finished("c", 0.400)  # its first batch compiled kernels
+    chooser.finished("b", 0.010)
+    assert chooser.choose(("c", "b")) == "b"
+    for t in range(1, 11):  # b answers in 10 ms all along
+        now[0] = t * chooser.half_life_s
+        chooser.finished("b", 0.010)
+        if t == 3:  # c's estimate is 1/8 of its excess over the prior: still slower than b
+            assert chooser.choose(("c", "b")) == "b"
+    assert chooser.choose(("c", "b")) == "c"  # an unrefreshed estimate drifts back to the prior: c is asked again
+    chooser.finished("c", None)  # and if it fails it is shunned again, for a while
+    assert chooser.choose(("c", "b")) == "b"
+
+
 def test_load_counts_tokens_per_expert():
     assert tokens_per_expert(call([[0, 1], [2, 0], [3, -1]])) == {0: 2, 1: 1, 2: 1, 3: 1}
+
+
+def test_an_expert_is_unserved_only_when_every_holder_is_unusable():
+    c = call([[0, 3], [1, 3]])
+    assert unserved(c, HOLDERS, {"c"}) == []  # expert 3 still has b
+    assert unserved(c, HOLDERS, {"c", "b"}) == [1, 3]
+    assert unserved(c, HOLDERS, {"a"}) == [0]
+    assert unserved(c, {**HOLDERS, 1: ()}, set()) == [1]  # a plan that places it nowhere
+
+
+def test_a_step_waits_for_a_new_plan_until_its_limit_or_until_the_swarm_is_known_unable_to_hold_the_experts():
+    assert give_up_reason([3], 2, waited=5.0, limit=60.0) is None
+    late = give_up_reason([3, 5], 2, waited=60.0, limit=60.0)
+    assert late == "experts 3, 5 of block 2 have no reachable holder and no new plan placed them on a live node within 60 s"
+    full = give_up_reason([3], 2, waited=0.0, limit=60.0, cannot_hold="needs 1.0 GiB more memory for the experts")
+    assert full == ("expert 3 of block 2 has no live holder and the swarm cannot hold it: needs 1.0 GiB more "
+                    "memory for the experts")

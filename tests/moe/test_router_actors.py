@@ -1,6 +1,7 @@
 """The MoE router and expert actors over real actor transports (in-memory links): one batch per node,
-answers equal to the experts computed in place, and a holder that cannot be reached is replaced by
-another holder of its experts."""
+answers equal to the experts computed in place, a holder that cannot be reached or dies is replaced by
+another holder of its experts, and experts whose every holder died wait (bounded) for a plan that
+re-places them."""
 
 from __future__ import annotations
 
@@ -47,23 +48,33 @@ def layer_call(rows: int = 5) -> ExpertCall:
                       rng.random((rows, 2)).astype(np.float32))
 
 
-async def build(nursery, gguf, config: TransportConfig | None = None, recorders: dict | None = None):
+async def build(nursery, gguf, config: TransportConfig | None = None, recorders: dict | None = None, *,
+                plan: dict | None = None, hang: frozenset[str] = frozenset(), plan_wait: float = 60.0):
     """Expert nodes a, b, c and a stage s with the router; `recorders`, if given, gets each node's
-    SpanRecorder by name."""
+    SpanRecorder by name; `plan` (default PLAN) is read at every call, as a daemon reads its current plan;
+    nodes in `hang` ack batches and never answer them (a node killed while computing)."""
     net = MemoryNet(nursery)
     compute = ComputeThread()
+    net.shards, net.hung = {}, trio.Event()
+
+    async def hang_up(peer, msg):
+        net.hung.set()
+        await trio.sleep_forever()
+
     for name, experts in HOLDS.items():
         transport = await net.add(name, config)
-        shard = ExpertShard.from_gguf(gguf, {BLOCK: experts}, dtype="float32")
-        actor = ExpertActor(lambda shard=shard: shard, compute=compute)
+        net.shards[name] = ExpertShard.from_gguf(gguf, {BLOCK: experts}, dtype="float32")
+        actor = ExpertActor(lambda name=name: net.shards[name], compute=compute)
         if recorders is not None:
             actor.recorder = recorders[name] = SpanRecorder()
-        transport.route(ExpertBatch, actor.on_batch)
+        transport.route(ExpertBatch, hang_up if name in hang else actor.on_batch)
     stage = await net.add("s", config)
-    router = MoERouter(stage, lambda block: PLAN, result_timeout=60.0)
+    router = MoERouter(stage, lambda block: dict(PLAN if plan is None else plan), result_timeout=60.0,
+                       plan_wait=plan_wait)
     if recorders is not None:
         router.recorder = recorders["s"] = SpanRecorder()
     stage.route(ExpertResult, router.on_result)
+    stage.on_link_lost = router.link_lost
 
     async def on_error(peer, msg):
         router.on_error(msg)
@@ -125,12 +136,89 @@ async def test_an_unreachable_holder_is_replaced_by_another_holder_of_its_expert
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
-async def test_an_expert_whose_only_holder_is_gone_fails_the_step_clearly(gguf):
-    call = ExpertCall(BLOCK, np.ones((1, SPEC.dim), np.float32), np.array([[5, 0]], np.int32),
-                      np.full((1, 2), 0.5, np.float32))
+async def ask(router, call, got: list, answered: trio.Event) -> None:
+    got.append(await router.call(call))
+    answered.set()
+
+
+def one_row(*experts: int) -> ExpertCall:
+    return ExpertCall(BLOCK, np.ones((1, SPEC.dim), np.float32), np.array([experts], np.int32),
+                      np.full((1, len(experts)), 0.5, np.float32))
+
+
+async def test_a_batch_waiting_on_a_node_that_dies_goes_to_a_replica_as_soon_as_membership_says_so(gguf):
+    call = one_row(2, 0)  # expert 2: c first, then b
+    want = ExpertShard.from_gguf(gguf, {BLOCK: range(6)}, dtype="float32")(call)
     async with trio.open_nursery() as nursery:
-        net, router = await build(nursery, gguf, TransportConfig(send_timeout=1.0))
+        net, router = await build(nursery, gguf, hang=frozenset({"c"}))
+        answered, got = trio.Event(), []
+        nursery.start_soon(ask, router, call, got, answered)
+        with trio.fail_after(10):
+            await net.hung.wait()  # c acked the batch and computes forever
+        died = trio.current_time()
+        router.peer_state("c", dead=True)
+        with trio.fail_after(5):
+            await answered.wait()
+        assert trio.current_time() - died < 2.0  # not the 60 s result timeout
+        asked = router.layers[BLOCK].messages
+        await router.call(call)  # the dead node is not asked again: the replica answers at once
+        assert router.layers[BLOCK].messages == asked + 2 and router.waits == 0
+        nursery.cancel_scope.cancel()
+    np.testing.assert_allclose(got[0], want, atol=1e-5, rtol=0)
+
+
+async def test_a_batch_whose_link_breaks_goes_to_a_replica_at_once_and_one_without_replica_keeps_waiting(gguf):
+    replicated, alone = one_row(2, 0), one_row(5, 0)  # expert 2: c, then b; expert 5: only c
+    want = ExpertShard.from_gguf(gguf, {BLOCK: range(6)}, dtype="float32")(replicated)
+    async with trio.open_nursery() as nursery:
+        net, router = await build(nursery, gguf, hang=frozenset({"c"}))
+        answered, got = trio.Event(), []
+        nursery.start_soon(ask, router, replicated, got, answered)
+        lone_answered, lone = trio.Event(), []
+        nursery.start_soon(ask, router, alone, lone, lone_answered)
+        with trio.fail_after(10):
+            await net.hung.wait()
+        await trio.sleep(0.2)  # both batches acked by c, which never answers
         net.down.add("c")
-        with pytest.raises(ExpertsUnavailable, match="expert 5 of block 1"):
-            await router.call(call)
+        broke = trio.current_time()
+        await net.break_links()
+        with trio.fail_after(5):
+            await answered.wait()
+        assert trio.current_time() - broke < 2.0 and "c" not in router.dead  # no verdict from membership needed
+        await trio.sleep(0.5)
+        assert not lone_answered.is_set()  # no other holder: it waits for the retries or for membership
+        nursery.cancel_scope.cancel()
+    np.testing.assert_allclose(got[0], want, atol=1e-5, rtol=0)
+
+
+async def test_experts_whose_only_holder_died_wait_for_the_plan_that_places_them_on_a_survivor(gguf):
+    call = one_row(5, 0)  # expert 5 lives only on c
+    want = ExpertShard.from_gguf(gguf, {BLOCK: range(6)}, dtype="float32")(call)
+    plan = dict(PLAN)
+    async with trio.open_nursery() as nursery:
+        net, router = await build(nursery, gguf, plan=plan, hang=frozenset({"c"}))
+        answered, got = trio.Event(), []
+        nursery.start_soon(ask, router, call, got, answered)
+        with trio.fail_after(10):
+            await net.hung.wait()
+        net.down.add("c")
+        router.peer_state("c", dead=True)
+        await trio.sleep(0.5)
+        assert not answered.is_set() and router.waits == 1  # no live holder of expert 5: waiting for a plan
+        plan[5] = ("a",)  # the leader's re-plan puts expert 5 on a, which loads it a little later
+        await trio.sleep(0.3)
+        net.shards["a"] = ExpertShard.from_gguf(gguf, {BLOCK: [0, 3, 5]}, dtype="float32")
+        with trio.fail_after(5):
+            await answered.wait()
+        nursery.cancel_scope.cancel()
+    np.testing.assert_allclose(got[0], want, atol=1e-5, rtol=0)
+
+
+async def test_an_expert_whose_only_holder_is_gone_fails_the_step_clearly_when_no_plan_replaces_it(gguf):
+    async with trio.open_nursery() as nursery:
+        net, router = await build(nursery, gguf, TransportConfig(send_timeout=1.0), plan_wait=0.5)
+        net.down.add("c")
+        with pytest.raises(ExpertsUnavailable, match=r"expert 5 of block 1 has no reachable holder and no new plan "
+                                                     r"placed it on a live node within 0\.5 s"):
+            await router.call(one_row(5, 0))
         nursery.cancel_scope.cancel()

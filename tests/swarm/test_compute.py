@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -68,3 +70,28 @@ async def test_submit_returns_at_once_and_its_callback_runs_on_the_event_loop_wi
     compute.close()
     with pytest.raises(RuntimeError):
         compute.submit(sum, [1], then=then)
+
+
+def test_a_daemon_collects_cyclic_garbage_on_the_compute_thread_only():
+    # In a fresh process: collection is process-wide state. Garbage made on the main thread (as the event
+    # loop makes it) is finalised on the compute thread, whether it is busy or idle, never where it was made.
+    script = """
+import gc, threading, time
+from swarmd.compute import ComputeThread, collect_garbage_on_the_compute_thread
+collect_garbage_on_the_compute_thread()
+assert not gc.isenabled()
+where = []
+class Cycle:
+    def __init__(self):
+        self.me = self
+    def __del__(self):
+        where.append(threading.current_thread().name)
+for _ in range(3 * gc.get_threshold()[0]):
+    Cycle()
+deadline = time.monotonic() + 10
+while len(where) < 3 * gc.get_threshold()[0] and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(sorted(set(where)), len(where))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.split("]")[0] == "['swarmd-compute'", out
