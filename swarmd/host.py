@@ -312,6 +312,10 @@ class Libp2pNetwork:
     def disconnects(self) -> trio.MemoryReceiveChannel[str]:
         return self._disconnect_recv
 
+    def hang_up(self, peer_id: str) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(self._disconnect, peer_id)
+
     def discovered(self) -> trio.MemoryReceiveChannel[tuple[str, list[str]]]:
         """Peers found by mDNS (only with --mdns): (peer id, addresses)."""
         return self._discovered_recv

@@ -2,7 +2,8 @@
 
     (unknown) --compatible heartbeat--> alive
     alive   --no heartbeat for the suspicion timeout, or a lost connection--> suspect
-    suspect --heartbeat or probe answer--> alive
+    suspect --heartbeat or probe answer--> alive   (the second probe answer in a row with no heartbeat
+                                                 between: reconnect, its gossip path is broken)
     suspect --direct probe failed (or no answer for another timeout)--> dead
     suspect (its connection dropped) --redials refused for a heartbeat interval--> dead
     dead    --higher incarnation (a restart), or a newer heartbeat confirmed by a probe--> alive
@@ -33,6 +34,10 @@ from swarmd.identity import short_id
 # silence): one refusal can be a reset of the new connection, several in a row are a dead process. (Each
 # redial is itself several connection attempts: py-libp2p retries a refused dial three times.)
 REFUSALS_TO_DIE = 2
+# Times in a row a member went silent on gossip yet answered the direct probe: its connection stands but the
+# gossip stream over it is broken (py-libp2p can keep a dead pubsub stream on a live connection after a
+# reset), so no heartbeat or plan will come that way again until the connection is made anew.
+SILENT_BUT_REACHABLE_TO_RECONNECT = 2
 
 
 class State(enum.StrEnum):
@@ -99,6 +104,14 @@ class StateChanged:
 
 
 @dataclass(frozen=True)
+class Reconnect:
+    """Close the connection to `peer_id` (the dialer makes a new one, and gossip a new stream over it)."""
+
+    peer_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Refused:
     peer_id: str
     reason: str
@@ -114,7 +127,7 @@ class Forgotten:
     peer_id: str
 
 
-MembershipAction = Probe | Dial | StateChanged | Refused | Admitted | Forgotten
+MembershipAction = Probe | Dial | StateChanged | Reconnect | Refused | Admitted | Forgotten
 
 
 @dataclass
@@ -133,6 +146,7 @@ class Member:
     failed_probes: int = 0  # routine probes that failed while heartbeats still arrived
     connection_lost: bool = False  # suspect because its connection dropped, not because it went silent
     refused_redials: int = 0  # probes in a row, since the connection dropped, whose dial was refused
+    silent_but_reachable: int = 0  # times in a row it went silent and then answered the probe
     reason: str = ""
 
     @property
@@ -265,6 +279,7 @@ class Membership:
             return out
         else:
             m.heartbeat, m.seq, m.last_heard = hb, hb.seq, now
+            m.silent_but_reachable = 0
             if m.state == State.SUSPECT:
                 out += self._move(m, State.ALIVE, now, "heartbeat resumed")
         if not self.admitted and hb.admitted and self.self_id in hb.view and m.state == State.ALIVE:
@@ -288,8 +303,15 @@ class Membership:
             if r.rtt_ms is not None:
                 m.rtt_ms = r.rtt_ms
             if m.state == State.SUSPECT:
+                silent = not m.connection_lost
                 m.last_heard = now
-                return self._move(m, State.ALIVE, now, "answered a direct probe")
+                out = self._move(m, State.ALIVE, now, "answered a direct probe")
+                if silent:
+                    m.silent_but_reachable += 1
+                    if m.silent_but_reachable >= SILENT_BUT_REACHABLE_TO_RECONNECT:
+                        m.silent_but_reachable = 0
+                        out.append(Reconnect(m.peer_id, "it answers probes but its heartbeats stopped coming"))
+                return out
             if m.state == State.DEAD and m.newer_while_dead and not m.left:
                 m.newer_while_dead = False
                 m.last_heard = now

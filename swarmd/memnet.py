@@ -224,6 +224,9 @@ class MemoryNetwork:
     def disconnects(self) -> trio.MemoryReceiveChannel[str]:
         return self._disconnect_recv
 
+    def hang_up(self, peer_id: str) -> None:
+        self.hub.hang_up(self._peer_id, peer_id)
+
     def strike(self, peer_id: str, reason: str) -> None:
         self.gate.strike(peer_id, trio.current_time(), reason)
 

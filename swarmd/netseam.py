@@ -90,6 +90,10 @@ class Network(Protocol):
         """Peer ids whose last connection to us closed."""
         ...
 
+    def hang_up(self, peer_id: str) -> None:
+        """Close every connection to `peer_id` now; it may be dialled again at once."""
+        ...
+
     def strike(self, peer_id: str, reason: str) -> None:
         """`peer_id` sent something that failed its checks; enough strikes cut it off for a while."""
         ...

@@ -48,6 +48,7 @@ from swarmd.membership import (
     MembershipInput,
     Probe,
     ProbeResult,
+    Reconnect,
     Refused,
     RefusedMessage,
     State,
@@ -304,6 +305,10 @@ class SwarmService:
                     self._drop_probe_stream(a.peer_id)
                 for listener in self.state_listeners:
                     listener(a)
+            elif isinstance(a, Reconnect):
+                self.stats["reconnects"] += 1
+                log.warning("member %s: reconnecting: %s", short_id(a.peer_id), a.reason)
+                self.network.hang_up(a.peer_id)
             elif isinstance(a, Refused):
                 self.stats["refusals"] += 1
                 log.warning(describe(a))

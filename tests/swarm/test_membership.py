@@ -15,6 +15,7 @@ from swarmd.membership import (
     Membership,
     Probe,
     ProbeResult,
+    Reconnect,
     Refused,
     RefusedMessage,
     State,
@@ -64,6 +65,33 @@ def test_a_suspect_that_answers_its_probe_is_alive_again():
     out = m.handle(ProbeResult(A, ok=True, rtt_ms=1.5), now=LAN.suspect_after + 0.2)
     assert changes(out) == [(A, State.SUSPECT, State.ALIVE)]
     assert m.members[A].rtt_ms == 1.5
+
+
+def silent_then_answers_probe(m: Membership, peer_id: str, now: float) -> tuple[float, list]:
+    """`peer_id` sends no heartbeat for a suspicion timeout, then answers the probe; the time it answered."""
+    now += LAN.suspect_after + 0.1
+    m.tick(now=now)
+    return now + 0.1, m.handle(ProbeResult(peer_id, ok=True, rtt_ms=1.0), now=now + 0.1)
+
+
+def test_a_member_silent_on_gossip_twice_running_yet_answering_probes_is_reconnected():
+    m = founder()
+    m.handle(HeartbeatReceived(heartbeat(A, 1)), now=0.0)
+    now, first = silent_then_answers_probe(m, A, 0.0)
+    assert changes(first) == [(A, State.SUSPECT, State.ALIVE)]
+    assert not [a for a in first if isinstance(a, Reconnect)]  # once may be a busy CPU
+    now, second = silent_then_answers_probe(m, A, now)
+    assert changes(second) == [(A, State.SUSPECT, State.ALIVE)]
+    assert [a.peer_id for a in second if isinstance(a, Reconnect)] == [A]  # its gossip stream is broken
+
+
+def test_a_heartbeat_between_two_silences_means_gossip_works_and_nothing_reconnects():
+    m = founder()
+    m.handle(HeartbeatReceived(heartbeat(A, 1)), now=0.0)
+    now, _ = silent_then_answers_probe(m, A, 0.0)
+    m.handle(HeartbeatReceived(heartbeat(A, 2)), now=now + 0.5)
+    _, out = silent_then_answers_probe(m, A, now + 0.5)
+    assert not [a for a in out if isinstance(a, Reconnect)]
 
 
 def test_a_heartbeat_clears_suspicion():
