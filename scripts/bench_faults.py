@@ -99,12 +99,12 @@ def log_lines(path: Path, after: float, before: float) -> list[tuple[float, str]
     return out
 
 
-def recovery(swarm: FaultSwarm, tokens: int, kill_after: int) -> dict[str, Any]:
-    victim, head = victim_and_head(swarm)
-    leader = swarm.index_of(swarm.running[0].status()["leader"])
-    expected, _ = swarm.stream(head, prompt=PROMPT, max_tokens=tokens)
+def stream_killing(swarm: Any, head: int, tokens: int, kill_after: int, victim: int
+                   ) -> tuple[list[tuple[int, int]], dict[str, Any], dict[str, float], list[tuple[float, float]]]:
+    """A request through `head` whose token `kill_after` kill -9s `victim`: its tokens and end, when the kill
+    happened ("wall", "perf") and (perf_counter, wall clock) of each token. RuntimeError if it failed."""
     killed: dict[str, float] = {}
-    arrivals: list[tuple[float, float]] = []  # (perf_counter, wall clock) of each token
+    arrivals: list[tuple[float, float]] = []
 
     def on_token(n: int) -> None:
         arrivals.append((time.perf_counter(), time.time()))
@@ -115,6 +115,14 @@ def recovery(swarm: FaultSwarm, tokens: int, kill_after: int) -> dict[str, Any]:
     pairs, end = swarm.stream(head, prompt=PROMPT, max_tokens=tokens, on_token=on_token)
     if end["event"] != "done":
         raise RuntimeError(f"the request failed: {end}")
+    return pairs, end, killed, arrivals
+
+
+def recovery(swarm: FaultSwarm, tokens: int, kill_after: int) -> dict[str, Any]:
+    victim, head = victim_and_head(swarm)
+    leader = swarm.index_of(swarm.running[0].status()["leader"])
+    expected, _ = swarm.stream(head, prompt=PROMPT, max_tokens=tokens)
+    pairs, end, killed, arrivals = stream_killing(swarm, head, tokens, kill_after, victim)
     after_kill = [(p, w) for p, w in arrivals if p > killed["perf"]]
     until = after_kill[0][1] if after_kill else time.time()
     short = swarm.peers[victim][-6:]
@@ -214,19 +222,8 @@ def expert_recovery(swarm: Any, tokens: int, kill_after: int) -> dict[str, Any]:
     expected, _ = swarm.stream(head, prompt=PROMPT, max_tokens=tokens)
     served = swarm.pipeline(victim)["moe"]["expert"]["batches"] - served_before  # by the expert node, undisturbed
     waited_before = sum(swarm.pipeline(i)["moe"]["router"]["waited_for_plan"] for i in range(len(swarm.running)))
-    killed: dict[str, float] = {}
-    arrivals: list[float] = []
-
-    def on_token(n: int) -> None:
-        arrivals.append(time.perf_counter())
-        if n == kill_after:
-            killed["wall"], killed["perf"] = time.time(), time.perf_counter()
-            swarm.daemons[victim].kill9()
-
-    pairs, end = swarm.stream(head, prompt=PROMPT, max_tokens=tokens, on_token=on_token)
-    if end["event"] != "done":
-        raise RuntimeError(f"the request failed: {end}")
-    after_kill = [p for p in arrivals if p > killed["perf"]]
+    pairs, end, killed, arrivals = stream_killing(swarm, head, tokens, kill_after, victim)
+    after_kill = [p for p, _ in arrivals if p > killed["perf"]]
     short = swarm.peers[victim][-6:]
     lines = log_lines(swarm.daemons[head].log_path, killed["wall"], time.time())
     dead = next((t for t, ln in lines if re.search(rf"member {short}: .*-> dead", ln)), None)
