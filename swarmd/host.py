@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("swarmd.host")
 
 GOSSIP_DEGREE = (6, 4, 12)  # D, D_lo, D_hi
+GOSSIP_MEND_INTERVAL = 1.0  # s between looks for gossip streams left on closed connections
 MAX_GOSSIP_BYTES = 1 << 20  # gossipsub's own inbound limit
 # Transports py-libp2p's private network does not wrap (QUIC and the like bring their own handshake).
 UNPROTECTED = {"quic", "quic-v1", "webtransport", "webrtc", "webrtc-direct", "ws", "wss", "tls"}
@@ -194,6 +195,7 @@ class Libp2pNetwork:
                 host.get_network().register_notifee(cast("INotifee", _DisconnectNotifee(self)))
                 self._nursery = nursery
                 nursery.start_soon(self._release_penalties)
+                nursery.start_soon(self._mend_gossip_streams)
                 if self._mdns:
                     self._watch_mdns()
                 task_status.started(self)
@@ -340,6 +342,18 @@ class Libp2pNetwork:
             except Exception as e:
                 log.debug("disconnecting %s: %s", short_id(peer_id), one_line(e))
 
+    async def _mend_gossip_streams(self) -> None:
+        """Give gossip a new stream to every peer whose stream was left on a closed connection."""
+        while True:
+            await trio.sleep(GOSSIP_MEND_INTERVAL)
+            if self.pubsub is None:
+                continue
+            for peer in gossip_streams_on_closed_connections(self.pubsub.peers, self.host.get_network()):
+                log.info("gossip stream to %s was left on a closed connection: opening a new one",
+                         short_id(peer.to_base58()))
+                # py-libp2p's own repair: it forgets the stream and, the peer being connected, opens another
+                self.pubsub._handle_dead_peer(peer)
+
     async def _release_penalties(self) -> None:
         while True:
             await trio.sleep(1.0)
@@ -370,6 +384,19 @@ class Libp2pNetwork:
                 trio.from_thread.run_sync(self._discovered_send.send_nowait, item, trio_token=token)
 
         peerDiscovery.register_peer_discovered_handler(found)
+
+
+def gossip_streams_on_closed_connections(pubsub_peers: dict[Any, Any], network: Any) -> list[Any]:
+    """Peers whose pubsub stream sits on a connection that has closed while another connection to them is
+    open. py-libp2p keeps such a stream when the new connection came up before it handled the old one's
+    close (a reset link redialled at once), and from then on no gossip reaches that peer."""
+    def closed(conn: Any) -> bool:
+        muxed = getattr(conn, "muxed_conn", conn)
+        return bool(getattr(muxed, "is_closed", False))
+
+    return [peer for peer, stream in list(pubsub_peers.items())
+            if closed(getattr(stream, "muxed_conn", None))
+            and any(not closed(c) for c in network.get_connections(peer))]
 
 
 def _dial_error(e: BaseException) -> str:

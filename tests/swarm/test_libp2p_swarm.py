@@ -105,3 +105,37 @@ async def test_peers_are_told_the_announced_address_and_the_log_shows_the_bound_
             [bound] = net.bound_addresses()
             assert bound.startswith("/ip4/127.0.0.1/tcp/") and "/tcp/0/" not in bound and "/tcp/4999/" not in bound
             nursery.cancel_scope.cancel()
+
+
+class _Muxer:
+    def __init__(self, closed: bool) -> None:
+        self.is_closed = closed
+
+
+class _Conn:
+    def __init__(self, closed: bool) -> None:
+        self.muxed_conn = _Muxer(closed)
+
+
+class _Stream:
+    def __init__(self, conn: _Conn) -> None:
+        self.muxed_conn = conn.muxed_conn
+
+
+class _Network:
+    def __init__(self, connections: dict[str, list[_Conn]]) -> None:
+        self.connections = connections
+
+    def get_connections(self, peer: str) -> list[_Conn]:
+        return self.connections.get(peer, [])
+
+
+def test_a_gossip_stream_left_on_a_closed_connection_is_found_only_while_another_connection_is_open():
+    from swarmd.host import gossip_streams_on_closed_connections
+
+    old, new, gone = _Conn(closed=True), _Conn(closed=False), _Conn(closed=True)
+    fine = _Conn(closed=False)
+    streams = {"stale": _Stream(old), "healthy": _Stream(fine), "disconnected": _Stream(gone)}
+    network = _Network({"stale": [old, new], "healthy": [fine], "disconnected": [gone]})
+    # "disconnected" has no open connection: py-libp2p forgets it itself once it handles the close
+    assert gossip_streams_on_closed_connections(streams, network) == ["stale"]
