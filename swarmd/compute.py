@@ -118,14 +118,23 @@ class ComputeThread:
         self._closed = True
 
 
+def _run_on_the_worker(fn: Callable[[], object], timeout: float) -> bool:
+    """Queue `fn` behind every job so far and block until it has run (False after `timeout` s)."""
+    assert _worker is not None
+    finished = threading.Event()
+
+    def job() -> None:
+        fn()
+        finished.set()
+
+    _worker.jobs.put(job)
+    return finished.wait(timeout)
+
+
 def wait_until_idle(timeout: float) -> bool:
     """Block until every job queued so far has run (False if that takes longer than `timeout` s): a
     caller about to use tinygrad on its own thread must not overlap a job still running here."""
-    if _worker is None:
-        return True
-    finished = threading.Event()
-    _worker.jobs.put(finished.set)
-    return finished.wait(timeout)
+    return _worker is None or _run_on_the_worker(lambda: None, timeout)
 
 
 def collect_garbage_on_the_compute_thread() -> None:
@@ -154,14 +163,7 @@ def collect_due_garbage(timeout: float) -> bool:
     if _worker is None:
         collect_if_due()
         return True
-    finished = threading.Event()
-
-    def collect() -> None:
-        collect_if_due()
-        finished.set()
-
-    _worker.jobs.put(collect)
-    return finished.wait(timeout)
+    return _run_on_the_worker(collect_if_due, timeout)
 
 
 def use_a_kernel_cache_connection_per_thread() -> None:

@@ -362,13 +362,17 @@ class HeadService:
             if not self.requests:
                 continue  # nothing to move: the chain's status (a status snapshot) is not worth making
             now, status = self._registry(), self._chain()
-            for handle in {id(h): h for h in self.requests.values()}.values():
+            for handle in self.handles():
                 if handle.moving or handle.session.ended:
                     continue
                 if chain_changed(handle.registry, now):
                     self._start_move(handle, f"plan epoch {now.epoch} changed the chain")
                 elif status.gone & set(handle.registry.stages):
                     self._start_move(handle, status.detail)
+
+    def handles(self) -> list[RequestHandle]:
+        """The requests this daemon heads, each once (a moved request is known under each attempt's id)."""
+        return list({id(h): h for h in self.requests.values()}.values())
 
     def _start_move(self, handle: RequestHandle, reason: str) -> bool:
         """Start moving `handle` to the current chain; False if it cannot move (closed, or no task to move it)."""

@@ -231,7 +231,7 @@ class Pipeline:
                 **self.stage.stats.to_json()},
             "head": {"in_flight": len(self.head.requests), **self.head.stats,
                      "requests": [{"request_id": h.request_id, "tokens": h.timing.tokens, "where": h.whereabouts()}
-                                  for h in {id(h): h for h in self.head.requests.values()}.values()]},
+                                  for h in self.head.handles()]},
             "moe": {"router": self.router.status(), "expert": self.expert.status()},
             "chain": {"ready": chain.ready, "detail": chain.detail},
             "transport": {k: v for k, v in vars(self.transport.stats).items()},

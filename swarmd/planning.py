@@ -111,6 +111,7 @@ class PlanRejected:
 
 PlanningAction = MakePlan | PublishPlan | PlanAccepted | PlanError | PlanRejected
 
+
 def plan_broken(plan: Plan, peers: frozenset[str]) -> bool:
     """Whether `plan` cannot serve a token with only `peers` left: a stage's node, or every holder of some
     routed expert, is gone (a lost replica leaves the plan whole)."""

@@ -115,16 +115,22 @@ class FaultSwarm(DaemonSwarm):
         self.wait_chain(len(self.daemons) - len(self.spares), timeout)
         return self
 
+    def agreed_plan(self) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+        """Every running daemon's status and the plan (JSON) they all hold, or None while they differ."""
+        statuses = [d.status() for d in self.running]
+        plans = [st["plan"] for st in statuses]
+        if not all(plans) or any(p != plans[0] for p in plans):
+            return None
+        return statuses, plans[0]
+
     def wait_chain(self, n: int, timeout: float = 300.0) -> dict[str, Any]:
         """Until every daemon agrees on a plan of `n` stages over the running daemons that are not standbys,
         all loaded, and every standby the plan names holds its warm copy."""
         def ready() -> dict[str, Any] | None:
             alive = {d.peer_id for d in self.running}
-            statuses = [d.status() for d in self.running]
-            plans = [st["plan"] for st in statuses]
-            if not all(plans) or any(p != plans[0] for p in plans):
+            if (agreed := self.agreed_plan()) is None:
                 return None
-            plan = plans[0]
+            statuses, plan = agreed
             spares = {s["peer_id"] for s in plan.get("standbys", ())}
             if {s["peer_id"] for s in plan["stages"]} | spares != alive or len(plan["stages"]) != n:
                 return None

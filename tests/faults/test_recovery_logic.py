@@ -173,7 +173,6 @@ def leader_planned(*peers: str, experts: dict | None = None) -> PlanCoordinator:
     return c
 
 
-
 def plans(actions) -> list[MakePlan]:
     return [a for a in actions if isinstance(a, MakePlan)]
 

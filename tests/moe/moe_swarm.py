@@ -97,16 +97,15 @@ class ExpertNodeSwarm(FaultSwarm):
         with `everyone`, a plan that gives every running daemon a part (`n`, the stages, is not checked)."""
         def ready() -> dict[str, Any] | None:
             alive = {d.peer_id for d in self.running}
-            statuses = [d.status() for d in self.running]
-            plans = [st["plan"] for st in statuses]
-            if not all(plans) or any(p != plans[0] for p in plans):
+            if (agreed := self.agreed_plan()) is None:
                 return None
-            plan = Plan.from_json(plans[0])
+            statuses, plan_json = agreed
+            plan = Plan.from_json(plan_json)
             if (set(plan.peers()) != alive if everyone else not set(plan.peers()) <= alive):
                 return None
             if not self.pipeline()["chain"]["ready"]:
                 return None
             total = sum(len(by) for by in plan.experts.values())
-            return plans[0] if f"experts {total}/{total} placed" in statuses[0]["coverage"] else None
+            return plan_json if f"experts {total}/{total} placed" in statuses[0]["coverage"] else None
 
         return wait_until(ready, timeout, "every stage and expert of one plan loaded")
