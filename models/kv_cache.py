@@ -37,6 +37,19 @@ class SlotTable:
         self._slots.pop(request_id, None)
         self._lengths.pop(request_id, None)
 
+    def adopt(self, old_id: str, new_id: str, keep: int) -> None:
+        """`new_id` takes over `old_id`'s slot and the first `keep` tokens of its cache (the rest is dropped:
+        rows past a request's length are never read, and are overwritten as it grows again)."""
+        if old_id not in self._slots:
+            raise ModelError(f"unknown request {old_id!r}: nothing to adopt")
+        if new_id in self._slots:
+            raise ModelError(f"request {new_id!r} already holds a slot")
+        if not 0 <= keep <= self._lengths[old_id]:
+            raise ModelError(f"cannot keep {keep} tokens of {old_id!r}, which holds {self._lengths[old_id]}")
+        self._slots[new_id] = self._slots.pop(old_id)
+        del self._lengths[old_id]
+        self._lengths[new_id] = keep
+
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._slots
 

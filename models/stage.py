@@ -273,6 +273,11 @@ class StageModel:
     def free_request(self, request_id: str) -> None:
         self.slots.free(request_id)
 
+    def adopt_request(self, old_id: str, new_id: str, keep: int) -> None:
+        """Carry `old_id`'s KV cache over to `new_id`, truncated to its first `keep` tokens: a moved request
+        whose blocks stay here computes only the positions after them (`swarmd.hop_local`)."""
+        self.slots.adopt(old_id, new_id, keep)
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self.slots
 

@@ -29,6 +29,7 @@ import trio
 
 from swarmd.config import Timings
 from swarmd.head_session import Event, Failed, HeadSession, TokenOut
+from swarmd.hop_local import plan_move
 from swarmd.identity import short_id
 from swarmd.recovery import CHAIN_ERRORS, MAX_MOVES, Recovery, attempt_id, chain_changed, replay_forward
 from swarmd.registry import ChainStatus, Registry
@@ -125,6 +126,7 @@ class RequestHandle:
     sampling: Sampling | None = None
     attempt: int = 0  # how often the request moved to a new chain (its stages know it as `wire_id`)
     moving: bool = False
+    full_replay: bool = False  # a stage could not continue an attempt: the next move replays on every stage
     closed: bool = False  # the caller left the block: nothing more is sent for it
     recoveries: list[Recovery] = field(default_factory=list)
     _send: trio.MemorySendChannel[Event] | None = None
@@ -214,8 +216,9 @@ class HeadService:
     def __init__(self, peer_id: str, transport: ActorTransport, *, chain: Callable[[], ChainStatus],
                  registry: Callable[[], Registry], timings: Timings, load_model: Callable[[], ModelInfo],
                  in_flight: Callable[[int], None] = lambda delta: None,
-                 leaving: Callable[[], bool] = lambda: False) -> None:
+                 leaving: Callable[[], bool] = lambda: False, hop_local: bool = True) -> None:
         self.peer_id = peer_id
+        self.hop_local = hop_local  # moves keep the KV caches of the stages that stay (False: full replays)
         self.transport = transport
         self._chain = chain
         self._registry = registry
@@ -341,6 +344,10 @@ class HeadService:
 
     async def _cancel_chain(self, request_id: str, registry: Registry, reason: str) -> None:
         """Tell every stage the request is over, so that each frees its KV cache (best effort, bounded)."""
+        await self._cancel_on(request_id, tuple(enumerate(registry.stages)), reason)
+
+    async def _cancel_on(self, request_id: str, hops: tuple[tuple[int, str], ...], reason: str) -> None:
+        """`_cancel_chain` on the (hop, peer) pairs given."""
 
         async def tell(hop: int, peer: str) -> None:
             try:
@@ -349,7 +356,7 @@ class HeadService:
                 log.info("could not tell stage %d that %s is over: %s", hop, request_id, e)
 
         async with trio.open_nursery() as nursery:
-            for hop, peer in enumerate(registry.stages):
+            for hop, peer in hops:
                 nursery.start_soon(tell, hop, peer)
 
     # --- moving requests to a new chain ---------------------------------------------------------------------
@@ -392,26 +399,36 @@ class HeadService:
         assert self._nursery is not None and handle.request is not None and handle.sampling is not None
         try:
             while True:
-                self._nursery.start_soon(self._cancel_chain, handle.wire_id, handle.registry, "moved")
                 if handle.attempt >= MAX_MOVES:
+                    self._nursery.start_soon(self._cancel_chain, handle.wire_id, handle.registry, "moved")
                     raise HeadError("unreachable", f"moved {MAX_MOVES} times and the chain still does not hold it",
                                     503)
                 registry = await self.wait_ready(give_up_when_too_small=True, on_wait=recovery.wait_says)
                 if handle.session.ended or handle.closed:
-                    return
+                    return  # leaving `open` cancels the attempt on its chain
+                req, session = handle.request, handle.session
+                owes_scores = req.prompt_scores and not session.scored
+                move = plan_move(handle.registry, registry,
+                                 allowed=self.hop_local and not handle.full_replay and not owes_scores)
+                # the stages that stay keep the old attempt (the replay names it); the others forget it
+                self._nursery.start_soon(self._cancel_on, handle.wire_id, move.cancel, "moved")
+                resume_of = handle.wire_id if move.hop_local else ""
                 recovery.ready, recovery.epoch = time.perf_counter(), registry.epoch
+                recovery.kept_hops = tuple(hop for hop, _ in move.kept)
                 handle.attempt += 1
                 handle.registry = registry
                 self.requests[handle.wire_id] = handle
-                req, session = handle.request, handle.session
                 msg = replay_forward(handle.request_id, handle.attempt, self.peer_id, req.prompt_ids,
                                      list(session.tokens), handle.sampling, registry.epoch,
-                                     prompt_scores=req.prompt_scores and not session.scored)
+                                     prompt_scores=owes_scores, resume_of=resume_of)
                 recovery.sent, recovery.replayed_tokens = time.perf_counter(), msg.rows
                 try:
                     await self.transport.send(registry.stage_peer(0), msg)
                 except (Refused, DeliveryFailed) as e:
                     log.info("moving %s: stage 0 did not take the replay: %s", handle.request_id, e)
+                    if move.hop_local:  # which attempt the stages hold is unclear now: start again from nothing
+                        handle.full_replay = True
+                        self._nursery.start_soon(self._cancel_on, resume_of, move.kept, "moved")
                     await trio.sleep(MOVE_CHECK_INTERVAL)
                     continue
                 if handle.closed:
@@ -453,6 +470,7 @@ class HeadService:
         if msg.request_id != handle.wire_id or handle.moving:
             return True
         if msg.code in CHAIN_ERRORS and handle.attempt < MAX_MOVES:
+            handle.full_replay = handle.full_replay or msg.code == "resume_failed"
             self._start_move(handle, f"stage {msg.hop}: {msg.code}: {msg.message}")
             return True
         handle.push(handle.session.on_error(msg))

@@ -83,7 +83,7 @@ class Pipeline:
                                 experts=self.router.call, plan_epoch=lambda: self.registry().epoch)
         self.head = HeadService(node.peer_id, transport, chain=self.chain, registry=self.registry,
                                 timings=cfg.timings, load_model=self._load_model, in_flight=self._count,
-                                leaving=lambda: node.leaving)
+                                leaving=lambda: node.leaving, hop_local=not cfg.full_replay)
         self._observe()
         transport.on_link_lost = self.router.link_lost  # batches with a replica leave a broken link at once
         swarm = getattr(node, "swarm", None)

@@ -8,6 +8,10 @@ request's token history (the prompt and every token generated so far) through th
 rebuilds the request's KV cache from that replay; the last stage samples the next token with the request's
 seed at that step, so the tokens are those an undisturbed run gives, and the head's session drops any token
 it already has (by step), so the client sees no repeat and no gap.
+
+When the new chain keeps some of the old stages, block range for block range (a standby took a dead stage's
+place), the replay names the old attempt (`resume_of`) and is not cancelled on those stages: they keep its KV
+cache and only the new stages rebuild theirs (`swarmd.hop_local`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from swarmd.wire.messages import Forward, Sampling
 # Stage errors that say the request's chain is gone or changed under it (not that the request is wrong):
 # the head moves the request instead of failing it.
 CHAIN_ERRORS = frozenset({"not_ready", "unknown_request", "wrong_hop", "not_a_stage", "out_of_order", "bad_position",
-                          "duplicate_request", "unreachable"})
+                          "duplicate_request", "unreachable", "resume_failed"})
 MAX_MOVES = 8  # a request moved this often without progress fails: the swarm is not settling
 
 
@@ -43,17 +47,19 @@ def attempt_id(request_id: str, attempt: int) -> str:
 
 
 def replay_forward(request_id: str, attempt: int, head: str, prompt: tuple[int, ...], generated: list[int],
-                   sampling: Sampling, epoch: int, *, prompt_scores: bool) -> Forward:
-    """Stage 0's first Forward of a moved request: every token so far, from position 0, at the next step.
+                   sampling: Sampling, epoch: int, *, prompt_scores: bool, resume_of: str = "") -> Forward:
+    """Stage 0's first Forward of a moved request: every token so far, from position 0, at the next step,
+    continuing the attempt `resume_of` on the stages that still hold it.
 
-    A request still owed its prompt's log-probs starts again from step 0 (the scores come from the prefill)."""
+    A request still owed its prompt's log-probs starts again from step 0 (the scores come from the prefill;
+    nothing is resumed)."""
     if prompt_scores:
         ids = np.asarray(prompt, dtype=np.int32)
         return Forward(attempt_id(request_id, attempt), 0, 0, 0, head, tokens=WireTensor.from_array(ids),
                        epoch=epoch, all_logits=True, sampling=sampling, targets=WireTensor.from_array(ids[1:]))
     ids = np.asarray((*prompt, *generated), dtype=np.int32)
     return Forward(attempt_id(request_id, attempt), len(generated), 0, 0, head, tokens=WireTensor.from_array(ids),
-                   epoch=epoch, sampling=sampling)
+                   epoch=epoch, sampling=sampling, resume_of=resume_of)
 
 
 @dataclass
@@ -66,6 +72,7 @@ class Recovery:
     sent: float = 0.0  # the replay went to stage 0
     first_token: float = 0.0  # the first new token came back (the KV caches are rebuilt)
     replayed_tokens: int = 0
+    kept_hops: tuple[int, ...] = ()  # stages that kept the request's KV cache (hop-local rebuild); () full replay
     epoch: int = 0
     waiting: str = ""  # what the new chain was last waiting for
 
@@ -77,5 +84,6 @@ class Recovery:
             return round(b - a, 4) if a and b else None
 
         return {"reason": self.reason, "epoch": self.epoch, "replayed_tokens": self.replayed_tokens,
+                "rebuild": "hop_local" if self.kept_hops else "full_replay", "kept_hops": list(self.kept_hops),
                 "wait_for_chain_s": span(self.noticed, self.ready), "replay_s": span(self.sent, self.first_token),
                 "total_s": span(self.noticed, self.first_token)}

@@ -95,6 +95,10 @@ class StageStats:
         self.largest_batch = 0
         self.decode_batch: deque[int] = deque(maxlen=keep)  # sizes of recent batches of decode steps
         self.steps: deque[tuple[str, int, int, int, float, float, float, float, float]] = deque(maxlen=keep)
+        # moved requests that continued an attempt: here they kept its KV cache (positions kept), or rebuilt it
+        self.kv_adopted = 0
+        self.kv_kept_positions = 0
+        self.kv_rebuilt = 0
 
     def record_batch(self, jobs: Sequence[Job]) -> None:
         self.batches += 1
@@ -102,6 +106,13 @@ class StageStats:
         self.largest_batch = max(self.largest_batch, len(jobs))
         if all(j.work.rows == 1 for j in jobs):
             self.decode_batch.append(len(jobs))
+
+    def record_resume(self, work: Work) -> None:
+        if work.adopt:
+            self.kv_adopted += 1
+            self.kv_kept_positions += work.start_pos
+        else:
+            self.kv_rebuilt += 1
 
     def record_step(self, job: Job, sent: float) -> None:
         w = job.work
@@ -114,6 +125,7 @@ class StageStats:
             "jobs": self.jobs,
             "largest_batch": self.largest_batch,
             "decode_batch_mean": round(statistics.fmean(self.decode_batch), 3) if self.decode_batch else None,
+            "kv_adopted": self.kv_adopted, "kv_kept_positions": self.kv_kept_positions, "kv_rebuilt": self.kv_rebuilt,
             "recent_steps": [dict(zip(STEP_FIELDS, step, strict=True)) for step in self.steps],
         }
 
@@ -172,6 +184,10 @@ class StageActor:
             work = book.on_forward(msg, trio.current_time())
         except StageRefusal as e:
             return _refusal(msg.head or peer, msg.request_id, msg.step, msg.hop, e)
+        if msg.resume_of:  # the attempt it continues is over here: adopted by `work`, or (busy, say) dropped
+            self.stats.record_resume(work)
+            if book.cancel(msg.resume_of):
+                self._free(loaded.model, msg.resume_of)
         return await self._run(loaded, book, work, received)
 
     async def on_token(self, peer: str, msg: Token) -> HandlerResult:
@@ -448,7 +464,14 @@ def run_batch(jobs: Sequence[Job], frees: Sequence[tuple[Any, str]]) -> Generato
         model.free_request(rid)
     ready: list[Job] = []
     for job in jobs:
-        if job.work.new:
+        if job.work.adopt:
+            try:
+                job.model.adopt_request(job.work.adopt, job.work.request_id, job.work.start_pos)
+            except ModelError as e:  # the head moves the request again, with a full replay
+                job.model.free_request(job.work.adopt)
+                job.error = ("resume_failed", f"stage {_stage_name(job.model)}: {e}")
+                continue
+        elif job.work.new:
             try:
                 job.model.add_request(job.work.request_id)
             except KVCacheFull as e:

@@ -6,7 +6,9 @@ next stage; on the last stage the sampled token to stage 0 (the next step) and t
 log-probs for teacher forcing. It checks that each step follows the last (the transport already drops
 repeats) and that a cache is never written out of order. A request ends on `Cancel`, on an error, or when
 it has been idle too long; the trio code (`swarmd.stage`) then frees its KV cache. The model itself (forward,
-sampling) is not called from here.
+sampling) is not called from here. A moved request's first Forward may name the attempt it continues: the
+stage then adopts that attempt's KV cache if it holds it, and computes only the positions it lacks
+(`swarmd.hop_local`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from swarmd.errors import RemoteProtocolError
+from swarmd.hop_local import SentRows, keep_positions
 from swarmd.wire.codec import WireTensor
 from swarmd.wire.messages import Error, Forward, Logprobs, Message, Sampling, Token
 
@@ -40,6 +43,8 @@ class Work:
     all_logits: bool = False
     targets: np.ndarray | None = None  # teacher forcing, last stage: the token each row but the last predicts
     sampling: Sampling | None = None  # last stage
+    adopt: str = ""  # the KV slot is this earlier attempt's, its first `start_pos` positions kept
+    resume_of: str = ""  # the request continues this attempt: send the next stage every row from position 0
 
     @property
     def rows(self) -> int:
@@ -69,6 +74,7 @@ class RequestState:
     busy: bool = False  # a step is with the model
     cancelled: bool = False  # cancelled while busy: free once the model is done
     last_active: float = 0.0
+    sent: SentRows | None = None  # the rows sent on, by position (every stage but the last)
 
 
 @dataclass(frozen=True)
@@ -127,13 +133,33 @@ class StageBook:
         if msg.start_pos + len(data) > self.max_context:
             raise StageRefusal("context_full", f"{msg.start_pos + len(data)} tokens exceed this stage's context "
                                                f"of {self.max_context}")
+        start, adopt = msg.start_pos, ""
         if first:
-            self.requests[msg.request_id] = RequestState(msg.request_id, msg.head, msg.epoch,
-                                                         msg.sampling or Sampling(), last_active=now)
+            state = RequestState(msg.request_id, msg.head, msg.epoch, msg.sampling or Sampling(), last_active=now,
+                                 sent=None if self.is_last else SentRows())
+            start = self._adopt(msg.resume_of, state, len(data)) if msg.resume_of else 0
+            adopt = msg.resume_of if start else ""
+            self.requests[msg.request_id] = state
         state = self.requests[msg.request_id]
         targets = msg.targets.to_array().astype(np.int32) if msg.targets is not None else None
-        return self._begin(state, Work(msg.request_id, msg.step, msg.start_pos, data, first, msg.all_logits,
-                                       targets, state.sampling if self.is_last else None), now)
+        return self._begin(state, Work(msg.request_id, msg.step, start, data[start - msg.start_pos:], first,
+                                       msg.all_logits, targets, state.sampling if self.is_last else None,
+                                       adopt=adopt, resume_of=msg.resume_of), now)
+
+    def _adopt(self, old_id: str, state: RequestState, total: int) -> int:
+        """Take over what this stage holds of the attempt `old_id` (idle, not cancelled) for `state`: the
+        positions kept (0: nothing, the stage computes them all; the old attempt is then left to `cancel`)."""
+        old = self.requests.get(old_id)
+        if old is None or old.busy or old.cancelled:
+            return 0
+        keep = keep_positions(old.position, None if old.sent is None else old.sent.length, total)
+        if keep == 0:
+            return 0
+        del self.requests[old_id]
+        state.position, state.sent = keep, old.sent
+        if state.sent is not None:
+            state.sent.truncate(keep)
+        return keep
 
     def on_token(self, msg: Token, now: float) -> Work:
         """Stage 0: the token sampled at `msg.step` is the input of the next step."""
@@ -184,12 +210,16 @@ class StageBook:
             del self.requests[work.request_id]
             return []
         if not self.is_last:
-            assert isinstance(output, np.ndarray) and next_peer is not None
-            hidden = _wire_tensor(output, self.wire_dtype)
+            assert isinstance(output, np.ndarray) and next_peer is not None and state.sent is not None
+            state.sent.put(work.start_pos, output)
+            # a moved request's next stage may hold nothing of it: it gets every row, and keeps what it can
+            start, rows = (0, state.sent.upto(state.position)) if work.resume_of else (work.start_pos, output)
+            hidden = _wire_tensor(rows, self.wire_dtype)
             targets = WireTensor.from_array(work.targets) if work.targets is not None else None
-            return [Out(next_peer, Forward(work.request_id, work.step, self.hop + 1, work.start_pos, state.head,
+            return [Out(next_peer, Forward(work.request_id, work.step, self.hop + 1, start, state.head,
                                            hidden=hidden, epoch=state.epoch, all_logits=work.all_logits,
-                                           sampling=state.sampling if work.new else None, targets=targets))]
+                                           sampling=state.sampling if work.new else None, targets=targets,
+                                           resume_of=work.resume_of))]
         assert isinstance(output, Sampled)
         out: list[Out] = []
         if output.prompt_logprobs is not None:

@@ -39,6 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--standby", action="store_true", default=None,
                    help="be a spare: hold a warm copy of one stage's blocks and take that stage over at once "
                         "if its daemon is lost (the planner gives this daemon no stage while the others suffice)")
+    p.add_argument("--full-replay", action="store_true", default=None,
+                   help="when a request this daemon heads moves to a new chain, every stage rebuilds its KV cache "
+                        "from the token history (by default the stages that stay keep theirs; for comparisons)")
     p.add_argument("--max-requests", type=int, metavar="N",
                    help="requests this daemon's stage holds at once (its KV cache slots; default 4)")
     p.add_argument("--max-context", type=int, metavar="TOKENS",
@@ -101,6 +104,7 @@ def build_config(args: argparse.Namespace):
         timings=parse_timings(args.timings) if args.timings else None,
         plan=args.plan.expanduser() if args.plan else None,
         standby=args.standby,
+        full_replay=args.full_replay,
         max_requests=args.max_requests,
         max_context=args.max_context,
         wire_dtype=args.wire_dtype,

@@ -290,6 +290,8 @@ class Forward(Message):
     The last stage samples with `sampling` and sends a `Token` to stage 0 and to `head` (a peer id).
     With `all_logits` (teacher forcing), `targets` are the next token of every row but the last (the prompt
     shifted by one): the last stage sends their log-probs to the head in a `Logprobs` message.
+    A moved request's first Forward may name the attempt it continues (`resume_of`): a stage still holding
+    that attempt's KV cache keeps it and computes only the positions it lacks (`swarmd.hop_local`).
     """
 
     request_id: str
@@ -303,6 +305,7 @@ class Forward(Message):
     all_logits: bool = False  # the last stage returns log-probs for every row (teacher forcing)
     sampling: Sampling | None = None
     targets: WireTensor | None = None  # int32 [rows - 1] with all_logits: the token each row predicts
+    resume_of: str = ""  # the earlier attempt of this request whose KV caches the stages may keep
 
     def key(self) -> Key:
         return ("forward", self.request_id, self.step, self.hop)
@@ -322,6 +325,11 @@ class Forward(Message):
             need(self.all_logits, "targets are sent only with all_logits")
             need(self.targets.shape[0] == max(self.rows - 1, 0), "targets must have one entry per row but the last",
                  "bad_shape")
+        if self.resume_of:
+            need(len(self.resume_of) <= 128 and self.resume_of != self.request_id,
+                 "resume_of must name another attempt (1 to 128 characters)")
+            need(self.sampling is not None and self.start_pos == 0 and not self.all_logits,
+                 "resume_of goes only on a moved request's first step, from position 0, without all_logits")
 
     @property
     def rows(self) -> int:

@@ -97,6 +97,8 @@ def forward_body(**changes):
         ({"sampling": {"temperature": -1.0}}, "bad_field"),
         ({"sampling": {"top_p": float("nan")}}, "bad_field"),
         ({"sampling": {"warp": 9}}, "unknown_field"),
+        ({"resume_of": "req-6"}, "bad_field"),  # a resume is a first step: with sampling, from position 0
+        ({"resume_of": 6}, "bad_field"),
     ],
 )
 def test_a_refusal_names_the_frame_and_request_it_concerns(changes, code):

@@ -53,6 +53,7 @@ EXAMPLES = [
                 traced=("req-2",), traced_steps=(6,)),
     ExpertResult("b-9", 3, 5, hidden(4)),
     Forward("req-2", 0, 0, 0, "head-peer", tokens=ids(7), sampling=Sampling(seed=9, trace=True)),
+    Forward("req-2.r2", 5, 1, 0, "head-peer", hidden=hidden(3), sampling=Sampling(seed=9), resume_of="req-2.r1"),
     TraceQuery("req-2", hop=1),
     TraceSpans("req-2", b"\x80", received=12.5, answered=12.625, hop=1),
     Ack(),
