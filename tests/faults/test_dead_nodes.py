@@ -12,6 +12,7 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from tests.faults.fault_swarm import FaultSwarm
@@ -50,6 +51,16 @@ def stage_peers(swarm: FaultSwarm) -> list[str]:
     return [s["peer_id"] for s in plan["stages"]]
 
 
+def stage_status(swarm: FaultSwarm, peer: str) -> dict | None:
+    return httpx.get(f"{swarm.daemons[swarm.index_of(peer)].api}/api/v0/pipeline", timeout=10).json()["stage"]
+
+
+def kv_counts(swarm: FaultSwarm, peer: str) -> tuple[int, int]:
+    """How many moved requests a stage daemon continued keeping their KV cache, and rebuilding it."""
+    stage = stage_status(swarm, peer) or {}
+    return stage.get("kv_adopted", 0), stage.get("kv_rebuilt", 0)
+
+
 def leader(swarm: FaultSwarm) -> str:
     return swarm.running[0].status()["leader"]
 
@@ -62,6 +73,7 @@ def test_a_killed_stage_is_taken_over_by_the_spare_holding_its_copy_and_the_text
     victim = next(swarm.index_of(s["peer_id"]) for s in plan["stages"] if tuple(s["layers"]) == copy)
     assert swarm.peers[victim] != leader(swarm)
     head = swarm.index_of(stages[0])
+    before_counts = {p: kv_counts(swarm, p) for p in stages}
     killed: list[float] = []
 
     def kill(n: int) -> None:
@@ -79,6 +91,20 @@ def test_a_killed_stage_is_taken_over_by_the_spare_holding_its_copy_and_the_text
     # the spare runs exactly the lost blocks, the survivors keep theirs, and the spare loaded nothing
     assert {s["peer_id"]: s["layers"] for s in after["stages"]} == {
         **{p: layers for p, layers in before.items() if p != swarm.peers[victim]}, spare: list(copy)}
+    # only the spare rebuilt the request's KV cache (from the rows the stage before it kept): the survivors
+    # kept theirs and computed the last position again, not the history
+    move = end["recoveries"][-1]
+    assert move["rebuild"] == "hop_local", move
+    for peer in after["stages"]:
+        stage = stage_status(swarm, peer["peer_id"])
+        resumed = [s for s in stage["recent_steps"] if ".r" in s["request_id"]]
+        first = next(s for s in resumed if s["request_id"] == resumed[-1]["request_id"])
+        adopted, rebuilt = (a - b for a, b in zip(kv_counts(swarm, peer["peer_id"]),
+                                                  before_counts.get(peer["peer_id"], (0, 0)), strict=True))
+        if peer["peer_id"] == spare:
+            assert (first["rows"], adopted, rebuilt) == (move["replayed_tokens"], 0, 1), stage
+        else:
+            assert (first["rows"], adopted, rebuilt) == (1, 1, 0), stage
     spare_log = swarm.daemons[swarm.index_of(spare)].log_path.read_text()
     assert "ready: blocks" not in spare_log and "loading blocks" not in spare_log
     # dead because its port refused the redials, not after a whole suspicion timeout
