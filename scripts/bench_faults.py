@@ -3,6 +3,8 @@
 
     .venv/bin/python scripts/bench_faults.py --daemons 3 --tokens 32 --kills 2
     .venv/bin/python scripts/bench_faults.py --daemons 3 --standby 1 --tokens 32 --kills 2 --skip-resets
+    .venv/bin/python scripts/bench_faults.py --daemons 3 --standby 1 --compare-rebuild --long-prompt \
+        --tokens 40 --kill-after 24 --kills 6 --skip-resets
     .venv/bin/python scripts/bench_faults.py --skip-kill --reset-rates 0,0.01,0.05
     .venv/bin/python scripts/bench_faults.py --expert-node --tokens 32 --kills 3
 
@@ -17,6 +19,11 @@ SmolLM2 (the kernel cache is warm after the first request). Then:
   (the slowest stage that loaded blocks for that plan), replay (the head sends the token history to the new
   chain -> the next token: kernel compilation, with a warm cache only lookups, and the KV rebuild), the total
   (kill -> the next token), and tokens lost (streamed tokens that differ from the undisturbed run's, or repeat).
+* rebuild paths (`--compare-rebuild`, with `--standby`): the same kills, alternately under a request headed by
+  the leader (the hop-local rebuild: the stages that stay keep the request's KV cache, only the spare rebuilds
+  its own) and by the other surviving stage's daemon, started with `swarmd join --full-replay` (every stage
+  prefills the whole history again); the parts per path, as medians side by side. `--long-prompt` gives a
+  history long enough for the difference to show.
 * resets (on the daemons left after the kill): the same request with each link resetting every forwarded chunk
   with probability p; decode tokens/s side by side with p = 0 (medians of `--repeats` runs), frames the
   transports resent, and runs whose tokens differed or that failed.
@@ -51,6 +58,14 @@ sys.path.insert(0, str(ROOT))
 from tests.faults.fault_swarm import FaultSwarm  # noqa: E402
 
 PROMPT = "The history of the printing press begins in"
+LONG_PROMPT = (
+    "The printing press changed how knowledge moved through Europe. Before it, books were copied by hand in "
+    "monasteries and workshops, a slow and costly labour that kept them rare. Around 1440 a goldsmith in Mainz "
+    "combined movable metal type, an oil-based ink and a screw press adapted from those used for wine and "
+    "paper. Within fifty years presses were running in more than two hundred cities, and millions of volumes "
+    "had been printed: bibles, grammars, almanacs, pamphlets and broadsheets. Scholars could compare identical "
+    "copies, merchants could print price lists, and reformers could spread their arguments faster than "
+    "authorities could answer them. The history of the printing press begins in")
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
@@ -99,7 +114,7 @@ def log_lines(path: Path, after: float, before: float) -> list[tuple[float, str]
     return out
 
 
-def stream_killing(swarm: Any, head: int, tokens: int, kill_after: int, victim: int
+def stream_killing(swarm: Any, head: int, tokens: int, kill_after: int, victim: int, prompt: str = PROMPT
                    ) -> tuple[list[tuple[int, int]], dict[str, Any], dict[str, float], list[tuple[float, float]]]:
     """A request through `head` whose token `kill_after` kill -9s `victim`: its tokens and end, when the kill
     happened ("wall", "perf") and (perf_counter, wall clock) of each token. RuntimeError if it failed."""
@@ -112,17 +127,22 @@ def stream_killing(swarm: Any, head: int, tokens: int, kill_after: int, victim: 
             killed["wall"], killed["perf"] = time.time(), time.perf_counter()
             swarm.daemons[victim].kill9()
 
-    pairs, end = swarm.stream(head, prompt=PROMPT, max_tokens=tokens, on_token=on_token)
+    pairs, end = swarm.stream(head, prompt=prompt, max_tokens=tokens, on_token=on_token)
     if end["event"] != "done":
         raise RuntimeError(f"the request failed: {end}")
     return pairs, end, killed, arrivals
 
 
-def recovery(swarm: FaultSwarm, tokens: int, kill_after: int) -> dict[str, Any]:
-    victim, head = victim_and_head(swarm)
+def recovery(swarm: FaultSwarm, tokens: int, kill_after: int, *, prompt: str = PROMPT,
+             head: int | None = None) -> dict[str, Any]:
+    """One kill -9 under a request (headed by `head`, by default the leader) and its parts."""
+    victim, leader_head = victim_and_head(swarm)
+    head = leader_head if head is None else head
+    if head == victim:
+        raise RuntimeError(f"daemon {head} cannot head the request: it is the stage to kill")
     leader = swarm.index_of(swarm.running[0].status()["leader"])
-    expected, _ = swarm.stream(head, prompt=PROMPT, max_tokens=tokens)
-    pairs, end, killed, arrivals = stream_killing(swarm, head, tokens, kill_after, victim)
+    expected, _ = swarm.stream(head, prompt=prompt, max_tokens=tokens)
+    pairs, end, killed, arrivals = stream_killing(swarm, head, tokens, kill_after, victim, prompt)
     after_kill = [(p, w) for p, w in arrivals if p > killed["perf"]]
     until = after_kill[0][1] if after_kill else time.time()
     short = swarm.peers[victim][-6:]
@@ -148,6 +168,7 @@ def recovery(swarm: FaultSwarm, tokens: int, kill_after: int) -> dict[str, Any]:
         "wait_for_chain_s": rec.get("wait_for_chain_s"),
         "replay_compile_and_kv_rebuild_s": rec.get("replay_s"),
         "replayed_tokens": rec.get("replayed_tokens"),
+        "rebuild": rec.get("rebuild"), "kept_hops": rec.get("kept_hops"), "head": head,
         "kill_to_next_token_s": round(after_kill[0][0] - killed["perf"], 3) if after_kill else None,
         "tokens_lost": sum(1 for a, b in zip(pairs, expected, strict=False) if a != b) + abs(len(pairs) - len(expected)),
         "same_tokens": pairs == expected,
@@ -167,6 +188,7 @@ def restore(swarm: FaultSwarm, victim: int, n_stages: int) -> None:
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     keys = ("detection_s", "replan_s", "weight_loading_s", "wait_for_chain_s", "replay_compile_and_kv_rebuild_s",
+            "replayed_tokens",
             "kill_to_next_token_s", "tokens_lost")
     out: dict[str, Any] = {}
     for k in keys:
@@ -289,6 +311,10 @@ def main() -> int:
                    help="recoveries to measure (the killed daemon is started again between them); medians")
     p.add_argument("--standby", type=int, default=0, metavar="N",
                    help="N more daemons join as spares (--standby); the stage a spare holds a copy of is killed")
+    p.add_argument("--compare-rebuild", action="store_true",
+                   help="with --standby: alternate the kills between requests that move with the hop-local KV "
+                        "rebuild and with a full replay (headed by a daemon started with --full-replay)")
+    p.add_argument("--long-prompt", action="store_true", help="a prompt of about 130 tokens instead of 9")
     p.add_argument("--skip-kill", action="store_true")
     p.add_argument("--skip-resets", action="store_true")
     p.add_argument("--expert-node", action="store_true",
@@ -310,8 +336,16 @@ def main() -> int:
                 "without_replicas": expert_node_runs(base / "alone", base / BENCH_FILE, model, False, args)}
             print(json.dumps(results, indent=1))
             return 0
+        if args.compare_rebuild and (not args.standby or args.daemons < 3):
+            p.error("--compare-rebuild needs --standby and at least 3 daemons (two stages survive the kill)")
+        prompt = LONG_PROMPT if args.long_prompt else PROMPT
         swarm = FaultSwarm(base / "swarm", base / BENCH_FILE, args.daemons + args.standby,
                            extra=("--max-context", "256"), standby=args.standby)
+        # daemon 0 founds the swarm and leads it; daemon 1 runs a stage the spare holds no copy of (the spare
+        # copies the last, largest stage) and heads the full-replay requests
+        full_head = 1
+        if args.compare_rebuild:
+            swarm.options[full_head] = ("--full-replay",)
         try:
             say(f"starting {args.daemons} daemons" + (f" and {args.standby} standby" if args.standby else ""))
             swarm.start()
@@ -322,10 +356,16 @@ def main() -> int:
                     if k:
                         restore(swarm, runs[-1]["victim"], args.daemons)
                         swarm.stream(0, prompt=PROMPT, max_tokens=4)
-                    say(f"kill -9 of a stage ({k + 1} of {args.kills})")
-                    runs.append(recovery(swarm, args.tokens, args.kill_after))
+                    full = args.compare_rebuild and k % 2 == 1
+                    say(f"kill -9 of a stage ({k + 1} of {args.kills})" + (
+                        f", {'full replay' if full else 'hop-local rebuild'}" if args.compare_rebuild else ""))
+                    runs.append(recovery(swarm, args.tokens, args.kill_after, prompt=prompt,
+                                         head=full_head if full else None))
                     say(json.dumps(runs[-1]))
                 results["recovery"] = {"runs": runs, "median": medians(runs)}
+                if args.compare_rebuild:
+                    results["recovery"]["by_rebuild"] = {
+                        path: medians([r for r in runs if r["rebuild"] == path]) for path in ("hop_local", "full_replay")}
             if not args.skip_resets:  # on the daemons left; the highest rate last (it may split the swarm)
                 spares = swarm.standby_of(swarm.running[0].status()["plan"])
                 swarm.wait_chain(len(swarm.running) - len(spares), 300)

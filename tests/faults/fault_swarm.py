@@ -94,6 +94,7 @@ class FaultSwarm(DaemonSwarm):
         if standby:
             self.plan_file.write_text(even_plan(self.peers[:n - standby], model or "smollm2-135m", n_blocks).dumps())
         self.listen_ports = {f"d{i}": free_port() for i in range(n)}
+        self.options: dict[int, tuple[str, ...]] = {}  # more `swarmd join` options of daemon i, each start
         self.links = LinkEmulator(self.listen_ports, base / "links.log")
 
     def announced(self, i: int) -> str:
@@ -102,7 +103,7 @@ class FaultSwarm(DaemonSwarm):
     def start_daemon(self, i: int, bootstrap: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> None:
         spare = ("--standby",) if i in self.spares else ()
         self.daemons[i].start(bootstrap=bootstrap, listen=f"/ip4/127.0.0.1/tcp/{self.listen_ports[f'd{i}']}",
-                              extra=("--announce", self.announced(i), *spare, *extra))
+                              extra=("--announce", self.announced(i), *spare, *self.options.get(i, ()), *extra))
 
     def start(self, timeout: float = 300.0) -> FaultSwarm:
         self.start_daemon(0, extra=("--plan", str(self.plan_file)))
