@@ -1,24 +1,32 @@
 """The hop-local KV rebuild without a network or a model: which stages keep a moved request's KV cache, what
-each computes, and which rows it sends on (sans-IO: `swarmd.hop_local`, `StageBook`)."""
+each computes, and which rows it sends on (sans-IO: `swarmd.hop_local`, `StageBook`); and what a real head
+sends when it moves a request (actor transports over in-memory streams, stages that only record)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import trio
+import trio.testing
 
+from models.tokenizer import Tokenizer
+from swarmd.config import Timings
+from swarmd.head import HeadRequest, HeadService, ModelInfo
 from swarmd.hop_local import SentRows, keep_positions, plan_move
 from swarmd.recovery import replay_forward
-from swarmd.registry import Registry
+from swarmd.registry import ChainStatus, Registry
 from swarmd.stage_session import Sampled, StageBook, Work
-from swarmd.wire import Forward, Sampling, Token
+from swarmd.wire import Cancel, Error, Forward, Sampling, Token
+from tests.tiny_vocab import write_vocab_gguf
+from tests.transport.memnet import MemoryNet
 
 HIDDEN, VOCAB = 4, 100
 SAMPLING = Sampling(temperature=0.0, seed=5, max_tokens=10, stop_ids=(2,))
 PROMPT = (5, 6, 7, 8)
 
 
-def registry(*stages: tuple[str, int, int]) -> Registry:
-    return Registry(1, tuple(p for p, _, _ in stages), tuple((a, b) for _, a, b in stages), {})
+def registry(*stages: tuple[str, int, int], epoch: int = 1) -> Registry:
+    return Registry(epoch, tuple(p for p, _, _ in stages), tuple((a, b) for _, a, b in stages), {})
 
 
 def test_a_standby_in_a_dead_stages_place_keeps_the_other_stages_and_the_old_attempt_is_cancelled_only_there():
@@ -156,3 +164,85 @@ def test_a_stage_whose_old_attempt_is_busy_or_absent_computes_every_position():
     work = fresh.on_forward(replay_forward("req", 2, "H", PROMPT, tokens, SAMPLING, 2, prompt_scores=False,
                                            resume_of="req.r1"), 1.0)
     assert (work.adopt, work.start_pos) == ("", 0)
+
+
+# --- the head ---------------------------------------------------------------------------------------------------
+
+CHAIN = registry(("A", 0, 10), ("B", 10, 20), ("C", 20, 30))
+WITH_SPARE = registry(("A", 0, 10), ("SPARE", 10, 20), ("C", 20, 30), epoch=2)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Tokenizer:
+    return Tokenizer.from_gguf(write_vocab_gguf(tmp_path_factory.mktemp("vocab") / "vocab.gguf", pre="gpt2"))
+
+
+class RecordingChain:
+    """Stage peers that take every Forward and Cancel and say nothing; the plan the head sees is `now`."""
+
+    def __init__(self) -> None:
+        self.now = CHAIN
+        self.got: list[tuple[str, Forward | Cancel]] = []
+        self._more = trio.Event()
+
+    async def start(self, nursery: trio.Nursery, tokenizer: Tokenizer, *, hop_local: bool = True) -> HeadService:
+        net = MemoryNet(nursery)
+        for peer in ("A", "B", "C", "SPARE"):
+            transport = await net.add(peer)
+
+            async def take(sender: str, msg: Forward | Cancel, peer: str = peer) -> None:
+                self.got.append((peer, msg))
+                self._more.set()
+                self._more = trio.Event()
+
+            transport.route(Forward, take)
+            transport.route(Cancel, take)
+        info = ModelInfo("tiny", tokenizer, 64, tokenizer.vocab_size)
+        head = HeadService("head", await net.add("head"), chain=lambda: ChainStatus(True, "ready"),
+                           registry=lambda: self.now, timings=Timings(), load_model=lambda: info, hop_local=hop_local)
+        await nursery.start(head.run)
+        return head
+
+    async def forward_of(self, request_id: str) -> Forward:
+        with trio.fail_after(10):
+            while not (sent := [m for _, m in self.got if isinstance(m, Forward) and m.request_id == request_id]):
+                await self._more.wait()
+        return sent[0]
+
+    async def cancels_of(self, request_id: str, n: int) -> list[str]:
+        """The peers told to cancel `request_id`, once `n` have been."""
+        with trio.fail_after(10):
+            while len(peers := sorted(p for p, m in self.got if isinstance(m, Cancel) and m.request_id == request_id)) < n:
+                await self._more.wait()
+        return peers
+
+
+async def test_a_head_resumes_on_the_stages_that_stay_and_cancels_only_on_the_one_replaced(nursery, tokenizer):
+    chain = RecordingChain()
+    head = await chain.start(nursery, tokenizer)
+    async with head.open(HeadRequest((5, 6, 7), 4)) as handle:
+        rid = handle.request_id
+        await chain.forward_of(rid)
+        chain.now = WITH_SPARE  # the spare took stage 1's place
+        resume = await chain.forward_of(f"{rid}.r1")
+        assert (resume.resume_of, resume.step, resume.start_pos, list(resume.tokens.to_array())) == (rid, 0, 0, [5, 6, 7])
+        assert await chain.cancels_of(rid, 1) == ["B"]
+        # a stage that cannot continue the attempt: the next move replays everything and cancels everywhere
+        await trio.testing.wait_all_tasks_blocked(0.05)  # the first move ends once stage 0 has acked its replay
+        assert not handle.moving
+        assert head.on_error(Error("resume_failed", "no slot", request_id=f"{rid}.r1", step=0, hop=2))
+        replay = await chain.forward_of(f"{rid}.r2")
+        assert replay.resume_of == "" and await chain.cancels_of(f"{rid}.r1", 3) == ["A", "C", "SPARE"]
+        assert [r.kept_hops for r in handle.recoveries] == [(0, 2), ()]
+        assert await chain.cancels_of(rid, 1) == ["B"]  # still: the stages that stayed kept it until the resume
+
+
+async def test_a_head_told_to_replay_in_full_cancels_the_old_attempt_on_every_old_stage(nursery, tokenizer):
+    chain = RecordingChain()
+    head = await chain.start(nursery, tokenizer, hop_local=False)
+    async with head.open(HeadRequest((5, 6, 7), 4)) as handle:
+        rid = handle.request_id
+        await chain.forward_of(rid)
+        chain.now = WITH_SPARE
+        assert (await chain.forward_of(f"{rid}.r1")).resume_of == ""
+        assert await chain.cancels_of(rid, 3) == ["A", "B", "C"]
