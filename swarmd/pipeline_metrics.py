@@ -10,6 +10,7 @@ at scrape time.
     swarmd_tokens_total, swarmd_requests_total{outcome}, swarmd_stage_steps_total, swarmd_stage_batches_total
     swarmd_transport_frames_total{event}              resent (retries), reconnects, expired, refused, duplicates
     swarmd_kv_cache_bytes, swarmd_kv_cache_slots{state}
+    swarmd_stage_moved_requests_total{kv}             moved requests this stage continued: kv adopted or rebuilt
     swarmd_expert_tokens_total{block,expert}          tokens this daemon's MoE routers sent to each expert
     swarmd_moe_fanout_messages_total{block}           expert batches they sent (one per node hit per step)
 """
@@ -74,6 +75,11 @@ class PipelineCollector(Collector):
         stage = p.stage.stats
         yield CounterMetricFamily("swarmd_stage_steps", "Request steps this daemon's stage ran", value=stage.jobs)
         yield CounterMetricFamily("swarmd_stage_batches", "Model calls of this daemon's stage", value=stage.batches)
+        moved = CounterMetricFamily("swarmd_stage_moved_requests", "Moved requests this daemon's stage continued: "
+                                    "keeping their KV cache (adopted) or rebuilding it (rebuilt)", labels=["kv"])
+        moved.add_metric(["adopted"], stage.kv_adopted)
+        moved.add_metric(["rebuilt"], stage.kv_rebuilt)
+        yield moved
         frames = CounterMetricFamily("swarmd_transport_frames", "Actor transport events (resent: retries)",
                                      labels=["event"])
         for event in TRANSPORT_EVENTS:
