@@ -61,7 +61,8 @@ def keep_positions(held: int, sent_rows: int | None, total: int) -> int:
 class SentRows:
     """The hidden-state rows a stage sent on for one request, by position (float32, grown as it goes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, most: int) -> None:
+        self.most = most  # positions a request can have (the stage's context): the capacity never exceeds it
         self._rows: np.ndarray | None = None  # (capacity, width), made by the first put
         self.length = 0
 
@@ -72,7 +73,7 @@ class SentRows:
             raise ValueError(f"rows from position {start} would leave a gap after {self.length}")
         have = 0 if self._rows is None else len(self._rows)
         if end > have:  # doubling: a request's steps add one row each
-            grown = np.zeros((max(end, 2 * have, 16), rows.shape[1]), np.float32)
+            grown = np.zeros((max(end, min(2 * have, self.most), 16), rows.shape[1]), np.float32)
             if self._rows is not None:
                 grown[:self.length] = self._rows[:self.length]
             self._rows = grown

@@ -136,7 +136,7 @@ class StageBook:
         start, adopt = msg.start_pos, ""
         if first:
             state = RequestState(msg.request_id, msg.head, msg.epoch, msg.sampling or Sampling(), last_active=now,
-                                 sent=None if self.is_last else SentRows())
+                                 sent=None if self.is_last else SentRows(self.max_context))
             start = self._adopt(msg.resume_of, state, len(data)) if msg.resume_of else 0
             adopt = msg.resume_of if start else ""
             self.requests[msg.request_id] = state
