@@ -81,6 +81,10 @@ class SentRows:
         self._rows[start:end] = rows
         self.length = end
 
+    @property
+    def capacity(self) -> int:
+        return 0 if self._rows is None else len(self._rows)
+
     def truncate(self, n: int) -> None:
         self.length = min(self.length, n)
 

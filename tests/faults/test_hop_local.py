@@ -65,8 +65,8 @@ def test_sent_rows_are_kept_by_position_and_rewritten_from_where_a_step_starts()
     rows.put(3, np.full((20, HIDDEN), 2.0))  # grows past its first capacity
     rows.put(22, np.full((1, HIDDEN), 3.0))  # position 22 computed again
     assert rows.length == 23 and rows.upto(23)[22, 0] == 3.0 and rows.upto(23)[21, 0] == 2.0
-    rows.put(23, np.ones((1, HIDDEN)))  # doubling would pass the context: it stops there
-    assert rows._rows.shape == (40, HIDDEN)
+    rows.put(23, np.ones((10, HIDDEN)))  # doubling (to 64) would pass the context (40): it stops there
+    assert rows.capacity == 40 and rows.length == 33
     rows.truncate(4)
     assert rows.length == 4
     with pytest.raises(ValueError):
