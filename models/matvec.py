@@ -84,7 +84,10 @@ def _split_matvec(x: Tensor, w: Tensor, *, view: tuple[int, ...], opts: tuple | 
 # is left to tinygrad's heuristics.
 GPU_MATVEC_OPTS: dict[int, tuple[tuple[str, int, int], ...]] = {
     1: (('UNROLL', 0, 4), ('GROUP', 0, 32)),
+    2: (('UNROLL', 0, 4), ('GROUP', 0, 32), ('UPCAST', 1, 2)),
+    4: (('UNROLL', 0, 4), ('GROUP', 0, 32)),
     8: (('UNROLL', 0, 8), ('GROUP', 0, 64), ('UPCAST', 0, 4), ('UPCAST', 1, 8)),
+    16: (('UNROLL', 0, 4), ('GROUP', 0, 32), ('UPCAST', 1, 8)),
     32: (('UNROLL', 0, 4), ('GROUP', 0, 64), ('UPCAST', 0, 4), ('UPCAST', 1, 8)),
 }
 

@@ -568,10 +568,15 @@ class StageModel:
         return h + routed_experts(blk, normed, gates, sel)
 
     def _norm(self, norm, x: Tensor) -> Tensor:
-        """RMSNorm, its sum of squares over a whole thread group on GPUs (tinygrad gives it 16 threads)."""
-        if not self.on_gpu:
+        """RMSNorm, its sum of squares over a whole thread group on GPUs (tinygrad gives it 16 threads).
+
+        The group divides the width (256 for Llama widths; 64 for SmolLM2's 576; small test widths less)."""
+        import math
+
+        group = math.gcd(256, x.shape[-1])
+        if not self.on_gpu or group < 16:
             return norm(x)
-        sq = gpu_reduce(lambda t: t.square().sum(-1, keepdim=True), (("GROUPTOP", 0, 256),), x)
+        sq = gpu_reduce(lambda t: t.square().sum(-1, keepdim=True), (("GROUPTOP", 0, group),), x)
         return x * (sq / x.shape[-1] + norm.eps).rsqrt() * norm.weight
 
     def _tiled_attention(self, q: Tensor, cache: Tensor, slot: UOp, pos: UOp, tiles: UOp) -> Tensor:
