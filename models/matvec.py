@@ -45,7 +45,9 @@ def matvec(x: Tensor, w: Tensor) -> Tensor:
 
     out_features, in_features = w.shape
     if (gpu := gpu_matvec_opts(x.device, x.shape[0], out_features, in_features)) is not None:
-        return _split_matvec(x, w, view=(in_features,), opts=gpu or None)
+        # the options split one merged reduction axis; a dequantised block's axes stay apart
+        dense = w.uop.base.op is Ops.BUFFER
+        return _split_matvec(x, w, view=(in_features,), opts=gpu if gpu and dense else None)
     # a dense matrix's reduction axes merge in the kernel; a dequantised block's (32, 2, 16) stay apart
     if in_features % 32 == 0 and w.uop.base.op is not Ops.BUFFER:
         view: tuple[int, ...] = (in_features // 32, 2, 16)

@@ -595,5 +595,6 @@ class StageModel:
         scores = visible.where(scores, -math.inf).contiguous()
         weights = (scores - scores.max((-2, -1), keepdim=True)).exp()
         total = weights.sum((-2, -1))
-        out = gpu_reduce(lambda w, v: (w.unsqueeze(-1) * v).sum((-3, -2)), (("GROUPTOP", 0, 16),), weights, values)
+        group = (("GROUPTOP", 0, math.gcd(16, tile)),)  # divides tiles x tile rows whatever the tile count
+        out = gpu_reduce(lambda w, v: (w.unsqueeze(-1) * v).sum((-3, -2)), group, weights, values)
         return (out / total.unsqueeze(-1)).reshape(1, c.n_heads, 1, hd)

@@ -39,6 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--standby", action="store_true", default=None,
                    help="be a spare: hold a warm copy of one stage's blocks and take that stage over at once "
                         "if its daemon is lost (the planner gives this daemon no stage while the others suffice)")
+    p.add_argument("--warmup", action="store_true", default=None,
+                   help="capture every jitted graph of the stage (prefill, prompt scoring, decode at each batch "
+                        "size up to --max-requests) before it reports ready: a slower start, and no request waits "
+                        "for the compiler later (on a GPU, a batch size's first use costs seconds per graph)")
     p.add_argument("--max-requests", type=int, metavar="N",
                    help="requests this daemon's stage holds at once (its KV cache slots; default 4)")
     p.add_argument("--max-context", type=int, metavar="TOKENS",
@@ -101,6 +105,7 @@ def build_config(args: argparse.Namespace):
         timings=parse_timings(args.timings) if args.timings else None,
         plan=args.plan.expanduser() if args.plan else None,
         standby=args.standby,
+        warmup=args.warmup,
         max_requests=args.max_requests,
         max_context=args.max_context,
         wire_dtype=args.wire_dtype,
