@@ -45,7 +45,9 @@ def matvec(x: Tensor, w: Tensor) -> Tensor:
 
     out_features, in_features = w.shape
     if (gpu := gpu_matvec_opts(x.device, x.shape[0], out_features, in_features)) is not None:
-        return _split_matvec(x, w, view=(in_features,), opts=gpu or None)
+        # the options split one merged reduction axis; a dequantised block's axes stay apart
+        dense = w.uop.base.op is Ops.BUFFER
+        return _split_matvec(x, w, view=(in_features,), opts=gpu if gpu and dense else None)
     # a dense matrix's reduction axes merge in the kernel; a dequantised block's (32, 2, 16) stay apart
     if in_features % 32 == 0 and w.uop.base.op is not Ops.BUFFER:
         view: tuple[int, ...] = (in_features // 32, 2, 16)
@@ -84,7 +86,10 @@ def _split_matvec(x: Tensor, w: Tensor, *, view: tuple[int, ...], opts: tuple | 
 # is left to tinygrad's heuristics.
 GPU_MATVEC_OPTS: dict[int, tuple[tuple[str, int, int], ...]] = {
     1: (('UNROLL', 0, 4), ('GROUP', 0, 32)),
+    2: (('UNROLL', 0, 4), ('GROUP', 0, 32), ('UPCAST', 1, 2)),
+    4: (('UNROLL', 0, 4), ('GROUP', 0, 32)),
     8: (('UNROLL', 0, 8), ('GROUP', 0, 64), ('UPCAST', 0, 4), ('UPCAST', 1, 8)),
+    16: (('UNROLL', 0, 4), ('GROUP', 0, 32), ('UPCAST', 1, 8)),
     32: (('UNROLL', 0, 4), ('GROUP', 0, 64), ('UPCAST', 0, 4), ('UPCAST', 1, 8)),
 }
 

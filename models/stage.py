@@ -573,10 +573,15 @@ class StageModel:
         return h + routed_experts(blk, normed, gates, sel)
 
     def _norm(self, norm, x: Tensor) -> Tensor:
-        """RMSNorm, its sum of squares over a whole thread group on GPUs (tinygrad gives it 16 threads)."""
-        if not self.on_gpu:
+        """RMSNorm, its sum of squares over a whole thread group on GPUs (tinygrad gives it 16 threads).
+
+        The group divides the width (256 for Llama widths; 64 for SmolLM2's 576; small test widths less)."""
+        import math
+
+        group = math.gcd(256, x.shape[-1])
+        if not self.on_gpu or group < 16:
             return norm(x)
-        sq = gpu_reduce(lambda t: t.square().sum(-1, keepdim=True), (("GROUPTOP", 0, 256),), x)
+        sq = gpu_reduce(lambda t: t.square().sum(-1, keepdim=True), (("GROUPTOP", 0, group),), x)
         return x * (sq / x.shape[-1] + norm.eps).rsqrt() * norm.weight
 
     def _tiled_attention(self, q: Tensor, cache: Tensor, slot: UOp, pos: UOp, tiles: UOp) -> Tensor:
@@ -595,5 +600,6 @@ class StageModel:
         scores = visible.where(scores, -math.inf).contiguous()
         weights = (scores - scores.max((-2, -1), keepdim=True)).exp()
         total = weights.sum((-2, -1))
-        out = gpu_reduce(lambda w, v: (w.unsqueeze(-1) * v).sum((-3, -2)), (("GROUPTOP", 0, 16),), weights, values)
+        group = (("GROUPTOP", 0, math.gcd(16, tile)),)  # divides tiles x tile rows whatever the tile count
+        out = gpu_reduce(lambda w, v: (w.unsqueeze(-1) * v).sum((-3, -2)), group, weights, values)
         return (out / total.unsqueeze(-1)).reshape(1, c.n_heads, 1, hd)

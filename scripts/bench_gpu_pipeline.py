@@ -5,7 +5,8 @@
 
 A layout `SxG` runs S daemons on loopback, daemon i on GPU i*G//S (`CUDA_VISIBLE_DEVICES` per process),
 with a plan file splitting the blocks evenly (one stage each) and lossless float32 activations on the TLS
-data plane. The model is a seeded one (`models.seeded`: real shapes, seeded weights), so every layout
+data plane; every daemon captures all its graphs before it reports ready (`--warmup`), so no timed request
+waits for the compiler. The model is a seeded one (`models.seeded`: real shapes, seeded weights), so every layout
 serves the same weights. Per layout: greedy decode tokens/s of one request (median of --rounds, from the
 head's token times), the per-token breakdown from the stages' step times (compute, stage overhead, hops),
 aggregate tokens/s with each --concurrent count, and whether the greedy tokens equal the first layout's.
@@ -48,7 +49,8 @@ def start(model: str, n_blocks: int, stages: int, gpus: int, context: int, max_r
                                           for i, p in enumerate(peers)))
     (base / "plan.json").write_text(plan.dumps())
     swarm = LocalSwarm(stages, model=model, base=base, swarm=f"gpu{stages}x{gpus}",
-                       extra=("--device", device, "--max-context", str(context), "--max-requests", str(max_requests)),
+                       extra=("--device", device, "--max-context", str(context), "--max-requests", str(max_requests),
+                              "--warmup"),
                        first_extra=("--plan", str(base / "plan.json")),
                        env_of=lambda i: {"CUDA_VISIBLE_DEVICES": str(i * gpus // stages)})
     try:

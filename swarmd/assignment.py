@@ -66,8 +66,9 @@ def load_experts(model: ServedModel, experts: dict[int, tuple[int, ...]], device
 class Assignment:
     def __init__(self, peer_id: str, model: ServedModel, device: str, compute: ComputeThread, *,
                  max_context: int = 2048, max_requests: int = 4, loader: StageLoader = load_stage,
-                 expert_loader: ExpertLoader = load_experts) -> None:
+                 expert_loader: ExpertLoader = load_experts, warmup: bool = False) -> None:
         self.peer_id = peer_id
+        self.warmup = warmup  # capture every graph before a stage is ready (`swarmd join --warmup`)
         self.compute = compute
         self.model = model
         self.device = device
@@ -169,7 +170,9 @@ class Assignment:
             # a daemon told to stop does not wait for a load to finish: run() returns when cancelled
             stage = await self.compute.run(self.loader, self.model, a, b, self.device, self.max_context,
                                            self.max_requests)
-            if warm and hasattr(stage, "warmup"):
+            if self.warmup and hasattr(stage, "warmup"):
+                await self.compute.run(stage.warmup)
+            elif warm and hasattr(stage, "warmup"):
                 # What taking over a request needs at once: the replay's prefill and one request's decode
                 # (larger batches and prompt scoring are captured when first used; on a small CPU each
                 # graph costs many seconds).

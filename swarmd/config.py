@@ -93,6 +93,7 @@ class DaemonConfig:
     plan: Path | None = None  # a Plan JSON file the founding daemon adopts instead of planning
     standby: bool = False  # a spare: the planner gives it a warm copy of a stage instead of a stage
     full_replay: bool = False  # requests this daemon heads move by replaying every stage (no hop-local rebuild)
+    warmup: bool = False  # capture every jitted graph (all decode batch sizes) before the stage is ready
     max_context: int = 2048
     max_requests: int = 4  # KV cache slots of this daemon's stage: requests it can hold at once
     wire_dtype: str = ""  # "" sends activations in their compute dtype (lossless); or float16, bfloat16
@@ -200,7 +201,7 @@ def config_changes(doc: dict[str, Any], source: str = "config") -> dict[str, Any
             out[key] = Path(str(value)).expanduser()
         elif key == "memory_limit":
             out[key] = parse_size(value)
-        elif key in ("mdns", "standby", "full_replay"):
+        elif key in ("mdns", "standby", "full_replay", "warmup"):
             out[key] = bool(value)
         elif key in ("uplink_mbps",):
             out[key] = float(value)

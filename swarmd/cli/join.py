@@ -42,6 +42,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--full-replay", action="store_true", default=None,
                    help="when a request this daemon heads moves to a new chain, every stage rebuilds its KV cache "
                         "from the token history (by default the stages that stay keep theirs; for comparisons)")
+    p.add_argument("--warmup", action="store_true", default=None,
+                   help="capture every jitted graph of the stage (prefill, prompt scoring, decode at each batch "
+                        "size up to --max-requests) before it reports ready: a slower start, and no request waits "
+                        "for the compiler later (on a GPU, a batch size's first use costs seconds per graph)")
     p.add_argument("--max-requests", type=int, metavar="N",
                    help="requests this daemon's stage holds at once (its KV cache slots; default 4)")
     p.add_argument("--max-context", type=int, metavar="TOKENS",
@@ -105,6 +109,7 @@ def build_config(args: argparse.Namespace):
         plan=args.plan.expanduser() if args.plan else None,
         standby=args.standby,
         full_replay=args.full_replay,
+        warmup=args.warmup,
         max_requests=args.max_requests,
         max_context=args.max_context,
         wire_dtype=args.wire_dtype,

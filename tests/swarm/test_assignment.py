@@ -77,3 +77,18 @@ async def test_a_spare_loads_and_warms_its_copy_and_takes_that_stage_over_withou
             assert a.status().state == "ready" and a.status().epoch == 2  # at once, before run() wakes
             assert await a.wait_ready() is copy  # the same loaded stage: nothing reloaded
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.slow  # captures every graph of the stage
+async def test_with_warmup_a_stage_captures_every_decode_batch_size_before_it_is_ready(tiny_model):
+    model = served_model(str(tiny_model))
+    a = Assignment(ME, model, "CPU", ComputeThread(), max_context=64, max_requests=2, warmup=True)
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(a.run)
+            a.apply(announce(1, Stage(OTHER, (0, 5)), Stage(ME, (5, 8))))
+            stage = await a.wait_ready()
+            assert sorted({batch for batch, _ in stage._decode_jits}) == [1, 2]  # each batch size up to 2
+            assert {scores for scores, _ in stage._prefill_jits} == {False, True}  # and prompt scoring
+            assert len(stage.slots) == 0  # the throwaway requests are gone
+            nursery.cancel_scope.cancel()
