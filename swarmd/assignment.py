@@ -202,7 +202,9 @@ class Assignment:
         if state == "standby":
             log.info("standby: a copy of blocks %d-%d loaded and warmed in %.1f s", a, b - 1, took)
         else:
-            log.info("ready: blocks %d-%d loaded in %.1f s", a, b - 1, took)
+            kept = sorted(getattr(getattr(stage, "reused", None), "blocks", ()))
+            log.info("ready: blocks %d-%d loaded in %.1f s%s", a, b - 1, took,
+                     f" (blocks {kept[0]}-{kept[-1]} kept from the previous stage)" if kept else "")
 
     def _release(self) -> None:
         self.stage, self.loaded_layers = None, None
