@@ -293,14 +293,14 @@ class StageModel:
 
     def parts_for(self, config, start: int, end: int, *, source: str, device: str, numerics: str,
                   local_experts: bool) -> StageParts:
-        """What of this stage a stage [start, end) of the same weights can take over: the blocks both hold,
-        the embedding when both are first, the output norm and head when both are last. Nothing when the
-        weights, device, numerics or expert placement differ (the realised tensors would not fit)."""
+        """What of this stage a stage [start, end) of the same weights can take over: the blocks both hold
+        (MoE blocks only when both hold their routed experts, or neither), the embedding when both are first,
+        the output norm and head when both are last. Nothing when the weights, device or numerics differ."""
         if (not source or source != self.source or device != self.device or numerics != self.numerics
-                or local_experts != self.local_experts or replace(config, max_context=0) != replace(
-                    self.config, max_context=0)):
+                or replace(config, max_context=0) != replace(self.config, max_context=0)):
             return StageParts()
-        blocks = frozenset(range(max(start, self.start), min(end, self.end)))
+        both = range(max(start, self.start), min(end, self.end))
+        blocks = frozenset(i for i in both if local_experts == self.local_experts or i not in self.moe_blocks)
         return StageParts(blocks, start == 0 and self.is_first, end == config.num_blocks and self.is_last)
 
     def _take_over(self, other: StageModel, held: StageParts) -> None:

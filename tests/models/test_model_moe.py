@@ -131,6 +131,9 @@ def test_a_stage_without_its_experts_grows_by_taking_its_moe_blocks_over(moe_ggu
     scratch = StageModel.from_gguf(moe_gguf, 1, 4, max_context=16, max_requests=1, local_experts=False)
     assert sorted(grown.reused.blocks) == [1, 2] and grown.blk[2] is old.blk[2]
     assert grown.blk[2].ffn_gate_inp.weight is old.blk[2].ffn_gate_inp.weight
+    first = StageModel.from_gguf(moe_gguf, 0, 2, max_context=16, max_requests=1, local_experts=False)
+    local = StageModel.from_gguf(moe_gguf, 0, 3, max_context=16, max_requests=1, reuse=first)
+    assert sorted(local.reused.blocks) == [0]  # the dense block; the MoE block lacks the routed experts it needs
     rows = np.random.default_rng(2).standard_normal((len(PROMPT), SPEC.dim)).astype(np.float32)
     out = []
     for stage in (grown, scratch):
