@@ -87,7 +87,9 @@ def stage_tensor_names(header: GGUFHeader, start: int, end: int, n_blocks: int, 
     names = ["token_embd.weight"] if start == 0 and not held.embedding else []
     names += [n for i in range(start, end) if i not in held.blocks for n in block_tensor_names(header, i, routed=routed)]
     if end == n_blocks and not held.head:
-        names += ["output_norm.weight", head_tensor_name(header)]
+        head = head_tensor_name(header)
+        # a head tied to an embedding the stage takes over is that embedding: nothing to read
+        names += ["output_norm.weight"] + ([] if head == "token_embd.weight" and held.embedding else [head])
     if "rope_freqs.weight" in header.tensors:  # Llama 3's RoPE frequency factors, used by every block
         names.append("rope_freqs.weight")
     missing = [n for n in names if n not in header.tensors]
@@ -159,9 +161,9 @@ def load_stage_weights(
         keep32 = dtype == "float32" or name == "rope_freqs.weight" or (dtype == "quantized" and len(info.shape) == 1)
         cast = "float32" if keep32 else "float16"
         weights[name] = permute(read_tensor(header, name, device)).cast(cast).contiguous().realize()
-    embedding = start == 0 and not (held and held.embedding)
-    if end == config.num_blocks and not (held and held.head) and "output.weight" not in weights:
-        weights["output.weight"] = weights["token_embd.weight"] if embedding else weights.pop("token_embd.weight")
+    held = held or StageParts()
+    if end == config.num_blocks and not held.head and not held.embedding and "output.weight" not in weights:
+        weights["output.weight"] = weights["token_embd.weight"] if start == 0 else weights.pop("token_embd.weight")
     if buffers := [t for w in weights.values() for t in (w.buffers() if isinstance(w, BlockQuantized) else [w])]:
         Tensor.realize(*buffers)
     return weights

@@ -193,14 +193,19 @@ class StageModel:
         dense = {k: v.to(self.device).contiguous() for k, v in weights.items() if not isinstance(v, BlockQuantized)}
         if dense:  # none when every part is taken over
             Tensor.realize(*dense.values())
+        loaded = dense | {k: v.dequantized() for k, v in quantized.items()}
+        if self.is_last and not held.head and "output.weight" not in loaded:  # tied to the embedding taken over
+            loaded["output.weight"] = self.token_embd.weight
         # a stage whose experts live elsewhere loads no routed expert (they stay unrealised placeholders)
-        nn.state.load_state_dict(self._weight_holders(but=held), dense | {k: v.dequantized() for k, v in quantized.items()},
-                                 verbose=False, realize=False, strict=self.local_experts)
+        nn.state.load_state_dict(self._weight_holders(but=held), loaded, verbose=False, realize=False,
+                                 strict=self.local_experts)
         self._qkv, self._gate_up = {}, {}
         # matrices in GGML blocks by GGUF name (fused ones as blk.{i}.qkv / gate_up), for ggml numerics
         self._blocks: dict[str, BlockQuantized] = dict(quantized)
         if reuse is not None:
             self._take_over(reuse, held)
+            if self.is_last and not held.head and "output.weight" not in weights and "token_embd.weight" in self._blocks:
+                self._blocks["output.weight"] = self._blocks["token_embd.weight"]
         for i, blk in self.blk.items():
             if i in held.blocks:
                 continue

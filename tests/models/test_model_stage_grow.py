@@ -58,9 +58,11 @@ def test_a_first_stage_grown_to_the_whole_model_reads_only_the_blocks_it_lacked(
     grown = StageModel.from_gguf(tiny_quantized_gguf, 0, 5, max_context=32, max_requests=1, numerics="ggml",
                                  reuse=old)
     assert {n.split(".")[1] for n in reads if n.startswith("blk.")} == {"3", "4"}
+    assert "token_embd.weight" not in reads  # the head is tied to the embedding it took over
     assert grown.reused == StageParts(frozenset({0, 1, 2}), embedding=True, head=False)
     assert all(grown.blk[i] is old.blk[i] and grown._qkv[i] is old._qkv[i] for i in range(3))
     assert grown.token_embd is old.token_embd and grown._blocks["blk.1.qkv"] is old._blocks["blk.1.qkv"]
+    assert grown._blocks["output.weight"] is old._blocks["token_embd.weight"]
     assert grown.kv is not old.kv and grown.weight_dtype == old.weight_dtype
     del old
     gc.collect()  # the old stage's graphs are finalised: the tensors it shared stay
