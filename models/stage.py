@@ -194,7 +194,7 @@ class StageModel:
         if dense:  # none when every part is taken over
             Tensor.realize(*dense.values())
         loaded = dense | {k: v.dequantized() for k, v in quantized.items()}
-        if self.is_last and not held.head and "output.weight" not in loaded:  # tied to the embedding taken over
+        if self.is_last and held.embedding and not held.head and "output.weight" not in loaded:  # tied to it
             loaded["output.weight"] = self.token_embd.weight
         # a stage whose experts live elsewhere loads no routed expert (they stay unrealised placeholders)
         nn.state.load_state_dict(self._weight_holders(but=held), loaded, verbose=False, realize=False,
@@ -204,7 +204,8 @@ class StageModel:
         self._blocks: dict[str, BlockQuantized] = dict(quantized)
         if reuse is not None:
             self._take_over(reuse, held)
-            if self.is_last and not held.head and "output.weight" not in weights and "token_embd.weight" in self._blocks:
+            tied = self.is_last and held.embedding and not held.head and "output.weight" not in weights
+            if tied and "token_embd.weight" in self._blocks:
                 self._blocks["output.weight"] = self._blocks["token_embd.weight"]
         for i, blk in self.blk.items():
             if i in held.blocks:
