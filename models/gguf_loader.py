@@ -10,6 +10,7 @@ the way `Transformer.from_gguf` does, from GGUF's interleaved RoPE pairs to tiny
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,6 +35,14 @@ BLOCK_TENSORS = (
     "ffn_up.weight",
     "ffn_down.weight",
 )
+
+
+@dataclass(frozen=True)
+class StageParts:
+    """Parts of a stage, by what they are: blocks (by index), the embedding, the output norm and head."""
+    blocks: frozenset[int] = frozenset()
+    embedding: bool = False
+    head: bool = False
 
 
 def tensor_nbytes(info: TensorInfo) -> int:
@@ -70,12 +79,17 @@ def block_tensor_names(header: GGUFHeader, i: int, *, routed: bool = True) -> li
     return names + ([f"blk.{i}.{t}" for t in ROUTED_TENSORS] if routed else [])
 
 
-def stage_tensor_names(header: GGUFHeader, start: int, end: int, n_blocks: int, *, routed: bool = True) -> list[str]:
-    """The GGUF tensors stage [start, end) of an `n_blocks` model needs, in file order of loading."""
-    names = ["token_embd.weight"] if start == 0 else []
-    names += [n for i in range(start, end) for n in block_tensor_names(header, i, routed=routed)]
-    if end == n_blocks:
-        names += ["output_norm.weight", head_tensor_name(header)]
+def stage_tensor_names(header: GGUFHeader, start: int, end: int, n_blocks: int, *, routed: bool = True,
+                       held: StageParts | None = None) -> list[str]:
+    """The GGUF tensors stage [start, end) of an `n_blocks` model needs, in file order of loading; but
+    those of `held` (parts a stage already loaded and hands over)."""
+    held = held or StageParts()
+    names = ["token_embd.weight"] if start == 0 and not held.embedding else []
+    names += [n for i in range(start, end) if i not in held.blocks for n in block_tensor_names(header, i, routed=routed)]
+    if end == n_blocks and not held.head:
+        head = head_tensor_name(header)
+        # a head tied to an embedding the stage takes over is that embedding: nothing to read
+        names += ["output_norm.weight"] + ([] if head == "token_embd.weight" and held.embedding else [head])
     if "rope_freqs.weight" in header.tensors:  # Llama 3's RoPE frequency factors, used by every block
         names.append("rope_freqs.weight")
     missing = [n for n in names if n not in header.tensors]
@@ -113,9 +127,10 @@ def interleaved_to_half_split(w: Tensor, n_heads: int) -> Tensor:
 
 def load_stage_weights(
     header: GGUFHeader, config, start: int, end: int, *, device: str | None = None, dtype: str = "float16",
-    routed: bool = True,
+    routed: bool = True, held: StageParts | None = None,
 ) -> dict[str, Tensor | BlockQuantized]:
-    """Weights of stage [start, end), keyed by GGUF name; the tied head is `output.weight`.
+    """Weights of stage [start, end), keyed by GGUF name; the tied head is `output.weight`. The parts in
+    `held` are left out (not read): a stage already holds them.
 
     `dtype` "float16" or "float32": realised dense matrices. "quantized": Q4_0/Q4_1/Q8_0 matrices stay in
     their GGML blocks (`BlockQuantized`, dequantised inside the kernels), other matrices are float16 and
@@ -130,7 +145,7 @@ def load_stage_weights(
         raise ModelError(f"{header.path.name}: partial RoPE ({config.rope_dim} of {config.head_dim}) is not supported")
     heads = {"attn_q.weight": config.n_heads, "attn_k.weight": config.n_kv_heads}
     weights: dict[str, Tensor | BlockQuantized] = {}
-    for name in stage_tensor_names(header, start, end, config.num_blocks, routed=routed):
+    for name in stage_tensor_names(header, start, end, config.num_blocks, routed=routed, held=held):
         info = header.tensors[name]
         n_heads = heads.get(name.split(".", 2)[-1])
 
@@ -146,9 +161,11 @@ def load_stage_weights(
         keep32 = dtype == "float32" or name == "rope_freqs.weight" or (dtype == "quantized" and len(info.shape) == 1)
         cast = "float32" if keep32 else "float16"
         weights[name] = permute(read_tensor(header, name, device)).cast(cast).contiguous().realize()
-    if end == config.num_blocks and "output.weight" not in weights:
+    held = held or StageParts()
+    if end == config.num_blocks and not held.head and not held.embedding and "output.weight" not in weights:
         weights["output.weight"] = weights["token_embd.weight"] if start == 0 else weights.pop("token_embd.weight")
-    Tensor.realize(*[t for w in weights.values() for t in (w.buffers() if isinstance(w, BlockQuantized) else [w])])
+    if buffers := [t for w in weights.values() for t in (w.buffers() if isinstance(w, BlockQuantized) else [w])]:
+        Tensor.realize(*buffers)
     return weights
 
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from models import ggml_numerics
 from models.errors import ModelError
+from models.gguf_loader import StageParts
 from models.jit import capturing_jit
 from models.kv_cache import KVCacheFull, KVPool, SlotTable
 from models.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_renderer
@@ -133,7 +134,12 @@ class StageModel:
     def __init__(self, config, weights: dict[str, Tensor | BlockQuantized], start: int, end: int, *,
                  max_context: int = 2048,
                  max_requests: int = 8, device: str | None = None, prefill_chunk: int = 32,
-                 attention_tile: int | None = None, local_experts: bool = True, numerics: str = "float"):
+                 attention_tile: int | None = None, local_experts: bool = True, numerics: str = "float",
+                 source: str = "", reuse: StageModel | None = None):
+        """`weights`: GGUF name -> tensor of everything the stage holds, but the parts it takes over from
+        `reuse` (`reuse.parts_for(...)`: the realised blocks both hold, and the embedding / head when both
+        have it, shared, not copied). `source` names where the weights came from (file and dtype, or seed),
+        so that only a stage of the same weights hands its parts over."""
         from tinygrad import Device, Tensor, nn
         from tinygrad.llm.model import TransformerBlock
 
@@ -158,31 +164,52 @@ class StageModel:
         self.attention_tile = (128 if on_gpu else 0) if attention_tile is None else attention_tile
         self.config = replace(config, max_context=max_context)
         self.hidden_size, self.vocab_size = config.dim, config.vocab_size
-        self.weight_dtype = _dtype_name(weights[f"blk.{start}.attn_q.weight"])
         self.moe_blocks = [i for i in range(start, end) if is_moe_block(config, i)]
         self.local_experts = local_experts or not self.moe_blocks
+        self.source = source
+        held = StageParts() if reuse is None else reuse.parts_for(
+            config, start, end, source=source, device=self.device, numerics=numerics, local_experts=local_experts)
+        self.reused = held  # what was taken over from `reuse` (nothing was read for it)
+        self.weight_dtype = reuse._block_dtype(start) if reuse is not None and start in held.blocks \
+            else _dtype_name(weights[f"blk.{start}.attn_q.weight"])
 
         with _layers_without_random_init():
-            self.blk = {i: TransformerBlock(block_config(self.config, i)) for i in range(start, end)}
+            self.blk = {i: reuse.blk[i] if reuse is not None and i in held.blocks
+                        else TransformerBlock(block_config(self.config, i)) for i in range(start, end)}
             if self.is_first:
-                self.token_embd = nn.Embedding(config.vocab_size, config.dim)
+                self.token_embd = reuse.token_embd if reuse is not None and held.embedding \
+                    else nn.Embedding(config.vocab_size, config.dim)
             if self.is_last:
-                self.output_norm = nn.RMSNorm(config.dim, config.norm_eps)
-                self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+                if reuse is not None and held.head:
+                    self.output_norm, self.output = reuse.output_norm, reuse.output
+                else:
+                    self.output_norm = nn.RMSNorm(config.dim, config.norm_eps)
+                    self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         weights = dict(weights)
         factors = weights.pop("rope_freqs.weight", None)
         # quantised matrices enter the blocks as lazy dequantisation graphs over their codes, dense ones
         # as realised buffers; either way under their GGUF names
         quantized = {k: v for k, v in weights.items() if isinstance(v, BlockQuantized)}
         dense = {k: v.to(self.device).contiguous() for k, v in weights.items() if not isinstance(v, BlockQuantized)}
-        Tensor.realize(*dense.values())
+        if dense:  # none when every part is taken over
+            Tensor.realize(*dense.values())
+        loaded = dense | {k: v.dequantized() for k, v in quantized.items()}
+        if self.is_last and held.embedding and not held.head and "output.weight" not in loaded:  # tied to it
+            loaded["output.weight"] = self.token_embd.weight
         # a stage whose experts live elsewhere loads no routed expert (they stay unrealised placeholders)
-        nn.state.load_state_dict(self._weight_holders(), dense | {k: v.dequantized() for k, v in quantized.items()},
-                                 verbose=False, realize=False, strict=self.local_experts)
+        nn.state.load_state_dict(self._weight_holders(but=held), loaded, verbose=False, realize=False,
+                                 strict=self.local_experts)
         self._qkv, self._gate_up = {}, {}
         # matrices in GGML blocks by GGUF name (fused ones as blk.{i}.qkv / gate_up), for ggml numerics
         self._blocks: dict[str, BlockQuantized] = dict(quantized)
+        if reuse is not None:
+            self._take_over(reuse, held)
+            tied = self.is_last and held.embedding and not held.head and "output.weight" not in weights
+            if tied and "token_embd.weight" in self._blocks:
+                self._blocks["output.weight"] = self._blocks["token_embd.weight"]
         for i, blk in self.blk.items():
+            if i in held.blocks:
+                continue
             names = [f"blk.{i}.{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")]
             self._qkv[i], qkv = _fuse([blk.attn_q, blk.attn_k, blk.attn_v], [quantized.get(n) for n in names[:3]])
             gate_up = None
@@ -210,7 +237,7 @@ class StageModel:
     @classmethod
     def from_gguf(cls, path: str | Path, start: int = 0, end: int | None = None, *, max_context: int = 2048,
                   max_requests: int = 8, device: str | None = None, dtype: str | None = None,
-                  numerics: str = "float", local_experts: bool = True) -> StageModel:
+                  numerics: str = "float", local_experts: bool = True, reuse: StageModel | None = None) -> StageModel:
         """Load blocks [start, end) (default: to the last block) of a GGUF model, reading only their bytes.
 
         `dtype`: "float16" (as tinygrad.llm; the default with float numerics), "float32" (to measure what
@@ -218,7 +245,11 @@ class StageModel:
         Q8_0 matrices stay in their GGML blocks and are dequantised inside the kernels (exact, ~2.8x
         smaller, faster on CPU; see docs/BENCHMARKS.md). `numerics`: see the module docstring;
         `SERVING_NUMERICS` is what `swarmd run` and served stages use.
-        `local_experts=False`: the routed experts of MoE blocks are not loaded (see `forward_steps`)."""
+        `local_experts=False`: the routed experts of MoE blocks are not loaded (see `forward_steps`).
+        `reuse`: a stage loaded from the same file alike; the blocks both hold (and the embedding / head
+        both have) are taken over from it as they are, shared, and not read again."""
+        from tinygrad import Device
+
         from models.config import config_from_header
         from models.gguf_loader import load_stage_weights
         from models.gguf_meta import read_header
@@ -232,27 +263,68 @@ class StageModel:
             dtype = "quantized" if numerics == "ggml" else "float16"
         if numerics == "ggml" and dtype != "quantized":
             raise ModelError(f"numerics 'ggml' computes on GGML blocks: use dtype 'quantized', not {dtype!r}")
-        weights = load_stage_weights(header, config, start, end, device=device, dtype=dtype, routed=local_experts)
+        source = f"gguf {Path(path).resolve()} {dtype}"
+        held = None if reuse is None else reuse.parts_for(config, start, end, source=source, numerics=numerics,
+                                                          device=Device.canonicalize(device), local_experts=local_experts)
+        weights = load_stage_weights(header, config, start, end, device=device, dtype=dtype, routed=local_experts,
+                                     held=held)
         return cls(config, weights, start, end, max_context=config.max_context, max_requests=max_requests,
-                   device=device, local_experts=local_experts, numerics=numerics)
+                   device=device, local_experts=local_experts, numerics=numerics, source=source, reuse=reuse)
 
     @classmethod
     def random(cls, config, seed: int, start: int = 0, end: int | None = None, *, dtype: str = "float16",
-               **kwargs: Any) -> StageModel:
+               reuse: StageModel | None = None, **kwargs: Any) -> StageModel:
         """A stage of a model with seeded random weights; block i's weights depend only on (seed, i), so
-        any split of the model into stages gives the same model."""
+        any split of the model into stages gives the same model. `reuse`: as in `from_gguf`."""
+        from tinygrad import Device
+
         end = config.num_blocks if end is None else end
         routed = kwargs.get("local_experts", True)
-        return cls(config, random_weights(config, seed, start, end, dtype, kwargs.get("device"), routed=routed),
-                   start, end, **kwargs)
+        source = f"seed {seed} {dtype}"
+        held = None if reuse is None else reuse.parts_for(
+            config, start, end, source=source, device=Device.canonicalize(kwargs.get("device")),
+            numerics=kwargs.get("numerics", "float"), local_experts=routed)
+        weights = random_weights(config, seed, start, end, dtype, kwargs.get("device"), routed=routed, held=held)
+        return cls(config, weights, start, end, source=source, reuse=reuse, **kwargs)
 
-    def _weight_holders(self) -> dict[str, Any]:
-        held: dict[str, Any] = {"blk": self.blk}
-        if self.is_first:
+    def _weight_holders(self, but: StageParts | None = None) -> dict[str, Any]:
+        """The modules holding the weights, by GGUF name prefix; `but`'s parts left out."""
+        but = but or StageParts()
+        held: dict[str, Any] = {"blk": {i: b for i, b in self.blk.items() if i not in but.blocks}}
+        if self.is_first and not but.embedding:
             held["token_embd"] = self.token_embd
-        if self.is_last:
+        if self.is_last and not but.head:
             held.update(output_norm=self.output_norm, output=self.output)
         return held
+
+    def parts_for(self, config, start: int, end: int, *, source: str, device: str, numerics: str,
+                  local_experts: bool) -> StageParts:
+        """What of this stage a stage [start, end) of the same weights can take over: the blocks both hold
+        (MoE blocks only when both hold their routed experts, or neither), the embedding when both are first,
+        the output norm and head when both are last. Nothing when the weights, device or numerics differ."""
+        if (not source or source != self.source or device != self.device or numerics != self.numerics
+                or replace(config, max_context=0) != replace(self.config, max_context=0)):
+            return StageParts()
+        both = range(max(start, self.start), min(end, self.end))
+        blocks = frozenset(i for i in both if local_experts == self.local_experts or i not in self.moe_blocks)
+        return StageParts(blocks, start == 0 and self.is_first, end == config.num_blocks and self.is_last)
+
+    def _take_over(self, other: StageModel, held: StageParts) -> None:
+        """Point at `other`'s fused projections and GGML blocks of the parts in `held` (its blocks,
+        embedding and head are already this stage's)."""
+        for i in held.blocks:
+            self._qkv[i] = other._qkv[i]
+            if i in other._gate_up:
+                self._gate_up[i] = other._gate_up[i]
+        prefixes = tuple(f"blk.{i}." for i in held.blocks)
+        names = {"token_embd.weight"} if held.embedding else set()
+        names |= {"output.weight", "output_norm.weight"} if held.head else set()
+        self._blocks.update({k: b for k, b in other._blocks.items() if k.startswith(prefixes) or k in names})
+
+    def _block_dtype(self, i: int) -> str:
+        """What `weight_dtype` says for a stage starting at block i: how its Q projection is held."""
+        name = f"blk.{i}.attn_q.weight"
+        return "quantized" if name in self._blocks else _dtype_name(self.blk[i].attn_q.weight)
 
     def weight_bytes(self) -> int:
         """Bytes of the device buffers holding this stage's weights (each buffer counted once: fused

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from models.gguf_loader import StageParts
 from models.moe import block_config, is_moe_block
 
 if TYPE_CHECKING:
@@ -55,26 +56,27 @@ def expert_shapes(config, n: int) -> dict[str, tuple[int, int, int]]:
             "ffn_down_exps": (n, c.dim, c.hidden_dim)}
 
 
-def weight_shapes(config, start: int, end: int) -> dict[str, tuple[int, ...]]:
+def weight_shapes(config, start: int, end: int, held: StageParts | None = None) -> dict[str, tuple[int, ...]]:
     """GGUF name -> shape of every tensor blocks [start, end) hold but their routed experts (and the
-    embedding/head at the ends)."""
-    c = config
-    named = {f"blk.{i}.{n}": s for i in range(start, end) for n, s in block_shapes(c, i, routed=False).items()}
-    if start == 0:
+    embedding/head at the ends), but those of the parts in `held`."""
+    c, held = config, held or StageParts()
+    named = {f"blk.{i}.{n}": s for i in range(start, end) if i not in held.blocks
+             for n, s in block_shapes(c, i, routed=False).items()}
+    if start == 0 and not held.embedding:
         named["token_embd.weight"] = (c.vocab_size, c.dim)
-    if end == c.num_blocks:
+    if end == c.num_blocks and not held.head:
         named.update({"output_norm.weight": (c.dim,), "output.weight": (c.vocab_size, c.dim)})
     return named
 
 
 def random_weights(config, seed: int, start: int, end: int, dtype: str = "float16", device: str | None = None, *,
-                   routed: bool = True) -> dict[str, Tensor]:
+                   routed: bool = True, held: StageParts | None = None) -> dict[str, Tensor]:
     """Seeded random weights for blocks [start, end) (and the embedding/head where the stage needs them),
     GGUF-named, realised on `device`; `routed=False` leaves out the routed experts (a stage whose experts
-    live elsewhere)."""
+    live elsewhere); the parts in `held` are left out (a stage already holds them)."""
     from tinygrad import Tensor
 
-    items = list(weight_shapes(config, start, end).items())
+    items = list(weight_shapes(config, start, end, held).items())
     to = NUMPY_DTYPES.get(dtype, np.float32)
 
     def draw(item: tuple[str, tuple[int, ...]]) -> np.ndarray:
@@ -89,7 +91,8 @@ def random_weights(config, seed: int, start: int, end: int, dtype: str = "float1
                 t = Tensor(arr, device=device)
                 out[name] = (t if dtype in NUMPY_DTYPES else t.cast(dtype)).realize()
     if routed:
-        every = {i: range(config.num_experts) for i in range(start, end) if is_moe_block(config, i)}
+        every = {i: range(config.num_experts) for i in range(start, end)
+                 if is_moe_block(config, i) and not (held and i in held.blocks)}
         out |= random_expert_weights(config, seed, every, dtype, device)
     return out
 

@@ -5,6 +5,7 @@
     .venv/bin/python scripts/bench_faults.py --daemons 3 --standby 1 --tokens 32 --kills 2 --skip-resets
     .venv/bin/python scripts/bench_faults.py --daemons 3 --standby 1 --compare-rebuild --long-prompt \
         --tokens 40 --kill-after 24 --kills 6 --skip-resets
+    .venv/bin/python scripts/bench_faults.py --daemons 3 --compare-reload --tokens 32 --kills 6
     .venv/bin/python scripts/bench_faults.py --skip-kill --reset-rates 0,0.01,0.05
     .venv/bin/python scripts/bench_faults.py --expert-node --tokens 32 --kills 3
 
@@ -24,6 +25,10 @@ SmolLM2 (the kernel cache is warm after the first request). Then:
   its own) and by the other surviving stage's daemon, started with `swarmd join --full-replay` (every stage
   prefills the whole history again); the parts per path, as medians side by side. `--long-prompt` gives a
   history long enough for the difference to show.
+* block reuse (`--compare-reload`, no standby): two swarms side by side, one of daemons started with
+  `swarmd join --full-reload` (a survivor whose block range grows reads the whole new range, as before) and
+  one without (it keeps the blocks it holds and reads only the others); the `--kills` kills alternate between
+  them, each swarm's victim started again before its next kill; the parts per swarm, as medians side by side.
 * resets (on the daemons left after the kill): the same request with each link resetting every forwarded chunk
   with probability p; decode tokens/s side by side with p = 0 (medians of `--repeats` runs), frames the
   transports resent, and runs whose tokens differed or that failed.
@@ -300,6 +305,33 @@ def expert_node_runs(base: Path, bench_file: Path, model: Path, replicas: bool, 
     return {"runs": runs, "median": out}
 
 
+def reload_runs(base: Path, bench_file: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """`--kills` kills alternating between a swarm whose survivors keep their blocks and one started with
+    --full-reload; both swarms run all along, so that the two see the same load."""
+    swarms = {"kept_blocks": FaultSwarm(base / "kept", bench_file, args.daemons, extra=("--max-context", "256")),
+              "full_reload": FaultSwarm(base / "full", bench_file, args.daemons,
+                                        extra=("--max-context", "256", "--full-reload"))}
+    runs: list[dict[str, Any]] = []
+    try:
+        for name, swarm in swarms.items():
+            say(f"starting {args.daemons} daemons ({name})")
+            swarm.start()
+            swarm.stream(0, prompt=PROMPT, max_tokens=4)  # warm every stage's kernels
+        for k in range(args.kills):
+            name = list(swarms)[k % 2]
+            swarm = swarms[name]
+            if k >= 2:
+                restore(swarm, runs[k - 2]["victim"], args.daemons)
+                swarm.stream(0, prompt=PROMPT, max_tokens=4)
+            say(f"kill -9 of a stage ({k + 1} of {args.kills}, {name})")
+            runs.append(recovery(swarm, args.tokens, args.kill_after) | {"reload": name})
+            say(json.dumps(runs[-1]))
+    finally:
+        for swarm in swarms.values():
+            swarm.stop()
+    return {"runs": runs, "median": {name: medians([r for r in runs if r["reload"] == name]) for name in swarms}}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--daemons", type=int, default=3)
@@ -314,6 +346,9 @@ def main() -> int:
     p.add_argument("--compare-rebuild", action="store_true",
                    help="with --standby: alternate the kills between requests that move with the hop-local KV "
                         "rebuild and with a full replay (headed by a daemon started with --full-replay)")
+    p.add_argument("--compare-reload", action="store_true",
+                   help="no standby: alternate the kills between a swarm whose survivors keep the blocks they hold "
+                        "and one started with --full-reload (they read their whole new range)")
     p.add_argument("--long-prompt", action="store_true", help="a prompt of about 130 tokens instead of 9")
     p.add_argument("--skip-kill", action="store_true")
     p.add_argument("--skip-resets", action="store_true")
@@ -334,6 +369,10 @@ def main() -> int:
             results["expert_node"] = {
                 "with_replicas": expert_node_runs(base / "replicas", base / BENCH_FILE, model, True, args),
                 "without_replicas": expert_node_runs(base / "alone", base / BENCH_FILE, model, False, args)}
+            print(json.dumps(results, indent=1))
+            return 0
+        if args.compare_reload:
+            results["recovery_by_reload"] = reload_runs(base, base / BENCH_FILE, args)
             print(json.dumps(results, indent=1))
             return 0
         if args.compare_rebuild and (not args.standby or args.daemons < 3):

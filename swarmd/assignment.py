@@ -12,6 +12,12 @@ plan put them (this daemon's included).
 A spare (`Plan.standbys`) loads its copy of a stage's blocks the same way, warms it (the jitted graphs a
 takeover needs first are captured) and reports "standby" with those layers; when a repaired plan gives it that very stage, it
 is ready at once: nothing loads, nothing compiles.
+
+When the new block range overlaps the one loaded (a survivor whose range grows after a stage was lost with
+no spare, or shrinks when a node comes back), the old stage is handed to the loader instead of released:
+the new stage takes over its realised blocks (and the embedding / head when both have it) and reads only
+the blocks it lacks; the old stage is dropped on the compute thread once the new one is built. Its KV
+caches are not kept (requests move by replay). `swarmd join --full-reload` turns this off (to measure it).
 """
 
 from __future__ import annotations
@@ -30,25 +36,27 @@ from swarmd.model_source import ServedModel
 
 log = logging.getLogger("swarmd.assignment")
 
-# (model, start, end, device, max_context, max_requests) -> a loaded stage
-StageLoader = Callable[[ServedModel, int, int, str, int, int], Any]
+# (model, start, end, device, max_context, max_requests, reuse=an overlapping loaded stage or None) -> a stage
+StageLoader = Callable[..., Any]
 # (model, {block: experts}, device) -> a loaded ExpertShard
 ExpertLoader = Callable[[ServedModel, dict[int, tuple[int, ...]], str], Any]
 
 
-def load_stage(model: ServedModel, start: int, end: int, device: str, max_context: int, max_requests: int):
-    """Blocks [start, end) of the model's GGUF (or drawn from its seed), as a StageModel on `device` (blocking)."""
+def load_stage(model: ServedModel, start: int, end: int, device: str, max_context: int, max_requests: int, *,
+               reuse: Any = None):
+    """Blocks [start, end) of the model's GGUF (or drawn from its seed), as a StageModel on `device` (blocking);
+    the blocks a loaded StageModel `reuse` holds (and its embedding / head) are taken over, not read again."""
     from models.errors import ModelError
     from models.stage import SERVING_NUMERICS, StageModel
 
     if model.seeded is not None:
         config = model.seeded.config(max_context)
         return StageModel.random(config, model.seeded.seed, start, end, max_context=config.max_context,
-                                 max_requests=max_requests, device=device)
+                                 max_requests=max_requests, device=device, reuse=reuse)
     if model.path is None:
         raise ModelError(f"no weights for {model.name} on this machine (it is known only to plan with)")
     return StageModel.from_gguf(model.path, start, end, max_context=max_context, max_requests=max_requests,
-                                device=device, local_experts=not model.layout.is_moe,
+                                device=device, local_experts=not model.layout.is_moe, reuse=reuse,
                                 # MoE blocks compute in float: ggml numerics are llama.cpp's for dense models
                                 numerics="float" if model.layout.is_moe else SERVING_NUMERICS)
 
@@ -66,8 +74,9 @@ def load_experts(model: ServedModel, experts: dict[int, tuple[int, ...]], device
 class Assignment:
     def __init__(self, peer_id: str, model: ServedModel, device: str, compute: ComputeThread, *,
                  max_context: int = 2048, max_requests: int = 4, loader: StageLoader = load_stage,
-                 expert_loader: ExpertLoader = load_experts, warmup: bool = False) -> None:
+                 expert_loader: ExpertLoader = load_experts, warmup: bool = False, reuse_blocks: bool = True) -> None:
         self.peer_id = peer_id
+        self.reuse_blocks = reuse_blocks  # a new range takes the loaded stage's blocks over (off: reload all)
         self.warmup = warmup  # capture every graph before a stage is ready (`swarmd join --warmup`)
         self.compute = compute
         self.model = model
@@ -130,12 +139,12 @@ class Assignment:
                 self._set(AssignmentStatus(epoch, target, experts, _state(layers, copy, experts),
                                            1.0 if target or experts else 0.0))
                 continue
-            self._release()
+            previous = self._hand_over(target)
             if target is None:
                 self._set(AssignmentStatus(epoch, None, experts, "ready" if experts else "idle"))
                 log.info("plan epoch %d: no blocks for this node; released the stage", epoch)
                 continue
-            await self._load(epoch, target, experts, warm=layers is None)
+            await self._load(epoch, target, experts, warm=layers is None, previous=previous)
 
     async def _load_experts(self, epoch: int, layers: tuple[int, int] | None,
                             experts: dict[int, tuple[int, ...]]) -> bool:
@@ -159,8 +168,9 @@ class Assignment:
         return True
 
     async def _load(self, epoch: int, layers: tuple[int, int], experts: dict[int, tuple[int, ...]], *,
-                    warm: bool = False) -> None:
-        """Load blocks `layers`; `warm` (a standby copy) also captures every jitted graph before it is ready."""
+                    warm: bool = False, previous: list[Any] | None = None) -> None:
+        """Load blocks `layers`; `warm` (a standby copy) also captures every jitted graph before it is ready.
+        `previous`: the old stage (in a list the compute thread empties), whose blocks the new one takes over."""
         a, b = layers
         self._set(AssignmentStatus(epoch, layers, experts, "loading", 0.0))
         self.load_started = trio.current_time()
@@ -168,8 +178,7 @@ class Assignment:
         log.info("loading %s %d-%d of %s (plan epoch %d)", what, a, b - 1, self.model.name, epoch)
         try:
             # a daemon told to stop does not wait for a load to finish: run() returns when cancelled
-            stage = await self.compute.run(self.loader, self.model, a, b, self.device, self.max_context,
-                                           self.max_requests)
+            stage = await self.compute.run(self._build, a, b, previous or [])
             if self.warmup and hasattr(stage, "warmup"):
                 await self.compute.run(stage.warmup)
             elif warm and hasattr(stage, "warmup"):
@@ -193,10 +202,32 @@ class Assignment:
         if state == "standby":
             log.info("standby: a copy of blocks %d-%d loaded and warmed in %.1f s", a, b - 1, took)
         else:
-            log.info("ready: blocks %d-%d loaded in %.1f s", a, b - 1, took)
+            kept = sorted(getattr(getattr(stage, "reused", None), "blocks", ()))
+            log.info("ready: blocks %d-%d loaded in %.1f s%s", a, b - 1, took,
+                     f" (blocks {kept[0]}-{kept[-1]} kept from the previous stage)" if kept else "")
 
     def _release(self) -> None:
         self.stage, self.loaded_layers = None, None
+
+    def _hand_over(self, target: tuple[int, int] | None) -> list[Any]:
+        """Release the loaded stage; returned (in a list) when `target` overlaps its blocks, for the new
+        stage to take them over; otherwise it is dropped now, before the load, so memory follows the plan."""
+        old, held = self.stage, self.loaded_layers
+        self._release()
+        if old is None or held is None or target is None or not self.reuse_blocks:
+            return []
+        return [old] if max(held[0], target[0]) < min(held[1], target[1]) else []
+
+    def _build(self, a: int, b: int, previous: list[Any]) -> Any:
+        """On the compute thread: the stage for blocks [a, b), taking over what it can of the stage in
+        `previous`, which it then drops here (its jitted graphs must be finalised on this thread)."""
+        old = previous.pop() if previous else None
+        try:
+            if old is None:
+                return self.loader(self.model, a, b, self.device, self.max_context, self.max_requests)
+            return self.loader(self.model, a, b, self.device, self.max_context, self.max_requests, reuse=old)
+        finally:
+            del old
 
     def _set(self, status: AssignmentStatus) -> None:
         self._status = status

@@ -93,6 +93,7 @@ class DaemonConfig:
     plan: Path | None = None  # a Plan JSON file the founding daemon adopts instead of planning
     standby: bool = False  # a spare: the planner gives it a warm copy of a stage instead of a stage
     full_replay: bool = False  # requests this daemon heads move by replaying every stage (no hop-local rebuild)
+    full_reload: bool = False  # a new block range is read whole, not built on the loaded stage's blocks
     warmup: bool = False  # capture every jitted graph (all decode batch sizes) before the stage is ready
     max_context: int = 2048
     max_requests: int = 4  # KV cache slots of this daemon's stage: requests it can hold at once
@@ -201,7 +202,7 @@ def config_changes(doc: dict[str, Any], source: str = "config") -> dict[str, Any
             out[key] = Path(str(value)).expanduser()
         elif key == "memory_limit":
             out[key] = parse_size(value)
-        elif key in ("mdns", "standby", "full_replay", "warmup"):
+        elif key in ("mdns", "standby", "full_replay", "full_reload", "warmup"):
             out[key] = bool(value)
         elif key in ("uplink_mbps",):
             out[key] = float(value)

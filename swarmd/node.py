@@ -131,7 +131,7 @@ class Node:
                 load=lambda: self.requests_in_flight, standby=cfg.standby)
             self.assignment = Assignment(self.peer_id, self.model, device, self.compute,
                                          max_context=cfg.max_context, max_requests=cfg.max_requests,
-                                         loader=self.loader, warmup=cfg.warmup)
+                                         loader=self.loader, warmup=cfg.warmup, reuse_blocks=not cfg.full_reload)
             await nursery.start(self.assignment.run)
             settings = SwarmSettings(cfg.swarm, cfg.timings, bootstrap)
             self.swarm = SwarmService(network, Signer(key_pair), settings, describe_self=self.descriptor,

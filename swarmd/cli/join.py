@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--full-replay", action="store_true", default=None,
                    help="when a request this daemon heads moves to a new chain, every stage rebuilds its KV cache "
                         "from the token history (by default the stages that stay keep theirs; for comparisons)")
+    p.add_argument("--full-reload", action="store_true", default=None,
+                   help="when the plan changes this daemon's block range, read the whole new range from the model "
+                        "(by default the blocks it already holds are kept and only the others read; for comparisons)")
     p.add_argument("--warmup", action="store_true", default=None,
                    help="capture every jitted graph of the stage (prefill, prompt scoring, decode at each batch "
                         "size up to --max-requests) before it reports ready: a slower start, and no request waits "
@@ -109,6 +112,7 @@ def build_config(args: argparse.Namespace):
         plan=args.plan.expanduser() if args.plan else None,
         standby=args.standby,
         full_replay=args.full_replay,
+        full_reload=args.full_reload,
         warmup=args.warmup,
         max_requests=args.max_requests,
         max_context=args.max_context,

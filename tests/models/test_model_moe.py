@@ -122,6 +122,26 @@ def test_a_stage_without_its_experts_reads_no_expert_bytes(moe_gguf):
         stage.forward([StageInput("r", 0, np.zeros((1, SPEC.dim), np.float32))])
 
 
+def test_a_stage_without_its_experts_grows_by_taking_its_moe_blocks_over(moe_gguf):
+    """What a survivor serving a MoE does when its range grows: the router, shared experts and attention of
+    the blocks it held are taken over; the routed experts stay with the expert actors."""
+    shard = ExpertShard.from_gguf(moe_gguf, {i: range(6) for i in (1, 2, 3)})
+    old = StageModel.from_gguf(moe_gguf, 1, 3, max_context=16, max_requests=1, local_experts=False)
+    grown = StageModel.from_gguf(moe_gguf, 1, 4, max_context=16, max_requests=1, local_experts=False, reuse=old)
+    scratch = StageModel.from_gguf(moe_gguf, 1, 4, max_context=16, max_requests=1, local_experts=False)
+    assert sorted(grown.reused.blocks) == [1, 2] and grown.blk[2] is old.blk[2]
+    assert grown.blk[2].ffn_gate_inp.weight is old.blk[2].ffn_gate_inp.weight
+    first = StageModel.from_gguf(moe_gguf, 0, 2, max_context=16, max_requests=1, local_experts=False)
+    local = StageModel.from_gguf(moe_gguf, 0, 3, max_context=16, max_requests=1, reuse=first)
+    assert sorted(local.reused.blocks) == [0]  # the dense block; the MoE block lacks the routed experts it needs
+    rows = np.random.default_rng(2).standard_normal((len(PROMPT), SPEC.dim)).astype(np.float32)
+    out = []
+    for stage in (grown, scratch):
+        stage.add_request("r")
+        out.append(stage.forward([StageInput("r", 0, rows)], experts=shard)[0])
+    np.testing.assert_array_equal(out[0], out[1])
+
+
 def test_a_shard_answers_each_call_from_its_own_rows(moe_gguf):
     """Every call after tinygrad's jit has captured the graph still computes on the new rows."""
     shard = ExpertShard.from_gguf(moe_gguf, {2: [0, 3, 5]}, dtype="float32")

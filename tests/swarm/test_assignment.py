@@ -23,6 +23,15 @@ async def reaches(a: Assignment, state: str) -> None:
     raise AssertionError(f"still {a.status().state}, not {state}")
 
 
+async def loaded(a: Assignment, layers: tuple[int, int]):
+    """The stage, once the assignment is ready with blocks `layers`."""
+    for _ in range(1000):
+        if a.status().state == "ready" and a.status().layers == layers:
+            return a.stage
+        await trio.sleep(0.05)
+    raise AssertionError(f"still {a.status()}, not ready with {layers}")
+
+
 def announce(epoch: int, *stages: Stage) -> PlanAnnouncement:
     return PlanAnnouncement(OTHER, 1, Plan(epoch=epoch, model=ModelRef("tiny"), stages=stages))
 
@@ -45,6 +54,55 @@ async def test_the_assigned_blocks_are_loaded_then_released_when_the_plan_moves_
             a.apply(announce(3, Stage(OTHER, (0, 8))))
             await reaches(a, "idle")
             assert a.stage is None and a.status().epoch == 3
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_range_that_grows_takes_the_loaded_blocks_over_and_reads_only_the_rest(tiny_model, monkeypatch):
+    from models import gguf_loader
+
+    read: list[str] = []
+    read_raw = gguf_loader.read_raw
+    monkeypatch.setattr(gguf_loader, "read_raw", lambda header, name: read.append(name) or read_raw(header, name))
+    blocks_read = lambda: sorted({int(n.split(".")[1]) for n in read if n.startswith("blk.")})  # noqa: E731
+    model = served_model(str(tiny_model))
+    a = Assignment(ME, model, "CPU", ComputeThread(), max_context=64, max_requests=1)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(a.run)
+            a.apply(announce(1, Stage(OTHER, (0, 5)), Stage(ME, (5, 8))))
+            old = await a.wait_ready()
+            assert blocks_read() == [5, 6, 7]
+            read.clear()
+            a.apply(announce(2, Stage(OTHER, (0, 3)), Stage(ME, (3, 8))))  # a stage between was lost
+            grown = await loaded(a, (3, 8))
+            assert (grown.start, grown.end) == (3, 8) and blocks_read() == [3, 4]
+            assert all(grown.blk[i] is old.blk[i] for i in (5, 6, 7)) and grown.output is old.output
+            assert "output_norm.weight" not in read
+            read.clear()
+            a.apply(announce(3, Stage(OTHER, (0, 6)), Stage(ME, (6, 8))))  # and back: nothing to read
+            shrunk = await loaded(a, (6, 8))
+            assert shrunk.blk[7] is old.blk[7] and blocks_read() == []
+            nursery.cancel_scope.cancel()
+
+
+async def test_with_reuse_off_a_grown_range_is_read_whole(tiny_model, monkeypatch):
+    from models import gguf_loader
+
+    read: list[str] = []
+    read_raw = gguf_loader.read_raw
+    monkeypatch.setattr(gguf_loader, "read_raw", lambda header, name: read.append(name) or read_raw(header, name))
+    model = served_model(str(tiny_model))
+    a = Assignment(ME, model, "CPU", ComputeThread(), max_context=64, max_requests=1, reuse_blocks=False)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(a.run)
+            a.apply(announce(1, Stage(OTHER, (0, 5)), Stage(ME, (5, 8))))
+            old = await a.wait_ready()
+            read.clear()
+            a.apply(announce(2, Stage(OTHER, (0, 3)), Stage(ME, (3, 8))))
+            grown = await loaded(a, (3, 8))
+            assert {int(n.split(".")[1]) for n in read if n.startswith("blk.")} == {3, 4, 5, 6, 7}
+            assert grown.blk[5] is not old.blk[5]
             nursery.cancel_scope.cancel()
 
 

@@ -31,12 +31,12 @@ def test_timings_come_from_a_preset_with_overrides():
 def test_a_config_file_uses_the_command_line_keys(tmp_path):
     path = tmp_path / "swarmd.toml"
     path.write_text('swarm = "lab"\nbootstrap = "/ip4/127.0.0.1/tcp/4001/p2p/x"\nmemory-limit = "12GiB"\n'
-                    'device-label = "RTX 3060 12GB"\nlisten = ["/ip4/127.0.0.1/tcp/4001"]\n'
+                    'device-label = "RTX 3060 12GB"\nlisten = ["/ip4/127.0.0.1/tcp/4001"]\nfull-reload = true\n'
                     '[timings]\npreset = "local-test"\nprobe-timeout = 0.7\n')
     changes = load_config_file(path)
     assert changes["swarm"] == "lab" and changes["bootstrap"] == ("/ip4/127.0.0.1/tcp/4001/p2p/x",)
     assert changes["memory_limit"] == 12 * 1024**3 and changes["device_label"] == "RTX 3060 12GB"
-    assert changes["listen"] == ("/ip4/127.0.0.1/tcp/4001",)
+    assert changes["listen"] == ("/ip4/127.0.0.1/tcp/4001",) and changes["full_reload"] is True
     assert changes["timings"].probe_timeout == 0.7 and changes["timings"].heartbeat_interval == 0.25
 
 
