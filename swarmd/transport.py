@@ -21,10 +21,12 @@ Receiving: `transport.route(Forward, handler, expect=...)` registers `async hand
 reader task drains the stream at once (a libp2p sender whose window is not updated for 5 s resets the
 stream), checks every frame (size, CBOR, type, version, fields, tensors, `expect`) and answers pings. A good
 frame is admitted under per-peer and global handler limits and a per-peer rate — by the reader itself when
-nothing waits, otherwise by the link's dispatcher task — then acked, and its handler runs in a task of its
-own. A frame whose key was seen is acked without a second delivery; if its handler has finished, its result
-is sent again. Bad frames get an `Error` reply; a peer with too many is cut off for a while (`on_penalise`
-drops its connections). Handler exceptions never escape: they become `Error` messages to the sender.
+nothing waits, otherwise by the link's dispatcher task — and its handler runs in a task of its own. The
+reader acks the frames of one read together about a millisecond later, and reads on then: off the path of
+the handlers they started (a stage's step starts on its compute thread first). A frame whose key was seen
+is acked without a second delivery; if its handler has finished, its result is sent again. Bad frames get
+an `Error` reply; a peer with too many is cut off for a while (`on_penalise` drops its connections).
+Handler exceptions never escape: they become `Error` messages to the sender.
 
 What a handler returns is its result: `None`, a `Send(peer, msg)` or a list of them. The transport posts
 them after the handler returns and caches them under the message's key for replay on a duplicate.
@@ -73,6 +75,7 @@ log = logging.getLogger(__name__)
 
 PROTOCOL = "/swarmd/act/1.0.0"
 _HANG_UP_DELAY = 0.25  # lets a cut-off peer read why before its connection goes (a reset drops unread data)
+ACK_DELAY = 0.0005  # s from admitting frames to acking them and reading on (epoll waits whole ms: about 1 ms)
 
 
 class ByteStream(Protocol):
@@ -721,7 +724,8 @@ class ActorTransport:
                 if body is None:
                     break
                 await self._on_frame(link, body, queue)
-            if link.acks:  # one write for the acks of every frame this read completed
+            if link.acks:  # one write for the acks of every frame this read completed, a moment later
+                await _let_started_work_begin()
                 await self._reply(link, None, 0)
                 if decoder.mid_frame:
                     frame_started = trio.current_time()
@@ -915,6 +919,19 @@ class ActorTransport:
             peer: {"connected": link.connected, "unacked": len(link.outbox), "last_error": link.last_error}
             for peer, link in self._out.items()
         }
+
+
+async def _let_started_work_begin() -> None:
+    """Sleep for a moment (`ACK_DELAY`) before a reader acks the frames it admitted and reads on.
+
+    Neither is urgent: acks settle the sender's window and retries, with seconds to spare, and what arrives
+    meanwhile waits in the socket. The handlers those frames started are: a stage's handler hands its step
+    to the compute thread, which needs the interpreter lock to begin, and a thread that waits for the lock
+    gets it only once this one blocks in its event loop (a system call in between releases the lock, but
+    takes it back before the waiting thread wakes). Done at once, the ack's encoding and TLS write and the
+    next read's attempt would run first; after this sleep, the handlers have begun, this thread has blocked,
+    the step has started, and they overlap it."""
+    await trio.sleep(ACK_DELAY)
 
 
 async def _acquire(lock: trio.Lock) -> None:
