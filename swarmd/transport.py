@@ -22,8 +22,8 @@ reader task drains the stream at once (a libp2p sender whose window is not updat
 stream), checks every frame (size, CBOR, type, version, fields, tensors, `expect`) and answers pings. A good
 frame is admitted under per-peer and global handler limits and a per-peer rate — by the reader itself when
 nothing waits, otherwise by the link's dispatcher task — and its handler runs in a task of its own. The
-reader acks the frames of one read together about a millisecond later, and reads on then: off the path of
-the handlers they started (a stage's step starts on its compute thread first). A frame whose key was seen
+reader acks the frames of one read together once their handlers have begun, and reads on then (a stage's
+step is on its compute thread's queue before the ack is written). A frame whose key was seen
 is acked without a second delivery; if its handler has finished, its result is sent again. Bad frames get
 an `Error` reply; a peer with too many is cut off for a while (`on_penalise` drops its connections).
 Handler exceptions never escape: they become `Error` messages to the sender.
@@ -75,7 +75,6 @@ log = logging.getLogger(__name__)
 
 PROTOCOL = "/swarmd/act/1.0.0"
 _HANG_UP_DELAY = 0.25  # lets a cut-off peer read why before its connection goes (a reset drops unread data)
-ACK_DELAY = 0.0005  # s from admitting frames to acking them and reading on (epoll waits whole ms: about 1 ms)
 
 
 class ByteStream(Protocol):
@@ -724,8 +723,8 @@ class ActorTransport:
                 if body is None:
                     break
                 await self._on_frame(link, body, queue)
-            if link.acks:  # one write for the acks of every frame this read completed, a moment later
-                await _let_started_work_begin()
+            if link.acks:  # one write for the acks of every frame this read completed, once their handlers began
+                await _let_started_handlers_begin()
                 await self._reply(link, None, 0)
                 if decoder.mid_frame:
                     frame_started = trio.current_time()
@@ -921,17 +920,18 @@ class ActorTransport:
         }
 
 
-async def _let_started_work_begin() -> None:
-    """Sleep for a moment (`ACK_DELAY`) before a reader acks the frames it admitted and reads on.
+async def _let_started_handlers_begin() -> None:
+    """Return once the handlers a reader has just started have run to their first wait.
 
-    Neither is urgent: acks settle the sender's window and retries, with seconds to spare, and what arrives
-    meanwhile waits in the socket. The handlers those frames started are: a stage's handler hands its step
-    to the compute thread, which needs the interpreter lock to begin, and a thread that waits for the lock
-    gets it only once this one blocks in its event loop (a system call in between releases the lock, but
-    takes it back before the waiting thread wakes). Done at once, the ack's encoding and TLS write and the
-    next read's attempt would run first; after this sleep, the handlers have begun, this thread has blocked,
-    the step has started, and they overlap it."""
-    await trio.sleep(ACK_DELAY)
+    The reader acks its frames and reads on after that, so a handler that starts work (a stage handing its
+    step to the compute thread) does so first; the ack's encoding and TLS write and the next read's attempt
+    then overlap the compute thread's wake-up rather than come before it. (They still run before this thread
+    blocks and lets the compute thread take the interpreter lock; deferring them past that, by a sleep, was
+    measured to put their cost into the step instead.) trio runs the tasks of one scheduler batch in either
+    order, so one checkpoint is not enough: a task made ready before the first checkpoint runs in the batch
+    after it, which ends before the second checkpoint returns."""
+    await trio.lowlevel.checkpoint()
+    await trio.lowlevel.checkpoint()
 
 
 async def _acquire(lock: trio.Lock) -> None:
