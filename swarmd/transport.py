@@ -18,15 +18,15 @@ While the link is up and idle a sender writes its frame itself (one task switch 
 to `local_peer` (this daemon) is handed to its handler in-process, with the same checks and de-duplication.
 
 Receiving: `transport.route(Forward, handler, expect=...)` registers `async handler(peer, msg)`. A link's
-reader task drains the stream at once (a libp2p sender whose window is not updated for 5 s resets the
-stream), checks every frame (size, CBOR, type, version, fields, tensors, `expect`) and answers pings. A good
-frame is admitted under per-peer and global handler limits and a per-peer rate — by the reader itself when
-nothing waits, otherwise by the link's dispatcher task — and its handler runs in a task of its own. The
-reader acks the frames of one read together once their handlers have begun, and reads on then (a stage's
-step is on its compute thread's queue before the ack is written). A frame whose key was seen
-is acked without a second delivery; if its handler has finished, its result is sent again. Bad frames get
-an `Error` reply; a peer with too many is cut off for a while (`on_penalise` drops its connections).
-Handler exceptions never escape: they become `Error` messages to the sender.
+reader task drains the stream at once (a libp2p sender whose window is not updated for 5 s resets the stream),
+checks every frame (size, CBOR, type, version, fields, tensors, `expect`) and answers pings. A good frame is
+admitted under per-peer and global handler limits and a per-peer rate — by the reader itself when nothing
+waits, otherwise by the link's dispatcher task — and its handler runs in a task of its own. The reader acks
+the frames of one read together once their handlers have begun, and reads on then (a stage's step is on its
+compute thread's queue before the ack is written). A frame whose key was seen is acked without a second
+delivery; if its handler has finished, its result is sent again. Bad frames get an `Error` reply; a peer with
+too many is cut off for a while (`on_penalise` drops its connections). Handler exceptions never escape: they
+become `Error` messages to the sender.
 
 What a handler returns is its result: `None`, a `Send(peer, msg)` or a list of them. The transport posts
 them after the handler returns and caches them under the message's key for replay on a duplicate.
