@@ -11,7 +11,8 @@
 * per-hop overhead: from the same N = 4 requests, the median time per token minus the median decode compute
   of each stage (each stage reports its batches' compute times on /api/v0/pipeline), divided by the 4 hops of
   the loop; against raw trio TCP doing a request/response of the same payload (a 2,304-byte hidden state
-  and a 4-byte answer) in this process, measured in the same rounds.
+  and a 4-byte answer) in this process, measured in the same rounds: back to back (a hot loop), and with
+  both ends idle for a token's time before each request (as a stage is between two steps).
 * prefill tokens/s: a 128-token prompt and one token (`--prefill-tokens`): prompt tokens / time to the first
   token, for N = 1, 2, 4 in the same rounds.
 * aggregate tokens/s with 1, 4 and 8 requests at once on the N = 4 swarm (its daemons hold 8 requests):
@@ -56,6 +57,8 @@ PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, i
            "The quick brown fox", "In 1969, the first")
 HIDDEN_BYTES = 576 * 4
 BASELINE = "4 (baseline)"
+IDLE_GAP = 0.06  # s between idle-receiver requests until an N = 4 token time is known (about one token)
+IDLE_REQUESTS = 30  # per round (at a token's time apart: about 2 s)
 
 
 # --- N = 1: swarmd run's loop in this process -------------------------------------------------------------
@@ -190,8 +193,10 @@ def tcp_server() -> None:
     trio.run(main)
 
 
-def raw_tcp_ms(port: int, payload: int, n: int) -> float:
-    """Median of n request/responses to the server process: `payload` bytes there, 4 back, one connection."""
+def raw_tcp_ms(port: int, payload: int, n: int, gap: float = 0.0) -> float:
+    """Median of n request/responses to the server process: `payload` bytes there, 4 back, one connection.
+    With `gap` > 0, both ends sit idle that many seconds before each request, as a stage waits for the rest
+    of a token between two steps (the process, and maybe its core, must wake up for each message)."""
     header = struct.Struct(">I")
 
     async def main() -> float:
@@ -199,6 +204,8 @@ def raw_tcp_ms(port: int, payload: int, n: int) -> float:
         data = header.pack(payload) + bytes(payload)
         times = []
         for _ in range(n):
+            if gap:
+                await trio.sleep(gap)
             t = time.perf_counter()
             await stream.send_all(data)
             got = b""
@@ -284,7 +291,7 @@ def main() -> int:
     swarms: dict[int | str, LocalSwarm] = {}
     kinds: list[int | str] = [*sizes, *([BASELINE] if args.baseline else [])]
     results: dict[str, Any] = {"decode": {k: [] for k in [1, *kinds]}, "prefill": {k: [] for k in [1, *kinds]},
-                               "raw_tcp_ms": [], "token_ms": [],
+                               "raw_tcp_ms": [], "raw_tcp_idle_ms": [], "token_ms": [],
                                "breakdown": {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": []},
                                "breakdown_baseline": {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": []},
                                "aggregate": {1: [], 4: [], 8: []}, "batch": {4: [], 8: []}}
@@ -325,6 +332,8 @@ def main() -> int:
                     for part, values in step_breakdown(swarm, run["request_id"]).items():
                         into[part] += values
             results["raw_tcp_ms"].append(raw_tcp_ms(port, HIDDEN_BYTES, 200))
+            token_s = statistics.median(results["token_ms"]) / 1e3 if results["token_ms"] else IDLE_GAP
+            results["raw_tcp_idle_ms"].append(raw_tcp_ms(port, HIDDEN_BYTES, IDLE_REQUESTS, gap=token_s))
             if not args.decode_only:
                 for c in (1, 4, 8):
                     since = time.perf_counter()
@@ -352,9 +361,10 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     parts = {k: statistics.median(v) for k, v in results["breakdown"].items()}
     means = {k: statistics.fmean(v) for k, v in results["breakdown"].items()}
     raw = statistics.median(results["raw_tcp_ms"])
+    idle = statistics.median(results["raw_tcp_idle_ms"])
     if args.json:
         print(json.dumps({"decode_tok_s": med, "prefill_tok_s": pre, "aggregate_tok_s": agg, "breakdown_median_ms": parts,
-                          "raw_tcp_ms": raw, "raw": results}, indent=2))
+                          "raw_tcp_ms": raw, "raw_tcp_idle_ms": idle, "raw": results}, indent=2))
         return
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     options = (" --decode-only" if args.decode_only else "") + (f" --baseline {args.baseline}" if args.baseline else "")
@@ -383,13 +393,17 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
           f"{means['thread_handoff']:.3f} |")
     print(f"| hop (sent -> received by the next stage) | {parts['hop']:.3f} | {means['hop']:.3f} |")
     print(f"| raw TCP request/response of {HIDDEN_BYTES} B, second process | {raw:.3f} | |")
-    added = parts["hop"] + parts["stage_overhead"] - raw
-    print(f"\nAdded per hop over raw TCP (hop + stage overhead - raw TCP): **{added:.3f} ms** (median).\n")
+    print(f"| the same, both ends idle for a token's time before each request | {idle:.3f} | |")
+    added = parts["hop"] + parts["stage_overhead"]
+    print(f"\nAdded per hop over raw TCP (hop + stage overhead - raw TCP): **{added - raw:.3f} ms** (median); "
+          f"over the idle-receiver raw TCP: **{added - idle:.3f} ms**.\n")
     if args.baseline:
         base = {k: statistics.median(v) for k, v in results["breakdown_baseline"].items() if v}
         if len(base) == len(parts):
+            base_added = base["hop"] + base["stage_overhead"]
             print("The same parts for the baseline swarm (medians, ms): " + ", ".join(f"{k} {v:.3f}" for k, v in base.items())
-                  + f"; added per hop over raw TCP **{base['hop'] + base['stage_overhead'] - raw:.3f} ms**.\n")
+                  + f"; added per hop over raw TCP **{base_added - raw:.3f} ms**, over the idle-receiver raw TCP "
+                  f"**{base_added - idle:.3f} ms**.\n")
     if args.decode_only:
         return
     print("| requests at once (N = 4) | aggregate tok/s (median) | rounds | × one request | mean decode batch per stage |")

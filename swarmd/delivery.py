@@ -148,9 +148,11 @@ class Liveness:
         if oldest_unacked_sent_at is None:
             self.ping_at = None
             return Health.OK
+        # The same sums as next_check's: `now - a >= t` can be false at `now == a + t` in floating point, and a
+        # writer woken at next_check's time would then find nothing due and wait for that same time again.
         if self.ping_at is not None:
-            return Health.DEAD if now - self.ping_at >= self.ack_timeout else Health.OK
-        if now - max(oldest_unacked_sent_at, self.last_heard) >= self.ack_timeout:
+            return Health.DEAD if now >= self.ping_at + self.ack_timeout else Health.OK
+        if now >= max(oldest_unacked_sent_at, self.last_heard) + self.ack_timeout:
             self.ping_at = now
             return Health.PING
         return Health.OK

@@ -6,15 +6,15 @@ stage 0 the `Token` the last stage sampled (the input of the next step), and `Ca
 
     handler: book.on_forward(msg) -> Work -> queue -> (worker) -> book.complete(work, output) -> Sends
 
-One worker task owns the model: it takes every job queued since its last run, frees the KV caches of
-finished requests and runs all the jobs in one `StageModel.forward` call on the compute thread (decode steps
-of several requests become one batched forward). Two task switches are kept off every step's path: when the
-worker is idle and the step has no one to wait for, the handler starts the batch on the compute thread itself
-(the worker then only sees it through), and the compute thread's completion wakes the handlers directly. A
-stage of a MoE model whose experts live elsewhere runs its forward in segments (`StageModel.forward_steps`):
-between two segments the compute thread is free (this daemon's own experts may need it) while `experts` (the
-MoE router) asks the expert actors for the block's experts. While the model runs, new jobs queue up and form
-the next batch. A handler returns its Sends to the transport, which caches them under the
+One worker task owns the model: it takes every job queued since its last run, frees the KV caches of finished
+requests and runs all the jobs in one `StageModel.forward` call on the compute thread (decode steps of several
+requests become one batched forward). Two task switches are kept off every step's path: when the worker is idle and
+the step has no one to wait for, the handler starts the batch on the compute thread itself (the worker then only
+sees it through, and not even that when it is done in one segment), and the compute thread's completion wakes the
+handlers directly. A stage of a MoE model whose experts live elsewhere runs its forward in segments
+(`StageModel.forward_steps`): between two segments the compute thread is free (this daemon's own experts may need
+it) while `experts` (the MoE router) asks the expert actors for the block's experts. While the model runs, new jobs
+queue up and form the next batch. A handler returns its Sends to the transport, which caches them under the
 message's key: a repeated frame gets the same answer again and never touches the KV cache twice.
 """
 
@@ -365,6 +365,16 @@ class StageActor:
 
     def _segment_done(self, batch: Batch, answer: tuple[bool, Any] | None, error: BaseException | None) -> None:
         _first_segment_done(batch, answer, error)
+        if self._idle and batch is self._inflight and error is None and batch.answer[0]:
+            # A batch a handler launched while the worker slept, done in one segment (the usual decode step):
+            # finish it here rather than wake the worker, whose run would share the next scheduler pass with
+            # the handlers and, in trio's random order, come first half the time.
+            self._inflight = None
+            if batch.jobs:
+                self.stats.record_batch(batch.jobs)
+            if self._jobs or self._frees:
+                self._wake.set()
+            return
         self._wake.set()  # the worker sees the batch through (a handler may have launched it while it slept)
 
     async def _see_through(self, batch: Batch) -> None:
@@ -428,7 +438,7 @@ def _refusal(head: str, request_id: str, step: int, hop: int, e: StageRefusal) -
 
 def _first_segment_done(batch: Batch, answer: tuple[bool, Any] | None, error: BaseException | None) -> None:
     """On the event loop, as the compute thread finishes a batch's first segment: a finished batch wakes its
-    handlers at once (the worker, woken too, records it after them). Must not raise."""
+    handlers at once. Must not raise."""
     batch.error = error
     if error is None and answer is not None:
         batch.answer = answer

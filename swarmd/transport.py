@@ -18,13 +18,15 @@ While the link is up and idle a sender writes its frame itself (one task switch 
 to `local_peer` (this daemon) is handed to its handler in-process, with the same checks and de-duplication.
 
 Receiving: `transport.route(Forward, handler, expect=...)` registers `async handler(peer, msg)`. A link's
-reader task drains the stream at once (a libp2p sender whose window is not updated for 5 s resets the
-stream), checks every frame (size, CBOR, type, version, fields, tensors, `expect`) and answers pings. A good
-frame is admitted under per-peer and global handler limits and a per-peer rate — by the reader itself when
-nothing waits, otherwise by the link's dispatcher task — then acked, and its handler runs in a task of its
-own. A frame whose key was seen is acked without a second delivery; if its handler has finished, its result
-is sent again. Bad frames get an `Error` reply; a peer with too many is cut off for a while (`on_penalise`
-drops its connections). Handler exceptions never escape: they become `Error` messages to the sender.
+reader task drains the stream at once (a libp2p sender whose window is not updated for 5 s resets the stream),
+checks every frame (size, CBOR, type, version, fields, tensors, `expect`) and answers pings. A good frame is
+admitted under per-peer and global handler limits and a per-peer rate — by the reader itself when nothing
+waits, otherwise by the link's dispatcher task — and its handler runs in a task of its own. The reader acks
+the frames of one read together once their handlers have begun, and reads on then (a stage's step is on its
+compute thread's queue before the ack is written). A frame whose key was seen is acked without a second
+delivery; if its handler has finished, its result is sent again. Bad frames get an `Error` reply; a peer with
+too many is cut off for a while (`on_penalise` drops its connections). Handler exceptions never escape: they
+become `Error` messages to the sender.
 
 What a handler returns is its result: `None`, a `Send(peer, msg)` or a list of them. The transport posts
 them after the handler returns and caches them under the message's key for replay on a duplicate.
@@ -721,7 +723,8 @@ class ActorTransport:
                 if body is None:
                     break
                 await self._on_frame(link, body, queue)
-            if link.acks:  # one write for the acks of every frame this read completed
+            if link.acks:  # one write for the acks of every frame this read completed, once their handlers began
+                await _let_started_handlers_begin()
                 await self._reply(link, None, 0)
                 if decoder.mid_frame:
                     frame_started = trio.current_time()
@@ -915,6 +918,20 @@ class ActorTransport:
             peer: {"connected": link.connected, "unacked": len(link.outbox), "last_error": link.last_error}
             for peer, link in self._out.items()
         }
+
+
+async def _let_started_handlers_begin() -> None:
+    """Return once the handlers a reader has just started have run to their first wait.
+
+    The reader acks its frames and reads on after that, so a handler that starts work (a stage handing its
+    step to the compute thread) does so first; the ack's encoding and TLS write and the next read's attempt
+    then overlap the compute thread's wake-up rather than come before it. (They still run before this thread
+    blocks and lets the compute thread take the interpreter lock; deferring them past that, by a sleep, was
+    measured to put their cost into the step instead.) trio runs the tasks of one scheduler batch in either
+    order, so one checkpoint is not enough: a task made ready before the first checkpoint runs in the batch
+    after it, which ends before the second checkpoint returns."""
+    await trio.lowlevel.checkpoint()
+    await trio.lowlevel.checkpoint()
 
 
 async def _acquire(lock: trio.Lock) -> None:

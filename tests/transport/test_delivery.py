@@ -93,6 +93,14 @@ def test_a_busy_receiver_answering_pings_keeps_the_link_alive():
     assert live.check(now=4.5, oldest_unacked_sent_at=0.0) is Health.PING
 
 
+def test_at_the_time_next_check_names_the_check_is_due_whatever_the_rounding():
+    sent = 0.002  # (0.002 + 2.0) - 0.002 is just under 2.0 in floating point
+    live = Liveness(ack_timeout=2.0, last_heard=0.0)
+    assert live.check(now=live.next_check(1.0, sent), oldest_unacked_sent_at=sent) is Health.PING
+    live = Liveness(ack_timeout=2.0, last_heard=0.0, ping_at=sent)
+    assert live.check(now=live.next_check(1.0, sent), oldest_unacked_sent_at=0.0) is Health.DEAD
+
+
 KEY = ("forward", "req", 3, 1)
 
 

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import trio
 import trio.lowlevel
+import trio.testing
 
 from swarmd.errors import RemoteProtocolError
-from swarmd.transport import DeliveryFailed, Refused, Send, TransportConfig
+from swarmd.transport import DeliveryFailed, Refused, Send, TransportConfig, TrioStream, read_frame
 from swarmd.wire import Ack, Cancel, Error, ExpertBatch, Forward, Ping, Pong, Token, WireTensor, encode
 from swarmd.wire.codec import HEADER
 from swarmd.wire.expect import ExpectForward
@@ -406,3 +407,38 @@ async def test_a_message_to_this_daemon_is_handed_over_in_process_with_the_same_
     assert info.value.error.code == "bad_shape"
     with pytest.raises(Refused, match="unhandled"):
         await a.send("a", Token("req", 0, 1))
+
+
+class WriteLog:
+    """The receiving end of a link, logging what the transport writes on it (its acks) into `events`."""
+
+    def __init__(self, stream: TrioStream, events: list[str]) -> None:
+        self.stream, self.events = stream, events
+
+    async def read(self, max_bytes: int) -> bytes:
+        return await self.stream.read(max_bytes)
+
+    async def write(self, data: bytes) -> None:
+        self.events.append("ack written")
+        await self.stream.write(data)
+
+    async def close(self) -> None:
+        await self.stream.close()
+
+
+async def test_the_handlers_a_read_started_begin_before_its_acks_are_written(net, autojump_clock):
+    b = await net.add("b")
+    events: list[str] = []
+
+    async def handler(peer, msg):
+        events.append(f"handler {msg.step} began")
+
+    b.route(Forward, handler)
+    near, far = trio.testing.memory_stream_pair()
+    net.nursery.start_soon(b.serve, "a", WriteLog(TrioStream(far), events))
+    sender = TrioStream(near)
+    await sender.write(encode(fwd(1), 1) + encode(fwd(2), 2))  # one read, two frames
+    acks = [await read_frame(sender, 1 << 20) for _ in range(2)]
+    assert [(e.seq, type(e.msg)) for e in acks] == [(1, Ack), (2, Ack)]
+    assert sorted(events[:2]) == ["handler 1 began", "handler 2 began"]  # in either order (trio's choice)
+    assert events[2:] == ["ack written"]  # both acks in one write, after the handlers began
