@@ -94,7 +94,7 @@ class DaemonConfig:
     standby: bool = False  # a spare: the planner gives it a warm copy of a stage instead of a stage
     full_replay: bool = False  # requests this daemon heads move by replaying every stage (no hop-local rebuild)
     full_reload: bool = False  # a new block range is read whole, not built on the loaded stage's blocks
-    warmup: bool = False  # capture every jitted graph (all decode batch sizes) before the stage is ready
+    warmup: bool | None = None  # capture every jitted graph before the stage is ready; None: on GPUs only
     max_context: int = 2048
     max_requests: int = 4  # KV cache slots of this daemon's stage: requests it can hold at once
     wire_dtype: str = ""  # "" sends activations in their compute dtype (lossless); or float16, bfloat16
@@ -159,6 +159,14 @@ def parse_timings(value: Any) -> Timings:
         return replace(base, **{k: float(v) for k, v in table.items()})
     except (TypeError, ValueError) as e:
         raise UserError(f"bad timings value: {e}") from e
+
+
+def warms_up(setting: bool | None, device: str) -> bool:
+    """Whether a stage captures every jitted graph before it is ready: as set, else on GPUs only (there a batch
+    size's first use would stall requests for seconds; on a CPU each graph costs many seconds at start)."""
+    from models.matvec import GPU_DEVICES
+
+    return setting if setting is not None else device.split(":")[0] in GPU_DEVICES
 
 
 def _preset(name: str) -> Timings:

@@ -34,7 +34,7 @@ from swarmd.access import Access, load_access
 from swarmd.api import Api
 from swarmd.assignment import Assignment, StageLoader, load_stage
 from swarmd.compute import ComputeThread
-from swarmd.config import DaemonConfig
+from swarmd.config import DaemonConfig, warms_up
 from swarmd.descriptor import (
     LocalDescriptor,
     device_name,
@@ -131,7 +131,8 @@ class Node:
                 load=lambda: self.requests_in_flight, standby=cfg.standby)
             self.assignment = Assignment(self.peer_id, self.model, device, self.compute,
                                          max_context=cfg.max_context, max_requests=cfg.max_requests,
-                                         loader=self.loader, warmup=cfg.warmup, reuse_blocks=not cfg.full_reload)
+                                         loader=self.loader, warmup=warms_up(cfg.warmup, device),
+                                         reuse_blocks=not cfg.full_reload)
             await nursery.start(self.assignment.run)
             settings = SwarmSettings(cfg.swarm, cfg.timings, bootstrap)
             self.swarm = SwarmService(network, Signer(key_pair), settings, describe_self=self.descriptor,

@@ -45,10 +45,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--full-reload", action="store_true", default=None,
                    help="when the plan changes this daemon's block range, read the whole new range from the model "
                         "(by default the blocks it already holds are kept and only the others read; for comparisons)")
-    p.add_argument("--warmup", action="store_true", default=None,
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="capture every jitted graph of the stage (prefill, prompt scoring, decode at each batch "
                         "size up to --max-requests) before it reports ready: a slower start, and no request waits "
-                        "for the compiler later (on a GPU, a batch size's first use costs seconds per graph)")
+                        "for the compiler later (default: on for GPUs, where a batch size's first use costs "
+                        "seconds per graph; off for CPUs, where each graph costs many seconds at start)")
     p.add_argument("--max-requests", type=int, metavar="N",
                    help="requests this daemon's stage holds at once (its KV cache slots; default 4)")
     p.add_argument("--max-context", type=int, metavar="TOKENS",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarmd.config import LAN, LOCAL_TEST, load_config_file, parse_size, parse_timings
+from swarmd.config import LAN, LOCAL_TEST, load_config_file, parse_size, parse_timings, warms_up
 from swarmd.errors import UserError
 
 
@@ -50,3 +50,9 @@ def test_config_file_mistakes_are_one_line_errors(tmp_path):
         load_config_file(bad)
     with pytest.raises(UserError, match="does not exist"):
         load_config_file(tmp_path / "missing.toml")
+
+
+def test_stages_capture_every_graph_first_on_gpus_unless_told_otherwise():
+    assert warms_up(None, "CUDA") and warms_up(None, "CUDA:1") and warms_up(None, "METAL")
+    assert not warms_up(None, "CPU")
+    assert warms_up(True, "CPU") and not warms_up(False, "CUDA")
