@@ -135,11 +135,11 @@ class StageModel:
                  max_context: int = 2048,
                  max_requests: int = 8, device: str | None = None, prefill_chunk: int = 32,
                  attention_tile: int | None = None, local_experts: bool = True, numerics: str = "float",
-                 source: str = "", reuse: StageModel | None = None):
-        """`weights`: GGUF name -> tensor of everything the stage holds, but the parts it takes over from
-        `reuse` (`reuse.parts_for(...)`: the realised blocks both hold, and the embedding / head when both
-        have it, shared, not copied). `source` names where the weights came from (file and dtype, or seed),
-        so that only a stage of the same weights hands its parts over."""
+                 source: str = "", reuse: StageModel | None = None, held: StageParts | None = None):
+        """`weights`: GGUF name -> tensor of everything the stage holds, but the parts `held` it takes over
+        from `reuse` (by default all that `reuse.parts_for(...)` allows: the realised blocks both hold, and the
+        embedding / head when both have it, shared, not copied). `source` names where the weights came from
+        (file and dtype, or seed), so that only a stage of the same weights hands its parts over."""
         from tinygrad import Device, Tensor, nn
         from tinygrad.llm.model import TransformerBlock
 
@@ -167,8 +167,9 @@ class StageModel:
         self.moe_blocks = [i for i in range(start, end) if is_moe_block(config, i)]
         self.local_experts = local_experts or not self.moe_blocks
         self.source = source
-        held = StageParts() if reuse is None else reuse.parts_for(
-            config, start, end, source=source, device=self.device, numerics=numerics, local_experts=local_experts)
+        if held is None:
+            held = StageParts() if reuse is None else reuse.parts_for(
+                config, start, end, source=source, device=self.device, numerics=numerics, local_experts=local_experts)
         self.reused = held  # what was taken over from `reuse` (nothing was read for it)
         self.weight_dtype = reuse._block_dtype(start) if reuse is not None and start in held.blocks \
             else _dtype_name(weights[f"blk.{start}.attn_q.weight"])
@@ -269,7 +270,8 @@ class StageModel:
         weights = load_stage_weights(header, config, start, end, device=device, dtype=dtype, routed=local_experts,
                                      held=held)
         return cls(config, weights, start, end, max_context=config.max_context, max_requests=max_requests,
-                   device=device, local_experts=local_experts, numerics=numerics, source=source, reuse=reuse)
+                   device=device, local_experts=local_experts, numerics=numerics, source=source, reuse=reuse,
+                   held=held)
 
     @classmethod
     def random(cls, config, seed: int, start: int = 0, end: int | None = None, *, dtype: str = "float16",
@@ -285,7 +287,7 @@ class StageModel:
             config, start, end, source=source, device=Device.canonicalize(kwargs.get("device")),
             numerics=kwargs.get("numerics", "float"), local_experts=routed)
         weights = random_weights(config, seed, start, end, dtype, kwargs.get("device"), routed=routed, held=held)
-        return cls(config, weights, start, end, source=source, reuse=reuse, **kwargs)
+        return cls(config, weights, start, end, source=source, reuse=reuse, held=held, **kwargs)
 
     def _weight_holders(self, but: StageParts | None = None) -> dict[str, Any]:
         """The modules holding the weights, by GGUF name prefix; `but`'s parts left out."""
