@@ -15,6 +15,21 @@ from swarmd.model_source import served_model
 ME, OTHER = peer(1), peer(2)
 
 
+@pytest.fixture
+def read(monkeypatch) -> list[str]:
+    """The GGUF tensors the model file's real reader reads from now on, by name, in order."""
+    from models import gguf_loader
+
+    names: list[str] = []
+    read_raw = gguf_loader.read_raw
+    monkeypatch.setattr(gguf_loader, "read_raw", lambda header, name: names.append(name) or read_raw(header, name))
+    return names
+
+
+def blocks_in(names: list[str]) -> list[int]:
+    return sorted({int(n.split(".")[1]) for n in names if n.startswith("blk.")})
+
+
 async def reaches(a: Assignment, state: str) -> None:
     for _ in range(1000):
         if a.status().state == state:
@@ -57,13 +72,7 @@ async def test_the_assigned_blocks_are_loaded_then_released_when_the_plan_moves_
             nursery.cancel_scope.cancel()
 
 
-async def test_a_range_that_grows_takes_the_loaded_blocks_over_and_reads_only_the_rest(tiny_model, monkeypatch):
-    from models import gguf_loader
-
-    read: list[str] = []
-    read_raw = gguf_loader.read_raw
-    monkeypatch.setattr(gguf_loader, "read_raw", lambda header, name: read.append(name) or read_raw(header, name))
-    blocks_read = lambda: sorted({int(n.split(".")[1]) for n in read if n.startswith("blk.")})  # noqa: E731
+async def test_a_range_that_grows_takes_the_loaded_blocks_over_and_reads_only_the_rest(tiny_model, read):
     model = served_model(str(tiny_model))
     a = Assignment(ME, model, "CPU", ComputeThread(), max_context=64, max_requests=1)
     with trio.fail_after(60):
@@ -71,26 +80,21 @@ async def test_a_range_that_grows_takes_the_loaded_blocks_over_and_reads_only_th
             await nursery.start(a.run)
             a.apply(announce(1, Stage(OTHER, (0, 5)), Stage(ME, (5, 8))))
             old = await a.wait_ready()
-            assert blocks_read() == [5, 6, 7]
+            assert blocks_in(read) == [5, 6, 7]
             read.clear()
             a.apply(announce(2, Stage(OTHER, (0, 3)), Stage(ME, (3, 8))))  # a stage between was lost
             grown = await loaded(a, (3, 8))
-            assert (grown.start, grown.end) == (3, 8) and blocks_read() == [3, 4]
+            assert (grown.start, grown.end) == (3, 8) and blocks_in(read) == [3, 4]
             assert all(grown.blk[i] is old.blk[i] for i in (5, 6, 7)) and grown.output is old.output
             assert "output_norm.weight" not in read
             read.clear()
             a.apply(announce(3, Stage(OTHER, (0, 6)), Stage(ME, (6, 8))))  # and back: nothing to read
             shrunk = await loaded(a, (6, 8))
-            assert shrunk.blk[7] is old.blk[7] and blocks_read() == []
+            assert shrunk.blk[7] is old.blk[7] and blocks_in(read) == []
             nursery.cancel_scope.cancel()
 
 
-async def test_with_reuse_off_a_grown_range_is_read_whole(tiny_model, monkeypatch):
-    from models import gguf_loader
-
-    read: list[str] = []
-    read_raw = gguf_loader.read_raw
-    monkeypatch.setattr(gguf_loader, "read_raw", lambda header, name: read.append(name) or read_raw(header, name))
+async def test_with_reuse_off_a_grown_range_is_read_whole(tiny_model, read):
     model = served_model(str(tiny_model))
     a = Assignment(ME, model, "CPU", ComputeThread(), max_context=64, max_requests=1, reuse_blocks=False)
     with trio.fail_after(60):
@@ -101,7 +105,7 @@ async def test_with_reuse_off_a_grown_range_is_read_whole(tiny_model, monkeypatc
             read.clear()
             a.apply(announce(2, Stage(OTHER, (0, 3)), Stage(ME, (3, 8))))
             grown = await loaded(a, (3, 8))
-            assert {int(n.split(".")[1]) for n in read if n.startswith("blk.")} == {3, 4, 5, 6, 7}
+            assert blocks_in(read) == [3, 4, 5, 6, 7]
             assert grown.blk[5] is not old.blk[5]
             nursery.cancel_scope.cancel()
 
