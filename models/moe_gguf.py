@@ -168,10 +168,11 @@ SYNTHETIC_MOE = {
 
 
 def write_synthetic_moe(out: str | Path, arch: SyntheticMoE, seed: int, *, tokenizer_from: str | Path | None = None,
-                        vocab: int = 256, name: str = "synthetic-moe",
+                        vocab: int = 256, byte_tokenizer: bool = False, name: str = "synthetic-moe",
                         progress: Callable[[str], None] | None = None) -> Path:
     """A float16 MoE GGUF of `arch` with seeded weights (the values `StageModel.random(config, seed)`
-    holds). With `tokenizer_from`, that GGUF's tokenizer (and vocabulary size) is copied in."""
+    holds). With `tokenizer_from`, that GGUF's tokenizer (and vocabulary size) is copied in; with
+    `byte_tokenizer`, a seeded model's byte-level tokenizer of `vocab` tokens is written (no file needed)."""
     import gguf
 
     from models.synthetic import block_shapes, expert_shapes, random_array
@@ -187,6 +188,16 @@ def write_synthetic_moe(out: str | Path, arch: SyntheticMoE, seed: int, *, token
                 sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY and len(field.types) > 1 else None
                 writer.add_key_value(key, field.contents(), vtype, sub)
         vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
+    elif byte_tokenizer:
+        from models.seeded import byte_level_tokenizer_kv
+
+        kv = byte_level_tokenizer_kv(vocab)
+        writer.add_tokenizer_model(kv["tokenizer.ggml.model"])
+        writer.add_tokenizer_pre(kv["tokenizer.ggml.pre"])
+        writer.add_token_list(kv["tokenizer.ggml.tokens"])
+        writer.add_token_types(kv["tokenizer.ggml.token_type"])
+        writer.add_eos_token_id(kv["tokenizer.ggml.eos_token_id"])
+        writer.add_add_bos_token(kv["tokenizer.ggml.add_bos_token"])
     c = arch.config(vocab)
     writer.add_name(name)
     writer.add_block_count(c.num_blocks)

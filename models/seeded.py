@@ -47,12 +47,16 @@ class SeededModel:
         return config_from_arch(self.arch, min(max_context or MAX_CONTEXT, MAX_CONTEXT), ROPE_THETA, NORM_EPS)
 
     def tokenizer_kv(self) -> dict[str, Any]:
-        """GGUF tokenizer metadata for `models.tokenizer.Tokenizer`: byte tokens, then filler, then end of text."""
-        return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2",
-                "tokenizer.ggml.tokens": byte_level_vocab(self.arch.vocab),
-                "tokenizer.ggml.token_type": [NORMAL] * (self.arch.vocab - 1) + [CONTROL],
-                "tokenizer.ggml.merges": [], "tokenizer.ggml.eos_token_id": self.arch.vocab - 1,
-                "tokenizer.ggml.add_bos_token": False}
+        return byte_level_tokenizer_kv(self.arch.vocab)
+
+
+def byte_level_tokenizer_kv(vocab: int) -> dict[str, Any]:
+    """GGUF tokenizer metadata for `models.tokenizer.Tokenizer`: byte tokens, then filler, then end of text."""
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2",
+            "tokenizer.ggml.tokens": byte_level_vocab(vocab),
+            "tokenizer.ggml.token_type": [NORMAL] * (vocab - 1) + [CONTROL],
+            "tokenizer.ggml.merges": [], "tokenizer.ggml.eos_token_id": vocab - 1,
+            "tokenizer.ggml.add_bos_token": False}
 
 
 def byte_level_vocab(size: int) -> list[str]:

@@ -17,6 +17,7 @@ from models.layout import layout_from_gguf
 from models.moe import ExpertCall, ExpertShard
 from models.moe_gguf import SYNTHETIC_MOE, write_synthetic_moe
 from models.stage import StageInput, StageModel
+from models.tokenizer import Tokenizer
 
 # compiles and runs tinygrad kernels (seconds each on a cold kernel cache)
 pytestmark = pytest.mark.slow
@@ -177,6 +178,14 @@ def test_a_synthetic_moe_gguf_holds_the_seeded_weights_of_any_split(tmp_path):
     for stage in stages:
         x = stage.forward([StageInput("s", 0, x, all_logits=stage.is_last)])[0]
     np.testing.assert_allclose(x, data[:len(PROMPT) - 2], atol=F32_TOL, rtol=0)
+
+
+def test_a_synthetic_moe_gguf_can_carry_a_byte_level_tokenizer_and_needs_no_other_file(tmp_path):
+    path = write_synthetic_moe(tmp_path / "syn.gguf", SYNTHETIC_MOE["tiny"], seed=5, vocab=300, byte_tokenizer=True)
+    tokenizer = Tokenizer.from_gguf(path)
+    ids = tokenizer.encode("Any text, ünïcode too")
+    assert max(ids) < 256 and tokenizer.decode(ids) == "Any text, ünïcode too"
+    assert tokenizer.eos_id == 299
 
 
 def test_synthetic_presets_span_tiny_to_about_a_billion_parameters():
