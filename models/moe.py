@@ -28,7 +28,7 @@ import numpy as np
 from tinygrad.llm.model import TransformerConfig
 
 from models.errors import ModelError
-from models.jit import capturing_jit
+from models.jit import HeldInputs, capturing_jit, read_back
 from models.matvec import matvec, tune_cpu_renderer
 
 if TYPE_CHECKING:
@@ -168,6 +168,7 @@ class ExpertShard:
             local[list(es)] = np.arange(len(es), dtype=np.int32)
             self._local[layer] = local
         self._jits: dict[tuple[int, int], TinyJit] = {}
+        self._inputs = HeldInputs(self.device)
 
     @classmethod
     def random(cls, config: TransformerConfig, seed: int, experts: Mapping[int, Sequence[int]], *,
@@ -210,7 +211,6 @@ class ExpertShard:
 
     def compute(self, call: ExpertCall) -> np.ndarray:
         """Per row of `call`, the gate-weighted sum of its selected experts (all of which must be held)."""
-        from tinygrad import Tensor
 
         if call.layer not in self.weights:
             raise ModelError(f"this node holds no experts of block {call.layer}")
@@ -236,9 +236,8 @@ class ExpertShard:
         if (call.layer, padded) not in self._jits:
             self._jits[(call.layer, padded)] = capturing_jit(functools.partial(self._step, call.layer))
         # two inputs, not one sliced in two: a jit replays stale data through a view of an input buffer
-        res = self._jits[(call.layer, padded)](Tensor(x, device=self.device).realize(),
-                                               Tensor(gates, device=self.device).realize())
-        return res.numpy()[:n].copy()
+        res = self._jits[(call.layer, padded)](self._inputs(x, slot=0), self._inputs(gates, slot=1))
+        return read_back(res)[:n].copy()
 
     def _step(self, layer: int, x: Tensor, gates: Tensor) -> Tensor:
         """Every expert held on every row, each expert's neurons scaled by the row's gate for it."""

@@ -37,7 +37,7 @@ import numpy as np
 from models import ggml_numerics
 from models.errors import ModelError
 from models.gguf_loader import StageParts
-from models.jit import capturing_jit
+from models.jit import HeldInputs, capturing_jit, read_back
 from models.kv_cache import KVCacheFull, KVPool, SlotTable
 from models.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_renderer
 from models.moe import ExpertCall, ExpertFn, block_config, is_moe_block, route, routed_experts, shared_experts
@@ -230,7 +230,7 @@ class StageModel:
         self.slots = SlotTable(max_requests)
         self._decode_jits: dict[tuple[int, Segment], TinyJit] = {}
         self._prefill_jits: dict[tuple[bool, Segment], TinyJit] = {}
-        self._inputs: dict[tuple[tuple[int, ...], str], Tensor] = {}  # see _input
+        self._inputs = HeldInputs(self.device)
         self.segments = self._cut_segments()
 
     # ----- construction -----
@@ -444,20 +444,8 @@ class StageModel:
             raise ModelError("all_logits is only meaningful on the last stage")
 
     def _input(self, rows: np.ndarray) -> Tensor:
-        """`rows` on the device, in a buffer kept per shape and dtype: `Tensor(array).realize()` runs
-        tinygrad's scheduler (about 2 ms of Python per call on a small CPU, a fifth of a decode step),
-        a copy into a buffer the graphs already know is a memcpy. Every step ends by reading its output
-        back (which waits for the device), so no kernel still reads the buffer when it is overwritten."""
-        from tinygrad import Tensor
-
-        data = rows.astype(np.int32) if np.issubdtype(rows.dtype, np.integer) else rows.astype(np.float32)
-        key = (data.shape, data.dtype.char)
-        held = self._inputs.get(key)
-        if held is None:
-            held = self._inputs[key] = Tensor(data, device=self.device).realize()
-        else:
-            held.uop.base.realized.copyin(memoryview(np.ascontiguousarray(data)))
-        return held
+        """`rows` on the device as the graphs take them: token ids as int32, hidden rows as float32."""
+        return self._inputs(rows.astype(np.int32) if np.issubdtype(rows.dtype, np.integer) else rows.astype(np.float32))
 
     def _cut_segments(self) -> list[Segment]:
         """The stage's blocks as jitted segments: one when the experts are local, else cut after each
@@ -482,13 +470,13 @@ class StageModel:
             res = jit_of(seg)(self._input(rows), *args)
             if not cut:
                 continue
-            x, normed, gates, sel = (t.numpy() for t in res)
+            x, normed, gates, sel = (read_back(t) for t in res)
             answer = yield ExpertCall(end - 1, normed[:n_real].copy(), sel[:n_real].astype(np.int32),
                                       gates[:n_real].astype(np.float32))
             rows = x.copy()
             rows[:n_real] += answer
             res = rows
-        return res if isinstance(res, np.ndarray) else res.numpy()
+        return res if isinstance(res, np.ndarray) else read_back(res)
 
     def _decode(self, items: list[StageInput]) -> Generator[ExpertCall, np.ndarray, list[np.ndarray]]:
         from tinygrad import UOp
