@@ -211,7 +211,6 @@ class ExpertShard:
 
     def compute(self, call: ExpertCall) -> np.ndarray:
         """Per row of `call`, the gate-weighted sum of its selected experts (all of which must be held)."""
-
         if call.layer not in self.weights:
             raise ModelError(f"this node holds no experts of block {call.layer}")
         n, dim = call.rows.shape

@@ -7,13 +7,13 @@ A layout `SxG` runs S daemons on loopback, daemon i on GPU i*G//S (`CUDA_VISIBLE
 with a plan file splitting the blocks evenly (one stage each) and lossless float32 activations on the TLS
 data plane; every daemon captures all its graphs before it reports ready (`--warmup`), so no timed request
 waits for the compiler. The model is a seeded one (`models.seeded`: real shapes, seeded weights) or a GGUF
-file, so every layout serves the same weights. With `--trace`, one traced request per layout gives the
-per-token breakdown of `swarmd trace summarize`. Per layout: greedy decode tokens/s of one request (median of --rounds, from the
-head's token times), the per-token breakdown from the stages' step times (compute, stage overhead, hops),
-aggregate tokens/s with each --concurrent count, and whether the greedy tokens equal the first layout's.
-A MoE model (`--write-moe 1b` writes one) gets the planner's plan with its experts spread over all daemons;
-its first layout should be 1x1 (one daemon, every expert local). `--deadline` (s) skips the layouts that would
-start after it. Markdown on stdout, JSON in --json-out.
+file, so every layout serves the same weights. A MoE model (`--write-moe 1b` writes one) gets the planner's
+plan instead, its experts spread over all daemons; its first layout should be 1x1 (one daemon, every expert
+local). Per layout: greedy decode tokens/s of one request (median of --rounds, from the head's token
+times), the per-token breakdown from the stages' step times (compute, stage overhead, hops), aggregate
+tokens/s with each --concurrent count, and whether the greedy tokens equal the first layout's. With
+`--trace`, one traced request per layout gives the per-token breakdown of `swarmd trace summarize`.
+`--deadline` (s) skips the layouts that would start after it. Markdown on stdout, JSON in --json-out.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ from models.moe_gguf import SYNTHETIC_MOE, write_synthetic_moe  # noqa: E402
 from planner.layout import ModelLayout  # noqa: E402
 from swarmd.trace_summary import breakdown  # noqa: E402
 
+GPU_MEMORY = 64 << 30  # what the planner is told each daemon has: two daemons share an H200's 141 GB
+GPU_FLOPS, GPU_BANDWIDTH = 500e12, 4e12
+
 
 def make_plan_for(layout: ModelLayout, peers: list[str], context: int, max_requests: int):
     """A dense model: one stage per daemon, blocks split evenly. A MoE: the planner's plan for GPUs of one
@@ -54,10 +57,6 @@ def make_plan_for(layout: ModelLayout, peers: list[str], context: int, max_reque
     bounds = [round(i * layout.n_blocks / len(peers)) for i in range(len(peers) + 1)]
     return Plan(1, ModelRef(layout.name), tuple(Stage(p, (bounds[i], bounds[i + 1]), (stage_actor(i),))
                                                 for i, p in enumerate(peers)))
-
-
-GPU_MEMORY = 64 << 30  # what the planner is told each daemon has: two daemons share an H200's 141 GB
-GPU_FLOPS, GPU_BANDWIDTH = 500e12, 4e12
 
 
 def start(model: str, layout: ModelLayout, stages: int, gpus: int, context: int, max_requests: int,
