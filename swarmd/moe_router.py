@@ -21,6 +21,8 @@ For traced requests among the rows (`traced`: request id -> step) it records, on
 `moe.fan_out` per call (first batch sent -> every answer in; `messages`, `nodes`, `rows`) and per node
 `moe.send` (batch ready -> acked) and `moe.call` (batch ready -> its answer in): the wait for results is
 `moe.call` minus `moe.send`. The expert records its side under the same flow id (`swarmd.expert`).
+A call that this daemon's own shard answers whole never reaches the router: the stage computes it in place
+(`swarmd.local_experts`) and the router only counts it (`record_local`; its `moe.fan_out` has no messages).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import numpy as np
 import trio
 
 from planner.plan import router_actor
+from swarmd.local_experts import LocalAnswer
 from swarmd.moe_dispatch import (
     NodePart,
     ReplicaChooser,
@@ -80,6 +83,7 @@ class LayerStats:
     rows: int = 0
     messages: int = 0  # ExpertBatch frames sent (one per node hit per call, plus retries elsewhere)
     nodes_hit: int = 0  # distinct nodes per call, summed
+    local: int = 0  # calls this daemon's own shard answered in place: one node hit, no message
     fan_out_ms: deque[float] = field(default_factory=lambda: deque(maxlen=512))
     tokens: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # expert -> rows routed
 
@@ -149,6 +153,22 @@ class MoERouter:
                                   block=call.layer, messages=messages, nodes=len({p.peer for p, _ in answers}),
                                   rows=len(call.rows))
         return combine(call, answers)
+
+    def record_local(self, answer: LocalAnswer, traced: Mapping[str, int]) -> None:
+        """Count a call the stage had this daemon's own shard answer on the compute thread
+        (`swarmd.local_experts`) like the calls sent out: one node hit, no message."""
+        call, stats = answer.call, self.layers[answer.call.layer]
+        stats.calls += 1
+        stats.rows += len(call.rows)
+        stats.nodes_hit += 1
+        stats.local += 1
+        for expert, n in tokens_per_expert(call).items():
+            stats.tokens[expert] += n
+        stats.fan_out_ms.append((answer.end - answer.start) * 1e3)
+        if traced and self.recorder is not None:
+            for rid, step in traced.items():
+                self.recorder.add(rid, "moe.fan_out", _thread(call.layer), answer.start, answer.end, step=step,
+                                  block=call.layer, messages=0, nodes=1, rows=len(call.rows), local=True)
 
     async def _usable_holders(self, call: Any, avoid: set[str]) -> Mapping[int, tuple[str, ...]]:
         """The plan's holders once every expert `call` selects has one neither dead nor in `avoid`: at once
@@ -260,7 +280,7 @@ class MoERouter:
         for block, s in sorted(self.layers.items()):
             lat = sorted(s.fan_out_ms)
             out[str(block)] = {
-                "actor": router_actor(block), "calls": s.calls, "rows": s.rows, "messages": s.messages,
+                "actor": router_actor(block), "calls": s.calls, "rows": s.rows, "messages": s.messages, "local": s.local,
                 "nodes_per_call": round(s.nodes_hit / s.calls, 3) if s.calls else None,
                 "fan_out_ms_median": round(lat[len(lat) // 2], 3) if lat else None,
                 "tokens": {str(e): n for e, n in sorted(s.tokens.items())},

@@ -21,6 +21,7 @@ assignment. Routes: `/v1/*` (OpenAI-compatible), `/api/v0/generate` (for `swarmd
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -33,6 +34,7 @@ from swarmd.expert import ExpertActor
 from swarmd.generate_api import GenerateRoute
 from swarmd.head import HeadError, HeadService, ModelInfo
 from swarmd.hoptiming import HopTimer
+from swarmd.local_experts import LocalExperts
 from swarmd.membership import State, StateChanged
 from swarmd.moe_router import MoERouter
 from swarmd.openai_api import OpenAIRoutes
@@ -78,9 +80,10 @@ class Pipeline:
         wire_dtype = None if cfg.wire_dtype in ("", "float32") else cfg.wire_dtype
         self.router = MoERouter(transport, self._expert_holders, wire_dtype=wire_dtype, cannot_hold=self._cannot_hold)
         self.expert = ExpertActor(self._expert_shard, compute=node.compute, wire_dtype=wire_dtype)
+        local = LocalExperts(self._expert_shard, self.router.record_local, clock=self._span_clock)
         self.stage = StageActor(self.loaded, compute=node.compute, max_context=cfg.max_context,
                                 wire_dtype=wire_dtype, idle_timeout=cfg.timings.request_idle_timeout,
-                                experts=self.router.call, plan_epoch=lambda: self.registry().epoch)
+                                experts=self.router.call, local_experts=local, plan_epoch=lambda: self.registry().epoch)
         self.head = HeadService(node.peer_id, transport, chain=self.chain, registry=self.registry,
                                 timings=cfg.timings, load_model=self._load_model, in_flight=self._count,
                                 leaving=lambda: node.leaving, hop_local=not cfg.full_replay)
@@ -138,6 +141,11 @@ class Pipeline:
     def _expert_holders(self, block: int) -> dict[int, tuple[str, ...]]:
         plan = self.node.plan
         return dict(plan.experts.get(block, {})) if plan is not None else {}
+
+    def _span_clock(self) -> float:
+        """The clock the router stamps its spans with (its recorder's, once `_observe` has set one)."""
+        recorder = self.router.recorder
+        return recorder.clock() if recorder is not None else time.perf_counter()
 
     def _expert_shard(self) -> Any:
         assignment = self.node.assignment

@@ -13,7 +13,9 @@ the step has no one to wait for, the handler starts the batch on the compute thr
 sees it through, and not even that when it is done in one segment), and the compute thread's completion wakes the
 handlers directly. A stage of a MoE model whose experts live elsewhere runs its forward in segments
 (`StageModel.forward_steps`): between two segments the compute thread is free (this daemon's own experts may need
-it) while `experts` (the MoE router) asks the expert actors for the block's experts. While the model runs, new jobs
+it) while `experts` (the MoE router) asks the expert actors for the block's experts; a call whose every selected
+expert this daemon's own shard holds is answered on the compute thread without a segment break
+(`swarmd.local_experts`). While the model runs, new jobs
 queue up and form the next batch. A handler returns its Sends to the transport, which caches them under the
 message's key: a repeated frame gets the same answer again and never touches the KV cache twice.
 """
@@ -33,6 +35,7 @@ import numpy as np
 import trio
 
 from swarmd.compute import ComputeThread
+from swarmd.local_experts import LocalExperts
 from swarmd.registry import Registry
 from swarmd.spans import SpanRecorder, record_stage_step
 from swarmd.stage_session import Sampled, StageBook, StageRefusal, Work
@@ -143,11 +146,13 @@ class StageActor:
     def __init__(self, current: Callable[[], Loaded | None], *, compute: ComputeThread, max_context: int,
                  wire_dtype: str | None, idle_timeout: float,
                  experts: Callable[..., Awaitable[np.ndarray]] | None = None,
+                 local_experts: LocalExperts | None = None,
                  plan_epoch: Callable[[], int] | None = None) -> None:
         self._current = current
         # the epoch of the plan this daemon has accepted (by default, that of the stage it runs)
         self._plan_epoch = plan_epoch or self._loaded_epoch
         self.experts = experts  # the MoE router: (ExpertCall, traced) -> the gate-weighted expert sum
+        self.local_experts = local_experts  # answers on the compute thread the calls this daemon's shard can
         self.compute = compute  # the daemon's one thread for tinygrad
         self.max_context = max_context
         self.wire_dtype = wire_dtype
@@ -359,11 +364,13 @@ class StageActor:
             job.taken = taken
         batch = self._inflight = Batch(jobs, run_batch(jobs, frees))
         try:
-            self.compute.submit(advance, batch.steps, None, None, then=partial(self._segment_done, batch))
+            self.compute.submit(advance_here, batch.steps, None, None, self.local_experts,
+                                then=partial(self._segment_done, batch))
         except RuntimeError as e:  # the compute handle is closed (the daemon is stopping): the jobs fail
             self._segment_done(batch, None, e)
 
     def _segment_done(self, batch: Batch, answer: tuple[bool, Any] | None, error: BaseException | None) -> None:
+        self._count_local_answers(batch)
         _first_segment_done(batch, answer, error)
         if self._idle and batch is self._inflight and error is None and batch.answer[0]:
             # A batch a handler launched while the worker slept, done in one segment (the usual decode step):
@@ -396,7 +403,15 @@ class StageActor:
                     answer = await self.experts(call, traced) if traced else await self.experts(call)
                 except Exception as e:  # the step fails for these requests (see run_batch), the daemon goes on
                     error = ExpertsFailed(f"{type(e).__name__}: {e}")
-            done, call = await self.compute.run(advance, batch.steps, answer, error)
+            done, call = await self.compute.run(advance_here, batch.steps, answer, error, self.local_experts)
+            self._count_local_answers(batch)
+
+    def _count_local_answers(self, batch: Batch) -> None:
+        """Hand the router the expert calls this daemon's shard answered during the batch's last segment."""
+        if self.local_experts is not None:
+            rec = self.recorder
+            self.local_experts.count({j.work.request_id: j.work.step for j in batch.jobs
+                                      if rec is not None and rec.wants(j.work.request_id)})
 
     def _must_wait(self) -> bool:
         """Whether `_gather` would wait for other requests' decode steps now."""
@@ -462,6 +477,19 @@ def advance(steps: Generator[Any, Any, None], answer: Any, error: Exception | No
         return False, steps.throw(error) if error is not None else steps.send(answer)
     except StopIteration:
         return True, None
+
+
+def advance_here(steps: Generator[Any, Any, None], answer: Any, error: Exception | None,
+                 local: LocalExperts | None) -> tuple[bool, Any]:
+    """`advance`, then, on this same thread, every expert call that this daemon's own shard can answer (`local`);
+    (True, None) when the batch is finished, else (False, the call for the router)."""
+    done, call = advance(steps, answer, error)
+    while not done and local is not None:
+        here = local.answer(call)
+        if here is None:
+            break
+        done, call = advance(steps, here, None)
+    return done, call
 
 
 def run_batch(jobs: Sequence[Job], frees: Sequence[tuple[Any, str]]) -> Generator[Any, Any, None]:
