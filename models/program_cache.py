@@ -53,14 +53,14 @@ def keep_compiled_programs_on_disk() -> None:
                                             type(renderer).__qualname__, renderer.target, *settings())).encode()).hexdigest()
             try:
                 prg = diskcache_get(TABLE, disk_key)
-            except (sqlite3.Error, pickle.UnpicklingError, EOFError, AttributeError, TypeError) as e:
+            except (sqlite3.Error, pickle.UnpicklingError, EOFError, AttributeError, TypeError, RecursionError) as e:
                 log.debug("kernel program cache unreadable (%s): building the program", e)
                 prg = None
             if prg is None:
                 prg = build(ast, renderer)
                 try:
                     diskcache_put(TABLE, disk_key, prg)
-                except (sqlite3.Error, pickle.PicklingError, AttributeError, TypeError) as e:
+                except (sqlite3.Error, pickle.PicklingError, AttributeError, TypeError, RecursionError) as e:
                     log.debug("kernel program not cached (%s)", e)
             codegen.to_program_cache[key] = prg
             return prg
