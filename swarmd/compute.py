@@ -40,7 +40,10 @@ class _Worker:
         self.thread.start()
 
     def _main(self) -> None:
+        from models.program_cache import keep_compiled_programs_on_disk
+
         use_a_kernel_cache_connection_per_thread()
+        keep_compiled_programs_on_disk()
         while True:
             try:
                 job = self.jobs.get(timeout=IDLE_COLLECT_S)

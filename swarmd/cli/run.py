@@ -98,8 +98,10 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = tokenizer.encode(text) if given else []
     check_prompt_fits(len(prompt_ids), config.max_context)
 
+    from models.program_cache import keep_compiled_programs_on_disk
     from models.stage import SERVING_NUMERICS, StageModel
 
+    keep_compiled_programs_on_disk()
     _say(f"loading {source.name} ({source.path.stat().st_size / 2**20:.0f} MiB) ...")
     started = time.perf_counter()
     model = StageModel.from_gguf(source.path, max_context=config.max_context, max_requests=1, numerics=SERVING_NUMERICS)

@@ -9,6 +9,7 @@ default model (smollm2-135m, from the model cache) unless the swarm is given ano
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import httpx
 
 from planner.plan import ModelRef, Plan, Stage, stage_actor
-from tests.swarm.daemons import Daemon, wait_until
+from tests.swarm.daemons import Daemon, stop_all, wait_until
 
 N_BLOCKS = 30  # SmolLM2-135M
 
@@ -76,14 +77,17 @@ class DaemonSwarm:
         return wait_until(ready, timeout, f"a ready chain of {n} stages")
 
     def shrink_to(self, n: int, timeout: float = 300.0) -> dict[str, Any]:
-        """Stop the newest daemons (SIGTERM: they leave the swarm) until `n` run; the leader re-plans."""
-        while len(self.running) > n:
-            assert self.running[-1].terminate() == 0
+        """Stop the newest daemons (SIGTERM: they leave the swarm, all at once) until `n` run; the leader
+        re-plans."""
+        leaving = self.running[n:]
+        for d in leaving:
+            d.proc.send_signal(signal.SIGTERM)
+        for d in leaving:
+            assert d.wait_exit(15.0) == 0, d.log()
         return self.wait_chain(n, timeout)
 
     def stop(self) -> None:
-        for d in reversed(self.daemons):
-            d.stop()
+        stop_all(self.daemons)
 
     def generate(self, via: int = 0, **body: Any) -> tuple[list[int], dict[str, Any]]:
         """POST /api/v0/generate on daemon `via`: the token ids and the final event."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.swarm.daemons import Daemon
+from tests.swarm.daemons import Daemon, stop_all
 from tests.swarm.tiny_model import write_tiny_llama
 
 
@@ -35,5 +35,4 @@ def private_daemons(tmp_path, tiny_model_file, measured_bench):
         return d
 
     yield make
-    for d in made:
-        d.stop()
+    stop_all(made)

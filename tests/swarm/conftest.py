@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from daemons import Daemon
+from daemons import Daemon, stop_all
 from tiny_model import write_tiny_llama
 
 
@@ -36,5 +36,4 @@ def daemons(tmp_path, tiny_model, bench_file):
         return d
 
     yield make
-    for d in made:
-        d.stop()
+    stop_all(made)

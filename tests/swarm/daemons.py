@@ -108,6 +108,11 @@ class Daemon:
         assert self.proc is not None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+        return self.wait_exit(timeout)
+
+    def wait_exit(self, timeout: float) -> int:
+        """The exit code once it has exited; kill -9 (and its code) if it has not within `timeout`."""
+        assert self.proc is not None
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -117,6 +122,17 @@ class Daemon:
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.terminate(timeout=5)
+
+
+def stop_all(daemons: list[Daemon], timeout: float = 5.0) -> None:
+    """SIGTERM every running daemon at once, then wait for each (kill -9 past `timeout`): one at a time, each
+    survivor would re-plan and load what the one that left held, only to be stopped next."""
+    running = [d for d in daemons if d.proc is not None and d.proc.poll() is None]
+    for d in running:
+        d.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for d in running:
+        d.wait_exit(max(0.1, deadline - time.monotonic()))
 
 
 def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.3) -> Any:
