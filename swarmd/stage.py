@@ -152,7 +152,7 @@ class StageActor:
         # the epoch of the plan this daemon has accepted (by default, that of the stage it runs)
         self._plan_epoch = plan_epoch or self._loaded_epoch
         self.experts = experts  # the MoE router: (ExpertCall, traced) -> the gate-weighted expert sum
-        self.local_experts = local_experts  # answers on the compute thread the calls this daemon's shard can
+        self.local_experts = local_experts  # this daemon's own shard, for the calls it can answer whole
         self.compute = compute  # the daemon's one thread for tinygrad
         self.max_context = max_context
         self.wire_dtype = wire_dtype
