@@ -54,6 +54,11 @@ class LocalExperts:
         self._answered.append(LocalAnswer(call, start, self.clock()))
         return out
 
+    @property
+    def answered(self) -> bool:
+        """Whether calls answered here wait to be counted."""
+        return bool(self._answered)
+
     def count(self, traced: Mapping[str, int]) -> None:
         """On the event loop, once the compute thread is done with a segment: record the calls it answered
         (`traced`: the traced requests among the batch's rows and their steps)."""

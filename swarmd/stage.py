@@ -407,8 +407,9 @@ class StageActor:
             self._count_local_answers(batch)
 
     def _count_local_answers(self, batch: Batch) -> None:
-        """Hand the router the expert calls this daemon's shard answered during the batch's last segment."""
-        if self.local_experts is not None:
+        """Hand the router the expert calls this daemon's shard answered during the batch's last segment (none
+        on a dense stage's step: nothing to do there)."""
+        if self.local_experts is not None and self.local_experts.answered:
             rec = self.recorder
             self.local_experts.count({j.work.request_id: j.work.step for j in batch.jobs
                                       if rec is not None and rec.wants(j.work.request_id)})

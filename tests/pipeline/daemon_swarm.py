@@ -9,7 +9,6 @@ default model (smollm2-135m, from the model cache) unless the swarm is given ano
 from __future__ import annotations
 
 import json
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -80,10 +79,8 @@ class DaemonSwarm:
         """Stop the newest daemons (SIGTERM: they leave the swarm, all at once) until `n` run; the leader
         re-plans."""
         leaving = self.running[n:]
-        for d in leaving:
-            d.proc.send_signal(signal.SIGTERM)
-        for d in leaving:
-            assert d.wait_exit(15.0) == 0, d.log()
+        codes = stop_all(leaving, timeout=15.0)
+        assert codes == [0] * len(leaving), "\n".join(d.log() for d in leaving)
         return self.wait_chain(n, timeout)
 
     def stop(self) -> None:

@@ -124,15 +124,14 @@ class Daemon:
             self.terminate(timeout=5)
 
 
-def stop_all(daemons: list[Daemon], timeout: float = 5.0) -> None:
-    """SIGTERM every running daemon at once, then wait for each (kill -9 past `timeout`): one at a time, each
-    survivor would re-plan and load what the one that left held, only to be stopped next."""
+def stop_all(daemons: list[Daemon], timeout: float = 5.0) -> list[int]:
+    """SIGTERM every running daemon at once, then wait for each (kill -9 past `timeout`); their exit codes. One
+    at a time, each survivor would re-plan and load what the one that left held, only to be stopped next."""
     running = [d for d in daemons if d.proc is not None and d.proc.poll() is None]
     for d in running:
         d.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    for d in running:
-        d.wait_exit(max(0.1, deadline - time.monotonic()))
+    return [d.wait_exit(max(0.1, deadline - time.monotonic())) for d in running]
 
 
 def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.3) -> Any:
