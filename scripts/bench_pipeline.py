@@ -28,6 +28,7 @@ Results go to stdout as a Markdown section for docs/BENCHMARKS.md (and as JSON w
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import platform
@@ -133,7 +134,7 @@ def start_swarm(n: int, context: int, max_requests: int, bootstrap_of: Any = Non
 def generate(api: str, prompt: str | list[int], tokens: int) -> dict[str, Any]:
     """One greedy request (untraced); its id, token ids, usage and the head's timings."""
     body = {"prompt_ids" if isinstance(prompt, list) else "prompt": prompt, "max_tokens": tokens}
-    request_id, ids = "", []
+    request_id, ids, arrivals = "", [], []
     with httpx.stream("POST", f"{api}/api/v0/generate", json=body, timeout=httpx.Timeout(30, read=900)) as r:
         for line in r.iter_lines():
             event = json.loads(line)
@@ -141,8 +142,11 @@ def generate(api: str, prompt: str | list[int], tokens: int) -> dict[str, Any]:
                 request_id = event["request_id"]
             elif event["event"] == "token":
                 ids.append(event["id"])
+                arrivals.append(time.perf_counter())
             elif event["event"] == "done":
-                return {"request_id": request_id, "usage": event["usage"], "timings": event["timings"], "ids": ids}
+                gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(arrivals)]
+                return {"request_id": request_id, "usage": event["usage"], "timings": event["timings"], "ids": ids,
+                        "gaps_ms": gaps}
             elif event["event"] == "error":
                 raise RuntimeError(f"{event['code']}: {event['message']}")
     raise RuntimeError("the stream ended early")
@@ -255,6 +259,21 @@ def aggregate(api_of: list[str], concurrent: int, tokens: int) -> float:
     return total / (time.perf_counter() - start)
 
 
+def collections(swarm: LocalSwarm) -> list[float]:
+    """Per generation, the daemons' cyclic collections on their compute threads so far: count, seconds
+    in all, the longest (from /metrics; empty for code that does not report them)."""
+    out = [0.0] * 9
+    for d in swarm.daemons:
+        for line in httpx.get(f"{d.api}/metrics", timeout=10).text.splitlines():
+            for i, name in enumerate(("swarmd_gc_collections_total", "swarmd_gc_seconds_total",
+                                      "swarmd_gc_longest_seconds")):
+                if line.startswith(name + "{"):
+                    g = int(line.split('generation="')[1][0])
+                    value = float(line.rsplit(" ", 1)[1])
+                    out[i * 3 + g] = max(out[i * 3 + g], value) if i == 2 else out[i * 3 + g] + value
+    return out if any(out) else []
+
+
 def batch_sizes(swarm: LocalSwarm, since: float) -> list[float]:
     """Mean size of the decode batches each stage ran since `since` (perf_counter: one clock per machine)."""
     out = []
@@ -294,7 +313,8 @@ def main() -> int:
                                "raw_tcp_ms": [], "raw_tcp_idle_ms": [], "token_ms": [],
                                "breakdown": {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": []},
                                "breakdown_baseline": {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": []},
-                               "aggregate": {1: [], 4: [], 8: []}, "batch": {4: [], 8: []}}
+                               "aggregate": {1: [], 4: [], 8: []}, "batch": {4: [], 8: []},
+                               "gaps_ms": {4: [], BASELINE: []}, "collections": {}}
     try:
         for n in sizes:
             swarms[n] = start_swarm(n, args.context, 8)
@@ -313,6 +333,7 @@ def main() -> int:
         if not args.decode_only:
             for c in (1, 2, 4, 8):
                 warm_up(f"N = 4, {c} at once", aggregate, apis, c, 12)
+        before = {n: collections(swarms[n]) for n in (4, BASELINE) if n in swarms}
         for r in range(args.rounds):
             prompt = PROMPTS[r % len(PROMPTS)]
             results["decode"][1].append(single.decode_rate(prompt, args.tokens))
@@ -328,6 +349,7 @@ def main() -> int:
                 if n == 4:
                     results["token_ms"].append(1e3 / decode_rate(run))
                 if n in (4, BASELINE):
+                    results["gaps_ms"][n] += run["gaps_ms"]
                     into = results["breakdown" if n == 4 else "breakdown_baseline"]
                     for part, values in step_breakdown(swarm, run["request_id"]).items():
                         into[part] += values
@@ -343,6 +365,9 @@ def main() -> int:
             say(f"round {r + 1}: decode tok/s " + ", ".join(f"N={n} {results['decode'][n][-1]:.2f}" for n in [1, *kinds])
                 + ("" if args.decode_only else "; aggregate "
                    + ", ".join(f"{c}: {results['aggregate'][c][-1]:.2f}" for c in (1, 4, 8))))
+        for n, got in before.items():  # what the measured rounds collected (the longest: since the start)
+            now = collections(swarms[n])
+            results["collections"][n] = [b - a for a, b in zip(got, now[:6], strict=False)] + now[6:] if now else []
     finally:
         for swarm in swarms.values():
             swarm.stop()
@@ -397,6 +422,16 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     added = parts["hop"] + parts["stage_overhead"]
     print(f"\nAdded per hop over raw TCP (hop + stage overhead - raw TCP): **{added - raw:.3f} ms** (median); "
           f"over the idle-receiver raw TCP: **{added - idle:.3f} ms**.\n")
+    print("Gaps between a request's tokens at N = 4, as the client saw them (ms): "
+          + "; ".join(f"{'baseline' if n == BASELINE else 'this code'} p50 {statistics.median(g):.1f}, "
+                      f"p99 {statistics.quantiles(g, n=100)[98]:.1f}, max {max(g):.1f}"
+                      for n, g in results["gaps_ms"].items() if len(g) > 1) + ".\n")
+    for n, got in results["collections"].items():
+        if got:
+            print(f"Cyclic collections on the compute threads of the {'baseline ' if n == BASELINE else ''}N = 4 swarm "
+                  "during the rounds, by generation (count, seconds in all, the longest since the start in ms): "
+                  + "; ".join(f"{g}: {got[g]:.0f}, {got[3 + g]:.2f} s, {got[6 + g] * 1e3:.1f}" for g in range(3))
+                  + ".\n")
     if args.baseline:
         base = {k: statistics.median(v) for k, v in results["breakdown_baseline"].items() if v}
         if len(base) == len(parts):

@@ -9,12 +9,16 @@ part's `StageModel.forward` is timed by the wall clock. If the parts' times add 
 a stage step costs nothing fixed in the model and a pipeline's extra time per token lies in the daemons;
 if not, the difference per part is the model's fixed cost of a step (input copy, graph launch, reading
 the output back). Markdown on stdout.
+
+With --processes, each part of a split also runs in a process of its own on the same device, the parts
+chained by pipes and the last one's token sent back to the first: what separate processes cost on one
+device (on a GPU, its switches between the processes' contexts) without any of the daemons' work.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import multiprocessing as mp
 import statistics
 import sys
 import time
@@ -27,20 +31,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 PROMPT = 32
 
 
-def split_times(arch_name: str, parts: int, steps: int) -> list[float]:
-    """Median wall seconds of each part's forward over `steps` decode steps."""
+def make_stage(arch_name: str, parts: int, part: int, steps: int):  # -> StageModel, imported late
     from models.config import config_from_arch
-    from models.stage import StageInput, StageModel
+    from models.stage import StageModel
     from planner.arch import BUILTIN_ARCHS
 
     arch = BUILTIN_ARCHS[arch_name]
     context = PROMPT + steps + 8
-    config = config_from_arch(arch, context)
     bounds = [round(i * arch.n_blocks / parts) for i in range(parts + 1)]
-    stages = [StageModel.random(config, 0, a, b, max_context=context, max_requests=1)
-              for a, b in itertools.pairwise(bounds)]
-    for s in stages:
-        s.add_request("r")
+    stage = StageModel.random(config_from_arch(arch, context), 0, bounds[part], bounds[part + 1],
+                              max_context=context, max_requests=1)
+    stage.add_request("r")
+    return stage
+
+
+def split_times(arch_name: str, parts: int, steps: int) -> list[float]:
+    """Median wall seconds of each part's forward over `steps` decode steps."""
+    from models.stage import StageInput
+
+    stages = [make_stage(arch_name, parts, i, steps) for i in range(parts)]
 
     def step(pos: int, data: np.ndarray, times: list[list[float]] | None) -> int:
         for i, s in enumerate(stages):
@@ -59,11 +68,64 @@ def split_times(arch_name: str, parts: int, steps: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
+def _part_loop(arch_name: str, parts: int, part: int, steps: int, inbox, outbox, report) -> None:
+    """One part in its own process: forward whatever arrives, pass the result on, report its times."""
+    from models.stage import StageInput
+
+    stage = make_stage(arch_name, parts, part, steps)
+    report.send("ready")
+    times = []
+    while (msg := inbox.recv()) is not None:
+        pos, data, timed = msg
+        t = time.perf_counter()
+        out = stage.forward([StageInput("r", pos, data)])[0]
+        if timed:
+            times.append(time.perf_counter() - t)
+        outbox.send((pos, int(np.asarray(out).argmax()) if part == parts - 1 else np.asarray(out), timed))
+    report.send(statistics.median(times))
+
+
+def process_times(arch_name: str, parts: int, steps: int) -> tuple[list[float], float]:
+    """Each part's median forward and the median token time, with every part in a process of its own."""
+    ctx = mp.get_context("spawn")
+    links = [ctx.Pipe(duplex=False) for _ in range(parts + 1)]  # (receiving end, sending end)
+    reports = [ctx.Pipe(duplex=False) for _ in range(parts)]
+    procs = [ctx.Process(target=_part_loop, daemon=True,
+                         args=(arch_name, parts, i, steps, links[i][0], links[i + 1][1], reports[i][1]))
+             for i in range(parts)]
+    for proc in procs:
+        proc.start()
+    for r, _ in reports:
+        r.recv()
+    first, last = links[0][1], links[parts][0]
+
+    def step(pos: int, data: np.ndarray, timed: bool) -> int:
+        first.send((pos, data, timed))
+        return last.recv()[1]
+
+    token_times = []
+    token = step(0, np.arange(1, PROMPT + 1), False)
+    for k in range(3):
+        token = step(PROMPT + k, np.array([token]), False)
+    for k in range(steps):
+        t = time.perf_counter()
+        token = step(PROMPT + 3 + k, np.array([token]), True)
+        token_times.append(time.perf_counter() - t)
+    for i in range(parts):
+        links[i][1].send(None)
+    got = [r.recv() for r, _ in reports]
+    for proc in procs:
+        proc.join(timeout=30)
+    return got, statistics.median(token_times)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="llama-3.1-8b")
     p.add_argument("--parts", default="1,2,4", help="splits to time, comma-separated (default: 1,2,4)")
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--processes", action="store_true",
+                   help="also run each split with every part in a process of its own, chained by pipes")
     args = p.parse_args()
     from tinygrad import Device
 
@@ -78,6 +140,15 @@ def main() -> int:
         whole = total if whole is None else whole
         extra = (total - whole) / (parts - 1) if parts > 1 else 0.0
         print(f"| {parts} | {', '.join(f'{t * 1e3:.2f}' for t in got)} | {total:.2f} | {extra:+.2f} |", flush=True)
+    if args.processes:
+        print("\nEach part in a process of its own (same device), chained by pipes:\n")
+        print("| parts | each part's forward, ms (median) | sum, ms | token, ms (median) | token - sum, ms |")
+        print("|---|---|---|---|---|")
+        for parts in (int(x) for x in args.parts.split(",")):
+            got, token = process_times(args.arch, parts, args.steps)
+            total = sum(got) * 1e3
+            print(f"| {parts} | {', '.join(f'{t * 1e3:.2f}' for t in got)} | {total:.2f} | {token * 1e3:.2f} "
+                  f"| {token * 1e3 - total:+.2f} |", flush=True)
     return 0
 
 

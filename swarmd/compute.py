@@ -11,6 +11,9 @@ tinygrad's own CPU worker thread included. A dropped stage's jitted graphs are c
 finaliser frees its buffers by waiting for the device to finish: on that worker thread it waits for itself,
 and the daemon hangs (seen when a plan replaced a stage). So a daemon hands collection to the compute thread
 (`collect_garbage_on_the_compute_thread`), which collects between jobs as the automatic collector would.
+
+Each collection holds the interpreter lock, so a step's output waits for it: `COLLECTIONS` counts them and
+their time (in /metrics).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import trio
@@ -148,6 +152,29 @@ def collect_garbage_on_the_compute_thread() -> None:
     _the_worker().collects_garbage = True
 
 
+@dataclass
+class Collections:
+    """The cyclic collections this process's compute thread ran between jobs, per generation (0, 1, 2)."""
+
+    count: list[int] = field(default_factory=lambda: [0, 0, 0])
+    seconds: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    longest: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+
+    def record(self, generation: int, seconds: float) -> None:
+        self.count[generation] += 1
+        self.seconds[generation] += seconds
+        self.longest[generation] = max(self.longest[generation], seconds)
+
+
+COLLECTIONS = Collections()
+
+
+def _collect(generation: int) -> None:
+    t0 = time.perf_counter()
+    gc.collect(generation)
+    COLLECTIONS.record(generation, time.perf_counter() - t0)
+
+
 def collect_if_due() -> None:
     """What the automatic collector would do now: collect the oldest generation past its threshold."""
     counts, limits = gc.get_count(), gc.get_threshold()
@@ -156,7 +183,7 @@ def collect_if_due() -> None:
     generation = 0
     if counts[1] >= limits[1]:
         generation = 2 if counts[2] >= limits[2] else 1
-    gc.collect(generation)
+    _collect(generation)
 
 
 def collect_due_garbage(timeout: float) -> bool:

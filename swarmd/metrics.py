@@ -60,10 +60,29 @@ class SwarmCollector(Collector):
         yield from labelled.values()
 
 
+class CollectionsCollector(Collector):
+    """Python's cyclic collections on the compute thread (`swarmd.compute.COLLECTIONS`): each one holds the
+    interpreter lock, so a step's output waits for it."""
+
+    def collect(self) -> Iterator[Metric]:
+        from swarmd.compute import COLLECTIONS
+
+        count = CounterMetricFamily("swarmd_gc_collections", "Cyclic collections between jobs on the compute thread",
+                                    labels=["generation"])
+        seconds = CounterMetricFamily("swarmd_gc_seconds", "Time spent in them", labels=["generation"])
+        longest = GaugeMetricFamily("swarmd_gc_longest_seconds", "The longest one", labels=["generation"])
+        for g in range(3):
+            count.add_metric([str(g)], COLLECTIONS.count[g])
+            seconds.add_metric([str(g)], COLLECTIONS.seconds[g])
+            longest.add_metric([str(g)], COLLECTIONS.longest[g])
+        yield from (count, seconds, longest)
+
+
 class NodeMetrics:
     def __init__(self, snapshot: Callable[[], dict[str, Any]], counters: Callable[[], dict[str, float]]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(SwarmCollector(snapshot, counters))
+        self.registry.register(CollectionsCollector())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

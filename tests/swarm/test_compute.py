@@ -72,12 +72,13 @@ async def test_submit_returns_at_once_and_its_callback_runs_on_the_event_loop_wi
         compute.submit(sum, [1], then=then)
 
 
-def test_a_daemon_collects_cyclic_garbage_on_the_compute_thread_only():
+def test_a_daemon_collects_cyclic_garbage_on_the_compute_thread_only_and_counts_the_collections():
     # In a fresh process: collection is process-wide state. Garbage made on the main thread (as the event
     # loop makes it) is finalised on the compute thread, whether it is busy or idle, never where it was made.
+    # The collections it ran are counted and timed for /metrics.
     script = """
 import gc, threading, time
-from swarmd.compute import ComputeThread, collect_garbage_on_the_compute_thread
+from swarmd.compute import COLLECTIONS, collect_garbage_on_the_compute_thread
 collect_garbage_on_the_compute_thread()
 assert not gc.isenabled()
 where = []
@@ -91,7 +92,8 @@ for _ in range(3 * gc.get_threshold()[0]):
 deadline = time.monotonic() + 10
 while len(where) < 3 * gc.get_threshold()[0] and time.monotonic() < deadline:
     time.sleep(0.05)
-print(sorted(set(where)), len(where))
+print(sorted(set(where)), len(where), COLLECTIONS.count[0] >= 1, COLLECTIONS.seconds[0] > 0)
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-    assert out.split("]")[0] == "['swarmd-compute'", out
+    assert out.split("]")[0] == "['swarmd-compute'" and out.split()[-2:] == ["True", "True"], out
+

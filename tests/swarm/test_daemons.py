@@ -72,5 +72,6 @@ def test_four_daemons_form_one_swarm_and_survive_kills_and_restarts(daemons):
 
     metrics = __import__("httpx").get(f"{d3.api}/metrics", timeout=5).text
     assert 'swarmd_members{state="alive"} 3.0' in metrics and "swarmd_plan_epoch" in metrics
+    assert 'swarmd_gc_collections_total{generation="0"}' in metrics
     assert d3.terminate() == 0
     assert not (d3.home / "api").exists()
