@@ -98,6 +98,7 @@ class DaemonConfig:
     max_context: int = 2048
     max_requests: int = 4  # KV cache slots of this daemon's stage: requests it can hold at once
     wire_dtype: str = ""  # "" sends activations in their compute dtype (lossless); or float16, bfloat16
+    inline_step_ms: float = 50.0  # a decode step seen to take at most this long runs on the event loop's thread
     expert_placement: str = "auto"  # MoE: the planner's choice, or "spread" / "local" (PlanOptions.expert_placement)
     data_plane: str = "tls"  # tls (pinned TLS sockets for tensors) or libp2p (everything on libp2p streams)
     swarm_key: Path | None = None  # a private swarm: only peers holding this key can connect
@@ -120,6 +121,8 @@ class DaemonConfig:
             raise UserError(f"expert placement {self.expert_placement!r} is not one of {', '.join(EXPERT_PLACEMENTS)}")
         if self.data_plane not in DATA_PLANES:
             raise UserError(f"data plane {self.data_plane!r} is not one of {', '.join(DATA_PLANES)}")
+        if self.inline_step_ms < 0:
+            raise UserError("inline_step_ms must be 0 (off) or more")
         if self.max_requests < 1 or self.max_context < 2:
             raise UserError("max_requests must be at least 1 and max_context at least 2")
 
@@ -212,7 +215,7 @@ def config_changes(doc: dict[str, Any], source: str = "config") -> dict[str, Any
             out[key] = parse_size(value)
         elif key in ("mdns", "standby", "full_replay", "full_reload", "warmup"):
             out[key] = bool(value)
-        elif key in ("uplink_mbps",):
+        elif key in ("uplink_mbps", "inline_step_ms"):
             out[key] = float(value)
         elif key in ("max_context", "max_requests", "api_max_tokens"):
             out[key] = int(value)

@@ -147,7 +147,7 @@ class StageActor:
                  wire_dtype: str | None, idle_timeout: float,
                  experts: Callable[..., Awaitable[np.ndarray]] | None = None,
                  local_experts: LocalExperts | None = None,
-                 plan_epoch: Callable[[], int] | None = None) -> None:
+                 plan_epoch: Callable[[], int] | None = None, inline_step_s: float = 0.0) -> None:
         self._current = current
         # the epoch of the plan this daemon has accepted (by default, that of the stage it runs)
         self._plan_epoch = plan_epoch or self._loaded_epoch
@@ -169,6 +169,11 @@ class StageActor:
         self.periods: deque[float] = deque(maxlen=64)  # stage 0: recent times for a token to come round
         self.stats = StageStats()
         self.recorder: SpanRecorder | None = None  # spans of traced requests
+        # A decode batch whose last run of the same size took at most this long runs on the event loop's thread
+        # when the compute thread is idle (`ComputeThread.run_inline`); 0: never.
+        self.inline_step_s = inline_step_s
+        # (id(model), batch size) -> its last decode step, s; only for the current model (`_model`), held
+        self._decode_s: dict[tuple[int, int], float] = {}
 
     def _loaded_epoch(self) -> int:
         loaded = self._current()
@@ -254,6 +259,7 @@ class StageActor:
                                   loaded.model.vocab_size, self.wire_dtype)
             self._book_key = key
             self._model = loaded.model
+            self._decode_s.clear()  # a new model's batch sizes are all unseen
         assert self.book is not None
         return loaded, self.book
 
@@ -265,12 +271,15 @@ class StageActor:
             self._first_queued = trio.current_time()
         self._jobs.append(job)
         if self._idle and self._inflight is None and not self._must_wait():
-            # The compute thread starts now, not after the worker's wake-up; the worker is woken when the
-            # batch's first segment is done (`_segment_done`), so no task runs beside the thread's start.
+            # The batch starts now, not after the worker's wake-up; the worker is woken when the batch's first
+            # segment is done (`_segment_done`), so no task runs beside the compute thread's start. A short
+            # decode step may run right here instead (`_inlines`): then nothing yields between its end and the
+            # output's write to the next stage, which goes before the reader's ack of this frame.
             self._launch()
         else:
             self._wake.set()
-        await job.done.wait()
+        if not job.done.is_set():
+            await job.done.wait()
         if book is not self.book or work.request_id not in book.requests:
             return None  # the stage was replaced meanwhile (a new plan): the request is lost here
         if job.error is not None:
@@ -364,12 +373,30 @@ class StageActor:
             job.taken = taken
         batch = self._inflight = Batch(jobs, run_batch(jobs, frees))
         try:
+            if self._inlines(jobs):
+                ran, answer, error = self.compute.run_inline(advance_here, batch.steps, None, None, self.local_experts)
+                if ran:
+                    self._segment_done(batch, answer, error)
+                    return
             self.compute.submit(advance_here, batch.steps, None, None, self.local_experts,
                                 then=partial(self._segment_done, batch))
         except RuntimeError as e:  # the compute handle is closed (the daemon is stopping): the jobs fail
             self._segment_done(batch, None, e)
 
+    def _inlines(self, jobs: Sequence[Job]) -> bool:
+        """Whether a batch of these jobs runs on the event loop's thread: decode steps only (a prefill can take
+        seconds), and only once a batch of this size was seen to take at most `inline_step_s` (its first run
+        captures the jitted graph, which can also take seconds)."""
+        if not jobs or self.inline_step_s <= 0 or any(j.work.rows != 1 for j in jobs):
+            return False
+        took = self._decode_s.get((id(jobs[0].model), len(jobs)))
+        return took is not None and took <= self.inline_step_s
+
     def _segment_done(self, batch: Batch, answer: tuple[bool, Any] | None, error: BaseException | None) -> None:
+        jobs = batch.jobs
+        if (jobs and answer is not None and answer[0] and jobs[0].ended and jobs[0].model is self._model
+                and all(j.work.rows == 1 for j in jobs)):
+            self._decode_s[(id(jobs[0].model), len(jobs))] = jobs[0].ended - jobs[0].started
         self._count_local_answers(batch)
         _first_segment_done(batch, answer, error)
         if self._idle and batch is self._inflight and error is None and batch.answer[0]:

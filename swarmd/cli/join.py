@@ -56,6 +56,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="context per request, prompt plus completion (default 2048, capped at the model's)")
     p.add_argument("--wire-dtype", choices=["float32", "float16", "bfloat16"],
                    help="activations on the wire: float32 is lossless (the default); the others halve the bytes")
+    p.add_argument("--inline-step-ms", type=float, metavar="MS",
+                   help="a decode step seen to take at most this long runs on the event loop's own thread when the "
+                        "compute thread is idle, which saves two thread hand-overs per step; the daemon answers "
+                        "nothing else meanwhile (default 50; 0: every step on the compute thread)")
     p.add_argument("--expert-placement", choices=["auto", "spread", "local"],
                    help="MoE models: keep each block's experts with its stage (local), spread them over the "
                         "other daemons (spread), or let the planner choose (auto, the default: spread under the "
@@ -118,6 +122,7 @@ def build_config(args: argparse.Namespace):
         max_requests=args.max_requests,
         max_context=args.max_context,
         wire_dtype=args.wire_dtype,
+        inline_step_ms=args.inline_step_ms,
         expert_placement=args.expert_placement,
         data_plane=args.data_plane,
         swarm_key=args.swarm_key.expanduser() if args.swarm_key else None,

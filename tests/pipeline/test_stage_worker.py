@@ -1,8 +1,12 @@
-"""How a stage's worker and the compute thread's completions share the work of a batch (no model needed)."""
+"""How a stage's worker and the compute thread's completions share the work of a batch, and which thread runs a
+step (no real model needed)."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
+import trio
 
 from swarmd.compute import ComputeThread
 from swarmd.stage import Batch, Job, StageActor
@@ -44,3 +48,76 @@ async def test_the_worker_is_woken_when_work_queued_meanwhile_or_the_batch_needs
         stage._segment_done(batch, answer, error)
         assert stage._inflight is batch and stage._wake.is_set()  # it asks the experts, or reports the error
         assert not batch.jobs[0].done.is_set() and batch.arrived.is_set()
+
+
+class RecordingModel:
+    """Stands in for a StageModel: passes hidden states through and says on which thread it ran."""
+
+    is_last, hidden_size, start, end = False, 8, 0, 4
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def forward_steps(self, inputs):
+        self.threads.append(threading.current_thread().name)
+        return [np.asarray(i.data, np.float32) for i in inputs]
+        yield  # a generator, as a MoE stage's is
+
+
+def queued(stage: StageActor, model: RecordingModel, rows: int, *request_ids: str) -> list[Job]:
+    stage._model = model  # the stage's current model
+    jobs = [Job(Work(rid, 1, 4, np.zeros((rows, 8), np.float32)), model=model) for rid in request_ids]
+    stage._jobs += jobs
+    return jobs
+
+
+async def wait_done(jobs: list[Job]) -> None:
+    with trio.fail_after(10):
+        for job in jobs:
+            await job.done.wait()
+
+
+async def test_a_decode_step_of_a_size_seen_to_be_short_runs_on_the_event_loops_thread():
+    stage, model = idle_stage(), RecordingModel()
+    stage.inline_step_s = 0.05
+    loop = threading.current_thread().name
+    first = queued(stage, model, 1, "a")
+    stage._launch()  # never seen: its first run may capture a graph, so it goes to the compute thread
+    await wait_done(first)
+    second = queued(stage, model, 1, "a")
+    stage._launch()
+    assert second[0].done.is_set() and stage._inflight is None  # done before _launch returned
+    pair = queued(stage, model, 1, "a", "b")
+    stage._launch()  # a batch of two was never seen
+    await wait_done(pair)
+    assert model.threads == ["swarmd-compute", loop, "swarmd-compute"]
+    assert np.array_equal(second[0].output, np.zeros((1, 8), np.float32))
+
+
+async def test_prefills_slow_steps_and_a_stage_with_inlining_off_always_use_the_compute_thread():
+    for inline_step_s, rows, took in ((0.05, 3, 0.001), (0.05, 1, 0.2), (0.0, 1, 0.001)):
+        stage, model = idle_stage(), RecordingModel()
+        stage.inline_step_s = inline_step_s
+        stage._decode_s[(id(model), 1)] = took
+        jobs = queued(stage, model, rows, "a")
+        stage._launch()
+        await wait_done(jobs)
+        assert model.threads == ["swarmd-compute"], (inline_step_s, rows, took)
+
+
+async def test_a_busy_compute_thread_is_never_joined_by_a_step_on_the_event_loop():
+    compute = ComputeThread()
+    release = threading.Event()
+    started = threading.Event()
+
+    def long_job() -> None:
+        started.set()
+        release.wait(10)
+
+    compute.submit(long_job, then=lambda value, error: None)
+    started.wait(10)
+    assert compute.run_inline(lambda: "ran") == (False, None, None)  # the caller submits instead
+    release.set()
+    await compute.run(lambda: None)
+    assert compute.run_inline(threading.current_thread) == (True, threading.current_thread(), None)
+    compute.close()

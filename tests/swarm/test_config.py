@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarmd.config import LAN, LOCAL_TEST, load_config_file, parse_size, parse_timings, warms_up
+from swarmd.config import LAN, LOCAL_TEST, DaemonConfig, load_config_file, parse_size, parse_timings, warms_up
 from swarmd.errors import UserError
 
 
@@ -32,11 +32,12 @@ def test_a_config_file_uses_the_command_line_keys(tmp_path):
     path = tmp_path / "swarmd.toml"
     path.write_text('swarm = "lab"\nbootstrap = "/ip4/127.0.0.1/tcp/4001/p2p/x"\nmemory-limit = "12GiB"\n'
                     'device-label = "RTX 3060 12GB"\nlisten = ["/ip4/127.0.0.1/tcp/4001"]\nfull-reload = true\n'
-                    '[timings]\npreset = "local-test"\nprobe-timeout = 0.7\n')
+                    'inline-step-ms = 20\n[timings]\npreset = "local-test"\nprobe-timeout = 0.7\n')
     changes = load_config_file(path)
     assert changes["swarm"] == "lab" and changes["bootstrap"] == ("/ip4/127.0.0.1/tcp/4001/p2p/x",)
     assert changes["memory_limit"] == 12 * 1024**3 and changes["device_label"] == "RTX 3060 12GB"
     assert changes["listen"] == ("/ip4/127.0.0.1/tcp/4001",) and changes["full_reload"] is True
+    assert changes["inline_step_ms"] == 20.0
     assert changes["timings"].probe_timeout == 0.7 and changes["timings"].heartbeat_interval == 0.25
 
 
@@ -50,6 +51,8 @@ def test_config_file_mistakes_are_one_line_errors(tmp_path):
         load_config_file(bad)
     with pytest.raises(UserError, match="does not exist"):
         load_config_file(tmp_path / "missing.toml")
+    with pytest.raises(UserError, match="inline_step_ms must be 0"):
+        DaemonConfig(inline_step_ms=-1)
 
 
 def test_stages_capture_every_graph_first_on_gpus_unless_told_otherwise():
