@@ -314,6 +314,7 @@ def main() -> int:
                                "breakdown": {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": []},
                                "breakdown_baseline": {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": []},
                                "aggregate": {1: [], 4: [], 8: []}, "batch": {4: [], 8: []},
+                               "aggregate_baseline": {1: [], 4: [], 8: []}, "batch_baseline": {4: [], 8: []},
                                "gaps_ms": {4: [], BASELINE: []}, "collections": {}}
     try:
         for n in sizes:
@@ -329,10 +330,10 @@ def main() -> int:
         for n, swarm in swarms.items():
             warm_up(f"N = {n} prefill", generate, swarm.api, long_ids, 1)
             warm_up(f"N = {n} decode", generate, swarm.api, PROMPTS[0], 8)
-        apis = [d.api for d in swarms[4].daemons]
         if not args.decode_only:
-            for c in (1, 2, 4, 8):
-                warm_up(f"N = 4, {c} at once", aggregate, apis, c, 12)
+            for n in (4, BASELINE):
+                for c in (1, 2, 4, 8) if n in swarms else ():
+                    warm_up(f"N = {n}, {c} at once", aggregate, [d.api for d in swarms[n].daemons], c, 12)
         before = {n: collections(swarms[n]) for n in (4, BASELINE) if n in swarms}
         for r in range(args.rounds):
             prompt = PROMPTS[r % len(PROMPTS)]
@@ -357,11 +358,16 @@ def main() -> int:
             token_s = statistics.median(results["token_ms"]) / 1e3 if results["token_ms"] else IDLE_GAP
             results["raw_tcp_idle_ms"].append(raw_tcp_ms(port, HIDDEN_BYTES, IDLE_REQUESTS, gap=token_s))
             if not args.decode_only:
-                for c in (1, 4, 8):
-                    since = time.perf_counter()
-                    results["aggregate"][c].append(aggregate(apis, c, args.tokens))
-                    if c > 1:
-                        results["batch"][c].append(batch_sizes(swarms[4], since))
+                for n in (4, BASELINE) if r % 2 == 0 else (BASELINE, 4):
+                    if n not in swarms:
+                        continue
+                    suffix = "_baseline" if n == BASELINE else ""
+                    for c in (1, 4, 8):
+                        since = time.perf_counter()
+                        results["aggregate" + suffix][c].append(
+                            aggregate([d.api for d in swarms[n].daemons], c, args.tokens))
+                        if c > 1:
+                            results["batch" + suffix][c].append(batch_sizes(swarms[n], since))
             say(f"round {r + 1}: decode tok/s " + ", ".join(f"N={n} {results['decode'][n][-1]:.2f}" for n in [1, *kinds])
                 + ("" if args.decode_only else "; aggregate "
                    + ", ".join(f"{c}: {results['aggregate'][c][-1]:.2f}" for c in (1, 4, 8))))
@@ -443,10 +449,13 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
         return
     print("| requests at once (N = 4) | aggregate tok/s (median) | rounds | × one request | mean decode batch per stage |")
     print("|---|---|---|---|---|")
-    for c in (1, 4, 8):
-        rounds = ", ".join(f"{x:.2f}" for x in results["aggregate"][c])
-        batch = ", ".join(f"{b:.2f}" for b in results["batch"][c][-1] if b) if c > 1 and results["batch"][c] else "1"
-        print(f"| {c} | {agg[c]:.2f} | {rounds} | {agg[c] / agg[1]:.2f} | {batch} |")
+    for suffix in ("", "_baseline") if args.baseline else ("",):
+        got = {k: median(v) for k, v in results["aggregate" + suffix].items()}
+        for c in (1, 4, 8):
+            rounds = ", ".join(f"{x:.2f}" for x in results["aggregate" + suffix][c])
+            sizes = results["batch" + suffix].get(c)
+            batch = ", ".join(f"{b:.2f}" for b in sizes[-1] if b) if c > 1 and sizes else "1"
+            print(f"| {c}{' (baseline)' if suffix else ''} | {got[c]:.2f} | {rounds} | {got[c] / got[1]:.2f} | {batch} |")
 
 
 if __name__ == "__main__":

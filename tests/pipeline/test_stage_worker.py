@@ -4,6 +4,7 @@ step (no real model needed)."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import trio
@@ -64,8 +65,11 @@ class RecordingModel:
         yield  # a generator, as a MoE stage's is
 
 
-def queued(stage: StageActor, model: RecordingModel, rows: int, *request_ids: str) -> list[Job]:
+def queued(stage: StageActor, model: RecordingModel, rows: int, *request_ids: str,
+           others: tuple[str, ...] = ()) -> list[Job]:
+    """Jobs of `request_ids` queued on the stage, which also holds requests `others` (elsewhere in the chain)."""
     stage._model = model  # the stage's current model
+    stage.book = SimpleNamespace(requests=dict.fromkeys((*request_ids, *others)))  # the requests it holds
     jobs = [Job(Work(rid, 1, 4, np.zeros((rows, 8), np.float32)), model=model) for rid in request_ids]
     stage._jobs += jobs
     return jobs
@@ -94,15 +98,16 @@ async def test_a_decode_step_of_a_size_seen_to_be_short_runs_on_the_event_loops_
     assert np.array_equal(second[0].output, np.zeros((1, 8), np.float32))
 
 
-async def test_prefills_slow_steps_and_a_stage_with_inlining_off_always_use_the_compute_thread():
-    for inline_step_s, rows, took in ((0.05, 3, 0.001), (0.05, 1, 0.2), (0.0, 1, 0.001)):
+async def test_prefills_slow_steps_partial_batches_and_a_stage_with_inlining_off_use_the_compute_thread():
+    cases = ((0.05, 3, 0.001, ()), (0.05, 1, 0.2, ()), (0.0, 1, 0.001, ()), (0.05, 1, 0.001, ("b",)))
+    for inline_step_s, rows, took, others in cases:
         stage, model = idle_stage(), RecordingModel()
         stage.inline_step_s = inline_step_s
+        jobs = queued(stage, model, rows, "a", others=others)
         stage._decode_s[(id(model), 1)] = took
-        jobs = queued(stage, model, rows, "a")
         stage._launch()
         await wait_done(jobs)
-        assert model.threads == ["swarmd-compute"], (inline_step_s, rows, took)
+        assert model.threads == ["swarmd-compute"], (inline_step_s, rows, took, others)
 
 
 async def test_a_busy_compute_thread_is_never_joined_by_a_step_on_the_event_loop():
