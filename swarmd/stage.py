@@ -15,8 +15,9 @@ handlers directly. A stage of a MoE model whose experts live elsewhere runs its 
 (`StageModel.forward_steps`): between two segments the compute thread is free (this daemon's own experts may need
 it) while `experts` (the MoE router) asks the expert actors for the block's experts; a call whose every selected
 expert this daemon's own shard holds is answered on the compute thread without a segment break
-(`swarmd.local_experts`). While the model runs, new jobs
-queue up and form the next batch. A handler returns its Sends to the transport, which caches them under the
+(`swarmd.local_experts`). A short decode step holding every request of the stage runs on the event loop's own
+thread instead of the compute thread (`_inlines`), which saves both hand-overs. While the model runs on the
+compute thread, new jobs queue up and form the next batch. A handler returns its Sends to the transport, which caches them under the
 message's key: a repeated frame gets the same answer again and never touches the KV cache twice.
 """
 
