@@ -115,14 +115,7 @@ class ComputeThread:
         token = trio.lowlevel.current_trio_token()
 
         def job() -> None:
-            t0 = time.perf_counter()
-            value: Any = None
-            error: BaseException | None = None
-            try:
-                value = fn(*args)
-            except BaseException as e:
-                error = e
-            self.busy_seconds += time.perf_counter() - t0
+            value, error = self._call(fn, args)
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(then, value, error)
 
@@ -137,6 +130,14 @@ class ComputeThread:
         worker = _the_worker()
         if not worker.jobs.empty() or not worker.tinygrad_lock.acquire(blocking=False):
             return False, None, None
+        try:
+            value, error = self._call(fn, args)
+        finally:
+            worker.tinygrad_lock.release()
+        return True, value, error
+
+    def _call(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, BaseException | None]:
+        """`fn(*args)` timed into `busy_seconds`: (value, None), or (None, the error it raised)."""
         t0 = time.perf_counter()
         value: Any = None
         error: BaseException | None = None
@@ -144,10 +145,8 @@ class ComputeThread:
             value = fn(*args)
         except BaseException as e:
             error = e
-        finally:
-            worker.tinygrad_lock.release()
         self.busy_seconds += time.perf_counter() - t0
-        return True, value, error
+        return value, error
 
     def close(self) -> None:
         """Refuse further jobs from this handle (those queued so far still run)."""
