@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from swarmd.compute import COLLECTIONS
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -65,8 +67,6 @@ class CollectionsCollector(Collector):
     interpreter lock, so a step's output waits for it."""
 
     def collect(self) -> Iterator[Metric]:
-        from swarmd.compute import COLLECTIONS
-
         count = CounterMetricFamily("swarmd_gc_collections", "Cyclic collections between jobs on the compute thread",
                                     labels=["generation"])
         seconds = CounterMetricFamily("swarmd_gc_seconds", "Time spent in them", labels=["generation"])
