@@ -259,19 +259,22 @@ def aggregate(api_of: list[str], concurrent: int, tokens: int) -> float:
     return total / (time.perf_counter() - start)
 
 
-def collections(swarm: LocalSwarm) -> list[float]:
-    """Per generation, the daemons' cyclic collections on their compute threads so far: count, seconds
-    in all, the longest (from /metrics; empty for code that does not report them)."""
-    out = [0.0] * 9
+GC_METRICS = {"count": "swarmd_gc_collections_total", "seconds": "swarmd_gc_seconds_total",
+              "longest": "swarmd_gc_longest_seconds"}
+
+
+def collections(swarm: LocalSwarm) -> dict[str, list[float]]:
+    """The daemons' cyclic collections on their compute threads so far, per generation: count and seconds
+    summed over the daemons, the longest of any (from /metrics; {} for code that does not report them)."""
+    out = {key: [0.0, 0.0, 0.0] for key in GC_METRICS}
     for d in swarm.daemons:
         for line in httpx.get(f"{d.api}/metrics", timeout=10).text.splitlines():
-            for i, name in enumerate(("swarmd_gc_collections_total", "swarmd_gc_seconds_total",
-                                      "swarmd_gc_longest_seconds")):
+            for key, name in GC_METRICS.items():
                 if line.startswith(name + "{"):
                     g = int(line.split('generation="')[1][0])
                     value = float(line.rsplit(" ", 1)[1])
-                    out[i * 3 + g] = max(out[i * 3 + g], value) if i == 2 else out[i * 3 + g] + value
-    return out if any(out) else []
+                    out[key][g] = max(out[key][g], value) if key == "longest" else out[key][g] + value
+    return out if any(any(v) for v in out.values()) else {}
 
 
 def batch_sizes(swarm: LocalSwarm, since: float) -> list[float]:
@@ -373,7 +376,8 @@ def main() -> int:
                    + ", ".join(f"{c}: {results['aggregate'][c][-1]:.2f}" for c in (1, 4, 8))))
         for n, got in before.items():  # what the measured rounds collected (the longest: since the start)
             now = collections(swarms[n])
-            results["collections"][n] = [b - a for a, b in zip(got, now[:6], strict=False)] + now[6:] if now else []
+            results["collections"][n] = {key: [b - a for a, b in zip(got[key], now[key], strict=True)]
+                                         for key in ("count", "seconds")} | {"longest": now["longest"]} if now else {}
     finally:
         for swarm in swarms.values():
             swarm.stop()
@@ -430,13 +434,14 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
           f"over the idle-receiver raw TCP: **{added - idle:.3f} ms**.\n")
     print("Gaps between a request's tokens at N = 4, as the client saw them (ms): "
           + "; ".join(f"{'baseline' if n == BASELINE else 'this code'} p50 {statistics.median(g):.1f}, "
-                      f"p99 {statistics.quantiles(g, n=100)[98]:.1f}, max {max(g):.1f}"
+                      f"p99 {statistics.quantiles(g, n=100, method='inclusive')[98]:.1f}, max {max(g):.1f}"
                       for n, g in results["gaps_ms"].items() if len(g) > 1) + ".\n")
     for n, got in results["collections"].items():
         if got:
             print(f"Cyclic collections on the compute threads of the {'baseline ' if n == BASELINE else ''}N = 4 swarm "
                   "during the rounds, by generation (count, seconds in all, the longest since the start in ms): "
-                  + "; ".join(f"{g}: {got[g]:.0f}, {got[3 + g]:.2f} s, {got[6 + g] * 1e3:.1f}" for g in range(3))
+                  + "; ".join(f"{g}: {got['count'][g]:.0f}, {got['seconds'][g]:.2f} s, {got['longest'][g] * 1e3:.1f}"
+                              for g in range(3))
                   + ".\n")
     if args.baseline:
         base = {k: statistics.median(v) for k, v in results["breakdown_baseline"].items() if v}

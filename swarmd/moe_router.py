@@ -141,34 +141,33 @@ class MoERouter:
                             list(p.experts), call.layer, p.peer[:16], results[p.peer])
                 avoid.add(p.peer)
             todo = _restrict(call, {x for p in failed for x in p.experts})
-        stats.calls += 1
-        stats.rows += len(call.rows)
-        for expert, n in tokens_per_expert(call).items():
-            stats.tokens[expert] += n
-        stats.fan_out_ms.append((time.perf_counter() - started) * 1e3)
-        if traced and self.recorder is not None:
-            end = self.recorder.clock()
-            for rid, step in traced.items():
-                self.recorder.add(rid, "moe.fan_out", _thread(call.layer), span_start, end, step=step,
-                                  block=call.layer, messages=messages, nodes=len({p.peer for p, _ in answers}),
-                                  rows=len(call.rows))
+        span_end = self.recorder.clock() if traced and self.recorder is not None else 0.0
+        self._record_call(call, time.perf_counter() - started, traced, span_start, span_end, messages=messages,
+                    nodes=len({p.peer for p, _ in answers}))
         return combine(call, answers)
 
     def record_local(self, answer: LocalAnswer, traced: Mapping[str, int]) -> None:
         """Count a call the stage had this daemon's own shard answer on the compute thread
         (`swarmd.local_experts`) like the calls sent out: one node hit, no message."""
-        call, stats = answer.call, self.layers[answer.call.layer]
-        stats.calls += 1
-        stats.rows += len(call.rows)
+        stats = self.layers[answer.call.layer]
         stats.nodes_hit += 1
         stats.local += 1
+        self._record_call(answer.call, answer.end - answer.start, traced, answer.start, answer.end, messages=0, nodes=1,
+                    local=True)
+
+    def _record_call(self, call: Any, took_s: float, traced: Mapping[str, int], span_start: float, span_end: float,
+               **span_args: Any) -> None:
+        """A finished call in its layer's stats, and its `moe.fan_out` span for each traced request."""
+        stats = self.layers[call.layer]
+        stats.calls += 1
+        stats.rows += len(call.rows)
         for expert, n in tokens_per_expert(call).items():
             stats.tokens[expert] += n
-        stats.fan_out_ms.append((answer.end - answer.start) * 1e3)
+        stats.fan_out_ms.append(took_s * 1e3)
         if traced and self.recorder is not None:
             for rid, step in traced.items():
-                self.recorder.add(rid, "moe.fan_out", _thread(call.layer), answer.start, answer.end, step=step,
-                                  block=call.layer, messages=0, nodes=1, rows=len(call.rows), local=True)
+                self.recorder.add(rid, "moe.fan_out", _thread(call.layer), span_start, span_end, step=step,
+                                  block=call.layer, rows=len(call.rows), **span_args)
 
     async def _usable_holders(self, call: Any, avoid: set[str]) -> Mapping[int, tuple[str, ...]]:
         """The plan's holders once every expert `call` selects has one neither dead nor in `avoid`: at once

@@ -173,8 +173,7 @@ class StageActor:
         # A decode batch whose last run of the same size took at most this long runs on the event loop's thread
         # when the compute thread is idle (`ComputeThread.run_inline`); 0: never.
         self.inline_step_s = inline_step_s
-        # (id(model), batch size) -> its last decode step, s; only for the current model (`_model`), held
-        self._decode_s: dict[tuple[int, int], float] = {}
+        self._decode_s: dict[int, float] = {}  # batch size -> the current model's last decode step of it, s
 
     def _loaded_epoch(self) -> int:
         loaded = self._current()
@@ -396,14 +395,14 @@ class StageActor:
         if (not jobs or self.inline_step_s <= 0 or book is None or len(jobs) < len(book.requests)
                 or any(j.work.rows != 1 for j in jobs)):
             return False
-        took = self._decode_s.get((id(jobs[0].model), len(jobs)))
+        took = self._decode_s.get(len(jobs)) if jobs[0].model is self._model else None
         return took is not None and took <= self.inline_step_s
 
     def _segment_done(self, batch: Batch, answer: tuple[bool, Any] | None, error: BaseException | None) -> None:
         jobs = batch.jobs
         if (jobs and answer is not None and answer[0] and jobs[0].ended and jobs[0].model is self._model
                 and all(j.work.rows == 1 for j in jobs)):
-            self._decode_s[(id(jobs[0].model), len(jobs))] = jobs[0].ended - jobs[0].started
+            self._decode_s[len(jobs)] = jobs[0].ended - jobs[0].started
         self._count_local_answers(batch)
         _first_segment_done(batch, answer, error)
         if self._idle and batch is self._inflight and error is None and batch.answer[0]:

@@ -108,7 +108,7 @@ async def test_prefills_slow_steps_partial_batches_and_a_stage_with_inlining_off
         stage, model = idle_stage(), RecordingModel()
         stage.inline_step_s = inline_step_s
         jobs = queued(stage, model, rows, "a", others=others)
-        stage._decode_s[(id(model), 1)] = took
+        stage._decode_s[1] = took
         stage._launch()
         await wait_done(jobs)
         assert model.threads == ["swarmd-compute"], (inline_step_s, rows, took, others)
