@@ -84,7 +84,7 @@ class Pipeline:
         self.stage = StageActor(self.loaded, compute=node.compute, max_context=cfg.max_context,
                                 wire_dtype=wire_dtype, idle_timeout=cfg.timings.request_idle_timeout,
                                 experts=self.router.call, local_experts=local, plan_epoch=lambda: self.registry().epoch,
-                                inline_step_s=cfg.inline_step_ms / 1e3)
+                                inline_step_s=cfg.inline_step_ms / 1e3, post_all=transport.post_all)
         self.head = HeadService(node.peer_id, transport, chain=self.chain, registry=self.registry,
                                 timings=cfg.timings, load_model=self._load_model, in_flight=self._count,
                                 leaving=lambda: node.leaving, hop_local=not cfg.full_replay)

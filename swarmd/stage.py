@@ -17,8 +17,11 @@ it) while `experts` (the MoE router) asks the expert actors for the block's expe
 expert this daemon's own shard holds is answered on the compute thread without a segment break
 (`swarmd.local_experts`). A short decode step holding every request of the stage runs on the event loop's own
 thread instead of the compute thread (`_inlines`), which saves both hand-overs. While the model runs on the
-compute thread, new jobs queue up and form the next batch. A handler returns its Sends to the transport, which caches them under the
-message's key: a repeated frame gets the same answer again and never touches the KV cache twice.
+compute thread, new jobs queue up and form the next batch. When a batch is done, the first of its handlers to run
+builds every job's outputs and posts them together (`ActorTransport.post_all`: one write a peer, so the next stage
+reads the whole batch at once and runs it as one batch too); each handler returns its own to the transport, which
+caches them under the message's key: a repeated frame gets the same answer again and never touches the KV cache
+twice.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from swarmd.local_experts import LocalExperts
 from swarmd.registry import Registry
 from swarmd.spans import SpanRecorder, record_stage_step
 from swarmd.stage_session import Sampled, StageBook, StageRefusal, Work
-from swarmd.transport import HandlerResult, Send
+from swarmd.transport import HandlerResult, Posted, Send, as_sends
 from swarmd.wire.codec import WireError
 from swarmd.wire.messages import Cancel, Error, Forward, Token
 
@@ -51,10 +54,21 @@ SETTLE = 0.002  # s a stage waits for the rest of a convoy of decode steps sent 
 MAX_GATHER = 1.0  # s stage 0 waits at most for other requests' tokens to form one batch
 
 
+@dataclass(frozen=True)
+class Loaded:
+    """This daemon's stage as the plan and the assignment have it now."""
+
+    model: Any  # models.stage.StageModel
+    hop: int
+    registry: Registry
+
+
 @dataclass
 class Job:
     work: Work
     model: Any
+    loaded: Loaded | None = None  # the stage and book it was admitted to
+    book: StageBook | None = None
     received: float = 0.0  # perf_counter seconds (one clock for every process of a machine): message in,
     taken: float = 0.0  # handed to the compute thread in a batch, the model began the batch, the model was done
     started: float = 0.0
@@ -64,6 +78,8 @@ class Job:
     output: np.ndarray | Sampled | None = None
     error: tuple[str, str] | None = None  # (code, message)
     batch: int = 1
+    group: list[Job] = field(default_factory=list)  # the jobs of the batch it ran in (itself included)
+    sends: tuple[Send, ...] | None = None  # its outputs, once built (with the rest of its batch's)
 
 
 @dataclass(eq=False)
@@ -75,15 +91,6 @@ class Batch:
     answer: tuple[bool, Any] = (False, None)  # advance's (done, next question)
     error: BaseException | None = None
     arrived: trio.Event = field(default_factory=trio.Event)
-
-
-@dataclass(frozen=True)
-class Loaded:
-    """This daemon's stage as the plan and the assignment have it now."""
-
-    model: Any  # models.stage.StageModel
-    hop: int
-    registry: Registry
 
 
 class StageStats:
@@ -148,7 +155,8 @@ class StageActor:
                  wire_dtype: str | None, idle_timeout: float,
                  experts: Callable[..., Awaitable[np.ndarray]] | None = None,
                  local_experts: LocalExperts | None = None,
-                 plan_epoch: Callable[[], int] | None = None, inline_step_s: float = 0.0) -> None:
+                 plan_epoch: Callable[[], int] | None = None, inline_step_s: float = 0.0,
+                 post_all: Callable[[Sequence[Send]], Awaitable[None]] | None = None) -> None:
         self._current = current
         # the epoch of the plan this daemon has accepted (by default, that of the stage it runs)
         self._plan_epoch = plan_epoch or self._loaded_epoch
@@ -174,6 +182,8 @@ class StageActor:
         # when the compute thread is idle (`ComputeThread.run_inline`); 0: never.
         self.inline_step_s = inline_step_s
         self._decode_s: dict[int, float] = {}  # batch size -> the current model's last decode step of it, s
+        # The transport's `post_all`: a batch's outputs then leave together (else each handler returns its own).
+        self._post_all = post_all
 
     def _loaded_epoch(self) -> int:
         loaded = self._current()
@@ -266,7 +276,7 @@ class StageActor:
     # --- the worker ------------------------------------------------------------------------------------
 
     async def _run(self, loaded: Loaded, book: StageBook, work: Work, received: float) -> HandlerResult:
-        job = Job(work, loaded.model, received)
+        job = Job(work, loaded.model, loaded, book, received)
         if not self._jobs:
             self._first_queued = trio.current_time()
         self._jobs.append(job)
@@ -280,6 +290,23 @@ class StageActor:
             self._wake.set()
         if not job.done.is_set():
             await job.done.wait()
+        if self._post_all is None:
+            return self._outputs(job)
+        if job.sends is None:
+            # The first of the batch's handlers to run builds every job's outputs and posts them in one go: the
+            # frames for one peer leave in one write, and the next stage reads them at once, as one batch.
+            together: list[Send] = []
+            for j in job.group or [job]:
+                if j.sends is None:
+                    j.sends = as_sends(self._outputs(j))
+                    together += j.sends
+            await self._post_all(together)
+        return Posted(job.sends or ())
+
+    def _outputs(self, job: Job) -> HandlerResult:
+        """What a finished job sends: the next stage's input or the sampled token, or its error to the head."""
+        work, loaded, book = job.work, job.loaded, job.book
+        assert loaded is not None and book is not None
         if book is not self.book or work.request_id not in book.requests:
             return None  # the stage was replaced meanwhile (a new plan): the request is lost here
         if job.error is not None:
@@ -370,7 +397,7 @@ class StageActor:
         jobs = self._take_batch() if self._jobs else []
         taken = time.perf_counter()
         for job in jobs:
-            job.taken = taken
+            job.taken, job.group = taken, jobs
         batch = self._inflight = Batch(jobs, run_batch(jobs, frees))
         try:
             if self._inlines(jobs):

@@ -14,8 +14,10 @@ to a peer (the MoE router re-asks a replica instead of waiting for the retries).
 destination, so a slow receiver slows the sender and memory does not grow. Each destination has one link
 task: it opens a stream, reads acks, pings a peer that stops answering; when the stream breaks it reconnects
 with exponential backoff and jitter and writes every unacked frame again, until each frame's deadline.
-While the link is up and idle a sender writes its frame itself (one task switch less per hop). A message
-to `local_peer` (this daemon) is handed to its handler in-process, with the same checks and de-duplication.
+While the link is up and idle a sender writes its frame itself (one task switch less per hop), with any older
+frame not yet written; `post_all` queues several messages and writes each link's frames in one write (a stage's
+batch of outputs reaches the next stage together, in one read there). A message to `local_peer` (this daemon)
+is handed to its handler in-process, with the same checks and de-duplication.
 
 Receiving: `transport.route(Forward, handler, expect=...)` registers `async handler(peer, msg)`. A link's
 reader task drains the stream at once (a libp2p sender whose window is not updated for 5 s resets the stream),
@@ -29,7 +31,9 @@ too many is cut off for a while (`on_penalise` drops its connections). Handler e
 become `Error` messages to the sender.
 
 What a handler returns is its result: `None`, a `Send(peer, msg)` or a list of them. The transport posts
-them after the handler returns and caches them under the message's key for replay on a duplicate.
+them after the handler returns and caches them under the message's key for replay on a duplicate. A handler
+that has posted its result itself (with `post_all`, together with other messages' results) returns it as
+`Posted(sends)`: cached for replays, not posted again.
 """
 
 from __future__ import annotations
@@ -170,7 +174,14 @@ class Send:
     msg: Message
 
 
-HandlerResult = Send | Sequence[Send] | None
+@dataclass(frozen=True, slots=True)
+class Posted:
+    """A handler's result that the handler has already handed to `ActorTransport.post_all`."""
+
+    sends: tuple[Send, ...]
+
+
+HandlerResult = Send | Sequence[Send] | Posted | None
 Handler = Callable[[str, Any], Awaitable[HandlerResult]]
 
 
@@ -315,7 +326,7 @@ class ActorTransport:
             return
         deadline = trio.current_time() + (self.config.send_timeout if within is None else within)
         link, pending = await self._enqueue(peer, msg, deadline)
-        await self._write_now(link, pending)
+        await self._write_now(link)
         self._kick(link, pending)
         done: trio.Event = pending.context
         with trio.move_on_at(deadline):
@@ -338,8 +349,30 @@ class ActorTransport:
         deadline = trio.current_time() + (self.config.send_timeout if within is None else within)
         link, pending = await self._enqueue(peer, msg, deadline)
         pending.context = msg  # no waiter: the link reports a failure itself
-        await self._write_now(link, pending)
+        await self._write_now(link)
         self._kick(link, pending)
+
+    async def post_all(self, sends: Sequence[Send]) -> None:
+        """`post` each of `sends`, in order, then write each link's new frames together: one write, so the
+        receiver reads them at once (a stage's batch stays one batch at the next stage). A failure to queue
+        one goes to `on_undeliverable`, like a post's."""
+        queued: list[tuple[_OutLink, Pending]] = []
+        for out in sends:
+            if out.peer == self.local_peer:
+                await self.post(out.peer, out.msg)
+                continue
+            try:
+                link, pending = await self._enqueue(out.peer, out.msg,
+                                                    trio.current_time() + self.config.send_timeout)
+            except DeliveryFailed as e:
+                self._on_undeliverable(out.peer, out.msg, e.reason)
+                continue
+            pending.context = out.msg
+            queued.append((link, pending))
+        for link in {id(link): link for link, _ in queued}.values():
+            await self._write_now(link)
+        for link, pending in queued:
+            self._kick(link, pending)
 
     async def _deliver_locally(self, msg: Message) -> None:
         """A message to an actor of this daemon: the same checks, limits and de-duplication, no network."""
@@ -452,19 +485,26 @@ class ActorTransport:
         elif min(pending.sent_at + self.config.ack_timeout, pending.deadline) < link.writer_wake_at:
             link.wake()
 
-    async def _write_now(self, link: _OutLink, pending: Pending) -> None:
-        """Write a new frame from the sender's own task when the link is up and idle: one task switch less
-        per hop than handing it to the link task. Anything else (connecting, resending, busy) is left to it."""
+    async def _write_now(self, link: _OutLink) -> None:
+        """Write the link's unwritten frames, oldest first and in one write, from the sender's own task when the
+        link is up and idle: one task switch less per hop than handing them to the link task. Anything else
+        (connecting, busy) is left to it."""
         stream, session = link.stream, link.session
-        if stream is None or link.write_lock.locked() or pending.outcome is not None:
+        if stream is None or link.write_lock.locked():
             return
-        if next(link.outbox.unsent(session), None) is not pending:  # older frames first
+        frames = list(link.outbox.unsent(session))
+        if not frames:
             return
+        data = frames[0].frame if len(frames) == 1 else b"".join(p.frame for p in frames)
         link.write_lock.acquire_nowait()
         try:
-            with trio.fail_after(self.config.io_time(self.config.write_timeout, len(pending.frame))):
-                await stream.write(pending.frame)
-            link.outbox.mark_sent(pending, session, trio.current_time())
+            with trio.fail_after(self.config.io_time(self.config.write_timeout, len(data))):
+                await stream.write(data)
+            now = trio.current_time()
+            for pending in frames:
+                if pending.writes:
+                    self.stats.resent += 1
+                link.outbox.mark_sent(pending, session, now)
         except BaseException as e:  # a partly written frame leaves the stream unusable: start over
             link.break_session(f"link broke: {type(e).__name__}: {e}")
             if not isinstance(e, Exception):
@@ -890,9 +930,11 @@ class ActorTransport:
         if self.observer is not None:
             self.observer.handling(msg)
         try:
+            posted = False
             try:
                 result = await route.handler(peer, msg)
-                sends = _as_sends(result)
+                posted = isinstance(result, Posted)
+                sends = as_sends(result)
             except RemoteProtocolError as e:
                 sends = (Send(peer, _error_for(msg, getattr(e, "code", "bad_request"), str(e))),)
             except Exception as e:
@@ -901,11 +943,12 @@ class ActorTransport:
                 sends = (Send(peer, _error_for(msg, "internal", f"{type(e).__name__} in the {msg.TAG} handler")),)
             if key is not None:
                 self._dedupe.finish(key, sends, sum(_approx_size(s.msg) for s in sends))
-            for out in sends:  # holding the handler slots until there is room: backpressure up the chain
-                try:
-                    await self.post(out.peer, out.msg)
-                except DeliveryFailed as e:
-                    self._on_undeliverable(out.peer, out.msg, e.reason)
+            if not posted:
+                for out in sends:  # holding the handler slots until there is room: backpressure up the chain
+                    try:
+                        await self.post(out.peer, out.msg)
+                    except DeliveryFailed as e:
+                        self._on_undeliverable(out.peer, out.msg, e.reason)
         finally:
             for s in slots:
                 s.release()
@@ -942,9 +985,12 @@ async def _acquire(lock: trio.Lock) -> None:
         await lock.acquire()
 
 
-def _as_sends(result: HandlerResult) -> tuple[Send, ...]:
+def as_sends(result: HandlerResult) -> tuple[Send, ...]:
+    """A handler's result as the sends it makes (for one already posted, those `Posted` holds)."""
     if result is None:
         return ()
+    if isinstance(result, Posted):
+        return result.sends
     if isinstance(result, Send):
         return (result,)
     sends = tuple(result)

@@ -81,6 +81,7 @@ class MemorySwarm:
         self.stages: dict[str, StageActor] = {}
         self.chain = ChainStatus(True, "plan epoch 1: 3 stages ready")  # what the swarm says of its chain
         self.compute = ComputeThread()  # one for the three stages, as if they shared a process
+        self.posted: dict[str, list[list[tuple[str, str]]]] = {}  # per daemon: (peer, message tag) of each post_all
 
     async def start(self, nursery: trio.Nursery) -> MemorySwarm:
         info = ModelInfo("tiny", self.tiny.tokenizer, CONTEXT, self.tiny.tokenizer.vocab_size)
@@ -90,7 +91,7 @@ class MemorySwarm:
             hop = self.registry.hop_of(name)
             loaded = None if hop is None else Loaded(self.tiny.stages[hop], hop, self.registry)
             stage = StageActor(lambda loaded=loaded: loaded, compute=self.compute, max_context=CONTEXT, wire_dtype=None,
-                               idle_timeout=600)
+                               idle_timeout=600, post_all=self._recording(name, transport.post_all))
             head = HeadService(name, transport, chain=lambda: self.chain, registry=lambda: self.registry,
                                timings=timings, load_model=lambda: info)
             await nursery.start(stage.run)
@@ -98,6 +99,13 @@ class MemorySwarm:
             install_actor_routes(transport, stage, head, peer_id=name)
             self.heads[name], self.stages[name] = head, stage
         return self
+
+    def _recording(self, name: str, post_all):
+        async def post(sends) -> None:
+            self.posted.setdefault(name, []).append([(s.peer, s.msg.TAG) for s in sends])
+            await post_all(sends)
+
+        return post
 
     def request(self, prompt: str, max_tokens: int, **kw) -> HeadRequest:
         return HeadRequest(tuple(self.tiny.tokenizer.encode(prompt)), max_tokens, **kw)
@@ -148,6 +156,8 @@ async def test_concurrent_requests_each_equal_their_single_output_and_decode_as_
     for prompt in PROMPTS:
         assert results[prompt] == reference(tiny, prompt, 12)
     assert max(s.stats.largest_batch for s in swarm.stages.values()) == 2  # two decode steps in one forward
+    # and the batch's outputs leave together, for the next stage to read at once
+    assert [("s1", "forward")] * 2 in swarm.posted["s0"] and [("s2", "forward")] * 2 in swarm.posted["s1"]
 
 
 async def test_seeded_sampling_gives_the_tokens_of_swarmd_run_with_that_seed(swarm, tiny):

@@ -11,7 +11,16 @@ import trio.lowlevel
 import trio.testing
 
 from swarmd.errors import RemoteProtocolError
-from swarmd.transport import DeliveryFailed, Refused, Send, TransportConfig, TrioStream, read_frame
+from swarmd.transport import (
+    ByteStream,
+    DeliveryFailed,
+    Posted,
+    Refused,
+    Send,
+    TransportConfig,
+    TrioStream,
+    read_frame,
+)
 from swarmd.wire import Ack, Cancel, Error, ExpertBatch, Forward, Ping, Pong, Token, WireTensor, encode
 from swarmd.wire.codec import HEADER
 from swarmd.wire.expect import ExpectForward
@@ -442,3 +451,69 @@ async def test_the_handlers_a_read_started_begin_before_its_acks_are_written(net
     assert [(e.seq, type(e.msg)) for e in acks] == [(1, Ack), (2, Ack)]
     assert sorted(events[:2]) == ["handler 1 began", "handler 2 began"]  # in either order (trio's choice)
     assert events[2:] == ["ack written"]  # both acks in one write, after the handlers began
+
+
+class WriteCount:
+    """The sending end of a link, counting the writes the transport makes on it (`writes`: frames per write)."""
+
+    def __init__(self, stream: ByteStream, writes: list[int]) -> None:
+        self.stream, self.writes = stream, writes
+
+    async def read(self, max_bytes: int) -> bytes:
+        return await self.stream.read(max_bytes)
+
+    async def write(self, data: bytes) -> None:
+        self.writes.append(_frames_in(data))
+        await self.stream.write(data)
+
+    async def close(self) -> None:
+        await self.stream.close()
+
+
+def _frames_in(data: bytes) -> int:
+    n = 0
+    while data:
+        (size,) = HEADER.unpack(data[:HEADER.size])
+        data = data[HEADER.size + size:]
+        n += 1
+    return n
+
+
+async def test_messages_posted_together_leave_in_one_write_and_are_each_delivered_and_acked(net, autojump_clock):
+    writes: list[int] = []
+    net.wrap = lambda src, dst, stream: WriteCount(stream, writes) if src == "a" else stream
+    a, b = await net.add("a"), await net.add("b")
+    got = Recorder()
+    b.route(Forward, got)
+    await a.send("b", fwd(0))  # the link is up and idle now
+    await a.post_all([Send("b", fwd(1)), Send("b", fwd(2)), Send("b", fwd(3))])
+    assert writes == [1, 3]
+    await trio.sleep(1)
+    assert sorted(got.keys) == [fwd(step).key() for step in range(4)]
+    assert a.stats.sent == 4 and not a.link_state()["b"]["unacked"]
+
+
+async def test_a_result_the_handler_posted_itself_is_not_posted_again_but_is_replayed_to_a_duplicate(net, autojump_clock):
+    await net.add("a")
+    b, c = await net.add("b"), await net.add("c")
+    c_got = Recorder()
+    c.route(Token, c_got)
+    computed = []
+
+    async def posts_itself(peer, msg):
+        computed.append(msg.key())
+        sends = (Send("c", Token(msg.request_id, msg.step, 100 + msg.step)),)
+        await b.post_all(sends)
+        return Posted(sends)
+
+    b.route(Forward, posts_itself)
+    link = net.raw_link("a", "b")
+    await link.send(fwd(5), 1)
+    assert isinstance((await link.reply()).msg, Ack)
+    await trio.sleep(1)
+    assert c_got.got == [("b", Token("req", 5, 105))] and c.stats.duplicates == 0  # posted once
+    await link.send(fwd(5), 2)  # as if a's retry crossed the first ack
+    assert isinstance((await link.reply()).msg, Ack)
+    await trio.sleep(1)
+    assert computed == [fwd(5).key()] and b.stats.replays == 1  # computed once, its result sent again
+    assert c.stats.duplicates == 1 and len(c_got.got) == 1
