@@ -294,13 +294,18 @@ class StageActor:
             return self._outputs(job)
         if job.sends is None:
             # The first of the batch's handlers to run builds every job's outputs and posts them in one go: the
-            # frames for one peer leave in one write, and the next stage reads them at once, as one batch.
-            together: list[Send] = []
+            # frames for one peer leave in one write, and the next stage reads them at once, as one batch. The
+            # chain's inputs go first and apart from the head's copies: on a daemon that is both stage 0 and a
+            # head, the next step then starts before the head's work (a read takes one write's TLS record).
+            built: list[Send] = []
             for j in job.group or [job]:
                 if j.sends is None:
                     j.sends = as_sends(self._outputs(j))
-                    together += j.sends
-            await self._post_all(together)
+                    built += j.sends
+            chain = [s for s in built if _feeds_the_chain(s.msg)]
+            for part in (chain, [s for s in built if not _feeds_the_chain(s.msg)]):
+                if part:
+                    await self._post_all(part)
         return Posted(job.sends or ())
 
     def _outputs(self, job: Job) -> HandlerResult:
@@ -505,6 +510,11 @@ class StageActor:
                 for rid in self.book.expire(trio.current_time(), self.idle_timeout):
                     log.info("request %s idle for %.0f s: freed its KV cache", rid, self.idle_timeout)
                     self._free(self._model, rid)
+
+
+def _feeds_the_chain(msg: Any) -> bool:
+    """Whether `msg` is a stage's input (a `Forward`, or stage 0's copy of a token), not the head's."""
+    return isinstance(msg, Forward) or (isinstance(msg, Token) and msg.hop == 0)
 
 
 def _refusal(head: str, request_id: str, step: int, hop: int, e: StageRefusal) -> Send:

@@ -353,14 +353,13 @@ class ActorTransport:
         self._kick(link, pending)
 
     async def post_all(self, sends: Sequence[Send]) -> None:
-        """`post` each of `sends`, in order, then write each link's new frames together: one write, so the
-        receiver reads them at once (a stage's batch stays one batch at the next stage). A failure to queue
-        one goes to `on_undeliverable`, like a post's."""
+        """`post` each of `sends`, writing each link's new frames together: one write, so the receiver reads
+        them at once (a stage's batch stays one batch at the next stage). Messages to this daemon are handed
+        over after the writes. A failure to queue one goes to `on_undeliverable`, like a post's."""
         queued: list[tuple[_OutLink, Pending]] = []
         for out in sends:
             if out.peer == self.local_peer:
-                await self.post(out.peer, out.msg)
-                continue
+                continue  # after the writes: the other peers need not wait for this daemon's own handling
             try:
                 link, pending = await self._enqueue(out.peer, out.msg,
                                                     trio.current_time() + self.config.send_timeout)
@@ -373,6 +372,9 @@ class ActorTransport:
             await self._write_now(link)
         for link, pending in queued:
             self._kick(link, pending)
+        for out in sends:
+            if out.peer == self.local_peer:
+                await self.post(out.peer, out.msg)
 
     async def _deliver_locally(self, msg: Message) -> None:
         """A message to an actor of this daemon: the same checks, limits and de-duplication, no network."""
