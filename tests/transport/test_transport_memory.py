@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -418,17 +419,17 @@ async def test_a_message_to_this_daemon_is_handed_over_in_process_with_the_same_
         await a.send("a", Token("req", 0, 1))
 
 
-class WriteLog:
-    """The receiving end of a link, logging what the transport writes on it (its acks) into `events`."""
+class WriteTap:
+    """One end of a link, telling `on_write` of each write the transport makes on it."""
 
-    def __init__(self, stream: TrioStream, events: list[str]) -> None:
-        self.stream, self.events = stream, events
+    def __init__(self, stream: ByteStream, on_write: Callable[[bytes], None]) -> None:
+        self.stream, self.on_write = stream, on_write
 
     async def read(self, max_bytes: int) -> bytes:
         return await self.stream.read(max_bytes)
 
     async def write(self, data: bytes) -> None:
-        self.events.append("ack written")
+        self.on_write(data)
         await self.stream.write(data)
 
     async def close(self) -> None:
@@ -444,7 +445,7 @@ async def test_the_handlers_a_read_started_begin_before_its_acks_are_written(net
 
     b.route(Forward, handler)
     near, far = trio.testing.memory_stream_pair()
-    net.nursery.start_soon(b.serve, "a", WriteLog(TrioStream(far), events))
+    net.nursery.start_soon(b.serve, "a", WriteTap(TrioStream(far), lambda data: events.append("ack written")))
     sender = TrioStream(near)
     await sender.write(encode(fwd(1), 1) + encode(fwd(2), 2))  # one read, two frames
     acks = [await read_frame(sender, 1 << 20) for _ in range(2)]
@@ -453,24 +454,8 @@ async def test_the_handlers_a_read_started_begin_before_its_acks_are_written(net
     assert events[2:] == ["ack written"]  # both acks in one write, after the handlers began
 
 
-class WriteCount:
-    """The sending end of a link, counting the writes the transport makes on it (`writes`: frames per write)."""
-
-    def __init__(self, stream: ByteStream, writes: list[int]) -> None:
-        self.stream, self.writes = stream, writes
-
-    async def read(self, max_bytes: int) -> bytes:
-        return await self.stream.read(max_bytes)
-
-    async def write(self, data: bytes) -> None:
-        self.writes.append(_frames_in(data))
-        await self.stream.write(data)
-
-    async def close(self) -> None:
-        await self.stream.close()
-
-
 def _frames_in(data: bytes) -> int:
+    """How many frames one write carried."""
     n = 0
     while data:
         (size,) = HEADER.unpack(data[:HEADER.size])
@@ -481,7 +466,7 @@ def _frames_in(data: bytes) -> int:
 
 async def test_messages_posted_together_leave_in_one_write_and_are_each_delivered_and_acked(net, autojump_clock):
     writes: list[int] = []
-    net.wrap = lambda src, dst, stream: WriteCount(stream, writes) if src == "a" else stream
+    net.wrap = lambda src, dst, stream: WriteTap(stream, lambda data: writes.append(_frames_in(data)))
     a, b = await net.add("a"), await net.add("b")
     got = Recorder()
     b.route(Forward, got)
