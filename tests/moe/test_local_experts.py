@@ -21,7 +21,7 @@ from swarmd.compute import use_a_kernel_cache_connection_per_thread
 from swarmd.local_experts import LocalExperts, holds_every_selected
 from swarmd.moe_router import MoERouter
 from swarmd.spans import SpanRecorder
-from swarmd.stage import advance_here
+from swarmd.stage_batch import advance_here
 
 # compiles and runs tinygrad kernels (seconds on a cold kernel cache)
 pytestmark = pytest.mark.slow
