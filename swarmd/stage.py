@@ -7,8 +7,8 @@ stage 0 the `Token` the last stage sampled (the input of the next step), and `Ca
     handler: book.on_forward(msg) -> Work -> queue -> (worker) -> book.complete(work, output) -> Sends
 
 One worker task owns the model: it takes every job queued since its last run, frees the KV caches of finished
-requests and runs all the jobs in one `StageModel.forward` call on the compute thread (`swarmd.stage_batch`; decode steps of several
-requests become one batched forward). Two task switches are kept off every step's path: when the worker is idle and
+requests and runs all the jobs in one `StageModel.forward` call on the compute thread (`swarmd.stage_batch`;
+decode steps of several requests become one batched forward). Two task switches are kept off every step's path: when the worker is idle and
 the step has no one to wait for, the handler starts the batch on the compute thread itself (the worker then only
 sees it through, and not even that when it is done in one segment), and the compute thread's completion wakes the
 handlers directly. A stage of a MoE model whose experts live elsewhere runs its forward in segments
