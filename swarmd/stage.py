@@ -7,21 +7,20 @@ stage 0 the `Token` the last stage sampled (the input of the next step), and `Ca
     handler: book.on_forward(msg) -> Work -> queue -> (worker) -> book.complete(work, output) -> Sends
 
 One worker task owns the model: it takes every job queued since its last run, frees the KV caches of finished
-requests and runs all the jobs in one `StageModel.forward` call on the compute thread (`swarmd.stage_batch`;
-decode steps of several requests become one batched forward). Two task switches are kept off every step's path: when the worker is idle and
-the step has no one to wait for, the handler starts the batch on the compute thread itself (the worker then only
-sees it through, and not even that when it is done in one segment), and the compute thread's completion wakes the
-handlers directly. A stage of a MoE model whose experts live elsewhere runs its forward in segments
-(`StageModel.forward_steps`): between two segments the compute thread is free (this daemon's own experts may need
-it) while `experts` (the MoE router) asks the expert actors for the block's experts; a call whose every selected
-expert this daemon's own shard holds is answered on the compute thread without a segment break
+requests and runs all the jobs in one `StageModel.forward` call on the compute thread (`swarmd.stage_batch`; decode
+steps of several requests become one batched forward). Two task switches are kept off every step's path: when the
+worker is idle and the step has no one to wait for, the handler starts the batch on the compute thread itself (the
+worker then only sees it through, and not even that when it is done in one segment), and the compute thread's
+completion wakes the handlers directly. A stage of a MoE model whose experts live elsewhere runs its forward in
+segments (`StageModel.forward_steps`): between two segments the compute thread is free (this daemon's own experts
+may need it) while `experts` (the MoE router) asks the expert actors for the block's experts; a call whose every
+selected expert this daemon's own shard holds is answered on the compute thread without a segment break
 (`swarmd.local_experts`). A short decode step holding every request of the stage runs on the event loop's own
-thread instead of the compute thread (`_inlines`), which saves both hand-overs. While the model runs on the
-compute thread, new jobs queue up and form the next batch. When a batch is done, the first of its handlers to run
-builds every job's outputs and posts them together (`ActorTransport.post_all`: one write a peer, so the next stage
-reads the whole batch at once and runs it as one batch too); each handler returns its own to the transport, which
-caches them under the message's key: a repeated frame gets the same answer again and never touches the KV cache
-twice.
+thread instead of the compute thread (`_inlines`), which saves both hand-overs. While the model runs on the compute
+thread, new jobs queue up and form the next batch. When a batch is done, the first of its handlers to run builds
+every job's outputs and posts them together (`ActorTransport.post_all`: one write a peer, so the next stage reads
+the whole batch at once and runs it as one batch too); each handler returns its own to the transport, which caches
+them under the message's key: a repeated frame gets the same answer again and never touches the KV cache twice.
 """
 
 from __future__ import annotations
