@@ -81,7 +81,7 @@ class MemorySwarm:
         self.stages: dict[str, StageActor] = {}
         self.chain = ChainStatus(True, "plan epoch 1: 3 stages ready")  # what the swarm says of its chain
         self.compute = ComputeThread()  # one for the three stages, as if they shared a process
-        self.posted: dict[str, list[list[tuple[str, str]]]] = {}  # per daemon: (peer, message tag) of each post_all
+        self.posted: dict[str, list[list[tuple]]] = {}  # per daemon, each post_all: (peer, message tag, hop) of each
 
     async def start(self, nursery: trio.Nursery) -> MemorySwarm:
         info = ModelInfo("tiny", self.tiny.tokenizer, CONTEXT, self.tiny.tokenizer.vocab_size)
@@ -102,7 +102,7 @@ class MemorySwarm:
 
     def _recording(self, name: str, post_all):
         async def post(sends) -> None:
-            self.posted.setdefault(name, []).append([(s.peer, s.msg.TAG) for s in sends])
+            self.posted.setdefault(name, []).append([(s.peer, s.msg.TAG, getattr(s.msg, "hop", None)) for s in sends])
             await post_all(sends)
 
         return post
@@ -157,7 +157,9 @@ async def test_concurrent_requests_each_equal_their_single_output_and_decode_as_
         assert results[prompt] == reference(tiny, prompt, 12)
     assert max(s.stats.largest_batch for s in swarm.stages.values()) == 2  # two decode steps in one forward
     # and the batch's outputs leave together, for the next stage to read at once
-    assert [("s1", "forward")] * 2 in swarm.posted["s0"] and [("s2", "forward")] * 2 in swarm.posted["s1"]
+    assert [("s1", "forward", 1)] * 2 in swarm.posted["s0"] and [("s2", "forward", 2)] * 2 in swarm.posted["s1"]
+    assert [("s0", "token", 0)] * 2 in swarm.posted["s2"]  # the next step's inputs, to stage 0
+    assert all(len({hop for _, _, hop in sent}) == 1 for sent in swarm.posted["s2"])  # apart from the head's copies
 
 
 async def test_seeded_sampling_gives_the_tokens_of_swarmd_run_with_that_seed(swarm, tiny):
