@@ -143,7 +143,7 @@ class MoERouter:
             todo = _restrict(call, {x for p in failed for x in p.experts})
         span_end = self.recorder.clock() if traced and self.recorder is not None else 0.0
         self._record_call(call, time.perf_counter() - started, traced, span_start, span_end, messages=messages,
-                    nodes=len({p.peer for p, _ in answers}))
+                          nodes=len({p.peer for p, _ in answers}))
         return combine(call, answers)
 
     def record_local(self, answer: LocalAnswer, traced: Mapping[str, int]) -> None:
@@ -152,11 +152,11 @@ class MoERouter:
         stats = self.layers[answer.call.layer]
         stats.nodes_hit += 1
         stats.local += 1
-        self._record_call(answer.call, answer.end - answer.start, traced, answer.start, answer.end, messages=0, nodes=1,
-                    local=True)
+        self._record_call(answer.call, answer.end - answer.start, traced, answer.start, answer.end, messages=0,
+                          nodes=1, local=True)
 
     def _record_call(self, call: Any, took_s: float, traced: Mapping[str, int], span_start: float, span_end: float,
-               **span_args: Any) -> None:
+                     **span_args: Any) -> None:
         """A finished call in its layer's stats, and its `moe.fan_out` span for each traced request."""
         stats = self.layers[call.layer]
         stats.calls += 1

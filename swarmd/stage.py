@@ -154,8 +154,8 @@ class StageActor:
                  wire_dtype: str | None, idle_timeout: float,
                  experts: Callable[..., Awaitable[np.ndarray]] | None = None,
                  local_experts: LocalExperts | None = None,
-                 plan_epoch: Callable[[], int] | None = None, inline_step_s: float = 0.0,
-                 post_all: Callable[[Sequence[Send]], Awaitable[None]] | None = None) -> None:
+                 post_all: Callable[[Sequence[Send]], Awaitable[None]],
+                 plan_epoch: Callable[[], int] | None = None, inline_step_s: float = 0.0) -> None:
         self._current = current
         # the epoch of the plan this daemon has accepted (by default, that of the stage it runs)
         self._plan_epoch = plan_epoch or self._loaded_epoch
@@ -181,8 +181,7 @@ class StageActor:
         # when the compute thread is idle (`ComputeThread.run_inline`); 0: never.
         self.inline_step_s = inline_step_s
         self._decode_s: dict[int, float] = {}  # batch size -> the current model's last decode step of it, s
-        # The transport's `post_all`: a batch's outputs then leave together (else each handler returns its own).
-        self._post_all = post_all
+        self._post_all = post_all  # the transport's: a batch's outputs leave together
 
     def _loaded_epoch(self) -> int:
         loaded = self._current()
@@ -289,8 +288,6 @@ class StageActor:
             self._wake.set()
         if not job.done.is_set():
             await job.done.wait()
-        if self._post_all is None:
-            return self._outputs(job)
         if job.sends is None:
             # The first of the batch's handlers to run builds every job's outputs and posts them in one go: the
             # frames for one peer leave in one write, and the next stage reads them at once, as one batch. The
@@ -301,8 +298,11 @@ class StageActor:
                 if j.sends is None:
                     j.sends = as_sends(self._outputs(j))
                     built += j.sends
-            chain = [s for s in built if _feeds_the_chain(s.msg)]
-            for part in (chain, [s for s in built if not _feeds_the_chain(s.msg)]):
+            chain: list[Send] = []
+            heads: list[Send] = []
+            for s in built:
+                (chain if _feeds_the_chain(s.msg) else heads).append(s)
+            for part in (chain, heads):
                 if part:
                     await self._post_all(part)
         return Posted(job.sends or ())

@@ -14,8 +14,13 @@ from swarmd.stage import Batch, Job, StageActor
 from swarmd.stage_session import Work
 
 
+async def nothing_to_post(sends) -> None:
+    raise AssertionError("these tests run batches, not handlers: no output is posted")
+
+
 def idle_stage() -> StageActor:
-    stage = StageActor(lambda: None, compute=ComputeThread(), max_context=64, wire_dtype=None, idle_timeout=60)
+    stage = StageActor(lambda: None, compute=ComputeThread(), max_context=64, wire_dtype=None, idle_timeout=60,
+                       post_all=nothing_to_post)
     stage._idle = True  # as its worker is while it waits for work
     return stage
 
