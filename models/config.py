@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from models.errors import ModelError
-from models.gguf_meta import GGUFHeader
+from models.gguf.header import GGUFHeader
 from models.moe import MoEConfig
 
 GATING_FUNCS = {1: "softmax", 2: "sigmoid"}  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE

@@ -90,7 +90,7 @@ class Generation:
     """Iterate to generate; `stats` fills in as it goes and is complete when iteration ends."""
 
     model: WholeModel
-    tokenizer: Any  # models.tokenizer.Tokenizer
+    tokenizer: Any  # models.text.tokenizer.Tokenizer
     prompt_ids: Sequence[int]
     params: SamplingParams
     seed: int | None = None

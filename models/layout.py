@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from models.config import config_from_header
-from models.gguf_meta import GGUFHeader, read_header
+from models.gguf.header import GGUFHeader, read_header
 from planner.arch import ArchSpec, layout_from_arch
 from planner.layout import ModelLayout
 

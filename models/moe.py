@@ -13,7 +13,7 @@ weights under their GGUF names (`ffn_gate_inp`, `ffn_{gate,up,down}_exps`, `exp_
 * `ExpertShard`: the routed experts of some layers that one node holds, computing the gate-weighted
   sum of its experts for a batch of rows: every expert held runs on every row as one fused MLP whose
   intermediate neurons are scaled by the row's gate for their expert (0: not selected), through
-  `models.matvec` (jitted per layer and padded row count). Gathering each row's expert matrices
+  `models.kernels.matvec` (jitted per layer and padded row count). Gathering each row's expert matrices
   instead (tinygrad.llm's `ExpertWeights`) measured 30 ms per call on this CPU against ~1 ms.
 """
 
@@ -28,8 +28,8 @@ import numpy as np
 from tinygrad.llm.model import TransformerConfig
 
 from models.errors import ModelError
-from models.jit import HeldInputs, capturing_jit, read_back
-from models.matvec import matvec, tune_cpu_renderer
+from models.kernels.matvec import matvec, tune_cpu_renderer
+from models.tinygrad_ext.jit import HeldInputs, capturing_jit, read_back
 
 if TYPE_CHECKING:
     from tinygrad import Tensor, TinyJit
@@ -161,7 +161,7 @@ class ExpertShard:
             n, ffn, dim = gate.shape
             self.weights[layer] = (gate.reshape(n * ffn, dim).cat(up.reshape(n * ffn, dim)).contiguous().realize(),
                                    # one expert: a reshape of its buffer (a no-op permute would leave a
-                                   # wrapper around it, which models.matvec takes for a dequantising graph)
+                                   # wrapper around it, which models.kernels.matvec takes for a dequantising graph)
                                    down.reshape(dim, ffn).contiguous().realize() if n == 1 else
                                    down.permute(1, 0, 2).reshape(dim, n * ffn).contiguous().realize())
             local = np.full(config.num_experts, -1, np.int32)
@@ -173,9 +173,9 @@ class ExpertShard:
     @classmethod
     def random(cls, config: TransformerConfig, seed: int, experts: Mapping[int, Sequence[int]], *,
                dtype: str = "float16", device: str | None = None) -> ExpertShard:
-        """The experts of a seeded synthetic model (`models.synthetic`), the same weights a whole
+        """The experts of a seeded synthetic model (`models.catalog.synthetic`), the same weights a whole
         `StageModel.random` of that seed holds."""
-        from models.synthetic import random_expert_weights
+        from models.catalog.synthetic import random_expert_weights
 
         return cls(config, random_expert_weights(config, seed, experts, dtype), experts, device)
 
@@ -184,8 +184,8 @@ class ExpertShard:
                   device: str | None = None) -> ExpertShard:
         """Experts of a MoE GGUF, reading only the bytes of the experts held."""
         from models.config import config_from_header
-        from models.gguf_loader import load_expert_weights
-        from models.gguf_meta import read_header
+        from models.gguf.header import read_header
+        from models.gguf.loader import load_expert_weights
 
         header = read_header(path)
         config = config_from_header(header)

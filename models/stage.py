@@ -1,14 +1,14 @@
 """A pipeline stage: blocks [start, end) of a Llama model on tinygrad, with a KV cache per request.
 
 The weights live in tinygrad.llm's own `TransformerBlock`s under their GGUF names (`blk[i].attn_q`,
-`ffn_gate`, ...), loaded by `models.gguf_loader`; its RMSNorms are called as they are. What is
+`ffn_gate`, ...), loaded by `models.gguf.loader`; its RMSNorms are called as they are. What is
 written here is the step around them that tinygrad.llm's blocks cannot do: each request owns a slot
 of a per-layer KV pool, so requests at different positions share a stage, and decode steps of
 several requests run as one batch through one jitted step (one jit per padded batch size; slots and
 positions are bound symbolic variables, so nothing recompiles as positions move). Prefill runs in
 chunks with a symbolic start and token count, as `tinygrad.llm`'s `generate` does (the chunk's
 row count is fixed and padded). Projections go
-through `models.matvec` (fused Q/K/V and gate/up matrices, one pass each).
+through `models.kernels.matvec` (fused Q/K/V and gate/up matrices, one pass each).
 
 Mixture-of-experts blocks (`models.moe`) run their router and routed experts inside the same jitted
 graph when the stage holds the experts (`local_experts=True`). When the experts live elsewhere, the
@@ -19,7 +19,7 @@ before the next segment; each segment is jitted like the whole stage.
 
 `numerics` picks the arithmetic: "float" (float32 activations and KV cache over the weights as
 loaded), or "ggml": llama.cpp's CPU arithmetic over GGML-block weights (8-bit activations before each
-block-quantised product, float16 KV cache, query and softmax probabilities; `models.ggml_numerics`),
+block-quantised product, float16 KV cache, query and softmax probabilities; `models.kernels.ggml_numerics`),
 which follows llama.cpp's greedy tokens where float arithmetic leaves them at close calls.
 """
 
@@ -34,15 +34,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from models import ggml_numerics
+from models.catalog.synthetic import random_weights
 from models.errors import ModelError
-from models.gguf_loader import StageParts
-from models.jit import HeldInputs, capturing_jit, read_back
+from models.gguf.loader import StageParts
+from models.kernels import ggml_numerics
+from models.kernels.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_renderer
+from models.kernels.quant import BlockQuantized
 from models.kv_cache import KVCacheFull, KVPool, SlotTable
-from models.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_renderer
 from models.moe import ExpertCall, ExpertFn, block_config, is_moe_block, route, routed_experts, shared_experts
-from models.quant import BlockQuantized
-from models.synthetic import random_weights
+from models.tinygrad_ext.jit import HeldInputs, capturing_jit, read_back
 
 if TYPE_CHECKING:
     from tinygrad import Tensor, TinyJit
@@ -157,7 +157,7 @@ class StageModel:
         self.max_context, self.max_requests, self.prefill_chunk = max_context, max_requests, prefill_chunk
         self.on_gpu = on_gpu = self.device.split(":")[0] in GPU_DEVICES
         if self.device.split(":")[0] == "CUDA":
-            from models.cuda_graph import fix_symbolic_launch_dims
+            from models.tinygrad_ext.cuda_graph import fix_symbolic_launch_dims
 
             fix_symbolic_launch_dims()
         # decode attention over whole tiles of the cache (see _tiled_attention); on by default on GPUs
@@ -252,8 +252,8 @@ class StageModel:
         from tinygrad import Device
 
         from models.config import config_from_header
-        from models.gguf_loader import load_stage_weights
-        from models.gguf_meta import read_header
+        from models.gguf.header import read_header
+        from models.gguf.loader import load_stage_weights
 
         header = read_header(path)
         config = config_from_header(header, max_context)
@@ -349,7 +349,7 @@ class StageModel:
 
     def adopt_request(self, old_id: str, new_id: str, keep: int) -> None:
         """Carry `old_id`'s KV cache over to `new_id`, truncated to its first `keep` tokens: a moved request
-        whose blocks stay here computes only the positions after them (`swarmd.hop_local`)."""
+        whose blocks stay here computes only the positions after them (`swarmd.inference.head.hop_local`)."""
         self.slots.adopt(old_id, new_id, keep)
 
     def has_request(self, request_id: str) -> bool:

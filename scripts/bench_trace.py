@@ -56,9 +56,9 @@ def observer_cost_us(frames: int = 100_000, traced: bool = False) -> float:
     import numpy as np
     from prometheus_client import CollectorRegistry
 
-    from swarmd.hoptiming import HopTimer
-    from swarmd.pipeline_metrics import WireMetrics
-    from swarmd.spans import SpanRecorder, record_stage_step
+    from swarmd.observe.hop_timer import HopTimer
+    from swarmd.observe.pipeline_metrics import WireMetrics
+    from swarmd.observe.spans import SpanRecorder, record_stage_step
     from swarmd.wire.codec import WireTensor
     from swarmd.wire.messages import Forward
 
@@ -122,7 +122,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    from swarmd.trace_summary import breakdown
+    from swarmd.observe.trace_summary import breakdown
 
     say(f"starting {args.daemons} daemons")
     swarm = start_swarm(args.daemons, args.context, 8)

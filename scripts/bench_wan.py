@@ -87,7 +87,7 @@ class Emulator:
 
 def compute_ms(events: list[dict[str, Any]]) -> tuple[float, float]:
     """(sum over stages of the median decode compute, median time between tokens), ms, from a trace."""
-    from swarmd.trace_summary import breakdown
+    from swarmd.observe.trace_summary import breakdown
 
     b = breakdown(events)
     compute = sum(r.median_ms or 0.0 for r in b.rows if r.phase in ("stage.forward", "stage.sample"))

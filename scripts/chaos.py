@@ -204,7 +204,7 @@ def main() -> int:
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="swarmd-chaos-") as tmp:
         base = Path(tmp)
-        from swarmd.descriptor import BENCH_FILE, device_name, load_or_measure, resolve_device
+        from swarmd.daemon.descriptor import BENCH_FILE, device_name, load_or_measure, resolve_device
 
         device = resolve_device("auto")
         load_or_measure(base, device, device_name(device))

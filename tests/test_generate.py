@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from models.errors import ModelError
 from models.generate import StopText, generate
 from models.sampling import SamplingParams
-from models.tokenizer import Tokenizer
+from models.text.tokenizer import Tokenizer
 
 IM_END = 2
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from tiny_vocab import write_vocab_gguf
 
-from models import names
+from models.catalog import names
+from models.catalog.names import ModelSource, cached_models, register_model, resolve_model
+from models.catalog.store import SMOLLM2_135M
 from models.errors import ModelError
-from models.names import ModelSource, cached_models, register_model, resolve_model
-from models.store import SMOLLM2_135M
 
 MODEL_LAYER = "application/vnd.ollama.image.model"
 

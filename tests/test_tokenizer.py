@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from tiny_vocab import CORPUS, write_vocab_gguf
 
 from models.errors import ModelError
-from models.gguf_meta import read_header
-from models.tokenizer import GPT2_SPLIT, LLAMA3_SPLIT, QWEN2_SPLIT, Tokenizer
+from models.gguf.header import read_header
+from models.text.tokenizer import GPT2_SPLIT, LLAMA3_SPLIT, QWEN2_SPLIT, Tokenizer
 
 REFERENCE = Path(__file__).parent / "data" / "llamacpp-reference-smollm2.json"
 TRICKY = [

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import gguf
 
-from models.tokenizer import CONTROL, NORMAL, byte_decoder
+from models.text.tokenizer import CONTROL, NORMAL, byte_decoder
 
 CORPUS = (
     "The quick brown fox jumps over the lazy dog. It's 2024 and we've 12345 reasons; they'll see.\n"

@@ -176,10 +176,10 @@ def run(args: argparse.Namespace) -> int:
 
     config = build_config(args)
     setup_logging(config.log_level)
-    from swarmd.compute import collect_garbage_on_the_compute_thread
+    from swarmd.daemon.compute import collect_garbage_on_the_compute_thread
 
     collect_garbage_on_the_compute_thread()  # a finaliser run on tinygrad's own thread would hang the daemon
-    from swarmd.host import parse_multiaddr, split_peer_addr
+    from swarmd.net.libp2p_network import parse_multiaddr, split_peer_addr
 
     for addr in config.listen:
         parse_multiaddr(addr, "--listen")
@@ -187,8 +187,8 @@ def run(args: argparse.Namespace) -> int:
         split_peer_addr(addr, "--bootstrap")
     if config.plan is not None and config.bootstrap:
         raise UserError("--plan is for the daemon that founds the swarm (one started without --bootstrap)")
-    from swarmd.access import check_access
-    from swarmd.pipeline import run_pipeline
+    from swarmd.inference.pipeline import run_pipeline
+    from swarmd.net.access import check_access
 
     check_access(config)
     try:
@@ -201,7 +201,7 @@ async def serve(config, extensions: tuple = ()) -> int:
     """Run a daemon until a signal or `swarmd leave`; `extensions` go to `Node.add_extension`."""
     import trio
 
-    from swarmd.node import Node
+    from swarmd.daemon.node import Node
 
     node = Node(config)
     for ext in extensions:

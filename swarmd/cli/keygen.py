@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarmd.swarmkey import SwarmKey, write_swarm_key
+    from swarmd.net.swarm_key import SwarmKey, write_swarm_key
 
     key = SwarmKey.generate()
     write_swarm_key(args.out, key, overwrite=args.force)

@@ -6,7 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from swarmd.api_client import add_token_option, auth_headers, check_authorised
+from swarmd.cli.client import add_token_option, auth_headers, check_authorised
 from swarmd.errors import UserError
 
 ORDER = 30

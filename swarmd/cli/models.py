@@ -30,8 +30,8 @@ def list_models(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from models.names import cached_models, known_names
-    from models.store import cache_dir
+    from models.catalog.names import cached_models, known_names
+    from models.catalog.store import cache_dir
 
     console = Console()
     if not console.is_terminal:  # piped: whole paths on one line each, for scripts

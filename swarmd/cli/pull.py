@@ -22,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def pull(args: argparse.Namespace) -> int:
-    from models.names import resolve_model
+    from models.catalog.names import resolve_model
 
     source = resolve_model(args.name, fetch=True)
     print(f"{source.name}: {source.kind}, sha256 {source.digest}", file=sys.stderr, flush=True)

@@ -73,12 +73,12 @@ def _sampling_params(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from models.chat import ChatTemplate
+    from models.catalog.names import resolve_model
     from models.config import config_from_header
     from models.generate import check_prompt_fits, generate
-    from models.gguf_meta import read_header
-    from models.names import resolve_model
-    from models.tokenizer import Tokenizer
+    from models.gguf.header import read_header
+    from models.text.chat import ChatTemplate
+    from models.text.tokenizer import Tokenizer
 
     if (args.prompt is None) == (args.chat is None):
         raise UserError("give either a PROMPT to continue or --chat TEXT, exactly one of them")
@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = tokenizer.encode(text) if given else []
     check_prompt_fits(len(prompt_ids), config.max_context)
 
-    from models.program_cache import keep_compiled_programs_on_disk
     from models.stage import SERVING_NUMERICS, StageModel
+    from models.tinygrad_ext.program_cache import keep_compiled_programs_on_disk
 
     keep_compiled_programs_on_disk()
     _say(f"loading {source.name} ({source.path.stat().st_size / 2**20:.0f} MiB) ...")
@@ -107,9 +107,9 @@ def run(args: argparse.Namespace) -> int:
     model = StageModel.from_gguf(source.path, max_context=config.max_context, max_requests=1, numerics=SERVING_NUMERICS)
     _say(f"loaded in {time.perf_counter() - started:.1f} s; generating (a first run also compiles kernels)")
 
-    from swarmd.compute import collect_if_due
+    from swarmd.daemon.compute import collect_if_due
 
-    gc.disable()  # collected between tokens on this thread, never on tinygrad's worker (see swarmd.compute)
+    gc.disable()  # collected between tokens on this thread, never on tinygrad's worker (see swarmd.daemon.compute)
     generation = generate(model, tokenizer, prompt_ids, params)
     out = sys.stdout
     try:

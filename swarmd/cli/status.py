@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from swarmd.api_client import add_token_option, auth_headers, check_authorised
+from swarmd.cli.client import add_token_option, auth_headers, check_authorised
 from swarmd.errors import UserError
 
 ORDER = 20
@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def daemon_url(api: str | None, home: Path | None) -> str:
     """The API base URL: --api, else the URL the daemon wrote to its home."""
-    from swarmd.api import api_url, parse_api_address
+    from swarmd.api.app import api_url, parse_api_address
     from swarmd.config import default_home
 
     if api:
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
 # --- rendering ----------------------------------------------------------------------------------
 def _short(peer_id: str | None) -> str:
-    from swarmd.identity import short_id
+    from swarmd.net.identity import short_id
 
     return short_id(peer_id) if peer_id else "-"
 

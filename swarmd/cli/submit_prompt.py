@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from swarmd.api_client import add_token_option, auth_headers, check_authorised
+from swarmd.cli.client import add_token_option, auth_headers, check_authorised
 from swarmd.errors import UserError
 
 ORDER = 30
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     import httpx
 
     from swarmd.cli.status import daemon_url
-    from swarmd.trace import Tracer, write_trace
+    from swarmd.observe.chrome_trace import Tracer, write_trace
 
     body = request_body(args)
     url = daemon_url(args.api, args.home)

@@ -48,7 +48,7 @@ def summarize(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from swarmd.trace_summary import breakdown, render
+    from swarmd.observe.trace_summary import breakdown, render
 
     b = breakdown(load_events(args.file))
     if not b.rows:

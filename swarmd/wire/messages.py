@@ -270,7 +270,7 @@ class Sampling:
     logprobs: int = 0  # how many top alternatives to return with each token (0: none)
     max_tokens: int = 0  # the last stage stops after this many tokens (0: when the context is full)
     stop_ids: tuple[int, ...] = ()  # tokens that end the generation (end of sequence / turn)
-    trace: bool = False  # every node on the request's path records its spans (swarmd.spans)
+    trace: bool = False  # every node on the request's path records its spans (swarmd.observe.spans)
 
     def check(self) -> None:
         need(math.isfinite(self.temperature) and self.temperature >= 0, "sampling.temperature must be >= 0")
@@ -291,7 +291,7 @@ class Forward(Message):
     With `all_logits` (teacher forcing), `targets` are the next token of every row but the last (the prompt
     shifted by one): the last stage sends their log-probs to the head in a `Logprobs` message.
     A moved request's first Forward may name the attempt it continues (`resume_of`): a stage still holding
-    that attempt's KV cache keeps it and computes only the positions it lacks (`swarmd.hop_local`).
+    that attempt's KV cache keeps it and computes only the positions it lacks (`swarmd.inference.head.hop_local`).
     """
 
     request_id: str
@@ -500,7 +500,7 @@ class TraceQuery(Message):
 @wire("trace_spans")
 @dataclass(frozen=True, slots=True)
 class TraceSpans(Message):
-    """A node's spans of a request (CBOR, `swarmd.spans.encode_spans`), on its clock; `received` and `answered`
+    """A node's spans of a request (CBOR, `swarmd.observe.spans.encode_spans`), on its clock; `received` and `answered`
     are its clock when the query came in and when this answer left (one more NTP-style clock sample)."""
 
     request_id: str

@@ -10,8 +10,8 @@ import multiaddr
 import numpy as np
 import trio
 
-from swarmd.p2plinks import Libp2pStream, Plane, start_actor_transport
-from swarmd.transport import PROTOCOL, read_frame
+from swarmd.transport.links import Libp2pStream, Plane, start_actor_transport
+from swarmd.transport.transport import PROTOCOL, read_frame
 from swarmd.wire import Forward, Hello, WireTensor, encode
 from swarmd.wire.messages import Cancel, Error, Sampling, Token
 from tests.pipeline.daemon_swarm import DaemonSwarm

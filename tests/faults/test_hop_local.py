@@ -1,5 +1,5 @@
 """The hop-local KV rebuild without a network or a model: which stages keep a moved request's KV cache, what
-each computes, and which rows it sends on (sans-IO: `swarmd.hop_local`, `StageBook`); and what a real head
+each computes, and which rows it sends on (sans-IO: `swarmd.inference.head.hop_local`, `StageBook`); and what a real head
 sends when it moves a request (actor transports over in-memory streams, stages that only record)."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import pytest
 import trio
 import trio.testing
 
-from models.tokenizer import Tokenizer
+from models.text.tokenizer import Tokenizer
 from swarmd.config import Timings
-from swarmd.head import HeadRequest, HeadService, ModelInfo
-from swarmd.hop_local import SentRows, keep_positions, plan_move
-from swarmd.recovery import replay_forward
-from swarmd.registry import ChainStatus, Registry
-from swarmd.stage_session import Sampled, StageBook, Work
+from swarmd.inference.head.hop_local import SentRows, keep_positions, plan_move
+from swarmd.inference.head.recovery import replay_forward
+from swarmd.inference.head.service import HeadRequest, HeadService, ModelInfo
+from swarmd.inference.registry import ChainStatus, Registry
+from swarmd.inference.stage.book import Sampled, StageBook, Work
 from swarmd.wire import Cancel, Error, Forward, Sampling, Token
 from tests.tiny_vocab import write_vocab_gguf
 from tests.transport.memnet import MemoryNet

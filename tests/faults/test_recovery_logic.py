@@ -1,6 +1,6 @@
 """Moving a request to a new chain, without a network: what the head replays, how stages take it, and what a
-stage forgets when a request's head is gone (sans-IO: `swarmd.recovery`, `StageBook`); and how soon a killed
-stage is declared dead and re-planned (`swarmd.membership`, `swarmd.planning`)."""
+stage forgets when a request's head is gone (sans-IO: `swarmd.inference.head.recovery`, `StageBook`); and how soon a killed
+stage is declared dead and re-planned (`swarmd.swarm.membership`, `swarmd.swarm.planning`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import numpy as np
 
 from planner.plan import ModelRef, Plan, Stage
 from swarmd.config import LAN
-from swarmd.membership import (
+from swarmd.inference.head.recovery import Recovery, attempt_id, chain_changed, replay_forward
+from swarmd.inference.registry import Registry
+from swarmd.inference.stage.book import Sampled, StageBook
+from swarmd.swarm.membership import (
     REFUSALS_TO_DIE,
     ConnectionLost,
     HeartbeatReceived,
@@ -17,10 +20,7 @@ from swarmd.membership import (
     State,
     StateChanged,
 )
-from swarmd.planning import Candidates, Leadership, MakePlan, PlanCoordinator, PlanMade, plan_broken
-from swarmd.recovery import Recovery, attempt_id, chain_changed, replay_forward
-from swarmd.registry import Registry
-from swarmd.stage_session import Sampled, StageBook
+from swarmd.swarm.planning import Candidates, Leadership, MakePlan, PlanCoordinator, PlanMade, plan_broken
 from swarmd.wire import Forward, Sampling, Token, WireTensor
 from tests.swarm.swarm_helpers import descriptor, heartbeat, peer
 
@@ -84,7 +84,7 @@ def test_a_recovery_reports_its_parts_in_seconds():
 
 
 def test_the_chain_status_names_the_peers_gone_so_heads_know_which_requests_to_move():
-    from swarmd.registry import chain_status
+    from swarmd.inference.registry import chain_status
 
     plan = {"epoch": 2, "stages": [{"peer_id": "A", "layers": [0, 15]}, {"peer_id": "B", "layers": [15, 30]}]}
     ready = {"state": "ready", "layers": [0, 15]}

@@ -7,7 +7,7 @@ import time
 import pytest
 import trio
 
-from swarmd.linkemu import Link, LinkConfig
+from swarmd.testing.linkemu import Link, LinkConfig
 
 
 async def echo_server(nursery: trio.Nursery) -> int:

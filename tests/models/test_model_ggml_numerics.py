@@ -2,7 +2,7 @@
 
 The expected values are written here in numpy from ggml's definitions (quantize_row_q8_1 and
 ggml_vec_dot_q4_1_q8_1 / q8_0_q8_0 on the raw block bytes: integer dot products per block, scaled by
-the float16 scales, Q8_1's float16 block sum times Q4_1's offset), independently of models/quant.py.
+the float16 scales, Q8_1's float16 block sum times Q4_1's offset), independently of models/kernels/quant.py.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models import ggml_numerics
-from models.quant import from_ggml_blocks
+from models.kernels import ggml_numerics
+from models.kernels.quant import from_ggml_blocks
 
 pytestmark = pytest.mark.slow
 

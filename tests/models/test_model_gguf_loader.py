@@ -8,8 +8,8 @@ from tiny_gguf import tiny_weights, write_gguf
 
 from models.config import config_from_header
 from models.errors import ModelError
-from models.gguf_loader import interleaved_to_half_split, load_stage_weights, read_tensor, stage_tensor_names
-from models.gguf_meta import read_header
+from models.gguf.header import read_header
+from models.gguf.loader import interleaved_to_half_split, load_stage_weights, read_tensor, stage_tensor_names
 from models.layout import layout_from_gguf
 from tests.models.conftest import TINY_QUANT
 
@@ -86,7 +86,7 @@ def test_quantised_tensors_dequantise_like_gguf_py(tiny_gguf, name):
 
 
 def test_block_weights_dequantise_in_the_kernel_to_ggmls_values(tiny_gguf):
-    from models.quant import BlockQuantized
+    from models.kernels.quant import BlockQuantized
 
     header = read_header(tiny_gguf)
     loaded = load_stage_weights(header, config_from_header(header), 1, 4, dtype="quantized")

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from models.config import config_from_arch
-from models.cuda_graph import add_kernel_node_with_nonzero_dims
 from models.errors import ModelError
 from models.stage import StageInput, StageModel
+from models.tinygrad_ext.cuda_graph import add_kernel_node_with_nonzero_dims
 from planner.arch import BUILTIN_ARCHS, ArchSpec
-from swarmd.descriptor import smi_id
+from swarmd.daemon.descriptor import smi_id
 
 TINY = ArchSpec("tiny", n_blocks=2, hidden=128, ffn=256, n_heads=4, n_kv_heads=2, head_dim=32, vocab=500)
 

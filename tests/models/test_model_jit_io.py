@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from tinygrad import Tensor
 
-from models.jit import HeldInputs, read_back
+from models.tinygrad_ext.jit import HeldInputs, read_back
 
 
 def test_held_inputs_are_refilled_in_place_and_each_slot_has_its_own_buffer():

@@ -1,4 +1,4 @@
-"""Kernel programs built by one process are found by the next in tinygrad's disk cache (models.program_cache)."""
+"""Kernel programs built by one process are found by the next in tinygrad's disk cache (models.tinygrad_ext.program_cache)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import json
 import tinygrad.codegen as codegen
-from models.program_cache import keep_compiled_programs_on_disk
+from models.tinygrad_ext.program_cache import keep_compiled_programs_on_disk
 
 keep_compiled_programs_on_disk()
 built = []

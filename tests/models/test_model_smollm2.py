@@ -4,7 +4,7 @@ Float arithmetic is checked against the float32 numpy reference: float16 weights
 by at most 0.065 against it (rms 0.005-0.007), so logits must agree within 0.1.
 
 Against llama.cpp the bar is the issue's: what `swarmd run` computes with (ggml numerics, see
-models/ggml_numerics.py) gives llama.cpp's greedy tokens up to its first near-tie (a step where
+models/kernels/ggml_numerics.py) gives llama.cpp's greedy tokens up to its first near-tie (a step where
 llama.cpp's top-1/top-2 gap is under 0.2), for every recorded prompt: the five of
 tests/data/llamacpp-reference-smollm2.json and the ten of llamacpp-reference-smollm2-extra.json
 (scripts/make_llamacpp_reference.py). Float arithmetic leaves llama.cpp at a 0.33 gap on "The
@@ -54,7 +54,7 @@ def numpy_weights(smollm2_gguf):
 
 @pytest.mark.parametrize("reference", [REFERENCE, EXTRA], ids=["reference", "extra"])
 def test_the_reference_files_are_for_this_gguf(reference):
-    from models.store import SMOLLM2_135M
+    from models.catalog.store import SMOLLM2_135M
 
     assert reference["model_sha256"] == SMOLLM2_135M.sha256
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from models.catalog.names import resolve_model
 from models.layout import layout_from_gguf
 from models.moe import ExpertCall, ExpertShard
-from models.names import resolve_model
 from models.stage import StageInput, StageModel
 
 # loads two blocks of SmolLM2 twice and compiles their kernels

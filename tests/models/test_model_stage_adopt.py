@@ -1,5 +1,5 @@
 """A moved request's stage that keeps its KV cache and computes only the positions it lacks gives what a full
-prefill of the whole history gives (the hop-local rebuild, `swarmd.hop_local`), on a seeded model in two
+prefill of the whole history gives (the hop-local rebuild, `swarmd.inference.head.hop_local`), on a seeded model in two
 stages: the first takes token ids, the second the first's rows."""
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from tinygrad.llm.model import TransformerConfig
 
-from models import gguf_loader
-from models.gguf_loader import StageParts
+from models.gguf import loader as gguf_loader
+from models.gguf.loader import StageParts
 from models.stage import StageInput, StageModel
 
 # compiles and runs tinygrad kernels (seconds on a cold kernel cache)

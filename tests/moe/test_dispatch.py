@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from models.moe import ExpertCall
-from swarmd.moe_dispatch import (
+from swarmd.inference.moe.dispatch import (
     ReplicaChooser,
     combine,
     give_up_reason,

@@ -17,11 +17,11 @@ from tiny_gguf import TinyMoE, TinySpec, tiny_moe_weights, write_moe_gguf
 
 from models.moe import ExpertCall, ExpertShard
 from models.stage import StageInput, StageModel
-from swarmd.compute import use_a_kernel_cache_connection_per_thread
-from swarmd.local_experts import LocalExperts, holds_every_selected
-from swarmd.moe_router import MoERouter
-from swarmd.spans import SpanRecorder
-from swarmd.stage_batch import advance_here
+from swarmd.daemon.compute import use_a_kernel_cache_connection_per_thread
+from swarmd.inference.moe.local import LocalExperts, holds_every_selected
+from swarmd.inference.moe.router import MoERouter
+from swarmd.inference.stage.batch import advance_here
+from swarmd.observe.spans import SpanRecorder
 
 # compiles and runs tinygrad kernels (seconds on a cold kernel cache)
 pytestmark = pytest.mark.slow

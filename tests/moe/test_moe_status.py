@@ -7,7 +7,7 @@ from rich.console import Console
 
 from planner.layout import BlockLayout, ModelLayout, MoESpec
 from swarmd.cli.status import experts_table
-from swarmd.node import coverage
+from swarmd.daemon.node import coverage
 
 MOE = MoESpec(n_experts=3, top_k=2, bytes_per_expert=1, flops_per_expert_token=1)
 LAYOUT = ModelLayout("m", "f16", (BlockLayout(1, 1, 1, 1), BlockLayout(1, 1, 1, 1, moe=MOE),

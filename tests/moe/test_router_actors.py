@@ -19,11 +19,11 @@ from memnet import MemoryNet
 from tiny_gguf import TinyMoE, TinySpec, tiny_moe_weights, write_moe_gguf
 
 from models.moe import ExpertCall, ExpertShard
-from swarmd.compute import ComputeThread, use_a_kernel_cache_connection_per_thread
-from swarmd.expert import ExpertActor
-from swarmd.moe_router import ExpertsUnavailable, MoERouter
-from swarmd.spans import SpanRecorder
-from swarmd.transport import TransportConfig
+from swarmd.daemon.compute import ComputeThread, use_a_kernel_cache_connection_per_thread
+from swarmd.inference.moe.expert import ExpertActor
+from swarmd.inference.moe.router import ExpertsUnavailable, MoERouter
+from swarmd.observe.spans import SpanRecorder
+from swarmd.transport.transport import TransportConfig
 from swarmd.wire.messages import Error, ExpertBatch, ExpertResult
 
 SPEC = TinySpec(n_blocks=2)

@@ -11,14 +11,14 @@ import pytest
 def kernel_cache_per_thread() -> None:
     """Tests run tinygrad on their own thread and stages on a compute thread: each gets its own connection
     to tinygrad's kernel cache (as a daemon's compute thread does)."""
-    from swarmd.compute import use_a_kernel_cache_connection_per_thread
+    from swarmd.daemon.compute import use_a_kernel_cache_connection_per_thread
 
     use_a_kernel_cache_connection_per_thread()
 
 
 @pytest.fixture(scope="session")
 def bench_file(tmp_path_factory) -> Path:
-    from swarmd.descriptor import BENCH_FILE, device_name, load_or_measure, resolve_device
+    from swarmd.daemon.descriptor import BENCH_FILE, device_name, load_or_measure, resolve_device
 
     home = tmp_path_factory.mktemp("bench")
     device = resolve_device("auto")

@@ -31,7 +31,7 @@ def even_plan(peers: list[str], model: str = "smollm2-135m", n_blocks: int = N_B
 class DaemonSwarm:
     def __init__(self, base: Path, bench_file: Path, n: int, *, extra: tuple[str, ...] = (),
                  model: str | None = None, n_blocks: int = N_BLOCKS) -> None:
-        from swarmd.identity import load_or_create_identity, peer_id_of
+        from swarmd.net.identity import load_or_create_identity, peer_id_of
 
         self.base = base
         self.daemons: list[Daemon] = []

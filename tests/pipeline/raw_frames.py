@@ -7,8 +7,8 @@ import multiaddr
 import numpy as np
 import trio
 
-from swarmd.p2plinks import Libp2pStream
-from swarmd.transport import PROTOCOL, read_frame
+from swarmd.transport.links import Libp2pStream
+from swarmd.transport.transport import PROTOCOL, read_frame
 from swarmd.wire import Forward, Hello, WireTensor, encode
 from swarmd.wire.codec import HEADER
 

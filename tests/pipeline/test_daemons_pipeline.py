@@ -45,11 +45,11 @@ class Reference:
 
 @pytest.fixture(scope="module")
 def ref(smollm2_gguf) -> Reference:
-    from models.chat import ChatTemplate
     from models.generate import generate
     from models.sampling import SamplingParams
     from models.stage import SERVING_NUMERICS, StageInput, StageModel
-    from models.tokenizer import Tokenizer
+    from models.text.chat import ChatTemplate
+    from models.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(smollm2_gguf)
     chat_text = ChatTemplate.for_tokenizer(tok).render([{"role": "user", "content": CHAT}])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.tokenizer import Tokenizer
-from swarmd.head_session import Failed, Finished, HeadSession, PromptScores, TokenOut
+from models.text.tokenizer import Tokenizer
+from swarmd.inference.head.session import Failed, Finished, HeadSession, PromptScores, TokenOut
 from swarmd.wire import Error, Logprobs, Token, WireTensor
 
 IM_END = 2  # SmolLM2's end of turn

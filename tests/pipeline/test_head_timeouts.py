@@ -11,12 +11,12 @@ import re
 import pytest
 import trio
 
-from models.tokenizer import Tokenizer
+from models.text.tokenizer import Tokenizer
 from swarmd.config import Timings
-from swarmd.head import HeadRequest, HeadService, ModelInfo
-from swarmd.head_session import Failed
-from swarmd.identity import short_id
-from swarmd.registry import ChainStatus, Registry
+from swarmd.inference.head.service import HeadRequest, HeadService, ModelInfo
+from swarmd.inference.head.session import Failed
+from swarmd.inference.registry import ChainStatus, Registry
+from swarmd.net.identity import short_id
 from swarmd.wire.messages import Forward
 from tests.tiny_vocab import write_vocab_gguf
 from tests.transport.memnet import MemoryNet

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from models.tokenizer import Tokenizer
-from swarmd.head_session import PromptScores, TokenOut
-from swarmd.openai_format import ApiError, LegacyLogprobs, chat_logprob_entry, parse_chat, parse_completion
+from models.text.tokenizer import Tokenizer
+from swarmd.api.openai_format import (
+    ApiError,
+    LegacyLogprobs,
+    chat_logprob_entry,
+    parse_chat,
+    parse_completion,
+)
+from swarmd.inference.head.session import PromptScores, TokenOut
 
 MODEL = "smollm2-135m"
 

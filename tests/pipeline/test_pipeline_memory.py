@@ -16,14 +16,14 @@ import trio
 from models.generate import generate
 from models.sampling import SamplingParams
 from models.stage import StageInput, StageModel
-from models.tokenizer import Tokenizer
-from swarmd.compute import ComputeThread
+from models.text.tokenizer import Tokenizer
 from swarmd.config import Timings
-from swarmd.head import HeadError, HeadRequest, HeadService, ModelInfo
-from swarmd.head_session import Failed, Finished, PromptScores, TokenOut
-from swarmd.pipeline import install_actor_routes
-from swarmd.registry import ChainStatus, Registry
-from swarmd.stage import Loaded, StageActor
+from swarmd.daemon.compute import ComputeThread
+from swarmd.inference.head.service import HeadError, HeadRequest, HeadService, ModelInfo
+from swarmd.inference.head.session import Failed, Finished, PromptScores, TokenOut
+from swarmd.inference.pipeline import install_actor_routes
+from swarmd.inference.registry import ChainStatus, Registry
+from swarmd.inference.stage.actor import Loaded, StageActor
 from tests.tiny_vocab import write_vocab_gguf
 from tests.transport.memnet import MemoryNet
 

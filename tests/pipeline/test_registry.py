@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from planner.plan import ModelRef, Plan, Stage
-from swarmd.registry import EMPTY, Registry, chain_status
+from swarmd.inference.registry import EMPTY, Registry, chain_status
 
 PLAN = Plan(7, ModelRef("m"), (Stage("A", (0, 10), ("stage-0",)), Stage("B", (10, 20), ("stage-1", "moe-router-12")),
                                Stage("C", (20, 30))))

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from models.catalog.seeded import SeededModel, parse_seeded_name
 from models.errors import ModelError
-from models.seeded import SeededModel, parse_seeded_name
 from planner.arch import ArchSpec
 
 
@@ -30,7 +30,7 @@ def test_bad_seeded_names_say_what_would_do():
 
 
 def test_the_byte_level_vocabulary_encodes_any_text_and_ends_with_end_of_text():
-    from models.tokenizer import Tokenizer
+    from models.text.tokenizer import Tokenizer
 
     arch = ArchSpec("small", n_blocks=1, hidden=8, ffn=16, n_heads=2, n_kv_heads=1, head_dim=4, vocab=600)
     kv = SeededModel(arch, 0).tokenizer_kv()

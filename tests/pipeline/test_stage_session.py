@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from swarmd.stage_session import Sampled, StageBook, StageRefusal, finish_reason
+from swarmd.inference.stage.book import Sampled, StageBook, StageRefusal, finish_reason
 from swarmd.wire import Error, Forward, Logprobs, Sampling, Token, WireTensor
 
 HIDDEN, VOCAB = 8, 100

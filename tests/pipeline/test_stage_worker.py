@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import numpy as np
 import trio
 
-from swarmd.compute import ComputeThread
-from swarmd.stage import Batch, Job, StageActor
-from swarmd.stage_session import Work
+from swarmd.daemon.compute import ComputeThread
+from swarmd.inference.stage.actor import Batch, Job, StageActor
+from swarmd.inference.stage.book import Work
 
 
 async def nothing_to_post(sends) -> None:

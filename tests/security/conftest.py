@@ -16,7 +16,7 @@ def tiny_model_file(tmp_path_factory):
 @pytest.fixture(scope="session")
 def measured_bench(tmp_path_factory):
     """The device micro-benchmark, measured once; each daemon gets a copy instead of measuring again."""
-    from swarmd.descriptor import BENCH_FILE, device_name, load_or_measure, resolve_device
+    from swarmd.daemon.descriptor import BENCH_FILE, device_name, load_or_measure, resolve_device
 
     home = tmp_path_factory.mktemp("bench")
     device = resolve_device("auto")

@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import trio.lowlevel
 
-from swarmd.gossip import Heartbeat, encode
-from swarmd.identity import Signer
-from swarmd.swarm import PROBE_PROTOCOL, gossip_topic
-from swarmd.swarmkey import load_swarm_key
+from swarmd.net.identity import Signer
+from swarmd.net.swarm_key import load_swarm_key
+from swarmd.swarm.service import PROBE_PROTOCOL, gossip_topic
+from swarmd.wire.gossip import Heartbeat, encode
 from tests.swarm.swarm_helpers import descriptor
 
 LEN = struct.Struct(">I")

@@ -13,12 +13,12 @@ import trio
 
 from planner import BUILTIN_ARCHS, layout_from_arch, make_plan
 from swarmd.config import LAN
-from swarmd.host import Libp2pNetwork
-from swarmd.identity import Signer, load_or_create_identity
-from swarmd.peergate import GuardLimits
-from swarmd.planning import MakePlan
-from swarmd.swarm import SwarmService, SwarmSettings
-from swarmd.swarmkey import SwarmKey
+from swarmd.net.gate import GuardLimits
+from swarmd.net.identity import Signer, load_or_create_identity
+from swarmd.net.libp2p_network import Libp2pNetwork
+from swarmd.net.swarm_key import SwarmKey
+from swarmd.swarm.planning import MakePlan
+from swarmd.swarm.service import SwarmService, SwarmSettings
 from swarmd.wire import Forward, WireTensor
 from tests.swarm.swarm_helpers import descriptor
 

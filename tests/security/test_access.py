@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from swarmd.access import load_access
 from swarmd.cli.main import main
 from swarmd.cli.status import render
 from swarmd.config import DaemonConfig
 from swarmd.errors import UserError
-from swarmd.swarmkey import SwarmKey, write_swarm_key
+from swarmd.net.access import load_access
+from swarmd.net.swarm_key import SwarmKey, write_swarm_key
 from tests.swarm.swarm_helpers import peer
 
 
@@ -57,7 +57,7 @@ def test_status_shows_a_private_swarm_its_allowlist_and_the_penalty_box(tmp_path
 
 @pytest.mark.parametrize("listen", ["/ip4/127.0.0.1/udp/0/quic-v1", "/ip4/127.0.0.1/tcp/0/ws"])
 def test_a_private_swarm_listens_on_tcp_only(listen):
-    from swarmd.host import Libp2pNetwork
+    from swarmd.net.libp2p_network import Libp2pNetwork
     from tests.swarm.swarm_helpers import key
 
     with pytest.raises(UserError, match="TCP only"):

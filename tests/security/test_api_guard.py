@@ -9,9 +9,9 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from swarmd.access import check_api_binding
-from swarmd.api import Api
+from swarmd.api.app import Api
 from swarmd.errors import UserError
+from swarmd.net.access import check_api_binding
 
 TOKEN = "s3cret-token-0123456789"
 

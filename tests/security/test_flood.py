@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from swarmd.p2plinks import Plane, start_actor_transport
-from swarmd.swarmkey import SwarmKey, write_swarm_key
+from swarmd.net.swarm_key import SwarmKey, write_swarm_key
+from swarmd.transport.links import Plane, start_actor_transport
 from swarmd.wire import Forward
 from tests.security.helpers import SWARM, TIMINGS, eventually, forward, start_member
 

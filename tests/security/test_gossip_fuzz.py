@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 
 from planner import make_plan
 from swarmd.config import LAN
-from swarmd.gossip import Leave, PlanAnnouncement, _signed_part, encode
-from swarmd.identity import Signer, peer_id_of
-from swarmd.memnet import MemoryHub
-from swarmd.netseam import GossipMessage
-from swarmd.peergate import GuardLimits
-from swarmd.swarm import SwarmService, SwarmSettings
+from swarmd.net.gate import GuardLimits
+from swarmd.net.identity import Signer, peer_id_of
+from swarmd.net.seam import GossipMessage
+from swarmd.swarm.service import SwarmService, SwarmSettings
+from swarmd.testing.memory_network import MemoryHub
+from swarmd.wire.gossip import Leave, PlanAnnouncement, _signed_part, encode
 from tests.security.helpers import LAYOUT, planner
 from tests.swarm.swarm_helpers import descriptor, heartbeat, key
 from tests.wire.wire_examples import mutate

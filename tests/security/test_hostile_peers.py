@@ -12,11 +12,11 @@ import multiaddr
 import pytest
 import trio
 
-from swarmd.netseam import read_frame, write_frame
-from swarmd.p2plinks import Plane, start_actor_transport
-from swarmd.peergate import GuardLimits
-from swarmd.swarm import PROBE_PROTOCOL
-from swarmd.swarmkey import SwarmKey
+from swarmd.net.gate import GuardLimits
+from swarmd.net.seam import read_frame, write_frame
+from swarmd.net.swarm_key import SwarmKey
+from swarmd.swarm.service import PROBE_PROTOCOL
+from swarmd.transport.links import Plane, start_actor_transport
 from swarmd.wire import Forward, Hello, encode
 from tests.security.helpers import eventually, forward, start_member
 from tests.wire.wire_examples import VALID_BODIES, mutate

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from swarmd.peergate import GuardLimits, PeerGate
+from swarmd.net.gate import GuardLimits, PeerGate
 
 LIMITS = GuardLimits(bad_frames=3, bad_frames_window=10.0, penalty=30.0, flood_drops=5, flood_window=1.0)
 

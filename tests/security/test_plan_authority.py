@@ -11,12 +11,12 @@ import trio
 
 from planner.plan import Plan
 from swarmd.config import LAN
-from swarmd.gossip import PlanAnnouncement, encode
-from swarmd.identity import Signer, peer_id_of
-from swarmd.memnet import MemoryHub
-from swarmd.metrics import NodeMetrics
-from swarmd.netseam import GossipMessage
-from swarmd.swarm import SwarmService, SwarmSettings
+from swarmd.net.identity import Signer, peer_id_of
+from swarmd.net.seam import GossipMessage
+from swarmd.observe.metrics import NodeMetrics
+from swarmd.swarm.service import SwarmService, SwarmSettings
+from swarmd.testing.memory_network import MemoryHub
+from swarmd.wire.gossip import PlanAnnouncement, encode
 from tests.security.helpers import planner
 from tests.swarm.swarm_helpers import descriptor, key
 
@@ -46,7 +46,7 @@ def with_plan(plan: Plan, **changes) -> Plan:
 
 
 async def test_only_the_current_leaders_newer_plans_are_accepted(nursery, autojump_clock, caplog):
-    caplog.set_level(logging.INFO, "swarmd.swarm")
+    caplog.set_level(logging.INFO, "swarmd.swarm.service")
     hub = await nursery.start(MemoryHub().run)
     leader = await start(nursery, hub, 1)
     member = await start(nursery, hub, 2, bootstrap=leader.peer_id)

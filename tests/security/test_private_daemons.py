@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from swarmd.swarmkey import SwarmKey, write_swarm_key
+from swarmd.net.swarm_key import SwarmKey, write_swarm_key
 from tests.swarm.daemons import wait_until
 
 pytestmark = pytest.mark.slow  # three daemons: about 25 s
@@ -45,7 +45,7 @@ def test_a_daemon_without_the_swarm_key_cannot_join_a_private_swarm(private_daem
 
 
 def founder_fingerprint(path) -> str:
-    from swarmd.swarmkey import load_swarm_key
+    from swarmd.net.swarm_key import load_swarm_key
 
     return load_swarm_key(path).fingerprint
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import trio
 
-from swarmd.dataplane import DataPlane
-from swarmd.netseam import PeerUnreachable
-from swarmd.p2plinks import Plane, start_actor_transport
-from swarmd.swarmkey import SwarmKey
-from swarmd.transport import DeliveryFailed
+from swarmd.net.seam import PeerUnreachable
+from swarmd.net.swarm_key import SwarmKey
+from swarmd.net.tls_plane import DataPlane
+from swarmd.transport.links import Plane, start_actor_transport
+from swarmd.transport.transport import DeliveryFailed
 from swarmd.wire import Forward, Hello
 from tests.security.helpers import TIMINGS, eventually, forward, start_member
 
@@ -73,7 +73,7 @@ async def test_the_allowlist_refuses_other_holders_of_the_key(tmp_path):
     key = SwarmKey.generate()
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            from swarmd.identity import load_or_create_identity, peer_id_of
+            from swarmd.net.identity import load_or_create_identity, peer_id_of
 
             b_id = peer_id_of(load_or_create_identity(tmp_path / "b"))
             a = await start_member(nursery, tmp_path / "a", key=key, allow=frozenset({b_id}))

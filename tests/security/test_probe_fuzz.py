@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from swarmd.config import LAN
-from swarmd.identity import Signer, peer_id_of
-from swarmd.memnet import MemoryHub
-from swarmd.netseam import read_exact, read_frame, write_frame
-from swarmd.peergate import GuardLimits
-from swarmd.swarm import PROBE_PROTOCOL, SwarmService, SwarmSettings
+from swarmd.net.gate import GuardLimits
+from swarmd.net.identity import Signer, peer_id_of
+from swarmd.net.seam import read_exact, read_frame, write_frame
+from swarmd.swarm.service import PROBE_PROTOCOL, SwarmService, SwarmSettings
+from swarmd.testing.memory_network import MemoryHub
 from tests.security.helpers import planner
 from tests.swarm.swarm_helpers import descriptor, key
 

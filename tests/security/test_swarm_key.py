@@ -10,7 +10,7 @@ import pytest
 
 from swarmd.cli.main import main
 from swarmd.errors import UserError
-from swarmd.swarmkey import SwarmKey, load_swarm_key, write_swarm_key
+from swarmd.net.swarm_key import SwarmKey, load_swarm_key, write_swarm_key
 
 
 def test_keygen_writes_a_key_readable_by_its_owner_only_and_never_overwrites_one(tmp_path, capsys):

@@ -17,7 +17,7 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def bench_file(tmp_path_factory) -> Path:
     """The real micro-benchmark, run once; daemons get a copy so each does not measure again."""
-    from swarmd.descriptor import BENCH_FILE, device_name, load_or_measure, resolve_device
+    from swarmd.daemon.descriptor import BENCH_FILE, device_name, load_or_measure, resolve_device
 
     home = tmp_path_factory.mktemp("bench")
     device = resolve_device("auto")

@@ -6,7 +6,7 @@ from functools import cache
 
 from planner.node import NodeDescriptor
 from swarmd import WIRE_VERSION
-from swarmd.gossip import AssignmentStatus, Heartbeat
+from swarmd.wire.gossip import AssignmentStatus, Heartbeat
 
 
 @cache

@@ -7,10 +7,10 @@ import trio
 from swarm_helpers import peer
 
 from planner.plan import ModelRef, Plan, Stage
-from swarmd.assignment import Assignment
-from swarmd.compute import ComputeThread
-from swarmd.gossip import PlanAnnouncement
-from swarmd.model_source import served_model
+from swarmd.daemon.assignment import Assignment
+from swarmd.daemon.compute import ComputeThread
+from swarmd.daemon.served_model import served_model
+from swarmd.wire.gossip import PlanAnnouncement
 
 ME, OTHER = peer(1), peer(2)
 
@@ -18,7 +18,7 @@ ME, OTHER = peer(1), peer(2)
 @pytest.fixture
 def read(monkeypatch) -> list[str]:
     """The GGUF tensors the model file's real reader reads from now on, by name, in order."""
-    from models import gguf_loader
+    from models.gguf import loader as gguf_loader
 
     names: list[str] = []
     read_raw = gguf_loader.read_raw

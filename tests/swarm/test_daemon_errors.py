@@ -50,7 +50,7 @@ def test_ports_in_use_are_one_line(tmp_path, tiny_model, bench_file):
 
 def test_an_unreachable_bootstrap_peer_keeps_the_daemon_up_and_unadmitted(daemons, tmp_path):
     nobody = daemons("nobody")
-    from swarmd.identity import load_or_create_identity, peer_id_of
+    from swarmd.net.identity import load_or_create_identity, peer_id_of
 
     ghost = peer_id_of(load_or_create_identity(tmp_path / "ghost"))
     with socket.socket() as s:  # a port nothing listens on

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from swarm_helpers import peer
 
-from swarmd.election import Claim, Election, LeaderChanged, MembersChanged
+from swarmd.swarm.election import Claim, Election, LeaderChanged, MembersChanged
 
 P = sorted(peer(i) for i in range(1, 6))  # P[0] has the lowest peer id
 

@@ -9,8 +9,8 @@ from swarm_helpers import heartbeat, key, peer
 from planner.plan import ModelRef, Plan, Stage
 from swarmd import WIRE_VERSION
 from swarmd.errors import RemoteProtocolError
-from swarmd.gossip import IncompatibleVersion, Leave, PlanAnnouncement, decode, encode
-from swarmd.identity import Signer
+from swarmd.net.identity import Signer
+from swarmd.wire.gossip import IncompatibleVersion, Leave, PlanAnnouncement, decode, encode
 
 A, B = peer(1), peer(2)
 SIGNER = Signer(key(1))

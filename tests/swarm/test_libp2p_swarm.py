@@ -10,11 +10,11 @@ from swarm_helpers import descriptor
 
 from planner import BUILTIN_ARCHS, layout_from_arch, make_plan
 from swarmd.config import LAN
-from swarmd.host import Libp2pNetwork
-from swarmd.identity import Signer, load_or_create_identity
-from swarmd.netseam import read_frame, write_frame
-from swarmd.planning import MakePlan
-from swarmd.swarm import SwarmService, SwarmSettings
+from swarmd.net.identity import Signer, load_or_create_identity
+from swarmd.net.libp2p_network import Libp2pNetwork
+from swarmd.net.seam import read_frame, write_frame
+from swarmd.swarm.planning import MakePlan
+from swarmd.swarm.service import SwarmService, SwarmSettings
 
 pytestmark = pytest.mark.slow
 LAYOUT = layout_from_arch(BUILTIN_ARCHS["smollm2-135m"], "f16")
@@ -131,7 +131,7 @@ class _Network:
 
 
 def test_a_gossip_stream_left_on_a_closed_connection_is_found_only_while_another_connection_is_open():
-    from swarmd.host import gossip_streams_on_closed_connections
+    from swarmd.net.libp2p_network import gossip_streams_on_closed_connections
 
     old, new, gone = _Conn(closed=True), _Conn(closed=False), _Conn(closed=True)
     fine = _Conn(closed=False)

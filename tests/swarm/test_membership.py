@@ -5,7 +5,7 @@ from __future__ import annotations
 from swarm_helpers import descriptor, heartbeat, peer
 
 from swarmd.config import LAN
-from swarmd.membership import (
+from swarmd.swarm.membership import (
     Admitted,
     ConnectionLost,
     Dial,

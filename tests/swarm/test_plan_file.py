@@ -6,7 +6,7 @@ import pytest
 from daemons import wait_until
 
 from planner.plan import ModelRef, Plan, Stage
-from swarmd.identity import load_or_create_identity, peer_id_of
+from swarmd.net.identity import load_or_create_identity, peer_id_of
 
 pytestmark = pytest.mark.slow
 

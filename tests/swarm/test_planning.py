@@ -6,8 +6,7 @@ from swarm_helpers import descriptor, peer
 
 from planner.plan import ModelRef, Plan, Stage
 from swarmd.config import LAN
-from swarmd.gossip import PlanAnnouncement
-from swarmd.planning import (
+from swarmd.swarm.planning import (
     Announced,
     Candidates,
     EpochSeen,
@@ -20,6 +19,7 @@ from swarmd.planning import (
     PlanRejected,
     PublishPlan,
 )
+from swarmd.wire.gossip import PlanAnnouncement
 
 ME, A, B = sorted(peer(i) for i in range(1, 4))
 

@@ -9,11 +9,11 @@ import pytest
 import trio
 import trio.testing
 
-from swarmd.clock import ClockOffsets, ClockSample
 from swarmd.config import LAN
-from swarmd.identity import Signer, peer_id_of
-from swarmd.memnet import MemoryHub
-from swarmd.swarm import PROBE_PROTOCOL, SwarmService, SwarmSettings
+from swarmd.net.identity import Signer, peer_id_of
+from swarmd.observe.clock import ClockOffsets, ClockSample
+from swarmd.swarm.service import PROBE_PROTOCOL, SwarmService, SwarmSettings
+from swarmd.testing.memory_network import MemoryHub
 from tests.security.helpers import planner
 from tests.swarm.swarm_helpers import descriptor, key
 

@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from swarmd.spans import NodeSpans, SpanRecorder, align, chrome_trace, decode_spans, encode_spans, flow_id
-from swarmd.trace_summary import breakdown, per_token_parts
+from swarmd.observe.spans import (
+    NodeSpans,
+    SpanRecorder,
+    align,
+    chrome_trace,
+    decode_spans,
+    encode_spans,
+    flow_id,
+)
+from swarmd.observe.trace_summary import breakdown, per_token_parts
 
 HEAD, S0, S1 = "12D3KooWhead", "12D3KooWzero", "12D3KooWone"
 
@@ -111,7 +119,7 @@ def test_the_breakdown_gives_each_hop_its_median_over_decode_steps_and_the_wire_
 def test_the_hop_timer_starts_a_trace_from_the_forward_that_asks_and_counts_every_frame():
     import numpy as np
 
-    from swarmd.hoptiming import HopTimer
+    from swarmd.observe.hop_timer import HopTimer
     from swarmd.wire.codec import WireTensor
     from swarmd.wire.messages import Forward, Sampling, TraceQuery
 
@@ -175,7 +183,7 @@ def moe_spans(skews: dict[str, float], steps: int = 6) -> list[NodeSpans]:
 
 
 def test_an_expert_node_off_the_chain_is_found_and_aligned_through_its_expert_batches():
-    from swarmd.spans import expert_peers
+    from swarmd.observe.spans import expert_peers
 
     skews = {HEAD: 0.0, S0: 12.5, S1: -3600.0, EXP: 42.0}
     nodes = moe_spans(skews)

@@ -26,11 +26,11 @@ PROMPT = "Seeded weights, real shapes:"
 @pytest.fixture(scope="module")
 def one_process() -> list[int]:
     """The seeded model's greedy tokens for PROMPT with the whole model in this process (`swarmd run`'s loop)."""
+    from models.catalog.seeded import parse_seeded_name
     from models.generate import generate
     from models.sampling import SamplingParams
-    from models.seeded import parse_seeded_name
     from models.stage import StageModel
-    from models.tokenizer import Tokenizer
+    from models.text.tokenizer import Tokenizer
 
     seeded = parse_seeded_name(MODEL)
     tokenizer = Tokenizer(seeded.tokenizer_kv())

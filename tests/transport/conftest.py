@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import trio
 
-from swarmd.p2plinks import P2PLinks, Plane, start_actor_transport
-from swarmd.transport import ActorTransport, TransportConfig
+from swarmd.transport.links import P2PLinks, Plane, start_actor_transport
+from swarmd.transport.transport import ActorTransport, TransportConfig
 
 
 @dataclass

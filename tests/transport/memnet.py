@@ -14,7 +14,14 @@ from functools import partial
 import trio
 import trio.testing
 
-from swarmd.transport import ActorTransport, ByteStream, LinkError, TransportConfig, TrioStream, read_frame
+from swarmd.transport.transport import (
+    ActorTransport,
+    ByteStream,
+    LinkError,
+    TransportConfig,
+    TrioStream,
+    read_frame,
+)
 from swarmd.wire import Envelope, Message, encode
 
 Wrap = Callable[[str, str, ByteStream], ByteStream]

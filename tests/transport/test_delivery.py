@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from swarmd.delivery import (
+from swarmd.errors import LocalProtocolError
+from swarmd.transport.delivery import (
     DedupeTable,
     Health,
     Liveness,
@@ -18,7 +19,6 @@ from swarmd.delivery import (
     StrikeCounter,
     TokenBucket,
 )
-from swarmd.errors import LocalProtocolError
 
 
 def test_backoff_grows_exponentially_up_to_the_cap_with_bounded_jitter():

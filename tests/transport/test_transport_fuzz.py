@@ -11,7 +11,7 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from swarmd.transport import TransportConfig
+from swarmd.transport.transport import TransportConfig
 from swarmd.wire import Ack, Error, Pong
 from swarmd.wire.codec import HEADER
 from swarmd.wire.messages import ACTOR_MESSAGES

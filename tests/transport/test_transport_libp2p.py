@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import trio
 
-from swarmd.dataplane import make_certificate, pinned_client_context
-from swarmd.p2plinks import Libp2pStream, Plane
-from swarmd.transport import PROTOCOL, LinkError, Send, TransportConfig, TrioStream, read_frame
+from swarmd.net.tls_plane import make_certificate, pinned_client_context
+from swarmd.transport.links import Libp2pStream, Plane
+from swarmd.transport.transport import PROTOCOL, LinkError, Send, TransportConfig, TrioStream, read_frame
 from swarmd.wire import Ack, Attach, Error, Forward, Hello, Token, WireTensor, encode
 from swarmd.wire.codec import HEADER
 from swarmd.wire.expect import ExpectForward

@@ -12,7 +12,7 @@ import trio.lowlevel
 import trio.testing
 
 from swarmd.errors import RemoteProtocolError
-from swarmd.transport import (
+from swarmd.transport.transport import (
     ByteStream,
     DeliveryFailed,
     Posted,

@@ -1,0 +1,1 @@
+"""Model names and where their weights come from: the cache, Ollama, seeded and synthetic models."""

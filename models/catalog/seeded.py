@@ -1,0 +1,91 @@
+"""Seeded models: a real architecture with seeded random weights, served by name like any other model.
+
+`random/llama-3.1-8b` (seed 0) or `random/llama-3.1-8b@7` names a dense architecture of
+`planner.arch.BUILTIN_ARCHS` whose weights come from `models.catalog.synthetic.random_weights`: every
+daemon draws the same weights for the blocks it holds, so a swarm serves shapes no file is at hand
+for (benchmarks on GPUs, where the real GGUFs are too big to carry). The vocabulary is a byte-level
+one of the architecture's size: the 256 byte tokens encode any text, the other ids decode to fixed
+byte strings, and the last id is the end-of-text token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from models.errors import ModelError
+from planner.arch import BUILTIN_ARCHS, ArchSpec
+
+PREFIX = "random/"
+ROPE_THETA = 500000.0  # Llama 3's; random weights make the choice immaterial to speed
+NORM_EPS = 1e-5
+MAX_CONTEXT = 131072
+END_OF_TEXT = "<|endoftext|>"
+CONTROL, NORMAL = 3, 1  # llama.cpp's token types
+
+
+@dataclass(frozen=True)
+class SeededModel:
+    arch: ArchSpec
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{PREFIX}{self.arch.name}" + (f"@{self.seed}" if self.seed else "")
+
+    @property
+    def digest(self) -> str:
+        """Equal for every daemon that draws the same weights (architecture and seed)."""
+        text = json.dumps({"arch": asdict(self.arch), "seed": self.seed}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def config(self, max_context: int | None = None):  # -> tinygrad.llm.model.TransformerConfig
+        from models.config import config_from_arch
+
+        return config_from_arch(self.arch, min(max_context or MAX_CONTEXT, MAX_CONTEXT), ROPE_THETA, NORM_EPS)
+
+    def tokenizer_kv(self) -> dict[str, Any]:
+        return byte_level_tokenizer_kv(self.arch.vocab)
+
+
+def byte_level_tokenizer_kv(vocab: int) -> dict[str, Any]:
+    """GGUF tokenizer metadata for `models.text.tokenizer.Tokenizer`: byte tokens, then filler, then end of text."""
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2",
+            "tokenizer.ggml.tokens": byte_level_vocab(vocab),
+            "tokenizer.ggml.token_type": [NORMAL] * (vocab - 1) + [CONTROL],
+            "tokenizer.ggml.merges": [], "tokenizer.ggml.eos_token_id": vocab - 1,
+            "tokenizer.ggml.add_bos_token": False}
+
+
+def byte_level_vocab(size: int) -> list[str]:
+    """`size` distinct byte-level tokens: the 256 single bytes, then pairs and triples of them, then END_OF_TEXT."""
+    from models.text.tokenizer import byte_decoder
+
+    by_byte = {b: c for c, b in byte_decoder().items()}
+    if size < 257:
+        raise ModelError(f"a byte-level vocabulary needs at least 257 tokens, not {size}")
+    tokens = [by_byte[b] for b in range(256)]
+    n = 0
+    while len(tokens) < size - 1:
+        digits = n.to_bytes(2, "big") if n < 65536 else (n - 65536).to_bytes(3, "big")
+        tokens.append("".join(by_byte[b] for b in digits))
+        n += 1
+    return [*tokens, END_OF_TEXT]
+
+
+def parse_seeded_name(spec: str) -> SeededModel | None:
+    """The seeded model `spec` names, None if it names none; ModelError for a bad one."""
+    if not spec.startswith(PREFIX):
+        return None
+    arch_name, _, seed_text = spec[len(PREFIX):].partition("@")
+    arch = BUILTIN_ARCHS.get(arch_name)
+    dense = sorted(name for name, a in BUILTIN_ARCHS.items() if not a.is_moe and not a.kv_lora_rank)
+    if arch is None or arch.is_moe or arch.kv_lora_rank:
+        raise ModelError(f"no seeded model {spec!r}: use {PREFIX}ARCH[@SEED] with ARCH one of {', '.join(dense)}")
+    try:
+        seed = int(seed_text) if seed_text else 0
+    except ValueError:
+        raise ModelError(f"bad seed in {spec!r}: write {PREFIX}{arch_name}@N with an integer N") from None
+    return SeededModel(arch, seed)

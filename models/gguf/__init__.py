@@ -1,0 +1,1 @@
+"""GGUF files: reading headers and tensors by range, and writing derived MoE files."""

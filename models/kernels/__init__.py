@@ -1,0 +1,1 @@
+"""Kernels written for tinygrad: decode matvecs, quantised weights, llama.cpp's numerics."""

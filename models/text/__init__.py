@@ -1,0 +1,1 @@
+"""Text: the tokenizer rebuilt from a GGUF, and chat templates."""

@@ -1,0 +1,1 @@
+"""HTTP: the daemon's API app, auth, streaming, the OpenAI-compatible routes and `/api/v0/generate`."""

@@ -1,0 +1,244 @@
+"""What the plan gives this daemon, loaded: a `models.stage.StageModel` for its block range, and a
+`models.moe.ExpertShard` for the routed experts of MoE blocks the plan puts here.
+
+The node calls `Assignment.apply(announcement)` whenever it accepts a plan; `run()` loads the
+stage on the node's compute thread (a load never blocks heartbeats), releasing the old one first so memory
+follows the plan, and reports idle -> loading -> ready (or failed, with the reason) through
+`status()`, which goes into every heartbeat and into `swarmd status`. Other parts of the daemon
+get the loaded stage from `stage` once `await wait_ready()` returns, and the experts from `experts`.
+A stage of a MoE model loads no routed expert: they are served by the expert actors wherever the
+plan put them (this daemon's included).
+
+A spare (`Plan.standbys`) loads its copy of a stage's blocks the same way, warms it (the jitted graphs a
+takeover needs first are captured) and reports "standby" with those layers; when a repaired plan gives it that very stage, it
+is ready at once: nothing loads, nothing compiles.
+
+When the new block range overlaps the one loaded (a survivor whose range grows after a stage was lost with
+no spare, or shrinks when a node comes back), the old stage is handed to the loader instead of released:
+the new stage takes over its realised blocks (and the embedding / head when both have it) and reads only
+the blocks it lacks; the old stage is dropped on the compute thread once the new one is built. Its KV
+caches are not kept (requests move by replay). `swarmd join --full-reload` turns this off (to measure it).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import trio
+
+from swarmd.daemon.compute import ComputeThread
+from swarmd.daemon.served_model import ServedModel
+from swarmd.wire.gossip import AssignmentStatus, PlanAnnouncement
+
+log = logging.getLogger("swarmd.assignment")
+
+# (model, start, end, device, max_context, max_requests, reuse=an overlapping loaded stage or None) -> a stage
+StageLoader = Callable[..., Any]
+# (model, {block: experts}, device) -> a loaded ExpertShard
+ExpertLoader = Callable[[ServedModel, dict[int, tuple[int, ...]], str], Any]
+
+
+def load_stage(model: ServedModel, start: int, end: int, device: str, max_context: int, max_requests: int, *,
+               reuse: Any = None):
+    """Blocks [start, end) of the model's GGUF (or drawn from its seed), as a StageModel on `device` (blocking);
+    the blocks a loaded StageModel `reuse` holds (and its embedding / head) are taken over, not read again."""
+    from models.errors import ModelError
+    from models.stage import SERVING_NUMERICS, StageModel
+
+    if model.seeded is not None:
+        config = model.seeded.config(max_context)
+        return StageModel.random(config, model.seeded.seed, start, end, max_context=config.max_context,
+                                 max_requests=max_requests, device=device, reuse=reuse)
+    if model.path is None:
+        raise ModelError(f"no weights for {model.name} on this machine (it is known only to plan with)")
+    return StageModel.from_gguf(model.path, start, end, max_context=max_context, max_requests=max_requests,
+                                device=device, local_experts=not model.layout.is_moe, reuse=reuse,
+                                # MoE blocks compute in float: ggml numerics are llama.cpp's for dense models
+                                numerics="float" if model.layout.is_moe else SERVING_NUMERICS)
+
+
+def load_experts(model: ServedModel, experts: dict[int, tuple[int, ...]], device: str):
+    """The routed experts `experts` of the model's GGUF, as an ExpertShard on `device` (blocking)."""
+    from models.errors import ModelError
+    from models.moe import ExpertShard
+
+    if model.path is None:
+        raise ModelError(f"no weights for {model.name} on this machine (it is known only to plan with)")
+    return ExpertShard.from_gguf(model.path, experts, device=device)
+
+
+class Assignment:
+    def __init__(self, peer_id: str, model: ServedModel, device: str, compute: ComputeThread, *,
+                 max_context: int = 2048, max_requests: int = 4, loader: StageLoader = load_stage,
+                 expert_loader: ExpertLoader = load_experts, warmup: bool = False, reuse_blocks: bool = True) -> None:
+        self.peer_id = peer_id
+        self.reuse_blocks = reuse_blocks  # a new range takes the loaded stage's blocks over (off: reload all)
+        self.warmup = warmup  # capture every graph before a stage is ready (`swarmd join --warmup`)
+        self.compute = compute
+        self.model = model
+        self.device = device
+        self.max_context = max_context
+        self.max_requests = max_requests
+        self.loader = loader
+        self.expert_loader = expert_loader
+        self.stage: Any = None  # the loaded StageModel, or None
+        self.loaded_layers: tuple[int, int] | None = None
+        self.experts: Any = None  # the loaded ExpertShard, or None
+        self.loaded_experts: dict[int, tuple[int, ...]] = {}
+        self._status = AssignmentStatus()
+        # (epoch, the stage's layers, experts, the layers of a standby copy)
+        self._wanted: tuple[int, tuple[int, int] | None, dict[int, tuple[int, ...]], tuple[int, int] | None] = (
+            0, None, {}, None)
+        self._wake = trio.Event()
+        self._ready = trio.Event()
+        self.load_started: float | None = None
+
+    def status(self) -> AssignmentStatus:
+        return self._status
+
+    def apply(self, ann: PlanAnnouncement) -> None:
+        """Take the part of an accepted plan that names this daemon (synchronous; loading happens in run)."""
+        plan = ann.plan
+        mine = [s.layers for s in plan.stages if s.peer_id == self.peer_id]
+        if len(mine) > 1:
+            log.warning("plan epoch %d gives this node %d stages; only the first is loaded", plan.epoch, len(mine))
+        layers = mine[0] if mine else None
+        copy = plan.standbys.get(self.peer_id) if layers is None else None
+        experts = {b: tuple(es) for b, es in plan.experts_on(self.peer_id).items()}
+        self._wanted = (plan.epoch, layers, experts, copy)
+        if ((layers or copy) == self.loaded_layers and experts == self.loaded_experts
+                and self._status.state in ("ready", "idle", "standby")):
+            # Already loaded (a spare promoted to the stage it holds a copy of, or a survivor keeping its
+            # blocks): say so now, so that the next heartbeat shows the chain ready.
+            self._set(replace(self._status, epoch=plan.epoch, experts=experts, state=_state(layers, copy, experts),
+                              progress=1.0 if layers or copy else 0.0))
+        self._wake.set()
+
+    async def wait_ready(self) -> Any:
+        """The loaded stage, once the current assignment is ready."""
+        while self._status.state != "ready" or self.stage is None:
+            await self._ready.wait()
+            if self._status.state != "ready":
+                self._ready = trio.Event()
+        return self.stage
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started(self)
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            epoch, layers, experts, copy = self._wanted
+            if experts != self.loaded_experts and not await self._load_experts(epoch, layers, experts):
+                continue
+            target = layers or copy
+            if target == self.loaded_layers:
+                self._set(AssignmentStatus(epoch, target, experts, _state(layers, copy, experts),
+                                           1.0 if target or experts else 0.0))
+                continue
+            previous = self._hand_over(target)
+            if target is None:
+                self._set(AssignmentStatus(epoch, None, experts, "ready" if experts else "idle"))
+                log.info("plan epoch %d: no blocks for this node; released the stage", epoch)
+                continue
+            await self._load(epoch, target, experts, warm=layers is None, previous=previous)
+
+    async def _load_experts(self, epoch: int, layers: tuple[int, int] | None,
+                            experts: dict[int, tuple[int, ...]]) -> bool:
+        """Load the shard of experts the plan gives this node (none: release it); False if it failed."""
+        self.experts, self.loaded_experts = None, {}
+        if not experts:
+            return True
+        count = sum(len(es) for es in experts.values())
+        self._set(AssignmentStatus(epoch, layers, experts, "loading", 0.0))
+        try:
+            shard = await self.compute.run(self.expert_loader, self.model, experts, self.device)
+        except Exception as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self._set(AssignmentStatus(epoch, layers, experts, "failed", 0.0, f"experts: {reason}"))
+            log.warning("loading %d experts failed: %s", count, reason)
+            return False
+        if self._wanted[2] != experts:
+            return False  # the plan moved on; the wake event is already set by apply()
+        self.experts, self.loaded_experts = shard, experts
+        log.info("loaded %d experts of %d MoE blocks", count, len(experts))
+        return True
+
+    async def _load(self, epoch: int, layers: tuple[int, int], experts: dict[int, tuple[int, ...]], *,
+                    warm: bool = False, previous: list[Any] | None = None) -> None:
+        """Load blocks `layers`; `warm` (a standby copy) also captures every jitted graph before it is ready.
+        `previous`: the old stage (in a list the compute thread empties), whose blocks the new one takes over."""
+        a, b = layers
+        self._set(AssignmentStatus(epoch, layers, experts, "loading", 0.0))
+        self.load_started = trio.current_time()
+        what = "a standby copy of blocks" if warm else "blocks"
+        log.info("loading %s %d-%d of %s (plan epoch %d)", what, a, b - 1, self.model.name, epoch)
+        try:
+            # a daemon told to stop does not wait for a load to finish: run() returns when cancelled
+            stage = await self.compute.run(self._build, a, b, previous or [])
+            if self.warmup and hasattr(stage, "warmup"):
+                await self.compute.run(stage.warmup)
+            elif warm and hasattr(stage, "warmup"):
+                # What taking over a request needs at once: the replay's prefill and one request's decode
+                # (larger batches and prompt scoring are captured when first used; on a small CPU each
+                # graph costs many seconds).
+                await self.compute.run(functools.partial(stage.warmup, most_requests=1, prompt_scores=False))
+        except Exception as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self._set(AssignmentStatus(epoch, layers, experts, "failed", 0.0, reason))
+            log.warning("loading blocks %d-%d failed: %s", a, b - 1, reason)
+            return
+        took = trio.current_time() - self.load_started
+        epoch, wanted, experts, copy = self._wanted
+        if (wanted or copy) != layers:
+            log.info("blocks %d-%d loaded in %.1f s but the plan moved on; loading again", a, b - 1, took)
+            return  # the wake event is already set by apply()
+        self.stage, self.loaded_layers = stage, layers
+        state = _state(wanted, copy, experts)
+        self._set(AssignmentStatus(epoch, layers, experts, state, 1.0))
+        if state == "standby":
+            log.info("standby: a copy of blocks %d-%d loaded and warmed in %.1f s", a, b - 1, took)
+        else:
+            kept = sorted(getattr(getattr(stage, "reused", None), "blocks", ()))
+            log.info("ready: blocks %d-%d loaded in %.1f s%s", a, b - 1, took,
+                     f" (blocks {kept[0]}-{kept[-1]} kept from the previous stage)" if kept else "")
+
+    def _release(self) -> None:
+        self.stage, self.loaded_layers = None, None
+
+    def _hand_over(self, target: tuple[int, int] | None) -> list[Any]:
+        """Release the loaded stage; returned (in a list) when `target` overlaps its blocks, for the new
+        stage to take them over; otherwise it is dropped now, before the load, so memory follows the plan."""
+        old, held = self.stage, self.loaded_layers
+        self._release()
+        if old is None or held is None or target is None or not self.reuse_blocks:
+            return []
+        return [old] if max(held[0], target[0]) < min(held[1], target[1]) else []
+
+    def _build(self, a: int, b: int, previous: list[Any]) -> Any:
+        """On the compute thread: the stage for blocks [a, b), taking over what it can of the stage in
+        `previous`, which it then drops here (its jitted graphs must be finalised on this thread)."""
+        old = previous.pop() if previous else None
+        try:
+            if old is None:
+                return self.loader(self.model, a, b, self.device, self.max_context, self.max_requests)
+            return self.loader(self.model, a, b, self.device, self.max_context, self.max_requests, reuse=old)
+        finally:
+            del old
+
+    def _set(self, status: AssignmentStatus) -> None:
+        self._status = status
+        if status.state == "ready":
+            self._ready.set()
+        elif self._ready.is_set():
+            self._ready = trio.Event()
+
+
+def _state(layers: tuple[int, int] | None, copy: tuple[int, int] | None, experts: dict[int, tuple[int, ...]]) -> str:
+    """What a loaded assignment reports: a stage or experts are "ready", a spare's copy "standby"."""
+    if layers or experts:
+        return "ready"
+    return "standby" if copy else "idle"

@@ -1,0 +1,324 @@
+"""One daemon: a Node owns one trio nursery and starts its parts in dependency order.
+
+    identity, model, device  (blocking work on the compute thread)
+    network                  the libp2p host + gossipsub          await nursery.start(network.run)
+    assignment               loads the stage the plan gives us    await nursery.start(assignment.run)
+    swarm                    membership, election, planning       await nursery.start(swarm.run)
+    extensions               actors added by other modules        await nursery.start(fn, node)
+    api                      HTTP on loopback                     await nursery.start(api.serve, bind)
+
+Other parts of the daemon extend it before `run`: `node.add_extension(fn)` for a service that
+needs the swarm (fn(node, task_status=...) is started after the swarm, before the API), and
+`node.api.add_route(...)` for HTTP routes. Streams to peers go through `node.network`
+(`open_stream(peer_id, protocol)`, `serve(protocol, handler)`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from planner import PlanOptions, make_plan
+from planner.plan import Plan
+from swarmd import WIRE_VERSION, __version__
+from swarmd.api.app import Api
+from swarmd.config import DaemonConfig, warms_up
+from swarmd.daemon.assignment import Assignment, StageLoader, load_stage
+from swarmd.daemon.compute import ComputeThread
+from swarmd.daemon.descriptor import (
+    LocalDescriptor,
+    device_name,
+    load_or_measure,
+    next_incarnation,
+    resolve_device,
+    uplink_bps,
+)
+from swarmd.daemon.served_model import ServedModel, served_model
+from swarmd.net.access import Access, load_access
+from swarmd.net.identity import Signer, load_or_create_identity, peer_id_of, short_id
+from swarmd.net.libp2p_network import Libp2pNetwork, split_peer_addr
+from swarmd.observe.metrics import CONTENT_TYPE, NodeMetrics
+from swarmd.swarm.fixed_plan import FixedPlan, load_plan_file
+from swarmd.swarm.planning import MakePlan
+from swarmd.swarm.service import SwarmService, SwarmSettings
+
+log = logging.getLogger("swarmd.node")
+
+API_FILE = "api"
+Extension = Callable[..., Awaitable[Any]]  # async fn(node, *, task_status)
+
+
+class Node:
+    def __init__(self, config: DaemonConfig, *, loader: StageLoader = load_stage) -> None:
+        self.config = config
+        self.home = Path(config.home)
+        self.loader = loader
+        self.api = Api(token=config.api_token, max_request_bytes=config.api_max_request_bytes,
+                       max_tokens=config.api_max_tokens)
+        self.extensions: list[Extension] = []
+        self.requests_in_flight = 0  # the pipeline raises and lowers it; gossiped as the node's load
+        self.leaving = False  # draining: new requests are refused, those in flight finish first
+        self.status_parts: dict[str, Callable[[], Any]] = {}  # extensions' sections of the status document
+        self.compute = ComputeThread()  # every tinygrad call of this daemon runs on it
+        self.ready = trio.Event()
+        # set while running
+        self.peer_id = ""
+        self.model: ServedModel | None = None
+        self.network: Libp2pNetwork | None = None
+        self.swarm: SwarmService | None = None
+        self.assignment: Assignment | None = None
+        self.descriptor: LocalDescriptor | None = None
+        self.metrics: NodeMetrics | None = None
+        self.api_url: str | None = None
+        self.fixed_plan: FixedPlan | None = None
+        self.access: Access | None = None
+        self._nursery: trio.Nursery | None = None
+        self._add_routes()
+
+    def add_extension(self, fn: Extension) -> None:
+        """Start `fn(node, task_status=...)` after the swarm is up and before the API (call before run)."""
+        self.extensions.append(fn)
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.swarm.plan if self.swarm else None
+
+    @property
+    def stage(self) -> Any:
+        """The loaded StageModel of this node's assignment, or None."""
+        return self.assignment.stage if self.assignment else None
+
+    # --- lifecycle ------------------------------------------------------------------------
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        cfg = self.config
+        bootstrap = tuple((split_peer_addr(a, "--bootstrap")[0], a) for a in cfg.bootstrap)
+        self.access = access = load_access(cfg)
+        for peer, _ in bootstrap:
+            if access.allow is not None and peer not in access.allow:
+                log.warning("bootstrap peer %s is not on the allowlist: it will be refused", short_id(peer))
+        self.home.mkdir(parents=True, exist_ok=True)
+        key_pair = load_or_create_identity(self.home)
+        self.peer_id = peer_id_of(key_pair)
+        self.model = await trio.to_thread.run_sync(served_model, cfg.model)
+        if cfg.plan is not None:
+            plan = load_plan_file(cfg.plan, self.model.layout)
+            self.fixed_plan = FixedPlan(plan, self.model.layout, cfg.plan.name, self.plan_options)
+            log.info("will adopt the plan in %s (epoch %d, %d stages) once its peers have joined", cfg.plan,
+                     plan.epoch, len(plan.stages))
+        device = await self.compute.run(resolve_device, cfg.device)
+        name = device_name(device)
+        bench = await self.compute.run(load_or_measure, self.home, device, name)
+        incarnation = next_incarnation(self.home)
+        network = Libp2pNetwork(key_pair, cfg.listen, cfg.announce, timings=cfg.timings, mdns=cfg.mdns,
+                                swarm_key=access.swarm_key, allow=access.allow)
+        (log.info if access.private else log.warning)(access.describe())
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self.network = await nursery.start(network.run)
+            self.descriptor = LocalDescriptor(
+                peer_id=self.peer_id, device=device, device_name=name, bench=bench, memory_limit=cfg.memory_limit,
+                label=cfg.device_label, model_name=self.model.name, model_digest=self.model.digest,
+                incarnation=incarnation, uplink=uplink_bps(cfg.uplink_mbps), addresses=network.addresses,
+                load=lambda: self.requests_in_flight, standby=cfg.standby)
+            self.assignment = Assignment(self.peer_id, self.model, device, self.compute,
+                                         max_context=cfg.max_context, max_requests=cfg.max_requests,
+                                         loader=self.loader, warmup=warms_up(cfg.warmup, device),
+                                         reuse_blocks=not cfg.full_reload)
+            await nursery.start(self.assignment.run)
+            settings = SwarmSettings(cfg.swarm, cfg.timings, bootstrap)
+            self.swarm = SwarmService(network, Signer(key_pair), settings, describe_self=self.descriptor,
+                                      assignment_status=self.assignment.status, make_plan=self._make_plan,
+                                      on_plan=self.assignment.apply)
+            await nursery.start(self.swarm.run)
+            if cfg.mdns:
+                nursery.start_soon(self._follow_mdns)
+            swarm = self.swarm
+            self.metrics = NodeMetrics(self.status, lambda: {**swarm.stats, **self.security_counters(),
+                                                             "compute_busy_seconds": self.compute.busy_seconds})
+            for ext in self.extensions:
+                await nursery.start(ext, self)
+            self.api_url = await nursery.start(self.api.serve, cfg.api)
+            self._write_api_file()
+            try:
+                self.ready.set()
+                task_status.started(self)
+                await trio.sleep_forever()
+            finally:
+                self._remove_api_file()
+                self.compute.close()
+
+    def security_counters(self) -> dict[str, float]:
+        """Refusals, strikes and penalties of the peer gate, and the API's refusals, for /metrics."""
+        out: dict[str, float] = {}
+        if self.network is not None:
+            gate, guard = self.network.gate, self.network.guard
+            out.update({f"peer_gate:{k}": v for k, v in gate.stats.items()})
+            out.update({f"served_streams:{k}": v for k, v in guard.stats.items()})
+            out["peer_gate:connections_refused"] = self.network.connections_refused
+        out.update({f"api_refused:{k}": v for k, v in self.api.guard_stats.items()})
+        return out
+
+    async def leave(self) -> None:
+        """Leave the swarm cleanly, then stop: drain first (refuse new requests, let those this daemon heads
+        finish, up to `drain_timeout`, still serving its stage), then tell the swarm (a leader hands over a plan
+        without itself); requests passing through this daemon's stage move when the plan changes."""
+        self.leaving = True
+        with trio.move_on_after(self.config.timings.drain_timeout):
+            while self.requests_in_flight:  # noqa: ASYNC110 - polled: the count changes in many places
+                await trio.sleep(0.1)
+        if self.requests_in_flight:
+            log.warning("leaving with %d requests still in flight after %.0f s", self.requests_in_flight,
+                        self.config.timings.drain_timeout)
+        if self.swarm is not None:
+            await self.swarm.leave()
+        self._remove_api_file()
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
+    def _make_plan(self, action: MakePlan) -> Plan:
+        if self.fixed_plan is not None:
+            return self.fixed_plan.make(action, self._compute_plan)
+        return self._compute_plan(action)
+
+    def _compute_plan(self, action: MakePlan) -> Plan:
+        assert self.model is not None
+        return make_plan(self.model.layout, action.nodes, epoch=action.epoch, previous=action.previous,
+                         options=self.plan_options)
+
+    @property
+    def plan_options(self) -> PlanOptions:
+        """What the planner budgets per node: the KV cache this daemon's stages really allocate."""
+        return PlanOptions(context_length=self.config.max_context, concurrency=self.config.max_requests,
+                           expert_placement=self.config.expert_placement)
+
+    async def _follow_mdns(self) -> None:
+        assert self.network is not None and self.swarm is not None
+        async for peer, addresses in self.network.discovered():
+            if peer != self.peer_id:
+                self.swarm.add_discovered(peer, tuple(addresses))
+
+    # --- $SWARMD_HOME/api -------------------------------------------------------------------
+    def _write_api_file(self) -> None:
+        path = self.home / API_FILE
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        doc = {"url": self.api_url, "peer_id": self.peer_id, "pid": os.getpid(), "token_required": bool(self.api.token)}
+        tmp.write_text(json.dumps(doc) + "\n")
+        os.replace(tmp, path)
+
+    def _remove_api_file(self) -> None:
+        path = self.home / API_FILE
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(path.read_text()).get("pid") == os.getpid():
+                path.unlink()
+
+    # --- status -----------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """What `GET /api/v0/status` returns (and `swarmd status --json` prints)."""
+        assert self.swarm is not None and self.assignment is not None and self.model is not None
+        snap = self.swarm.snapshot()
+        me = snap["members"][0]
+        return {
+            "self": {
+                "peer_id": self.peer_id,
+                "addresses": me["addresses"],
+                "api": self.api_url,
+                "version": __version__,
+                "wire_version": WIRE_VERSION,
+                "incarnation": me["incarnation"],
+                "device": me["device"],
+                "device_name": me["device_name"],
+                "label": me["label"],
+                "model": {"name": self.model.name, "digest": self.model.digest},
+            },
+            "swarm": {"name": snap["swarm"], **(self.access.status() if self.access else {}),
+                      "penalised": self.network.gate.penalised(trio.current_time()) if self.network else []},
+            "admitted": snap["admitted"],
+            "leader": snap["leader"],
+            "term": snap["term"],
+            "members": snap["members"],
+            "refused": snap["refused"],
+            "plan": snap["plan"],
+            "plan_error": snap["plan_error"],
+            "coverage": coverage(snap["plan"], snap["members"], self.model.layout),
+            "assignment": self.assignment.status().to_json(),
+            "requests_in_flight": self.requests_in_flight,
+            **{name: part() for name, part in self.status_parts.items()},
+        }
+
+    def _add_routes(self) -> None:
+        async def status(request: Request) -> JSONResponse:
+            return JSONResponse(self.status())
+
+        async def health(request: Request) -> JSONResponse:
+            ok = self.swarm is not None and self.ready.is_set()
+            body = {"ok": ok, "peer_id": self.peer_id,
+                    "admitted": bool(self.swarm and self.swarm.admitted)}
+            return JSONResponse(body, status_code=200 if ok else 503)
+
+        async def metrics(request: Request) -> Response:
+            if self.metrics is None:
+                return Response("starting\n", status_code=503)
+            return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+        async def leave(request: Request) -> JSONResponse:
+            if self._nursery is None:
+                return JSONResponse({"leaving": False, "error": "not started"}, status_code=503)
+            self._nursery.start_soon(self.leave)
+            return JSONResponse({"leaving": True, "peer_id": self.peer_id})
+
+        self.api.add_route("/api/v0/status", status)
+        self.api.add_route("/api/v0/leave", leave, methods=("POST",))
+        self.api.add_route("/health", health)
+        self.api.add_route("/metrics", metrics)
+
+
+def coverage(plan: dict[str, Any] | None, members: list[dict[str, Any]], layout: Any = None) -> str:
+    """'layers 0-29 covered', or which layers lack a live, ready holder; for a MoE model also how many
+    routed experts have a live holder that loaded them ('experts 240/240 placed')."""
+    layers = _layer_coverage(plan, members)
+    if plan and layout is not None and layout.is_moe:
+        layers += f"; experts {placed_experts(plan, members)}/{sum(b.moe.n_experts for b in layout.blocks if b.moe)} placed"
+    return layers
+
+
+def placed_experts(plan: dict[str, Any], members: list[dict[str, Any]]) -> int:
+    """Routed experts of `plan` held by at least one live member whose assignment has them loaded."""
+    state = {m["peer_id"]: m for m in members}
+
+    def holds(peer: str, block: str, expert: str) -> bool:
+        m = state.get(peer)
+        if m is None or m["state"] == "dead" or m["assignment"]["state"] != "ready":
+            return False
+        return int(expert) in m["assignment"].get("experts", {}).get(block, ())
+
+    return sum(any(holds(p, b, e) for p in peers)
+               for b, by_expert in (plan.get("experts") or {}).items() for e, peers in by_expert.items())
+
+
+def _layer_coverage(plan: dict[str, Any] | None, members: list[dict[str, Any]]) -> str:
+    if not plan:
+        return "no plan yet"
+    n = plan["stages"][-1]["layers"][1] if plan["stages"] else 0
+    state = {m["peer_id"]: m for m in members}
+    missing, loading = [], []
+    for s in plan["stages"]:
+        a, b = s["layers"]
+        m = state.get(s["peer_id"])
+        if m is None or m["state"] == "dead":
+            missing.append(f"{a}-{b - 1} ({short_id(s['peer_id'])} is gone)")
+        elif m["assignment"]["state"] != "ready" or m["assignment"]["layers"] != [a, b]:
+            loading.append(f"{a}-{b - 1}")
+    if missing:
+        return f"layers {', '.join(missing)} not covered"
+    if loading:
+        return f"layers 0-{n - 1} planned; loading {', '.join(loading)}"
+    return f"layers 0-{n - 1} covered"

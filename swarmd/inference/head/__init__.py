@@ -1,0 +1,1 @@
+"""The head: the daemon that accepted a request (tokens, streaming, moves after failures)."""

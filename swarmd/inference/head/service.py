@@ -1,0 +1,503 @@
+"""The head actor: the daemon that accepted a request sends it into the chain and streams what comes back.
+
+    async with head.open(HeadRequest(prompt_ids, max_tokens=64), on_wait=print) as request:
+        async for event in request:          # TokenOut, PromptScores, then Finished or Failed
+            ...
+
+`open` waits (up to `ready_timeout`) until every stage of the plan is alive and loaded, telling `on_wait`
+what it waits for; sends the prompt's token ids to stage 0 as a `Forward` carrying the sampling settings
+(seeded per request); and hands the `Token`s the last stage sends back to a `HeadSession`
+(`swarmd.inference.head.session`), whose events the caller iterates. Leaving the block, however it is left (finished,
+a stop string, the client went away, an error), sends `Cancel` to every stage so that each frees the
+request's KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from swarmd.config import Timings
+from swarmd.inference.head.hop_local import plan_move
+from swarmd.inference.head.recovery import (
+    CHAIN_ERRORS,
+    MAX_MOVES,
+    Recovery,
+    attempt_id,
+    chain_changed,
+    replay_forward,
+)
+from swarmd.inference.head.session import Event, Failed, HeadSession, TokenOut
+from swarmd.inference.registry import ChainStatus, Registry
+from swarmd.net.identity import short_id
+from swarmd.observe.spans import SpanRecorder
+from swarmd.observe.trace_collect import TraceCollector
+from swarmd.transport.transport import ActorTransport, DeliveryFailed, Refused
+from swarmd.wire.codec import WireTensor
+from swarmd.wire.messages import Cancel, Error, Forward, Logprobs, Sampling, Token
+
+log = logging.getLogger("swarmd.head")
+
+MAX_SEED = (1 << 63) - 1
+OnWait = Callable[[str], Awaitable[None]]
+MOVE_CHECK_INTERVAL = 0.1  # s between looks at the plan for requests whose chain changed
+TOO_SMALL_GRACE = 5.0  # s a moving request waits once the leader says the model no longer fits the swarm  # told what the request waits for, each time that changes
+
+# The HTTP status of a failure code, where it is not a plain bad request (400).
+STATUS = {"leaving": 503, "swarm_too_small": 503, "not_ready": 503, "kv_cache_full": 503, "unreachable": 503, "timeout": 504, "internal": 500,
+          "model_error": 500, "unknown_request": 502, "out_of_order": 502, "not_a_stage": 503, "wrong_hop": 503}
+
+
+def status_of(code: str) -> int:
+    return STATUS.get(code, 400 if code in CLIENT_CODES else 502)
+
+
+CLIENT_CODES = {"empty_prompt", "context_length_exceeded", "context_full", "bad_token", "bad_max_tokens",
+                "bad_logprobs", "bad_seed"}
+
+
+class HeadError(Exception):
+    """A request that cannot be served; `status` is the HTTP status the API answers with."""
+
+    def __init__(self, code: str, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.code, self.message, self.status = code, message, status
+
+
+@dataclass(frozen=True)
+class HeadRequest:
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None  # None: a random seed for this request
+    stop: tuple[str, ...] = ()
+    logprobs: int = 0  # top alternatives per token; > 0 also returns each token's own log-prob
+    prompt_scores: bool = False  # teacher forcing: log-probs of every prompt token too (echo)
+    trace: bool = False
+
+
+@dataclass
+class Timing:
+    """Wall-clock points of one request (time.perf_counter seconds)."""
+
+    opened: float = 0.0
+    sent: float = 0.0  # the prompt went to stage 0 (after waiting for the chain)
+    first: float = 0.0  # the first token came back
+    last: float = 0.0  # the latest token came back
+    tokens: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        decode_s = self.last - self.first if self.tokens > 1 else 0.0
+        return {
+            "wait_s": round(self.sent - self.opened, 6) if self.sent else None,
+            "time_to_first_token_s": round(self.first - self.sent, 6) if self.first else None,
+            "decode_s": round(decode_s, 6),
+            "decode_tokens_per_s": round((self.tokens - 1) / decode_s, 3) if decode_s > 0 else None,
+            "total_s": round((self.last or time.perf_counter()) - self.opened, 6),
+        }
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    tokenizer: Any  # models.text.tokenizer.Tokenizer
+    max_context: int
+    vocab_size: int
+
+
+@dataclass
+class RequestHandle:
+    """One request in flight; iterate it for its events."""
+
+    request_id: str
+    session: HeadSession
+    seed: int
+    timings: Timings
+    registry: Registry = field(default_factory=lambda: Registry(0, (), (), {}))
+    timing: Timing = field(default_factory=Timing)
+    recorder: SpanRecorder | None = None  # set while the request is traced
+    on_first: Callable[[float], None] | None = None  # told the time to the first token (s)
+    request: HeadRequest | None = None
+    sampling: Sampling | None = None
+    attempt: int = 0  # how often the request moved to a new chain (its stages know it as `wire_id`)
+    moving: bool = False
+    full_replay: bool = False  # a stage could not continue an attempt: the next move replays on every stage
+    closed: bool = False  # the caller left the block: nothing more is sent for it
+    recoveries: list[Recovery] = field(default_factory=list)
+    _send: trio.MemorySendChannel[Event] | None = None
+    _recv: trio.MemoryReceiveChannel[Event] | None = None
+    _over: bool = False
+
+    def __post_init__(self) -> None:
+        self._send, self._recv = trio.open_memory_channel[Event](math.inf)  # bounded by the request's tokens
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.session.prompt_len
+
+    @property
+    def wire_id(self) -> str:
+        return attempt_id(self.request_id, self.attempt)
+
+    def push(self, events: list[Event]) -> None:
+        now = time.perf_counter()
+        for ev in events:
+            if isinstance(ev, TokenOut):
+                if not self.timing.first and self.on_first is not None:
+                    self.on_first(now - self.timing.sent)
+                self.timing.first = self.timing.first or now
+                self.timing.last = now
+                self.timing.tokens += 1
+                if self.recoveries and not self.recoveries[-1].first_token:
+                    self.recoveries[-1].first_token = now
+                if self.recorder is not None:
+                    self.recorder.add(self.request_id, "token", "head", now, now, instant=True, step=ev.step,
+                                      token=ev.token_id)
+            assert self._send is not None
+            self._send.send_nowait(ev)
+
+    def __aiter__(self) -> RequestHandle:
+        return self
+
+    async def __anext__(self) -> Event:
+        """The next event; a Failed("timeout") when the swarm says nothing for too long; then the end."""
+        assert self._recv is not None
+        if self._over:
+            raise StopAsyncIteration
+        wait = self.timings.token_timeout if self.timing.first else self.timings.first_token_timeout
+        with trio.move_on_after(wait) as timer:
+            event = await self._recv.receive()
+        if timer.cancelled_caught:
+            what = "the next token" if self.timing.first else "the first token"
+            failed = self.session.fail("timeout", f"no answer from the swarm for {wait:.0f} s waiting for {what} "
+                                                  f"({self.whereabouts()})")
+            event = failed[0] if failed else Failed("timeout", "no answer from the swarm")
+        if isinstance(event, Failed) or (self.session.done and self._recv.statistics().current_buffer_used == 0):
+            self._over = True
+        return event
+
+    def whereabouts(self) -> str:
+        """Where the request was last sent, and its move under way if any (for errors a user can act on)."""
+        chain = " -> ".join(short_id(p) for p in self.registry.stages) or "no chain"
+        said = f"attempt {self.attempt} on plan epoch {self.registry.epoch}: {chain}"
+        if self.moving and self.recoveries:
+            move = self.recoveries[-1]
+            said += f"; moving for {time.perf_counter() - move.noticed:.0f} s ({move.reason})"
+            if move.waiting and not move.ready:
+                said += f", waiting: {move.waiting}"
+        return said
+
+    def record(self, name: str, start: float, end: float, **args: Any) -> None:
+        """A span of this request on the head (perf_counter seconds), if it is traced."""
+        if self.recorder is not None:
+            self.recorder.add(self.request_id, name, "head", start, end, **args)
+
+    def record_phases(self) -> None:
+        """The head's view of the whole request: prefill (to the first token) and decode."""
+        t = self.timing
+        if t.first:
+            self.record("head.prefill", t.sent, t.first, prompt_tokens=self.prompt_tokens)
+        if t.tokens > 1:
+            self.record("head.decode", t.first, t.last, tokens=t.tokens - 1)
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.session.prompt_len, "completion_tokens": self.session.completion_tokens,
+                "total_tokens": self.session.prompt_len + self.session.completion_tokens}
+
+
+class HeadService:
+    """The requests this daemon heads. Route `Token` (hop 1), `Logprobs` and `Error` messages to it."""
+
+    def __init__(self, peer_id: str, transport: ActorTransport, *, chain: Callable[[], ChainStatus],
+                 registry: Callable[[], Registry], timings: Timings, load_model: Callable[[], ModelInfo],
+                 in_flight: Callable[[int], None] = lambda delta: None,
+                 leaving: Callable[[], bool] = lambda: False, hop_local: bool = True) -> None:
+        self.peer_id = peer_id
+        self.hop_local = hop_local  # moves keep the KV caches of the stages that stay (False: full replays)
+        self.transport = transport
+        self._chain = chain
+        self._registry = registry
+        self.timings = timings
+        self._load_model = load_model
+        self._in_flight = in_flight
+        self._leaving = leaving
+        self._model: ModelInfo | None = None
+        self._model_lock = trio.Lock()
+        self.requests: dict[str, RequestHandle] = {}
+        self._nursery: trio.Nursery | None = None
+        self.stats = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0, "tokens": 0, "moved": 0}
+        self.tracing: TraceCollector | None = None  # gathers traced requests' spans (swarmd.observe.trace_collect)
+        self.on_first_token: Callable[[float], None] | None = None  # metrics: time to first token (s)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started(self)
+            await self._follow_plans()
+
+    async def model(self) -> ModelInfo:
+        """The served model's tokenizer and limits (read from its GGUF once, in a worker thread)."""
+        async with self._model_lock:
+            if self._model is None:
+                self._model = await trio.to_thread.run_sync(self._load_model)
+            return self._model
+
+    # --- waiting for the chain ---------------------------------------------------------------------------
+
+    async def wait_ready(self, within: float | None = None, on_wait: OnWait | None = None, *,
+                         give_up_when_too_small: bool = False) -> Registry:
+        """The registry of a plan whose stages are all ready; HeadError (503) if none is within `within` s,
+        or (`give_up_when_too_small`) once the swarm has been unable to hold the model for a few seconds."""
+        timeout = self.timings.ready_timeout if within is None else within
+        deadline = trio.current_time() + timeout
+        said = ""
+        too_small_since: float | None = None
+        while True:
+            status = self._chain()
+            if status.ready:
+                return self._registry()
+            if not status.cannot_hold:
+                too_small_since = None
+            elif too_small_since is None:
+                too_small_since = trio.current_time()
+            elif give_up_when_too_small and trio.current_time() - too_small_since >= TOO_SMALL_GRACE:
+                raise HeadError("swarm_too_small", f"the swarm can no longer hold the model: {status.detail}", 503)
+            if on_wait is not None and status.detail != said:
+                await on_wait(status.detail)
+            said = status.detail
+            if trio.current_time() >= deadline:
+                raise HeadError("not_ready", f"the swarm is not ready after {timeout:.0f} s: {status.detail}", 503)
+            await trio.sleep(0.2)
+
+    # --- requests ------------------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def open(self, req: HeadRequest, *, on_wait: OnWait | None = None,
+                   ready_timeout: float | None = None) -> AsyncIterator[RequestHandle]:
+        if self._leaving():
+            raise HeadError("leaving", "this daemon is leaving the swarm: send the request to another member", 503)
+        model = await self.model()
+        check_request(req, model)
+        recorder = self.tracing.recorder if req.trace and self.tracing is not None else None
+        request_id = f"req-{uuid.uuid4().hex[:16]}"
+        seed = req.seed if req.seed is not None else secrets.randbits(63)
+        session = HeadSession(request_id, len(req.prompt_ids), req.max_tokens, model.tokenizer.stream_decoder(),
+                              req.stop, want_prompt_scores=req.prompt_scores)
+        handle = RequestHandle(request_id, session, seed, self.timings, recorder=recorder,
+                               on_first=self.on_first_token, request=req)
+        if recorder is not None:
+            recorder.trace(request_id)
+        handle.timing.opened = time.perf_counter()
+        self.stats["requests"] += 1
+        self._in_flight(+1)
+        sent, crashed = False, False
+        try:
+            handle.registry = await self.wait_ready(ready_timeout, on_wait)
+            handle.record("head.wait_for_chain", handle.timing.opened, time.perf_counter())
+            self.requests[request_id] = handle
+            sent = True  # from here on the stages may hold the request, even if sending seems to fail
+            await self._send_prompt(handle, req, model)
+            yield handle
+        except HeadError:
+            crashed = True
+            raise
+        finally:
+            handle.closed = True
+            for attempt in range(handle.attempt + 1):
+                self.requests.pop(attempt_id(request_id, attempt), None)
+            self._in_flight(-1)
+            if session.done and session.error is None:
+                outcome = "finished"
+            else:
+                outcome = "failed" if session.error is not None or crashed else "cancelled"
+            self.stats[outcome] += 1
+            self.stats["tokens"] += session.completion_tokens
+            if sent and self._nursery is not None:
+                self._nursery.start_soon(self._cancel_chain, handle.wire_id, handle.registry, outcome)
+
+    async def _send_prompt(self, handle: RequestHandle, req: HeadRequest, model: ModelInfo) -> None:
+        ids = np.asarray(req.prompt_ids, dtype=np.int32)
+        sampling = Sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=handle.seed,
+                            logprobs=req.logprobs, max_tokens=max(req.max_tokens, 1),
+                            stop_ids=tuple(sorted(model.tokenizer.stop_ids)), trace=handle.recorder is not None)
+        handle.sampling = sampling
+        targets = WireTensor.from_array(ids[1:]) if req.prompt_scores else None
+        msg = Forward(handle.request_id, 0, 0, 0, self.peer_id, tokens=WireTensor.from_array(ids),
+                      epoch=handle.registry.epoch, all_logits=req.prompt_scores, sampling=sampling, targets=targets)
+        stage0 = handle.registry.stage_peer(0)
+        handle.timing.sent = time.perf_counter()
+        try:
+            await self.transport.send(stage0, msg)
+        except Refused as e:
+            raise HeadError(e.error.code, f"stage 0 refused the request: {e.error.message}", 502) from None
+        except DeliveryFailed as e:
+            # stage 0 died between the plan and this send: the request moves to the next chain, as one
+            # already running would (the move has its own deadline and gives the client a clear error)
+            reason = f"stage 0 ({stage0[-6:]}) did not take the request: {e.reason}"
+            if not self._start_move(handle, reason):
+                raise HeadError("unreachable", reason, 503) from None
+
+    async def _cancel_chain(self, request_id: str, registry: Registry, reason: str) -> None:
+        """Tell every stage the request is over, so that each frees its KV cache (best effort, bounded)."""
+        await self._cancel_on(request_id, tuple(enumerate(registry.stages)), reason)
+
+    async def _cancel_on(self, request_id: str, hops: tuple[tuple[int, str], ...], reason: str) -> None:
+        """`_cancel_chain` on the (hop, peer) pairs given."""
+
+        async def tell(hop: int, peer: str) -> None:
+            try:
+                await self.transport.send(peer, Cancel(request_id, reason, hop=hop), within=self.timings.cancel_timeout)
+            except (Refused, DeliveryFailed) as e:
+                log.info("could not tell stage %d that %s is over: %s", hop, request_id, e)
+
+        async with trio.open_nursery() as nursery:
+            for hop, peer in hops:
+                nursery.start_soon(tell, hop, peer)
+
+    # --- moving requests to a new chain ---------------------------------------------------------------------
+
+    async def _follow_plans(self) -> None:
+        """Move every request whose chain a new plan changed (a stage died or left, blocks moved), or one of
+        whose stages membership marks dead (the move waits for the plan that replaces it)."""
+        while True:
+            await trio.sleep(MOVE_CHECK_INTERVAL)
+            if not self.requests:
+                continue  # nothing to move: the chain's status (a status snapshot) is not worth making
+            now, status = self._registry(), self._chain()
+            for handle in self.handles():
+                if handle.moving or handle.session.ended:
+                    continue
+                if chain_changed(handle.registry, now):
+                    self._start_move(handle, f"plan epoch {now.epoch} changed the chain")
+                elif status.gone & set(handle.registry.stages):
+                    self._start_move(handle, status.detail)
+
+    def handles(self) -> list[RequestHandle]:
+        """The requests this daemon heads, each once (a moved request is known under each attempt's id)."""
+        return list({id(h): h for h in self.requests.values()}.values())
+
+    def _start_move(self, handle: RequestHandle, reason: str) -> bool:
+        """Start moving `handle` to the current chain; False if it cannot move (closed, or no task to move it)."""
+        if self._nursery is None or handle.closed:
+            return False
+        if not handle.moving:
+            handle.moving = True
+            self._nursery.start_soon(self._move, handle, reason)
+        return True
+
+    async def _move(self, handle: RequestHandle, reason: str) -> None:
+        """Replay the request's tokens through the current chain as a new attempt (see `swarmd.inference.head.recovery`)."""
+        log.info("moving %s: %s", handle.request_id, reason)
+        recovery = Recovery(reason, time.perf_counter())
+        handle.recoveries.append(recovery)
+        self.stats["moved"] += 1
+        assert self._nursery is not None and handle.request is not None and handle.sampling is not None
+        try:
+            while True:
+                if handle.attempt >= MAX_MOVES:
+                    self._nursery.start_soon(self._cancel_chain, handle.wire_id, handle.registry, "moved")
+                    raise HeadError("unreachable", f"moved {MAX_MOVES} times and the chain still does not hold it",
+                                    503)
+                registry = await self.wait_ready(give_up_when_too_small=True, on_wait=recovery.wait_says)
+                if handle.session.ended or handle.closed:
+                    return  # leaving `open` cancels the attempt on its chain
+                req, session = handle.request, handle.session
+                owes_scores = req.prompt_scores and not session.scored
+                move = plan_move(handle.registry, registry,
+                                 allowed=self.hop_local and not handle.full_replay and not owes_scores)
+                # the stages that stay keep the old attempt (the replay names it); the others forget it
+                self._nursery.start_soon(self._cancel_on, handle.wire_id, move.cancel, "moved")
+                resume_of = handle.wire_id if move.hop_local else ""
+                recovery.ready, recovery.epoch = time.perf_counter(), registry.epoch
+                recovery.kept_hops = tuple(hop for hop, _ in move.kept)
+                handle.attempt += 1
+                handle.registry = registry
+                self.requests[handle.wire_id] = handle
+                msg = replay_forward(handle.request_id, handle.attempt, self.peer_id, req.prompt_ids,
+                                     list(session.tokens), handle.sampling, registry.epoch,
+                                     prompt_scores=owes_scores, resume_of=resume_of)
+                recovery.sent, recovery.replayed_tokens = time.perf_counter(), msg.rows
+                try:
+                    await self.transport.send(registry.stage_peer(0), msg)
+                except (Refused, DeliveryFailed) as e:
+                    log.info("moving %s: stage 0 did not take the replay: %s", handle.request_id, e)
+                    if move.hop_local:  # which attempt the stages hold is unclear now: start again from nothing
+                        handle.full_replay = True
+                        self._nursery.start_soon(self._cancel_on, resume_of, move.kept, "moved")
+                    await trio.sleep(MOVE_CHECK_INTERVAL)
+                    continue
+                if handle.closed:
+                    self._nursery.start_soon(self._cancel_chain, handle.wire_id, registry, "cancelled")
+                return
+        except HeadError as e:
+            handle.push(handle.session.fail(e.code, f"the request's chain broke and it could not move: {e.message}"))
+        finally:
+            handle.moving = False
+
+    # --- messages from the chain ----------------------------------------------------------------------------
+
+    async def on_token(self, peer: str, msg: Token) -> None:
+        handle = self.requests.get(msg.request_id)
+        if handle is not None:
+            start = time.perf_counter()
+            events = handle.session.on_token(msg)  # in step order, detokenised, stop strings found
+            handle.record("head.detokenize", start, time.perf_counter(), step=msg.step)
+            handle.push(events)
+
+    async def trace(self, handle: RequestHandle) -> list[dict[str, Any]]:
+        """The request's Chrome trace events from every node on its path ([] when it is not traced)."""
+        if handle.recorder is None or self.tracing is None:
+            return []
+        handle.record_phases()
+        return await self.tracing.collect(handle.request_id, handle.registry.stages)
+
+    async def on_logprobs(self, peer: str, msg: Logprobs) -> None:
+        handle = self.requests.get(msg.request_id)
+        if handle is not None:
+            handle.push(handle.session.on_logprobs(msg))
+
+    def on_error(self, msg: Error) -> bool:
+        """A stage says the request failed; False if this daemon does not head it. An error about an earlier
+        attempt is stale; one that says the chain lost the request moves it instead of failing it."""
+        handle = self.requests.get(msg.request_id)
+        if handle is None:
+            return False
+        if msg.request_id != handle.wire_id or handle.moving:
+            return True
+        if msg.code in CHAIN_ERRORS and handle.attempt < MAX_MOVES:
+            handle.full_replay = handle.full_replay or msg.code == "resume_failed"
+            self._start_move(handle, f"stage {msg.hop}: {msg.code}: {msg.message}")
+            return True
+        handle.push(handle.session.on_error(msg))
+        return True
+
+
+def check_request(req: HeadRequest, model: ModelInfo) -> None:
+    """Refuse what no stage could serve, in words a user can act on (HeadError, HTTP 400)."""
+    n = len(req.prompt_ids)
+    if n == 0:
+        raise HeadError("empty_prompt", "the prompt is empty: give some text (or token ids) to continue")
+    if n >= model.max_context:
+        raise HeadError("context_length_exceeded", f"the prompt is {n} tokens but the context holds "
+                                                   f"{model.max_context}: shorten the prompt")
+    bad = [i for i in req.prompt_ids if not 0 <= i < model.vocab_size]
+    if bad:
+        raise HeadError("bad_token", f"token id {bad[0]} is outside the vocabulary of {model.vocab_size}")
+    if req.max_tokens < 0 or (req.max_tokens == 0 and not req.prompt_scores):
+        raise HeadError("bad_max_tokens", "max_tokens must be at least 1 (0 only with echo and logprobs)")
+    if not 0 <= req.logprobs <= 20:
+        raise HeadError("bad_logprobs", "logprobs must be between 0 and 20")
+    if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
+        raise HeadError("bad_seed", f"seed must be between 0 and {MAX_SEED}")

@@ -1,0 +1,330 @@
+"""Pipeline inference on a daemon: the actor transport, the stage and head actors, and their HTTP routes.
+
+`run_pipeline` is a Node extension (`node.add_extension(run_pipeline)`; `swarmd join` adds it). It starts
+the actor transport on the node's libp2p host (tensors on the pinned TLS data plane unless `data_plane` is
+libp2p), and routes its messages:
+
+    Forward          -> stage      (checked against this daemon's stage: hop, hidden size, dtype, vocabulary)
+    Token hop 0      -> stage      (stage 0: the next step's input)
+    Token hop 1      -> head       (a token for a request this daemon heads)
+    Logprobs         -> head
+    Cancel           -> stage      (free the request's KV cache)
+    ExpertBatch      -> expert     (MoE: rows for the routed experts this daemon holds)
+    ExpertResult     -> MoE router (the answer to a batch this daemon's stage sent)
+    Error            -> MoE router (about one of its batches), head, or passed on to the request's head
+
+The registry (actor -> peer) follows the node's current plan; the stage actor follows the node's loaded
+assignment. Routes: `/v1/*` (OpenAI-compatible), `/api/v0/generate` (for `swarmd submit-prompt`) and
+`/api/v0/pipeline` (this daemon's stage and head counters).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+import trio
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from swarmd.api.generate_route import GenerateRoute
+from swarmd.api.openai_routes import OpenAIRoutes
+from swarmd.inference.head.service import HeadError, HeadService, ModelInfo
+from swarmd.inference.moe.expert import ExpertActor
+from swarmd.inference.moe.local import LocalExperts
+from swarmd.inference.moe.router import MoERouter
+from swarmd.inference.registry import EMPTY, ChainStatus, Registry, chain_status
+from swarmd.inference.stage.actor import Loaded, StageActor
+from swarmd.observe.clock import ClockOffsets
+from swarmd.observe.hop_timer import HopTimer
+from swarmd.observe.pipeline_metrics import register_pipeline_metrics
+from swarmd.observe.spans import NodeSpans, SpanRecorder, chrome_trace
+from swarmd.observe.trace_collect import TraceCollector
+from swarmd.swarm.membership import State, StateChanged
+from swarmd.transport.links import Plane, start_actor_transport
+from swarmd.transport.transport import HandlerResult, Send, TransportConfig
+from swarmd.wire.codec import FLOAT_DTYPES, WireError
+from swarmd.wire.expect import Expect, ExpectExpertBatch, ExpectExpertResult, ExpectForward, ExpectToken
+from swarmd.wire.messages import (
+    Cancel,
+    Error,
+    ExpertBatch,
+    ExpertResult,
+    Forward,
+    Logprobs,
+    Message,
+    Token,
+    TraceQuery,
+    TraceSpans,
+)
+
+log = logging.getLogger("swarmd.pipeline")
+
+
+def transport_config(max_requests: int) -> TransportConfig:
+    """Windows and handler limits above the requests a stage can hold (below them the chain would deadlock)."""
+    return TransportConfig(window=max(32, 4 * max_requests), max_handlers_per_peer=max(64, 8 * max_requests),
+                           max_handlers=max(256, 32 * max_requests))
+
+
+class Pipeline:
+    def __init__(self, node: Any, transport: Any, links: Any) -> None:
+        self.node = node
+        self.transport = transport
+        self.links = links
+        cfg = node.config
+        self._registry: Registry = EMPTY
+        self._plan_key: Any = None
+        wire_dtype = None if cfg.wire_dtype in ("", "float32") else cfg.wire_dtype
+        self.router = MoERouter(transport, self._expert_holders, wire_dtype=wire_dtype, cannot_hold=self._cannot_hold)
+        self.expert = ExpertActor(self._expert_shard, compute=node.compute, wire_dtype=wire_dtype)
+        local = LocalExperts(self._expert_shard, self.router.record_local, clock=self._span_clock)
+        self.stage = StageActor(self.loaded, compute=node.compute, max_context=cfg.max_context,
+                                wire_dtype=wire_dtype, idle_timeout=cfg.timings.request_idle_timeout,
+                                experts=self.router.call, local_experts=local, plan_epoch=lambda: self.registry().epoch,
+                                inline_step_s=cfg.inline_step_ms / 1e3, post_all=transport.post_all)
+        self.head = HeadService(node.peer_id, transport, chain=self.chain, registry=self.registry,
+                                timings=cfg.timings, load_model=self._load_model, in_flight=self._count,
+                                leaving=lambda: node.leaving, hop_local=not cfg.full_replay)
+        self._observe()
+        transport.on_link_lost = self.router.link_lost  # batches with a replica leave a broken link at once
+        swarm = getattr(node, "swarm", None)
+        if swarm is not None:  # batches waiting on a node end as soon as membership says it died
+            swarm.state_listeners.append(self._member_state)
+
+    def _member_state(self, change: StateChanged) -> None:
+        self.router.peer_state(change.peer_id, dead=change.new == State.DEAD)
+
+    def _cannot_hold(self) -> str | None:
+        """On the leader: why no plan can hold the model now (its last planning error), else None."""
+        swarm = getattr(self.node, "swarm", None)
+        return (swarm.coordinator.error or None) if swarm is not None and swarm.coordinator.is_leader else None
+
+    def _observe(self) -> None:
+        """Spans of traced requests, clock offsets from the swarm's probes, and the pipeline's metrics."""
+        swarm = getattr(self.node, "swarm", None)
+        recorder = SpanRecorder(clock=swarm.clock) if swarm is not None else SpanRecorder()
+        clocks = swarm.clocks if swarm is not None else ClockOffsets()
+        self.tracing = TraceCollector(self.node.peer_id, self.transport, recorder, clocks)
+        self.stage.recorder = recorder
+        self.router.recorder = recorder
+        self.expert.recorder = recorder
+        self.head.tracing = self.tracing
+        metrics = getattr(self.node, "metrics", None)
+        wire = None
+        if metrics is not None:
+            wire, ttft = register_pipeline_metrics(metrics.registry, self)
+            self.head.on_first_token = ttft.observe
+        self.transport.observer = HopTimer(recorder, wire)
+
+    # --- what the plan and the assignment say now ---------------------------------------------------------
+
+    def registry(self) -> Registry:
+        plan = self.node.plan
+        key = (plan.epoch, id(plan)) if plan is not None else None
+        if key != self._plan_key:
+            self._registry, self._plan_key = Registry.from_plan(plan), key
+        return self._registry
+
+    def loaded(self) -> Loaded | None:
+        """This daemon's stage, if the current plan gives it one and its blocks are loaded."""
+        registry = self.registry()
+        hop = registry.hop_of(self.node.peer_id)
+        assignment = self.node.assignment
+        if hop is None or assignment is None or assignment.stage is None:
+            return None
+        if assignment.loaded_layers != registry.layers[hop]:
+            return None
+        return Loaded(assignment.stage, hop, registry)
+
+    def _expert_holders(self, block: int) -> dict[int, tuple[str, ...]]:
+        plan = self.node.plan
+        return dict(plan.experts.get(block, {})) if plan is not None else {}
+
+    def _span_clock(self) -> float:
+        """The clock the router stamps its spans with (its recorder's, once `_observe` has set one)."""
+        recorder = self.router.recorder
+        return recorder.clock() if recorder is not None else time.perf_counter()
+
+    def _expert_shard(self) -> Any:
+        assignment = self.node.assignment
+        return assignment.experts if assignment is not None else None
+
+    def chain(self) -> ChainStatus:
+        swarm = self.node.swarm
+        if swarm is None:
+            return ChainStatus(False, "the daemon is starting")
+        snap = swarm.snapshot()
+        status = chain_status(snap["plan"], snap["members"])
+        if not status.ready and snap.get("plan_error"):  # on the leader: why no plan can replace the broken one
+            return replace(status, detail=f"{status.detail}; the swarm cannot hold the model: {snap['plan_error']}",
+                           cannot_hold=True)
+        return status
+
+    async def forget_dead_heads(self, interval: float = 1.0) -> None:
+        """Requests whose head died hold KV caches no one reads: free them as soon as membership says so."""
+        while True:
+            await trio.sleep(interval)
+            swarm = self.node.swarm
+            if swarm is not None:
+                gone = {m["peer_id"] for m in swarm.snapshot()["members"] if m.get("state") == "dead"}
+                self.stage.forget_heads(gone)
+
+    def _count(self, delta: int) -> None:
+        self.node.requests_in_flight += delta
+
+    def _load_model(self) -> ModelInfo:
+        from models.config import config_from_header
+        from models.errors import ModelError
+        from models.gguf.header import read_header
+        from models.text.tokenizer import Tokenizer
+
+        served = self.node.model
+        if served is not None and served.seeded is not None:
+            config = served.seeded.config(self.node.config.max_context)
+            return ModelInfo(served.name, Tokenizer(served.seeded.tokenizer_kv()), config.max_context,
+                             config.vocab_size)
+        if served is None or served.path is None:
+            raise HeadError("no_weights", f"this daemon has no weights for {served.name if served else 'its model'}: "
+                                          "it can plan, not generate", 503)
+        try:
+            header = read_header(served.path)
+            tokenizer = Tokenizer(header.kv)
+            config = config_from_header(header, self.node.config.max_context)
+        except ModelError as e:
+            raise HeadError("model_error", f"{served.name}: {e}", 503) from None
+        return ModelInfo(served.name, tokenizer, config.max_context, config.vocab_size)
+
+    # --- transport routes -----------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        install_actor_routes(self.transport, self.stage, self.head, peer_id=self.node.peer_id,
+                             expect_forward=self._expect_forward, expect_token=self._expect_token,
+                             router=self.router)
+        served = self.node.model
+        moe = [b.moe for b in served.layout.blocks if b.moe is not None] if served is not None else []
+        if moe:
+            hidden = served.layout.hidden_size
+            self.transport.route(ExpertBatch, self.expert.on_batch, expect=ExpectExpertBatch(
+                hidden, max(m.n_experts for m in moe), max(m.top_k for m in moe), dtypes=FLOAT_DTYPES))
+            self.transport.route(ExpertResult, self.router.on_result,
+                                 expect=ExpectExpertResult(hidden, dtypes=FLOAT_DTYPES))
+        self.transport.route(TraceQuery, self.tracing.on_query)
+        self.transport.route(TraceSpans, self.tracing.on_spans)
+
+    def _expect_forward(self, msg: Message) -> None:
+        loaded = self.loaded()
+        if loaded is None:
+            return  # the stage actor answers the head with a clear error instead of refusing the frame
+        model = loaded.model
+        ExpectForward(hop=loaded.hop, hidden_size=model.hidden_size, vocab_size=model.vocab_size,
+                      dtypes=FLOAT_DTYPES, max_pos=model.max_context)(msg)
+
+    def _expect_token(self, msg: Message) -> None:
+        served = self.node.model
+        if served is not None:
+            ExpectToken(served.layout.vocab_size)(msg)
+
+    # --- status ----------------------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        loaded = self.loaded()
+        book = self.stage.book
+        chain = self.chain()
+        return {
+            "stage": None if loaded is None else {
+                "hop": loaded.hop, "of": loaded.registry.n_stages, "blocks": [loaded.model.start, loaded.model.end],
+                "requests": len(book.requests) if book else 0, **self.stage.queue_state(),
+                **self.stage.stats.to_json()},
+            "head": {"in_flight": len(self.head.requests), **self.head.stats,
+                     "requests": [{"request_id": h.request_id, "tokens": h.timing.tokens, "where": h.whereabouts()}
+                                  for h in self.head.handles()]},
+            "moe": {"router": self.router.status(), "expert": self.expert.status()},
+            "chain": {"ready": chain.ready, "detail": chain.detail},
+            "transport": {k: v for k, v in vars(self.transport.stats).items()},
+            "links": self.transport.link_state(),
+            "clock_offsets": self.tracing.clocks.to_json(),  # NTP-style, from probes and trace queries
+        }
+
+
+    def moe_status(self) -> dict[str, Any]:
+        """Where each block's experts live (the plan's), and the tokens routed to each expert: by this
+        daemon's routers (the blocks its stage owns) and computed by its expert actor."""
+        router, expert = self.router.status(), self.expert.status()
+        plan = self.node.plan
+        placement = {str(b): {str(e): list(peers) for e, peers in sorted(by.items())}
+                     for b, by in sorted(plan.experts.items())} if plan is not None else {}
+        return {"placement": placement, "routed": router["layers"], "replica_latency_ms": router["latency_ms"],
+                "computed_here": expert}
+
+
+def install_actor_routes(transport: Any, stage: StageActor, head: HeadService, *, peer_id: str,
+                         expect_forward: Expect | None = None, expect_token: Expect | None = None,
+                         router: MoERouter | None = None) -> None:
+    """Route the pipeline's messages on `transport` to this daemon's stage and head actors."""
+
+    async def on_token(peer: str, msg: Token) -> HandlerResult:
+        if msg.hop == 0:
+            return await stage.on_token(peer, msg)
+        if msg.hop == 1:
+            await head.on_token(peer, msg)
+            return None
+        raise WireError("wrong_hop", f"a token copy is for stage 0 (hop 0) or the head (hop 1), not hop {msg.hop}",
+                        request_id=msg.request_id)
+
+    async def on_error(peer: str, msg: Error) -> HandlerResult:
+        if router is not None and router.on_error(msg):
+            return None
+        if head.on_error(msg):
+            return None
+        request_head = stage.head_of(msg.request_id)
+        if request_head is not None and request_head not in (peer_id, peer):
+            return Send(request_head, msg)  # a stage further down failed: its head must hear it
+        log.info("error about %s from %s: %s: %s", msg.request_id or "-", peer[:16], msg.code, msg.message)
+        return None
+
+    transport.route(Forward, stage.on_forward, expect=expect_forward)
+    transport.route(Token, on_token, expect=expect_token)
+    transport.route(Logprobs, head.on_logprobs)
+    transport.route(Cancel, stage.on_cancel)
+    transport.route(Error, on_error)
+
+
+async def run_pipeline(node: Any, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """The Node extension: serve pipeline requests until the node stops."""
+    cfg = node.config
+    plane = Plane.TLS if cfg.data_plane == "tls" else Plane.LIBP2P
+    async with trio.open_nursery() as nursery:
+        transport, links = await start_actor_transport(node.network.host, nursery, transport_config(cfg.max_requests),
+                                                       plane=plane)
+        pipeline = Pipeline(node, transport, links)
+        pipeline.install()
+        await nursery.start(pipeline.stage.run)
+        await nursery.start(pipeline.head.run)
+        nursery.start_soon(pipeline.forget_dead_heads)
+        OpenAIRoutes(pipeline.head).install(node.api)
+        GenerateRoute(pipeline.head).install(node.api)
+
+        async def status(request: Request) -> JSONResponse:
+            return JSONResponse(pipeline.status())
+
+        async def trace(request: Request) -> JSONResponse:
+            rid = request.path_params["request_id"]
+            events = pipeline.tracing.traces.get(rid)
+            if events is None:  # not headed here: this daemon's own spans of it, on its own clock
+                spans = pipeline.tracing.recorder.spans(rid)
+                if not spans:
+                    return JSONResponse({"error": {"message": f"no trace of {rid} on this daemon (traced requests "
+                                                              "only, the latest 32)", "code": "not_found"}},
+                                        status_code=404)
+                events = chrome_trace([NodeSpans(node.peer_id, "node", spans)], request_id=rid)
+            return JSONResponse({"traceEvents": events, "displayTimeUnit": "ms"})
+
+        node.api.add_route("/api/v0/pipeline", status)
+        node.api.add_route("/api/v0/trace/{request_id}", trace)
+        if node.model is not None and node.model.layout.is_moe:
+            node.status_parts["moe"] = pipeline.moe_status
+        task_status.started(pipeline)
+        await trio.sleep_forever()

@@ -1,0 +1,291 @@
+"""What a pipeline stage knows about the requests passing through it, and what it sends on. Sans-IO.
+
+`StageBook` takes the stage's messages (a `Forward`, on stage 0 a `Token`, a `Cancel`) and the clock, and
+answers with `Work` for the model and, once the model has run it, the messages to send: hidden states to the
+next stage; on the last stage the sampled token to stage 0 (the next step) and to the head, plus the prompt's
+log-probs for teacher forcing. It checks that each step follows the last (the transport already drops
+repeats) and that a cache is never written out of order. A request ends on `Cancel`, on an error, or when
+it has been idle too long; the trio code (`swarmd.inference.stage.actor`) then frees its KV cache. The model itself (forward,
+sampling) is not called from here. A moved request's first Forward may name the attempt it continues: the
+stage then adopts that attempt's KV cache if it holds it, and computes only the positions it lacks
+(`swarmd.inference.head.hop_local`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from swarmd.errors import RemoteProtocolError
+from swarmd.inference.head.hop_local import SentRows, keep_positions
+from swarmd.wire.codec import WireTensor
+from swarmd.wire.messages import Error, Forward, Logprobs, Message, Sampling, Token
+
+
+class StageRefusal(RemoteProtocolError):
+    """A message the stage will not act on; `code` and the message go to the request's head."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Work:
+    """One step of one request for the model: rows from `start_pos`."""
+
+    request_id: str
+    step: int
+    start_pos: int
+    data: np.ndarray  # int32 token ids (stage 0) or float32 hidden states
+    new: bool = False  # the request needs a KV slot first
+    all_logits: bool = False
+    targets: np.ndarray | None = None  # teacher forcing, last stage: the token each row but the last predicts
+    sampling: Sampling | None = None  # last stage
+    adopt: str = ""  # the KV slot is this earlier attempt's, its first `start_pos` positions kept
+    resume_of: str = ""  # the request continues this attempt: send the next stage every row from position 0
+
+    @property
+    def rows(self) -> int:
+        return int(self.data.shape[0])
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """What the last stage computed for one step: the token and, when asked, log-probs."""
+
+    token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: np.ndarray | None = None  # float32 [rows - 1], with all_logits
+    prompt_top_ids: np.ndarray | None = None  # int32 [rows - 1, k]
+    prompt_top_logprobs: np.ndarray | None = None  # float32 [rows - 1, k]
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    head: str
+    epoch: int
+    sampling: Sampling
+    position: int = 0  # tokens this stage's cache holds for the request
+    step: int = -1  # the last step this stage has run (or is running)
+    busy: bool = False  # a step is with the model
+    cancelled: bool = False  # cancelled while busy: free once the model is done
+    last_active: float = 0.0
+    sent: SentRows | None = None  # the rows sent on, by position (every stage but the last)
+
+
+@dataclass(frozen=True)
+class Out:
+    """A message to send: `peer` is a peer id."""
+
+    peer: str
+    msg: Message
+
+
+def finish_reason(token: int, step: int, cache_len: int, sampling: Sampling, max_context: int) -> str:
+    """Why the request ends after the token of `step` ("" if it goes on). The same rule as `swarmd run`:
+    an end-of-generation token stops; max_tokens or a full context ends it for length."""
+    if token in sampling.stop_ids:
+        return "stop"
+    if (sampling.max_tokens and step + 1 >= sampling.max_tokens) or cache_len >= max_context:
+        return "length"
+    return ""
+
+
+@dataclass
+class StageBook:
+    hop: int
+    n_stages: int
+    max_context: int
+    vocab_size: int
+    wire_dtype: str | None = None  # None: hidden states travel in their compute dtype (lossless)
+    requests: dict[str, RequestState] = field(default_factory=dict)
+
+    @property
+    def is_first(self) -> bool:
+        return self.hop == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.hop == self.n_stages - 1
+
+    # --- messages in -> work ------------------------------------------------------------------------------
+
+    def on_forward(self, msg: Forward, now: float) -> Work:
+        data = self._rows(msg)
+        # A request's first Forward is step 0, or a later step carrying the sampling settings: the head moved
+        # the request to a new chain and replays its tokens so far (prompt and generated) from position 0.
+        first = msg.step == 0 or msg.sampling is not None
+        if first:
+            if msg.request_id in self.requests:
+                raise StageRefusal("duplicate_request", f"request {msg.request_id} is already running here")
+            if msg.start_pos != 0:
+                raise StageRefusal("bad_position", "a request's first step must start at position 0")
+            position = 0
+        else:
+            position = self._ready(msg.request_id, msg.step).position
+            if msg.start_pos != position:
+                raise StageRefusal("bad_position", f"step {msg.step} starts at position {msg.start_pos}; this "
+                                                   f"stage holds {position} tokens of request {msg.request_id}")
+        if msg.start_pos + len(data) > self.max_context:
+            raise StageRefusal("context_full", f"{msg.start_pos + len(data)} tokens exceed this stage's context "
+                                               f"of {self.max_context}")
+        start, adopt = msg.start_pos, ""
+        if first:
+            state = RequestState(msg.request_id, msg.head, msg.epoch, msg.sampling or Sampling(), last_active=now,
+                                 sent=None if self.is_last else SentRows(self.max_context))
+            start = self._adopt(msg.resume_of, state, len(data)) if msg.resume_of else 0
+            adopt = msg.resume_of if start else ""
+            self.requests[msg.request_id] = state
+        state = self.requests[msg.request_id]
+        targets = msg.targets.to_array().astype(np.int32) if msg.targets is not None else None
+        return self._begin(state, Work(msg.request_id, msg.step, start, data[start - msg.start_pos:], first,
+                                       msg.all_logits, targets, state.sampling if self.is_last else None,
+                                       adopt=adopt, resume_of=msg.resume_of), now)
+
+    def _adopt(self, old_id: str, state: RequestState, total: int) -> int:
+        """Take over what this stage holds of the attempt `old_id` (idle, not cancelled) for `state`: the
+        positions kept (0: nothing, the stage computes them all; the old attempt is then left to `cancel`)."""
+        old = self.requests.get(old_id)
+        if old is None or old.busy or old.cancelled:
+            return 0
+        keep = keep_positions(old.position, None if old.sent is None else old.sent.length, total)
+        if keep == 0:
+            return 0
+        del self.requests[old_id]
+        state.position, state.sent = keep, old.sent
+        if state.sent is not None:
+            state.sent.truncate(keep)
+        return keep
+
+    def on_token(self, msg: Token, now: float) -> Work:
+        """Stage 0: the token sampled at `msg.step` is the input of the next step."""
+        if not self.is_first:
+            raise StageRefusal("wrong_hop", f"tokens go to stage 0; this is stage {self.hop}")
+        if msg.token >= self.vocab_size:
+            raise StageRefusal("bad_token", f"token {msg.token} outside the vocabulary of {self.vocab_size}")
+        state = self._ready(msg.request_id, msg.step + 1)
+        data = np.asarray([msg.token], dtype=np.int32)
+        if state.position + 1 > self.max_context:
+            raise StageRefusal("context_full", f"request {msg.request_id} fills this stage's context of "
+                                               f"{self.max_context}")
+        return self._begin(state, Work(msg.request_id, msg.step + 1, state.position, data,
+                                       sampling=state.sampling if self.is_last else None), now)
+
+    def _rows(self, msg: Forward) -> np.ndarray:
+        if self.is_first:
+            if msg.tokens is None:
+                raise StageRefusal("bad_shape", "stage 0 takes token ids")
+            return msg.tokens.to_array().astype(np.int32)
+        if msg.hidden is None:
+            raise StageRefusal("bad_shape", f"stage {self.hop} takes hidden states")
+        return msg.hidden.to_array("float32")
+
+    def _ready(self, request_id: str, step: int) -> RequestState:
+        state = self.requests.get(request_id)
+        if state is None or state.cancelled:
+            raise StageRefusal("unknown_request", f"request {request_id} is not running here (finished, "
+                                                  "cancelled or timed out)")
+        if state.busy or step != state.step + 1:
+            raise StageRefusal("out_of_order", f"step {step} of request {request_id} arrived while this stage "
+                                               f"{'runs' if state.busy else 'has run'} step {state.step}")
+        return state
+
+    def _begin(self, state: RequestState, work: Work, now: float) -> Work:
+        state.busy, state.step, state.last_active = True, work.step, now
+        return work
+
+    # --- the model's output -> messages out -----------------------------------------------------------------
+
+    def complete(self, work: Work, output: np.ndarray | Sampled, *, next_peer: str | None, first_peer: str,
+                 now: float) -> list[Out]:
+        """The model ran `work`: advance the request and say what to send (nothing if it was cancelled)."""
+        state = self.requests[work.request_id]
+        state.busy, state.last_active = False, now
+        state.position = work.start_pos + work.rows
+        if state.cancelled:
+            del self.requests[work.request_id]
+            return []
+        if not self.is_last:
+            assert isinstance(output, np.ndarray) and next_peer is not None and state.sent is not None
+            state.sent.put(work.start_pos, output)
+            # a moved request's next stage may hold nothing of it: it gets every row, and keeps what it can
+            start, rows = (0, state.sent.upto(state.position)) if work.resume_of else (work.start_pos, output)
+            hidden = _wire_tensor(rows, self.wire_dtype)
+            targets = WireTensor.from_array(work.targets) if work.targets is not None else None
+            return [Out(next_peer, Forward(work.request_id, work.step, self.hop + 1, start, state.head,
+                                           hidden=hidden, epoch=state.epoch, all_logits=work.all_logits,
+                                           sampling=state.sampling if work.new else None, targets=targets,
+                                           resume_of=work.resume_of))]
+        assert isinstance(output, Sampled)
+        out: list[Out] = []
+        if output.prompt_logprobs is not None:
+            assert output.prompt_top_ids is not None and output.prompt_top_logprobs is not None
+            out.append(Out(state.head, Logprobs(work.request_id, work.step,
+                                                WireTensor.from_array(output.prompt_logprobs.astype(np.float32)),
+                                                WireTensor.from_array(output.prompt_top_ids.astype(np.int32)),
+                                                WireTensor.from_array(output.prompt_top_logprobs.astype(np.float32)))))
+        finish = finish_reason(output.token, work.step, state.position, state.sampling, self.max_context)
+        ids = tuple(i for i, _ in output.top)
+        lps = tuple(p for _, p in output.top)
+        if not finish:
+            out.append(Out(first_peer, Token(work.request_id, work.step, output.token, output.logprob, ids, lps,
+                                             hop=0)))
+        out.append(Out(state.head, Token(work.request_id, work.step, output.token, output.logprob, ids, lps, hop=1,
+                                         finish=finish)))
+        return out
+
+    def fail(self, work: Work, code: str, message: str) -> Out | None:
+        """The model could not run `work`: the request ends here; the head is told why."""
+        state = self.requests.pop(work.request_id, None)
+        if state is None:
+            return None
+        return Out(state.head, Error(code, message, request_id=work.request_id, step=work.step, hop=self.hop))
+
+    # --- ends ---------------------------------------------------------------------------------------------
+
+    def cancel(self, request_id: str) -> bool:
+        """Forget the request; True if its KV cache can be freed now (False: none, or the model still runs it)."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return False
+        if state.busy:
+            state.cancelled = True
+            return False
+        del self.requests[request_id]
+        return True
+
+    def expire(self, now: float, idle: float) -> list[str]:
+        """Requests idle for `idle` seconds (their head is gone or forgot them): forgotten; free their caches."""
+        stale = [r for r, s in self.requests.items() if not s.busy and now - s.last_active >= idle]
+        for r in stale:
+            del self.requests[r]
+        return stale
+
+    def drop_heads(self, heads: set[str]) -> list[str]:
+        """Forget the requests whose head is gone (dead or left): those to free now (busy ones: when done)."""
+        return [rid for rid, st in list(self.requests.items()) if st.head in heads and self.cancel(rid)]
+
+    def head_of(self, request_id: str) -> str | None:
+        state = self.requests.get(request_id)
+        return state.head if state else None
+
+    def clear(self) -> list[str]:
+        """The model was replaced (a new plan): every request here is lost."""
+        gone = list(self.requests)
+        self.requests.clear()
+        return gone
+
+
+def _wire_tensor(hidden: np.ndarray, wire_dtype: str | None) -> WireTensor:
+    if wire_dtype is None:
+        return WireTensor.from_array(np.ascontiguousarray(hidden, dtype=np.float32))
+    from swarmd.errors import LocalProtocolError
+
+    try:
+        return WireTensor.from_array(hidden, wire_dtype)
+    except LocalProtocolError:  # float16 cannot hold this tensor's outliers: send it losslessly instead
+        return WireTensor.from_array(np.ascontiguousarray(hidden, dtype=np.float32))

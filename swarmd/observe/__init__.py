@@ -1,0 +1,1 @@
+"""Observability: metrics, spans, Chrome traces, trace collection and summaries, clock offsets."""

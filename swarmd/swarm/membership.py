@@ -1,0 +1,377 @@
+"""Who is in the swarm: a sans-IO state machine (heartbeats and probe results in, actions out).
+
+    (unknown) --compatible heartbeat--> alive
+    alive   --no heartbeat for the suspicion timeout, or a lost connection--> suspect
+    suspect --heartbeat or probe answer--> alive   (the second probe answer in a row with no heartbeat
+                                                 between: reconnect, its gossip path is broken)
+    suspect --direct probe failed (or no answer for another timeout)--> dead
+    suspect (its connection dropped) --redials refused for a heartbeat interval--> dead
+    dead    --higher incarnation (a restart), or a newer heartbeat confirmed by a probe--> alive
+    any     --leave--> dead;  dead --dead_retention--> forgotten
+
+A member whose connection dropped is not dead at its first failed probe (a reset link fails the first
+redials while it comes back), but it need not be silent for a whole suspicion timeout either: when
+`REFUSALS_TO_DIE` redials in a row are refused (nothing listens at its address: a killed process) and no heartbeat came for a heartbeat interval, it is dead. A hung process keeps its
+connection and accepts dials, so only silence for the full timeout marks it.
+
+A member of another wire version or model is never admitted: it is listed as refused with the
+reason. A daemon that joins (has bootstrap peers) counts as admitted once an admitted, compatible
+member's heartbeat names it; a founder is admitted from the start. Time is whatever `now` the
+caller passes, so tests drive it with a fake clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from planner.node import NodeDescriptor
+from swarmd.config import Timings
+from swarmd.net.identity import short_id
+from swarmd.wire.gossip import Heartbeat
+
+# Redials in a row refused after a dropped connection that make a member dead (with a heartbeat interval of
+# silence): one refusal can be a reset of the new connection, several in a row are a dead process. (Each
+# redial is itself several connection attempts: py-libp2p retries a refused dial three times.)
+REFUSALS_TO_DIE = 2
+# Times in a row a member went silent on gossip yet answered the direct probe: its connection stands but the
+# gossip stream over it is broken (py-libp2p can keep a dead pubsub stream on a live connection after a
+# reset), so no heartbeat or plan will come that way again until the connection is made anew.
+SILENT_BUT_REACHABLE_TO_RECONNECT = 2
+
+
+class State(enum.StrEnum):
+    ALIVE = "alive"
+    SUSPECT = "suspect"
+    DEAD = "dead"
+
+
+# --- inputs -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HeartbeatReceived:
+    heartbeat: Heartbeat
+
+
+@dataclass(frozen=True)
+class LeaveReceived:
+    peer_id: str
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    peer_id: str
+    ok: bool
+    rtt_ms: float | None = None
+    error: str = ""
+    refused: bool = False  # the probe had to dial, and the dial was turned away at once (not a timeout)
+
+
+@dataclass(frozen=True)
+class ConnectionLost:
+    peer_id: str
+
+
+@dataclass(frozen=True)
+class RefusedMessage:
+    """A message whose envelope already shows the sender cannot join (e.g. another wire version)."""
+
+    peer_id: str
+    reason: str
+
+
+MembershipInput = HeartbeatReceived | LeaveReceived | ProbeResult | ConnectionLost | RefusedMessage
+
+
+# --- actions ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Probe:
+    peer_id: str
+
+
+@dataclass(frozen=True)
+class Dial:
+    peer_id: str
+    addresses: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StateChanged:
+    peer_id: str
+    old: State | None
+    new: State
+    reason: str
+
+
+@dataclass(frozen=True)
+class Reconnect:
+    """Close the connection to `peer_id` (the dialer makes a new one, and gossip a new stream over it)."""
+
+    peer_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    peer_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Admitted:
+    via: str
+
+
+@dataclass(frozen=True)
+class Forgotten:
+    peer_id: str
+
+
+MembershipAction = Probe | Dial | StateChanged | Reconnect | Refused | Admitted | Forgotten
+
+
+@dataclass
+class Member:
+    peer_id: str
+    state: State
+    heartbeat: Heartbeat
+    last_heard: float
+    since: float  # when `state` was entered
+    seq: int
+    left: bool = False
+    probe_sent: float | None = None  # when the outstanding probe went out
+    last_probe: float = 0.0
+    rtt_ms: float | None = None
+    newer_while_dead: bool = False  # a fresh heartbeat arrived while dead: a probe decides
+    failed_probes: int = 0  # routine probes that failed while heartbeats still arrived
+    connection_lost: bool = False  # suspect because its connection dropped, not because it went silent
+    refused_redials: int = 0  # probes in a row, since the connection dropped, whose dial was refused
+    silent_but_reachable: int = 0  # times in a row it went silent and then answered the probe
+    reason: str = ""
+
+    @property
+    def incarnation(self) -> int:
+        return self.heartbeat.incarnation
+
+    @property
+    def descriptor(self) -> NodeDescriptor:
+        return self.heartbeat.descriptor
+
+
+def incompatibility(local: NodeDescriptor, remote: NodeDescriptor) -> str | None:
+    """Why `remote` cannot be in `local`'s swarm, or None if it can."""
+    if remote.wire_version != local.wire_version:
+        return f"speaks wire version {remote.wire_version}, this daemon speaks {local.wire_version}"
+    if remote.model_name != local.model_name:
+        return f"serves model {remote.model_name!r}, this swarm serves {local.model_name!r}"
+    if remote.model_digest and local.model_digest and remote.model_digest != local.model_digest:
+        return (f"serves different weights of {remote.model_name!r} "
+                f"(digest {remote.model_digest[:12]}, here {local.model_digest[:12]})")
+    return None
+
+
+@dataclass
+class Membership:
+    local: NodeDescriptor  # what compatibility is judged against
+    timings: Timings
+    founder: bool  # started without bootstrap peers: admitted from the start
+    members: dict[str, Member] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+    admitted: bool = False
+
+    def __post_init__(self) -> None:
+        self.admitted = self.founder
+
+    @property
+    def self_id(self) -> str:
+        return self.local.peer_id
+
+    # --- queries --------------------------------------------------------------------------
+    def live(self) -> set[str]:
+        """Members not dead, self included: who elections and plans count."""
+        return {p for p, m in self.members.items() if m.state != State.DEAD} | {self.self_id}
+
+    def state_of(self, peer_id: str) -> State | None:
+        if peer_id == self.self_id:
+            return State.ALIVE
+        m = self.members.get(peer_id)
+        return m.state if m else None
+
+    def suspicion_timeout(self) -> float:
+        return self.timings.suspicion_timeout(len(self.live()))
+
+    # --- inputs ---------------------------------------------------------------------------
+    def handle(self, msg: MembershipInput, now: float) -> list[MembershipAction]:
+        if isinstance(msg, HeartbeatReceived):
+            return self._on_heartbeat(msg.heartbeat, now)
+        if isinstance(msg, LeaveReceived):
+            return self._on_leave(msg, now)
+        if isinstance(msg, ProbeResult):
+            return self._on_probe_result(msg, now)
+        if isinstance(msg, ConnectionLost):
+            m = self.members.get(msg.peer_id)
+            if m and m.state == State.ALIVE:
+                m.connection_lost = True
+                return [*self._move(m, State.SUSPECT, now, "connection lost"), *self._probe(m, now)]
+            return []
+        if isinstance(msg, RefusedMessage):
+            return self._refuse(msg.peer_id, msg.reason)
+        raise TypeError(f"not a membership input: {msg!r}")
+
+    def tick(self, now: float) -> list[MembershipAction]:
+        out: list[MembershipAction] = []
+        timeout = self.suspicion_timeout()
+        for m in list(self.members.values()):
+            if m.probe_sent is not None and now - m.probe_sent > 3 * self.timings.probe_timeout:
+                m.probe_sent = None  # its result was lost: allow another
+            if m.state == State.ALIVE:
+                if now - m.last_heard > timeout:
+                    out += self._move(m, State.SUSPECT, now, f"no heartbeat for {now - m.last_heard:.1f} s")
+                    out += self._probe(m, now)
+                elif now - m.last_probe >= self.timings.probe_interval:
+                    out += self._probe(m, now)
+            elif m.state == State.SUSPECT:
+                if now - m.since > timeout:
+                    out += self._move(m, State.DEAD, now, "suspect for a whole timeout without an answer")
+                elif m.probe_sent is None:
+                    out += self._probe(m, now)
+            elif m.state == State.DEAD and now - m.since > self.timings.dead_retention:
+                del self.members[m.peer_id]
+                out.append(Forgotten(m.peer_id))
+        return out
+
+    # --- transitions ----------------------------------------------------------------------
+    def _on_heartbeat(self, hb: Heartbeat, now: float) -> list[MembershipAction]:
+        peer = hb.peer_id
+        if peer == self.self_id:
+            return []
+        reason = incompatibility(self.local, hb.descriptor)
+        if reason:
+            refusal = self._refuse(peer, reason)
+            gone = self.members.pop(peer, None)
+            if gone is not None:
+                refusal.append(StateChanged(peer, gone.state, State.DEAD, f"refused: {reason}"))
+            return refusal
+        self.refused.pop(peer, None)
+        out: list[MembershipAction] = []
+        m = self.members.get(peer)
+        if m is None:
+            m = Member(peer, State.ALIVE, hb, last_heard=now, since=now, seq=hb.seq, last_probe=now,
+                       reason="joined")
+            self.members[peer] = m
+            out.append(StateChanged(peer, None, State.ALIVE, "joined"))
+            out.append(Dial(peer, hb.descriptor.addresses))
+        elif hb.incarnation > m.incarnation:
+            addresses_changed = hb.descriptor.addresses != m.descriptor.addresses
+            old = m.state
+            m.heartbeat, m.seq, m.last_heard, m.left, m.newer_while_dead = hb, hb.seq, now, False, False
+            m.state, m.since, m.reason = State.ALIVE, now, f"rejoined (incarnation {hb.incarnation})"
+            out.append(StateChanged(peer, old, State.ALIVE, m.reason))
+            if addresses_changed or old == State.DEAD:
+                out.append(Dial(peer, hb.descriptor.addresses))
+        elif hb.incarnation < m.incarnation or hb.seq <= m.seq:
+            return []  # stale or duplicate
+        elif m.state == State.DEAD:
+            m.seq = hb.seq
+            if not m.left:
+                m.newer_while_dead = True
+                out += self._probe(m, now)
+            return out
+        else:
+            m.heartbeat, m.seq, m.last_heard = hb, hb.seq, now
+            m.silent_but_reachable = 0
+            if m.state == State.SUSPECT:
+                out += self._move(m, State.ALIVE, now, "heartbeat resumed")
+        if not self.admitted and hb.admitted and self.self_id in hb.view and m.state == State.ALIVE:
+            self.admitted = True
+            out.append(Admitted(peer))
+        return out
+
+    def _on_leave(self, msg: LeaveReceived, now: float) -> list[MembershipAction]:
+        m = self.members.get(msg.peer_id)
+        if m is None or msg.incarnation < m.incarnation or m.left:
+            return []
+        m.left = True
+        return self._move(m, State.DEAD, now, "left the swarm", force=True)
+
+    def _on_probe_result(self, r: ProbeResult, now: float) -> list[MembershipAction]:
+        m = self.members.get(r.peer_id)
+        if m is None:
+            return []
+        m.probe_sent = None
+        if r.ok:
+            if r.rtt_ms is not None:
+                m.rtt_ms = r.rtt_ms
+            if m.state == State.SUSPECT:
+                silent = not m.connection_lost
+                m.last_heard = now
+                out = self._move(m, State.ALIVE, now, "answered a direct probe")
+                if silent:
+                    m.silent_but_reachable += 1
+                    if m.silent_but_reachable >= SILENT_BUT_REACHABLE_TO_RECONNECT:
+                        m.silent_but_reachable = 0
+                        out.append(Reconnect(m.peer_id, "it answers probes but its heartbeats stopped coming"))
+                return out
+            if m.state == State.DEAD and m.newer_while_dead and not m.left:
+                m.newer_while_dead = False
+                m.last_heard = now
+                return self._move(m, State.ALIVE, now, "back: heartbeats again and answers probes")
+            return []
+        detail = f": {r.error}" if r.error else ""
+        if m.state == State.SUSPECT:
+            if m.connection_lost and now - m.since <= self.suspicion_timeout():
+                # A reset link fails the first probes while it is dialled again: one failure proves nothing
+                # (tick probes again meanwhile). Refused redials in a row over a heartbeat interval of
+                # silence are a process that is gone; anything else waits for the whole suspicion timeout.
+                m.failed_probes += 1
+                m.refused_redials = m.refused_redials + 1 if r.refused else 0
+                if m.refused_redials >= REFUSALS_TO_DIE and now - m.since >= self.timings.heartbeat_interval:
+                    return self._move(m, State.DEAD, now, f"connection lost and {m.refused_redials} redials "
+                                                          f"refused{detail}")
+                return []
+            return self._move(m, State.DEAD, now, f"direct probe failed{detail}")
+        if m.state == State.ALIVE:
+            # A routine probe (an RTT measurement) that fails while heartbeats still arrive says the
+            # path is slow (a busy CPU), not that the member is gone: only silence makes it suspect.
+            if now - m.last_heard <= self.suspicion_timeout():
+                m.failed_probes += 1
+                return []
+            return [*self._move(m, State.SUSPECT, now, f"no heartbeat and probe failed{detail}"),
+                    *self._probe(m, now)]
+        m.newer_while_dead = False
+        return []
+
+    def _move(self, m: Member, new: State, now: float, reason: str, force: bool = False) -> list[MembershipAction]:
+        if m.state == new and not force:
+            return []
+        old, m.state, m.since, m.reason = m.state, new, now, reason
+        m.refused_redials = 0
+        if new != State.SUSPECT:
+            m.connection_lost = False
+        return [StateChanged(m.peer_id, old, new, reason)]
+
+    def _probe(self, m: Member, now: float) -> list[MembershipAction]:
+        if m.probe_sent is not None:
+            return []
+        m.probe_sent, m.last_probe = now, now
+        return [Probe(m.peer_id)]
+
+    def _refuse(self, peer: str, reason: str) -> list[MembershipAction]:
+        if self.refused.get(peer) == reason:
+            return []
+        self.refused[peer] = reason
+        return [Refused(peer, reason)]
+
+
+def describe(action: MembershipAction) -> str:
+    """One log line per action worth logging."""
+    if isinstance(action, StateChanged):
+        was = f"{action.old} -> " if action.old else ""
+        return f"member {short_id(action.peer_id)}: {was}{action.new} ({action.reason})"
+    if isinstance(action, Refused):
+        return f"refused {short_id(action.peer_id)}: {action.reason}"
+    if isinstance(action, Admitted):
+        return f"admitted to the swarm (seen by {short_id(action.via)})"
+    if isinstance(action, Forgotten):
+        return f"forgot dead member {short_id(action.peer_id)}"
+    return repr(action)

@@ -1,0 +1,1 @@
+"""The actor transport: reliable, de-duplicated actor messages over the network seam's streams."""
