@@ -24,7 +24,7 @@ from swarmd.api.auth import ApiGuard
 from swarmd.config import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
 from swarmd.errors import UserError
 
-log = logging.getLogger("swarmd.api")
+log = logging.getLogger(__name__)
 
 
 def parse_api_address(text: str) -> tuple[str, int]:

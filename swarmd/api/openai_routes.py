@@ -44,7 +44,7 @@ from swarmd.inference.head.service import (
 )
 from swarmd.inference.head.session import Failed, Finished, PromptScores, TokenOut
 
-log = logging.getLogger("swarmd.openai")
+log = logging.getLogger(__name__)
 
 
 def error_response(e: ApiError) -> JSONResponse:

@@ -30,11 +30,11 @@ from typing import Any
 
 import trio
 
-from swarmd.daemon.compute import ComputeThread
+from swarmd.daemon.compute import Compute
 from swarmd.daemon.served_model import ServedModel
 from swarmd.wire.gossip import AssignmentStatus, PlanAnnouncement
 
-log = logging.getLogger("swarmd.assignment")
+log = logging.getLogger(__name__)
 
 # (model, start, end, device, max_context, max_requests, reuse=an overlapping loaded stage or None) -> a stage
 StageLoader = Callable[..., Any]
@@ -72,7 +72,7 @@ def load_experts(model: ServedModel, experts: dict[int, tuple[int, ...]], device
 
 
 class Assignment:
-    def __init__(self, peer_id: str, model: ServedModel, device: str, compute: ComputeThread, *,
+    def __init__(self, peer_id: str, model: ServedModel, device: str, compute: Compute, *,
                  max_context: int = 2048, max_requests: int = 4, loader: StageLoader = load_stage,
                  expert_loader: ExpertLoader = load_experts, warmup: bool = False, reuse_blocks: bool = True) -> None:
         self.peer_id = peer_id

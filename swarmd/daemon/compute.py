@@ -32,11 +32,26 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import trio
 
 T = TypeVar("T")
+
+
+class Compute(Protocol):
+    """Where a daemon's tinygrad calls run: `ComputeThread`, or its in-process twin in `swarmd.testing`."""
+
+    busy_seconds: float
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T: ...
+
+    def submit(self, fn: Callable[..., T], *args: Any,
+               then: Callable[[T | None, BaseException | None], None]) -> None: ...
+
+    def run_inline(self, fn: Callable[..., T], *args: Any) -> tuple[bool, T | None, BaseException | None]: ...
+
+    def close(self) -> None: ...
 
 
 class _Worker:

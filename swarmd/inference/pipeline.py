@@ -1,8 +1,7 @@
 """Pipeline inference on a daemon: the actor transport, the stage and head actors, and their HTTP routes.
 
 `run_pipeline` is a Node extension (`node.add_extension(run_pipeline)`; `swarmd join` adds it). It starts
-the actor transport on the node's libp2p host (tensors on the pinned TLS data plane unless `data_plane` is
-libp2p), and routes its messages:
+the actor transport on the node's network (its links are the network's bulk streams), and routes its messages:
 
     Forward          -> stage      (checked against this daemon's stage: hop, hidden size, dtype, vocabulary)
     Token hop 0      -> stage      (stage 0: the next step's input)
@@ -43,7 +42,7 @@ from swarmd.observe.pipeline_metrics import register_pipeline_metrics
 from swarmd.observe.spans import NodeSpans, SpanRecorder, chrome_trace
 from swarmd.observe.trace_collect import TraceCollector
 from swarmd.swarm.membership import State, StateChanged
-from swarmd.transport.links import Plane, start_actor_transport
+from swarmd.transport.links import start_actor_transport
 from swarmd.transport.transport import HandlerResult, Send, TransportConfig
 from swarmd.wire.codec import FLOAT_DTYPES, WireError
 from swarmd.wire.expect import Expect, ExpectExpertBatch, ExpectExpertResult, ExpectForward, ExpectToken
@@ -60,7 +59,7 @@ from swarmd.wire.messages import (
     TraceSpans,
 )
 
-log = logging.getLogger("swarmd.pipeline")
+log = logging.getLogger(__name__)
 
 
 def transport_config(max_requests: int) -> TransportConfig:
@@ -70,10 +69,9 @@ def transport_config(max_requests: int) -> TransportConfig:
 
 
 class Pipeline:
-    def __init__(self, node: Any, transport: Any, links: Any) -> None:
+    def __init__(self, node: Any, transport: Any) -> None:
         self.node = node
         self.transport = transport
-        self.links = links
         cfg = node.config
         self._registry: Registry = EMPTY
         self._plan_key: Any = None
@@ -87,7 +85,8 @@ class Pipeline:
                                 inline_step_s=cfg.inline_step_ms / 1e3, post_all=transport.post_all)
         self.head = HeadService(node.peer_id, transport, chain=self.chain, registry=self.registry,
                                 timings=cfg.timings, load_model=self._load_model, in_flight=self._count,
-                                leaving=lambda: node.leaving, hop_local=not cfg.full_replay)
+                                leaving=lambda: node.leaving, hop_local=not cfg.full_replay,
+                                blocking=getattr(node, "blocking", trio.to_thread.run_sync))
         self._observe()
         transport.on_link_lost = self.router.link_lost  # batches with a replica leave a broken link at once
         swarm = getattr(node, "swarm", None)
@@ -295,11 +294,9 @@ def install_actor_routes(transport: Any, stage: StageActor, head: HeadService, *
 async def run_pipeline(node: Any, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """The Node extension: serve pipeline requests until the node stops."""
     cfg = node.config
-    plane = Plane.TLS if cfg.data_plane == "tls" else Plane.LIBP2P
     async with trio.open_nursery() as nursery:
-        transport, links = await start_actor_transport(node.network.host, nursery, transport_config(cfg.max_requests),
-                                                       plane=plane)
-        pipeline = Pipeline(node, transport, links)
+        transport = await start_actor_transport(node.network, nursery, transport_config(cfg.max_requests))
+        pipeline = Pipeline(node, transport)
         pipeline.install()
         await nursery.start(pipeline.stage.run)
         await nursery.start(pipeline.head.run)

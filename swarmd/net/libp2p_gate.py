@@ -25,7 +25,7 @@ import trio
 from swarmd.net.gate import PeerGate
 from swarmd.net.identity import short_id
 
-log = logging.getLogger("swarmd.host")
+log = logging.getLogger(__name__)
 
 
 class GatedUpgrader:

@@ -13,7 +13,7 @@ import secrets
 import struct
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,19 +24,9 @@ from planner.plan import Plan
 from swarmd import WIRE_VERSION
 from swarmd.config import Timings
 from swarmd.errors import RemoteProtocolError
+from swarmd.net.framing import HEADER, read_exact, read_frame, write_frame
 from swarmd.net.identity import Signer, short_id
-from swarmd.net.seam import (
-    LENGTH,
-    BadFrame,
-    GossipMessage,
-    Network,
-    PeerUnreachable,
-    Stream,
-    StreamClosed,
-    read_exact,
-    read_frame,
-    write_frame,
-)
+from swarmd.net.seam import BadFrame, GossipMessage, Network, PeerUnreachable, Stream, StreamClosed
 from swarmd.observe.clock import ClockOffsets
 from swarmd.swarm.election import Claim, Election, LeaderChanged, MembersChanged
 from swarmd.swarm.membership import (
@@ -83,7 +73,7 @@ from swarmd.wire.gossip import (
     encode,
 )
 
-log = logging.getLogger("swarmd.swarm")
+log = logging.getLogger(__name__)
 
 PROBE_PROTOCOL = "/swarmd/probe/1.0.0"
 NONCE = struct.Struct(">Q")
@@ -122,8 +112,10 @@ class SwarmService:
         make_plan: PlanFunction,
         on_plan: Callable[[PlanAnnouncement], None] = lambda ann: None,
         clock: Callable[[], float] = time.perf_counter,
+        blocking: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync,
     ) -> None:
         self.network = network
+        self.blocking = blocking  # runs the planner off the event loop (a worker thread; inline in simulations)
         self.clock = clock  # the clock probes carry (the one trace spans are stamped with)
         self.clocks = ClockOffsets()
         self.signer = signer
@@ -185,7 +177,7 @@ class SwarmService:
                 action = MakePlan(tuple(others), max(c.max_epoch_seen, c.epoch) + 1, c.term,
                                   c.current.plan if c.current else None, basis)
                 try:
-                    plan = await trio.to_thread.run_sync(self.make_plan, action)
+                    plan = await self.blocking(self.make_plan, action)
                 except Exception as e:
                     log.warning("could not re-plan before leaving: %s", e)
                 else:
@@ -502,7 +494,7 @@ class SwarmService:
     async def _run_planner(self, action: MakePlan) -> None:
         now = trio.current_time()
         try:
-            plan = await trio.to_thread.run_sync(self.make_plan, action)
+            plan = await self.blocking(self.make_plan, action)
         except Exception as e:
             msg = PlanFailed(str(e).splitlines()[0] if str(e) else type(e).__name__, action.basis, action.term)
             self._on_planning(self.coordinator.handle(msg, now))
@@ -555,7 +547,7 @@ class SwarmService:
         gate = self.network.gate
         lim = gate.limits
         while True:
-            (n,) = LENGTH.unpack(await read_exact(stream, LENGTH.size))
+            (n,) = HEADER.unpack(await read_exact(stream, HEADER.size))
             if n != CLOCK_PROBE.size and n > NONCE.size:  # refused before reading it, as any oversized frame
                 raise BadFrame(f"frame of {n} bytes is over the {NONCE.size} byte limit")
             probe = await read_exact(stream, n)

@@ -1,6 +1,6 @@
 """A head in the test process that sends duplicated and reordered frames: the idempotency test's tool.
 
-It is a libp2p host with the actor transport (it receives the requests' tokens). On a raw actor stream to stage
+It is a libp2p network with the actor transport (it receives the requests' tokens). On a raw actor stream to stage
 0 it writes each request's prompt twice, the copies out of order; and for every token the last stage sends it,
 it writes that token's copy for stage 0 once more (a duplicate racing the original)."""
 
@@ -10,9 +10,11 @@ import multiaddr
 import numpy as np
 import trio
 
-from swarmd.transport.links import Libp2pStream, Plane, start_actor_transport
-from swarmd.transport.transport import PROTOCOL, read_frame
-from swarmd.wire import Forward, Hello, WireTensor, encode
+from swarmd.net.framing import read_frame
+from swarmd.net.libp2p_network import Libp2pNetwork
+from swarmd.net.streams import Libp2pStream
+from swarmd.transport.links import PROTOCOL, start_actor_transport
+from swarmd.wire import Forward, Hello, WireTensor, decode, encode
 from swarmd.wire.messages import Cancel, Error, Sampling, Token
 from tests.pipeline.daemon_swarm import DaemonSwarm
 
@@ -20,28 +22,28 @@ from tests.pipeline.daemon_swarm import DaemonSwarm
 async def run_with_duplicates(swarm: DaemonSwarm, prompts: dict[str, list[int]],
                               stop_ids: tuple[int, ...], n_tokens: int) -> dict[str, list[int]]:
     """Run `prompts` (request id -> token ids) greedily with duplicates; each request's tokens in step order."""
-    from libp2p import new_host
     from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.peer.id import ID
     from libp2p.peer.peerinfo import info_from_p2p_addr
 
     plan = swarm.running[0].status()["plan"]
     stage0 = plan["stages"][0]["peer_id"]
-    listen = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
-    host = new_host(key_pair=create_new_key_pair(bytes([91]) * 32), listen_addrs=listen)
-    me = str(host.get_id())
+    network = Libp2pNetwork(create_new_key_pair(bytes([91]) * 32), ["/ip4/127.0.0.1/tcp/0"])
+    me = network.peer_id
     tokens: dict[str, dict[int, int]] = {rid: {} for rid in prompts}
     finished = {rid: trio.Event() for rid in prompts}
     errors: list[Error] = []
     seq = 100
 
-    async with host.run(listen_addrs=listen), trio.open_nursery() as nursery:
+    async with trio.open_nursery() as nursery:
+        await nursery.start(network.run)
+        host = network.host
         for d in swarm.running:
             await host.connect(info_from_p2p_addr(multiaddr.Multiaddr(d.addresses[0])))
-        transport, _ = await start_actor_transport(host, nursery, plane=Plane.LIBP2P)
+        transport = await start_actor_transport(network, nursery)
         raw = Libp2pStream(await host.new_stream(ID.from_base58(stage0), [PROTOCOL]))
         await raw.write(encode(Hello(1 << 20)))
-        assert isinstance((await read_frame(raw, 4096)).msg, Hello)
+        assert isinstance(decode(await read_frame(raw, 4096)).msg, Hello)
 
         async def drain_acks() -> None:
             while (await raw.read(1 << 16)) != b"":

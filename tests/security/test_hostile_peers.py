@@ -12,11 +12,11 @@ import multiaddr
 import pytest
 import trio
 
+from swarmd.net.framing import read_frame, write_frame
 from swarmd.net.gate import GuardLimits
-from swarmd.net.seam import read_frame, write_frame
 from swarmd.net.swarm_key import SwarmKey
 from swarmd.swarm.service import PROBE_PROTOCOL
-from swarmd.transport.links import Plane, start_actor_transport
+from swarmd.transport.links import start_actor_transport
 from swarmd.wire import Forward, Hello, encode
 from tests.security.helpers import eventually, forward, start_member
 from tests.wire.wire_examples import VALID_BODIES, mutate
@@ -77,8 +77,8 @@ async def test_hostile_streams_on_every_protocol_leave_the_daemon_serving_others
         async with trio.open_nursery() as nursery:
             victim = await start_member(nursery, tmp_path / "victim", key=key, limits=PATIENT)
             honest = await start_member(nursery, tmp_path / "honest", key=key, bootstrap=(victim,))
-            v_transport, _ = await start_actor_transport(victim.net.host, nursery, plane=Plane.LIBP2P)
-            h_transport, _ = await start_actor_transport(honest.net.host, nursery, plane=Plane.LIBP2P)
+            v_transport = await start_actor_transport(victim.net, nursery)
+            h_transport = await start_actor_transport(honest.net, nursery)
             got: list[Forward] = []
 
             async def stage(peer, msg):

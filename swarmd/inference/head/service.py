@@ -46,7 +46,7 @@ from swarmd.transport.transport import ActorTransport, DeliveryFailed, Refused
 from swarmd.wire.codec import WireTensor
 from swarmd.wire.messages import Cancel, Error, Forward, Logprobs, Sampling, Token
 
-log = logging.getLogger("swarmd.head")
+log = logging.getLogger(__name__)
 
 MAX_SEED = (1 << 63) - 1
 OnWait = Callable[[str], Awaitable[None]]
@@ -223,8 +223,10 @@ class HeadService:
     def __init__(self, peer_id: str, transport: ActorTransport, *, chain: Callable[[], ChainStatus],
                  registry: Callable[[], Registry], timings: Timings, load_model: Callable[[], ModelInfo],
                  in_flight: Callable[[int], None] = lambda delta: None,
-                 leaving: Callable[[], bool] = lambda: False, hop_local: bool = True) -> None:
+                 leaving: Callable[[], bool] = lambda: False, hop_local: bool = True,
+                 blocking: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync) -> None:
         self.peer_id = peer_id
+        self._blocking = blocking  # loads the tokenizer off the event loop (a worker thread; inline in simulations)
         self.hop_local = hop_local  # moves keep the KV caches of the stages that stay (False: full replays)
         self.transport = transport
         self._chain = chain
@@ -251,7 +253,7 @@ class HeadService:
         """The served model's tokenizer and limits (read from its GGUF once, in a worker thread)."""
         async with self._model_lock:
             if self._model is None:
-                self._model = await trio.to_thread.run_sync(self._load_model)
+                self._model = await self._blocking(self._load_model)
             return self._model
 
     # --- waiting for the chain ---------------------------------------------------------------------------

@@ -22,19 +22,19 @@ from typing import Any
 import numpy as np
 import trio
 
-from swarmd.daemon.compute import ComputeThread
+from swarmd.daemon.compute import Compute
 from swarmd.observe.spans import SpanRecorder, flow_id
 from swarmd.transport.transport import HandlerResult, Send
 from swarmd.wire.codec import WireTensor
 from swarmd.wire.messages import Error, ExpertBatch, ExpertResult
 
-log = logging.getLogger("swarmd.expert")
+log = logging.getLogger(__name__)
 
 SHARD_WAIT = 120.0  # s a batch waits for this daemon's experts to finish loading
 
 
 class ExpertActor:
-    def __init__(self, shard: Callable[[], Any], *, compute: ComputeThread, wire_dtype: str | None = None,
+    def __init__(self, shard: Callable[[], Any], *, compute: Compute, wire_dtype: str | None = None,
                  shard_wait: float = SHARD_WAIT) -> None:
         self._shard = shard  # the loaded ExpertShard now, or None
         self.compute = compute

@@ -54,7 +54,7 @@ from swarmd.transport.transport import DeliveryFailed, Refused
 from swarmd.wire.codec import WireTensor
 from swarmd.wire.messages import Error, ExpertBatch, ExpertResult
 
-log = logging.getLogger("swarmd.moe")
+log = logging.getLogger(__name__)
 
 RESULT_TIMEOUT = 120.0  # s a node that acked a batch has to answer it (first batches compile kernels) before
 # its experts are asked elsewhere

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from swarmd.daemon.compute import ComputeThread
+from swarmd.daemon.compute import Compute
 from swarmd.inference.moe.local import LocalExperts
 from swarmd.inference.registry import Registry
 from swarmd.inference.stage.batch import ExpertsFailed, advance_here, run_batch
@@ -47,7 +47,7 @@ from swarmd.transport.transport import HandlerResult, Posted, Send, as_sends
 from swarmd.wire.codec import WireError
 from swarmd.wire.messages import Cancel, Error, Forward, Token
 
-log = logging.getLogger("swarmd.stage")
+log = logging.getLogger(__name__)
 
 SETTLE = 0.002  # s a stage waits for the rest of a convoy of decode steps sent together by the previous stage
 MAX_GATHER = 1.0  # s stage 0 waits at most for other requests' tokens to form one batch
@@ -150,7 +150,7 @@ PLAN_CATCH_UP_S = 2.0
 class StageActor:
     """Serves `Forward`, `Token` (hop 0) and `Cancel` for the stage `current()` names."""
 
-    def __init__(self, current: Callable[[], Loaded | None], *, compute: ComputeThread, max_context: int,
+    def __init__(self, current: Callable[[], Loaded | None], *, compute: Compute, max_context: int,
                  wire_dtype: str | None, idle_timeout: float,
                  experts: Callable[..., Awaitable[np.ndarray]] | None = None,
                  local_experts: LocalExperts | None = None,
