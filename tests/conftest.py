@@ -28,6 +28,14 @@ def compiled_programs_on_disk() -> None:
     keep_compiled_programs_on_disk()
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("simulation", "deterministic fault simulation (tests/simulation)")
+    group.addoption("--seed", type=int, action="append", default=None,
+                    help="run only this simulation seed (repeatable): a failing seed replays exactly")
+    group.addoption("--seeds", type=int, default=200, help="how many simulation seeds to run (default 200)")
+    group.addoption("--first-seed", type=int, default=0, help="the first seed of the range (default 0)")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # Tests run tinygrad on their own thread and on the compute thread, never both at once. Python's cyclic
     # collector would run on any thread, tinygrad's CPU worker included, where a dropped graph's finaliser

@@ -10,6 +10,7 @@ from typing import Any
 
 from swarmd.cli.client import add_token_option, auth_headers, check_authorised
 from swarmd.errors import UserError
+from swarmd.swarm.election import term_round
 
 ORDER = 20
 
@@ -145,7 +146,7 @@ def render(doc: dict[str, Any]):
         lead += "  (not admitted yet: waiting for a member to accept this node)"
     counts = {s: sum(1 for m in doc["members"] if m["state"] == s) for s in ("alive", "suspect", "dead")}
     swarm = doc["swarm"] if isinstance(doc["swarm"], dict) else {"name": doc["swarm"]}
-    top.add_row("swarm", f"{swarm['name']}  leader {lead}  term {doc['term']}  "
+    top.add_row("swarm", f"{swarm['name']}  leader {lead}  term {term_round(doc['term'] or 0)}  "
                          f"plan epoch {plan['epoch'] if plan else '-'}  members {counts['alive']} alive"
                          + (f", {counts['suspect']} suspect" if counts["suspect"] else "")
                          + (f", {counts['dead']} dead" if counts["dead"] else ""))

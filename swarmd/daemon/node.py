@@ -34,7 +34,7 @@ from planner.plan import Plan
 from swarmd import WIRE_VERSION, __version__
 from swarmd.api.app import Api
 from swarmd.config import DaemonConfig, warms_up
-from swarmd.daemon.assignment import Assignment, StageLoader, load_stage
+from swarmd.daemon.assignment import Assignment, ExpertLoader, StageLoader, load_experts, load_stage
 from swarmd.daemon.compute import Compute, ComputeThread
 from swarmd.daemon.descriptor import (
     LocalDescriptor,
@@ -74,13 +74,16 @@ def libp2p_network(key_pair: Any, cfg: DaemonConfig, access: Access) -> Network:
 class Node:
     def __init__(self, config: DaemonConfig, *, network: NetworkFactory = libp2p_network,
                  compute: Compute | None = None, blocking: Callable[..., Awaitable[Any]] | None = None,
-                 loader: StageLoader = load_stage, serve_api: bool = True) -> None:
+                 loader: StageLoader = load_stage, expert_loader: ExpertLoader = load_experts,
+                 serve_api: bool = True) -> None:
         self.config = config
         self.blocking = blocking or trio.to_thread.run_sync  # other blocking work: planning, tokenizer loads
         self._make_network = network
         self._serve_api = serve_api
         self.home = Path(config.home)
         self.loader = loader
+        self.expert_loader = expert_loader
+        self.extension_results: dict[str, Any] = {}  # what each extension's start handed back, by its name
         self.api = Api(token=config.api_token, max_request_bytes=config.api_max_request_bytes,
                        max_tokens=config.api_max_tokens)
         self.extensions: list[Extension] = []
@@ -149,7 +152,8 @@ class Node:
                 load=lambda: self.requests_in_flight, standby=cfg.standby)
             self.assignment = Assignment(self.peer_id, self.model, device, self.compute,
                                          max_context=cfg.max_context, max_requests=cfg.max_requests,
-                                         loader=self.loader, warmup=warms_up(cfg.warmup, device),
+                                         loader=self.loader, expert_loader=self.expert_loader,
+                                         warmup=warms_up(cfg.warmup, device),
                                          reuse_blocks=not cfg.full_reload)
             await nursery.start(self.assignment.run)
             settings = SwarmSettings(cfg.swarm, cfg.timings, bootstrap)
@@ -163,7 +167,7 @@ class Node:
             self.metrics = NodeMetrics(self.status, lambda: {**swarm.stats, **self.security_counters(),
                                                              "compute_busy_seconds": self.compute.busy_seconds})
             for ext in self.extensions:
-                await nursery.start(ext, self)
+                self.extension_results[getattr(ext, "__name__", repr(ext))] = await nursery.start(ext, self)
             if self._serve_api:
                 self.api_url = await nursery.start(self.api.serve, cfg.api)
                 self._write_api_file()
