@@ -38,7 +38,9 @@ class Timings:
     first_token_timeout: float = 900.0  # a prefill on a cold kernel cache compiles for minutes on a small CPU
     token_timeout: float = 120.0  # the longest wait for the next token once the first came
     request_idle_timeout: float = 1800.0  # a stage frees a request whose head has said nothing for this long
-    cancel_timeout: float = 10.0  # how long the head tries to tell a stage that a request is over
+    send_timeout: float = 30.0  # an actor message not acked by then is given up (its retries included)
+    # how long the head tries to tell a stage that a request is over: as long as a frame of it may still arrive
+    cancel_timeout: float = 30.0
     drain_timeout: float = 60.0  # a daemon leaving on purpose waits this long for the requests it heads
 
     def suspicion_timeout(self, n_members: int) -> float:

@@ -62,10 +62,10 @@ from swarmd.wire.messages import (
 log = logging.getLogger(__name__)
 
 
-def transport_config(max_requests: int) -> TransportConfig:
+def transport_config(max_requests: int, send_timeout: float = TransportConfig.send_timeout) -> TransportConfig:
     """Windows and handler limits above the requests a stage can hold (below them the chain would deadlock)."""
     return TransportConfig(window=max(32, 4 * max_requests), max_handlers_per_peer=max(64, 8 * max_requests),
-                           max_handlers=max(256, 32 * max_requests))
+                           max_handlers=max(256, 32 * max_requests), send_timeout=send_timeout)
 
 
 class Pipeline:
@@ -295,7 +295,8 @@ async def run_pipeline(node: Any, *, task_status=trio.TASK_STATUS_IGNORED) -> No
     """The Node extension: serve pipeline requests until the node stops."""
     cfg = node.config
     async with trio.open_nursery() as nursery:
-        transport = await start_actor_transport(node.network, nursery, transport_config(cfg.max_requests))
+        transport = await start_actor_transport(node.network, nursery,
+                                                transport_config(cfg.max_requests, cfg.timings.send_timeout))
         pipeline = Pipeline(node, transport)
         pipeline.install()
         await nursery.start(pipeline.stage.run)

@@ -36,8 +36,9 @@ from swarmd.testing.memory_network import MemoryHub
 
 # Timings for simulated swarms: the local-test preset, with waits short enough that a request the swarm cannot
 # serve ends in a few (virtual) seconds instead of minutes of heartbeats.
-SIM_TIMINGS = replace(LOCAL_TEST, ready_timeout=20.0, first_token_timeout=20.0, token_timeout=10.0,
-                      cancel_timeout=5.0, drain_timeout=5.0, dead_retention=30.0, request_idle_timeout=15.0)
+SIM_TIMINGS = replace(LOCAL_TEST, heartbeat_interval=0.5, suspect_after=1.5, ready_timeout=10.0,
+                      first_token_timeout=10.0, token_timeout=6.0, send_timeout=6.0, cancel_timeout=6.0,
+                      drain_timeout=5.0, dead_retention=30.0, request_idle_timeout=6.0)
 BENCH = {"flops": 5e10, "mem_bandwidth": 1e10, "matmul_n": 256, "seconds": 0.1}  # what every simulated device measures
 
 

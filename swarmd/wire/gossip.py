@@ -176,7 +176,33 @@ def encode(msg: GossipMessage, signer: Signer, swarm: str) -> bytes:
 def decode(data: bytes, swarm: str, origin: str | None = None) -> GossipMessage:
     """Check size, envelope, signature, version and schema, in that order.
 
-    `origin` is the peer id the gossip layer authenticated as the publisher, when it knows one."""
+    `origin` is the peer id the gossip layer authenticated as the publisher, when it knows one. The last
+    messages that passed are remembered by their bytes: where many members share a process (the in-memory
+    twin), the same message is checked once for all of them."""
+    key = (data, swarm)
+    known = _PASSED.get(key)
+    if known is None:
+        known = _PASSED[key] = _decode(data, swarm, origin)
+        while len(_PASSED) > PASSED_KEPT:
+            del _PASSED[next(iter(_PASSED))]
+    if origin is not None and origin != known.sender:
+        raise ForgedMessage(f"a message signed by {short_id(known.sender)} was published by {short_id(origin)}",
+                            known.tag, "replayed")
+    return known.message
+
+
+@dataclass(frozen=True)
+class _Passed:
+    sender: str
+    tag: str
+    message: GossipMessage
+
+
+PASSED_KEPT = 512
+_PASSED: dict[tuple[bytes, str], _Passed] = {}
+
+
+def _decode(data: bytes, swarm: str, origin: str | None) -> _Passed:
     if len(data) > MAX_MESSAGE_BYTES:
         raise RemoteProtocolError(f"gossip message of {len(data)} bytes is over the {MAX_MESSAGE_BYTES} limit")
     try:  # strict: no tags, no indefinite lengths, no duplicate keys, bounded nesting
@@ -200,17 +226,17 @@ def decode(data: bytes, swarm: str, origin: str | None = None) -> GossipMessage:
         raise RemoteProtocolError(f"{short_id(sender)} belongs to swarm {env['swarm']!r}, not {swarm!r}")
     tag, body = env["t"], env["body"]
     if tag == "hb":
-        return _decode_heartbeat(sender, body)
+        return _Passed(sender, tag, _decode_heartbeat(sender, body))
     if tag == "plan":
         _expect_keys(body, {"term", "plan"}, "plan message")
         try:
             plan = Plan.from_json(body["plan"])
         except PlanSchemaError as e:
             raise RemoteProtocolError(f"plan from {short_id(sender)} fails its schema: {e}") from None
-        return PlanAnnouncement(leader=sender, term=_int(body["term"], "term"), plan=plan)
+        return _Passed(sender, tag, PlanAnnouncement(leader=sender, term=_int(body["term"], "term"), plan=plan))
     if tag == "leave":
         _expect_keys(body, {"incarnation"}, "leave message")
-        return Leave(peer_id=sender, incarnation=_int(body["incarnation"], "incarnation"))
+        return _Passed(sender, tag, Leave(peer_id=sender, incarnation=_int(body["incarnation"], "incarnation")))
     raise RemoteProtocolError(f"unknown gossip message type {tag!r} from {short_id(sender)}")
 
 

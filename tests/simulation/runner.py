@@ -21,11 +21,13 @@ import trio
 import trio.testing
 
 from swarmd.testing.memory_network import MemoryHub
-from swarmd.testing.twin import ModelPool, Outcome, SwarmTwin, TwinDaemon
+from swarmd.testing.twin import SIM_TIMINGS, ModelPool, Outcome, SwarmTwin, TwinDaemon
 from tests.simulation.scenario import Fault, Request, Scenario
 
 SETTLE = 30.0  # virtual seconds the swarm gets to form and load before the first request
-IDLE = 20.0  # virtual seconds after the last request and the last fault before looking for leftovers
+# virtual seconds after the last request and the last fault before looking for leftovers: a frame sent late is
+# given up or delivered, a cancel sent after it too, and a request no one speaks of has expired
+IDLE = SIM_TIMINGS.send_timeout + SIM_TIMINGS.request_idle_timeout + 3.0
 log = logging.getLogger(__name__)
 
 
@@ -243,7 +245,11 @@ class Run:
             if p.head.requests:
                 left.append(f"head holds {sorted(p.head.requests)}")
             if p.stage.book is not None and p.stage.book.requests:
-                left.append(f"stage book holds {sorted(p.stage.book.requests)}")
+                now = trio.current_time()
+                states = {rid: f"step {st.step}{' busy' if st.busy else ''}{' cancelled' if st.cancelled else ''} "
+                               f"idle {now - st.last_active:.1f}/{p.stage.idle_timeout:.0f} s"
+                          for rid, st in sorted(p.stage.book.requests.items())}
+                left.append(f"stage book holds {states} ({p.stage.queue_state()})")
             stage = node.assignment.stage if node.assignment is not None else None
             if stage is not None and stage.slots.request_ids():
                 left.append(f"KV slots held by {sorted(stage.slots.request_ids())}")
