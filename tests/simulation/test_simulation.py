@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests.simulation.regressions import REGRESSIONS
 from tests.simulation.runner import simulate
-from tests.simulation.scenario import draw
+from tests.simulation.scenario import Scenario, draw
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -22,10 +23,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("seed", seeds)
 
 
-def test_a_seeded_run_keeps_every_promise(seed, sim_models, sim_pool, sim_references, sim_root):
-    scenario = draw(seed)
-    result = simulate(scenario, sim_root, sim_models[scenario.model], sim_pool, sim_references)
+def keeps_every_promise(scenario: Scenario, models, pool, references, root) -> None:
+    result = simulate(scenario, root, models[scenario.model], pool, references)
     assert not result.violations, "\n".join([scenario.describe(), *result.violations, "events:", *result.events])
+
+
+def test_a_seeded_run_keeps_every_promise(seed, sim_models, sim_pool, sim_references, sim_root):
+    keeps_every_promise(draw(seed), sim_models, sim_pool, sim_references, sim_root)
+
+
+@pytest.mark.parametrize("found", sorted(REGRESSIONS))
+def test_a_scenario_that_once_failed_keeps_every_promise(found, sim_models, sim_pool, sim_references, sim_root):
+    keeps_every_promise(REGRESSIONS[found], sim_models, sim_pool, sim_references, sim_root / "regressions")
 
 
 def test_a_seed_replays_exactly(sim_models, sim_pool, sim_references, sim_root):

@@ -326,8 +326,8 @@ class HeadService:
                 outcome = "failed" if session.error is not None or crashed else "cancelled"
             self.stats[outcome] += 1
             self.stats["tokens"] += session.completion_tokens
-            if sent and self._nursery is not None:
-                self._nursery.start_soon(self._cancel_chain, handle.wire_id, handle.registry, outcome)
+            if sent:
+                self._spawn(self._cancel_chain, handle.wire_id, handle.registry, outcome)
 
     async def _send_prompt(self, handle: RequestHandle, req: HeadRequest, model: ModelInfo) -> None:
         ids = np.asarray(req.prompt_ids, dtype=np.int32)
@@ -368,6 +368,16 @@ class HeadService:
             for hop, peer in hops:
                 nursery.start_soon(tell, hop, peer)
 
+    def _spawn(self, fn: Any, *args: Any) -> bool:
+        """Start `fn` in the head's nursery; False once the daemon is stopping (the nursery is closed)."""
+        if self._nursery is None:
+            return False
+        try:
+            self._nursery.start_soon(fn, *args)
+        except RuntimeError:  # closed to new tasks: the daemon stops, and the stages forget on their own
+            return False
+        return True
+
     # --- moving requests to a new chain ---------------------------------------------------------------------
 
     async def _follow_plans(self) -> None:
@@ -395,8 +405,8 @@ class HeadService:
         if self._nursery is None or handle.closed:
             return False
         if not handle.moving:
-            handle.moving = True
-            self._nursery.start_soon(self._move, handle, reason)
+            handle.moving = self._spawn(self._move, handle, reason)
+            return handle.moving
         return True
 
     async def _move(self, handle: RequestHandle, reason: str) -> None:
@@ -409,7 +419,7 @@ class HeadService:
         try:
             while True:
                 if handle.attempt >= MAX_MOVES:
-                    self._nursery.start_soon(self._cancel_chain, handle.wire_id, handle.registry, "moved")
+                    self._spawn(self._cancel_chain, handle.wire_id, handle.registry, "moved")
                     raise HeadError("unreachable", f"moved {MAX_MOVES} times and the chain still does not hold it",
                                     503)
                 registry = await self.wait_ready(give_up_when_too_small=True, on_wait=recovery.wait_says)
@@ -420,7 +430,7 @@ class HeadService:
                 move = plan_move(handle.registry, registry,
                                  allowed=self.hop_local and not handle.full_replay and not owes_scores)
                 # the stages that stay keep the old attempt (the replay names it); the others forget it
-                self._nursery.start_soon(self._cancel_on, handle.wire_id, move.cancel, "moved")
+                self._spawn(self._cancel_on, handle.wire_id, move.cancel, "moved")
                 resume_of = handle.wire_id if move.hop_local else ""
                 recovery.ready, recovery.epoch = time.perf_counter(), registry.epoch
                 recovery.kept_hops = tuple(hop for hop, _ in move.kept)
@@ -437,11 +447,11 @@ class HeadService:
                     log.info("moving %s: stage 0 did not take the replay: %s", handle.request_id, e)
                     if move.hop_local:  # which attempt the stages hold is unclear now: start again from nothing
                         handle.full_replay = True
-                        self._nursery.start_soon(self._cancel_on, resume_of, move.kept, "moved")
+                        self._spawn(self._cancel_on, resume_of, move.kept, "moved")
                     await trio.sleep(MOVE_CHECK_INTERVAL)
                     continue
                 if handle.closed:
-                    self._nursery.start_soon(self._cancel_chain, handle.wire_id, registry, "cancelled")
+                    self._spawn(self._cancel_chain, handle.wire_id, registry, "cancelled")
                 return
         except HeadError as e:
             handle.push(handle.session.fail(e.code, f"the request's chain broke and it could not move: {e.message}"))
