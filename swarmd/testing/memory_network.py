@@ -158,7 +158,8 @@ class MemoryHub:
     default_delay: float = 0.0
     gossip_loss: float = 0.0
     rng: random.Random = field(default_factory=lambda: random.Random(0))
-    wrap: Callable[[str, str, Stream], Stream] | None = None  # (dialer, peer, dialer's end) -> what it uses
+    # (dialer, peer, protocol, the dialer's end) -> the stream the dialer uses
+    wrap: Callable[[str, str, str, Stream], Stream] | None = None
 
     def __post_init__(self) -> None:
         self.endpoints: dict[str, MemoryNetwork] = {}
@@ -467,7 +468,7 @@ class MemoryNetwork:
         mine, theirs = hub._open(self._peer_id, peer_id)
         if peer_id not in hub.unserved:
             target._spawn(target._serve_one, handler, protocol, theirs)
-        return hub.wrap(self._peer_id, peer_id, mine) if hub.wrap is not None else mine
+        return hub.wrap(self._peer_id, peer_id, protocol, mine) if hub.wrap is not None else mine
 
     def serve(self, protocol: str, handler: StreamHandler, *, bulk: bool = False) -> None:
         self._handlers[protocol] = self.guard.wrap(protocol, handler, long_lived=bulk)

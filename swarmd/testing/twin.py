@@ -217,11 +217,41 @@ class SwarmTwin:
     def alive(self) -> list[TwinDaemon]:
         return [d for d in self.daemons.values() if d.alive]
 
+    def memory_for_stages(self, stages: int) -> int:
+        """A memory limit under which the model needs about `stages` daemons, so that the planner splits it
+        (a small model on a fast device is otherwise best served whole by one)."""
+        import math
+
+        from planner import PlanOptions
+        from planner.memory import stage_bytes
+        from swarmd.daemon.served_model import served_model
+
+        layout = served_model(self.model).layout
+        opts = PlanOptions(context_length=self.settings["max_context"], concurrency=self.settings["max_requests"])
+        n = layout.n_blocks
+        largest = max(stage_bytes(layout, i, i + 1, opts) for i in range(n))
+        whole = stage_bytes(layout, 0, n, opts)
+        return opts.runtime_overhead_bytes + max(largest, math.ceil(whole / max(1, stages)) + largest // 2)
+
+    async def wait_ready(self, of: TwinDaemon | None = None, within: float = 30.0) -> None:
+        """Until the chain `of` (the first daemon by default) sees is ready: every stage loaded."""
+        d = of or self.daemons[min(self.daemons)]
+        with trio.fail_after(within):
+            while not (d.pipeline is not None and d.pipeline.chain().ready):  # noqa: ASYNC110 - a status snapshot
+                await trio.sleep(0.25)
+
+    async def leave(self, daemon: TwinDaemon) -> None:
+        """`swarmd leave` (or SIGTERM): the daemon drains, tells the swarm, and stops."""
+        assert daemon.node is not None and daemon.clients is not None
+        daemon.clients.start_soon(daemon.node.leave)
+        await daemon.stopped.wait()
+
     # --- requests ---------------------------------------------------------------------------------------------
-    async def generate(self, head: TwinDaemon, prompt_ids: list[int], *, max_tokens: int, seed: int,
-                       temperature: float = 0.0) -> Outcome:
+    async def generate(self, head: TwinDaemon, prompt_ids: list[int], *, max_tokens: int, seed: int = 0,
+                       temperature: float = 0.0, on_token: Callable[[int], None] | None = None) -> Outcome:
         """A request through `head`, as `/api/v0/generate` makes it: its tokens, or its error. It runs on the
-        head daemon, as an HTTP handler would: if the head dies, so does the request."""
+        head daemon, as an HTTP handler would: if the head dies, so does the request. `on_token(n)` is told
+        each token's count as it arrives."""
         tokens: list[int] = []
         result: list[Outcome] = []
         finished = trio.Event()
@@ -229,7 +259,7 @@ class SwarmTwin:
 
         async def client() -> None:
             try:
-                result.append(await self._request(head, request, tokens))
+                result.append(await self._request(head, request, tokens, on_token))
             finally:
                 finished.set()
 
@@ -240,12 +270,15 @@ class SwarmTwin:
         return result[0] if result else Outcome(tuple(tokens), "head_died: the daemon heading it stopped")
 
     @staticmethod
-    async def _request(head: TwinDaemon, request: HeadRequest, tokens: list[int]) -> Outcome:
+    async def _request(head: TwinDaemon, request: HeadRequest, tokens: list[int],
+                       on_token: Callable[[int], None] | None) -> Outcome:
         try:
             async with head.pipeline.head.open(request) as handle:
                 async for event in handle:
                     if isinstance(event, TokenOut):
                         tokens.append(event.token_id)
+                        if on_token is not None:
+                            on_token(len(tokens))
                     elif isinstance(event, Failed):
                         return Outcome(tuple(tokens), f"{event.code}: {event.message}")
                     elif isinstance(event, Finished):

@@ -270,6 +270,8 @@ async def run(sc: Scenario, root: Path, model_path: str, pool: ModelPool, refere
         hub = await nursery.start(MemoryHub(rng=random.Random(sc.seed)).run)
         placement = "spread" if sc.model == "moe" else "auto"
         twin = SwarmTwin(hub, root, model_path, pool=pool, expert_placement=placement)
+        if sc.stages:
+            twin.settings["memory_limit"] = twin.memory_for_stages(sc.stages)
         r = Run(sc, twin, nursery)
         nursery.start_soon(r.watch_leaders)
         if await r.start_swarm():

@@ -40,9 +40,11 @@ class Scenario:
     behind_nat: tuple[int, ...]  # daemons nobody can dial (reached through relays)
     requests: tuple[Request, ...]
     faults: tuple[Fault, ...] = field(default=())
+    stages: int = 0  # each daemon has the memory for about 1/stages of the model (0: for all of it)
 
     def describe(self) -> str:
-        lines = [f"seed {self.seed}: {self.daemons} daemons, {self.model} model, behind NAT {list(self.behind_nat)}"]
+        lines = [f"seed {self.seed}: {self.daemons} daemons, {self.model} model in {self.stages or 'any'} stages, "
+                 f"behind NAT {list(self.behind_nat)}"]
         lines += [f"  request at {r.at:.2f}s via d{r.head}: prompt {list(r.prompt)} max {r.max_tokens} "
                   f"seed {r.seed} T={r.temperature}" for r in self.requests]
         lines += [f"  fault at {f.at:.2f}s: {f.kind} pick {f.pick} for {f.lasts:.2f}s"
@@ -67,4 +69,5 @@ def draw(seed: int) -> Scenario:
         Fault(at=round(rng.uniform(0.0, 4.0), 2), kind=rng.choice(kinds), pick=rng.randrange(1 << 16),
               lasts=round(rng.choice((0.0, rng.uniform(1.0, 6.0))), 2), amount=round(rng.uniform(0.005, 0.2), 3))
         for _ in range(n_faults)), key=lambda f: f.at))
-    return Scenario(seed, model, daemons, behind_nat, requests, faults)
+    stages = rng.randint(max(1, daemons - 2), daemons) if rng.random() < 0.85 else 0  # mostly split, a spare or two
+    return Scenario(seed, model, daemons, behind_nat, requests, faults, stages)

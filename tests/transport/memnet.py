@@ -48,7 +48,7 @@ class MemoryNet:
 
     @wrap.setter
     def wrap(self, fn) -> None:
-        self.hub.wrap = fn
+        self.hub.wrap = None if fn is None else lambda src, dst, protocol, stream: fn(src, dst, stream)
 
     async def add(self, name: str, config: TransportConfig | None = None) -> ActorTransport:
         await trio.lowlevel.checkpoint()
