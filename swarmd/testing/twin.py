@@ -230,8 +230,9 @@ class SwarmTwin:
         opts = PlanOptions(context_length=self.settings["max_context"], concurrency=self.settings["max_requests"])
         n = layout.n_blocks
         largest = max(stage_bytes(layout, i, i + 1, opts) for i in range(n))
-        whole = stage_bytes(layout, 0, n, opts)
-        return opts.runtime_overhead_bytes + max(largest, math.ceil(whole / max(1, stages)) + largest // 2)
+        experts = sum(b.moe.n_experts * b.moe.bytes_per_expert for b in layout.blocks if b.moe is not None)
+        share = math.ceil((stage_bytes(layout, 0, n, opts) + experts) / max(1, stages))
+        return opts.runtime_overhead_bytes + share + largest
 
     async def wait_ready(self, of: TwinDaemon | None = None, within: float = 30.0) -> None:
         """Until the chain `of` (the first daemon by default) sees is ready: every stage loaded."""

@@ -254,7 +254,7 @@ class ActorTransport:
         self.config = config or TransportConfig()
         self.local_peer = local_peer  # messages to this peer id are handed over in-process
         self._open = opener
-        self._rng = rng or random.Random()
+        self._rng = rng or random.Random(random.getrandbits(64))  # from the process RNG: a simulation replays it
         self._gate = gate or PeerGate(self_id=local_peer)  # strikes and penalties, shared with the network
         self._on_undeliverable = on_undeliverable or _log_undeliverable
         self._routes: dict[type[Message], _Route] = {}
@@ -300,6 +300,8 @@ class ActorTransport:
 
     async def send(self, peer: str, msg: Message, *, within: float | None = None) -> None:
         """Deliver `msg` to `peer` and wait for its ack (retrying over broken links until the deadline)."""
+        if self._nursery is None:
+            raise DeliveryFailed(peer, msg, "the transport has stopped (the daemon is stopping)")
         if peer == self.local_peer:
             await self._deliver_locally(msg)
             return
@@ -319,6 +321,9 @@ class ActorTransport:
 
     async def post(self, peer: str, msg: Message, *, within: float | None = None) -> None:
         """Queue `msg` for `peer` (waits only for window room); failures go to `on_undeliverable`."""
+        if self._nursery is None:
+            self._on_undeliverable(peer, msg, "the transport has stopped (the daemon is stopping)")
+            return
         if peer == self.local_peer:
             try:
                 await self._deliver_locally(msg)
@@ -336,6 +341,10 @@ class ActorTransport:
         them at once (a stage's batch stays one batch at the next stage). Messages to this daemon are handed
         over after the writes. A failure to queue one goes to `on_undeliverable`, like a post's."""
         queued: list[tuple[_OutLink, Pending]] = []
+        if self._nursery is None:
+            for out in sends:
+                self._on_undeliverable(out.peer, out.msg, "the transport has stopped (the daemon is stopping)")
+            return
         for out in sends:
             if out.peer == self.local_peer:
                 continue  # after the writes: the other peers need not wait for this daemon's own handling

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -293,7 +293,7 @@ class HeadService:
         model = await self.model()
         check_request(req, model)
         recorder = self.tracing.recorder if req.trace and self.tracing is not None else None
-        request_id = f"req-{uuid.uuid4().hex[:16]}"
+        request_id = f"req-{random.getrandbits(64):016x}"  # the process RNG: a simulation seed replays it
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         session = HeadSession(request_id, len(req.prompt_ids), req.max_tokens, model.tokenizer.stream_decoder(),
                               req.stop, want_prompt_scores=req.prompt_scores)

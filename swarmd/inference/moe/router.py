@@ -28,8 +28,8 @@ A call that this daemon's own shard answers whole never reaches the router: the 
 from __future__ import annotations
 
 import logging
+import random
 import time
-import uuid
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -102,7 +102,7 @@ class MoERouter:
         self.waits = 0  # steps that waited for a plan to re-place experts of dead nodes
         self.chooser = ReplicaChooser()
         self.layers: dict[int, LayerStats] = defaultdict(LayerStats)
-        self._prefix = uuid.uuid4().hex[:12]
+        self._prefix = f"{random.getrandbits(48):012x}"
         self._count = 0
         self._pending: dict[str, _Pending] = {}
         self.recorder: SpanRecorder | None = None  # spans of traced requests
