@@ -236,7 +236,16 @@ class Run:
             if len(leaders) > 1:
                 self.violations.append(f"term {term} had {len(leaders)} leaders: {sorted(p[-6:] for p in leaders)}")
 
-    def check_idle(self) -> None:
+    async def settle_then_check_idle(self) -> None:
+        """Leftovers are a fault only if they outlast the retry and idle windows: look every second, stop as
+        soon as none is left, report what is left at the end."""
+        deadline = trio.current_time() + IDLE
+        while self.leftovers() and trio.current_time() < deadline:  # noqa: ASYNC110 - state of many daemons
+            await trio.sleep(1.0)
+        self.violations += self.leftovers()
+
+    def leftovers(self) -> list[str]:
+        found = []
         for d in sorted(self.twin.alive(), key=lambda d: d.index):
             p, node = d.pipeline, d.node
             if p is None or node is None:
@@ -258,7 +267,8 @@ class Run:
             if node.requests_in_flight:
                 left.append(f"{node.requests_in_flight} requests counted in flight")
             if left:
-                self.violations.append(f"d{d.index} is idle but " + "; ".join(left))
+                found.append(f"d{d.index} is idle but " + "; ".join(left))
+        return found
 
 
 async def run(sc: Scenario, root: Path, model_path: str, pool: ModelPool, references: References) -> RunResult:
@@ -282,10 +292,9 @@ async def run(sc: Scenario, root: Path, model_path: str, pool: ModelPool, refere
                 for f in sc.faults:
                     inner.start_soon(r.fault, f, t0)
             r.undo_all()
-            await trio.sleep(IDLE)
             r.check_outcomes([o for o in outcomes if o is not None],
                              [references[reference_key(sc.model, q)] for q in sc.requests])
-            r.check_idle()
+            await r.settle_then_check_idle()
         else:
             r.violations.append("the swarm did not become ready before any fault: " + "; ".join(r.events))
         r.check_daemons()
