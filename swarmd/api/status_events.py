@@ -55,10 +55,10 @@ class StatusEvents:
     async def _stream(self, write: Write, first: dict[str, Any]) -> None:
         doc = first
         while True:
-            await write(sse(doc))
-            woken = trio.Event()
+            woken = trio.Event()  # listening before the write: a change while it is sent is not missed
             self._waiting.add(woken)
             try:
+                await write(sse(doc))
                 await trio.sleep(self.min_gap)
                 with trio.move_on_after(self.interval - self.min_gap):
                     await woken.wait()
