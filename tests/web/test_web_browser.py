@@ -151,7 +151,9 @@ def test_the_waterfall_of_the_chats_traced_request_lists_every_daemon_and_downlo
     page.wait_for_function("() => document.querySelectorAll('#waterfall .wf-node').length >= 4", timeout=30_000)
     chosen = page.input_value("#trace-select")
     assert api(swarm[0], "/api/v0/traces")["traces"][0]["request_id"] == chosen
-    assert page.input_value("#trace-step") == "1"  # the first decoded token
+    decoded = [s for s in map(int, page.eval_on_selector_all("#trace-step option", "os => os.map(o => o.value)"))
+               if s >= 1]
+    assert len(decoded) >= 2 and page.input_value("#trace-step") == str(decoded[len(decoded) // 2])  # a typical token
     nodes = page.eval_on_selector_all("#waterfall .wf-node", "ns => ns.map(n => n.dataset.peer)")
     assert sorted(set(nodes)) == sorted(d.peer_id for d in swarm)
     kinds = set(page.eval_on_selector_all("#waterfall .wf-row", "rs => rs.map(r => r.dataset.kind)"))
@@ -185,6 +187,7 @@ def test_a_daemon_killed_turns_dead_on_the_page_within_the_detection_time_plus_t
     victim.kill9()
     page.wait_for_selector(f"#map .member[data-peer='{victim.peer_id}'][data-state=dead]", timeout=20_000)
     took = time.monotonic() - start
+    print(f"dead on the page {took:.2f} s after kill -9")
     assert took <= DETECTION_S + 2.0, f"dead on the page after {took:.2f} s"
 
 

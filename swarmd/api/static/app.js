@@ -368,7 +368,8 @@ async function loadTrace(id) {
     .map((e) => e.args.step))].sort((a, b) => a - b);
   const stepSelect = $("trace-step");
   stepSelect.replaceChildren(...steps.map((s) => el("option", { value: s }, s === 0 ? "0 (prefill)" : String(s))));
-  stepSelect.value = steps.includes(1) ? "1" : String(steps[0] ?? "");
+  const decoded = steps.filter((s) => s >= 1);  // a typical token by default: the middle decode step
+  stepSelect.value = String(decoded.length ? decoded[Math.floor(decoded.length / 2)] : steps[0] ?? "");
   $("journey-note").textContent = "Spans of one token (one step of the request) on the head's clock, from the same "
     + "trace that the link opens in Perfetto.";
   renderWaterfall();
