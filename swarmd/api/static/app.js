@@ -547,14 +547,15 @@ async function send(event) {
   $("chat-send").disabled = false;
   $("chat-stop").disabled = true;
   show();
-  if (failed) {
+  if (failed) {  // the turn is not part of the conversation that goes on
     chatMessage("error", failed);
     answer.dataset.state = "failed";
-  } else {
-    answer.dataset.state = "done";
+    chat.pop();
+    return;
   }
+  answer.dataset.state = "done";
   chat.push({ role: "assistant", content: answer.textContent });
-  if (traced && !failed) await loadTraces(true);
+  if (traced) await loadTraces(true);
 }
 
 // --- start --------------------------------------------------------------------------------------------------------
