@@ -219,7 +219,8 @@ def main() -> int:
         say("swarmd status:")
         swarmd("status", "--api", swarm.api)
         if args.keep:
-            say(f"the swarm stays up; OpenAI-compatible API at {swarm.api}/v1 (Ctrl-C stops it)")
+            say(f"the swarm stays up; its web page at {swarm.api}/, OpenAI-compatible API at {swarm.api}/v1 "
+                "(Ctrl-C stops it)")
             try:
                 while all(d.proc.poll() is None for d in swarm.daemons):
                     time.sleep(1)

@@ -106,7 +106,7 @@ class DaemonConfig:
     swarm_key: Path | None = None  # a private swarm: only peers holding this key can connect
     allow_peers: tuple[str, ...] = ()  # if any: only these peer ids may connect (besides the key)
     allow_peers_file: Path | None = None  # more allowed peer ids, one per line
-    api_token: str = ""  # bearer token the API wants on every route but /health; required off loopback
+    api_token: str = ""  # bearer token the API wants on every route but /health and the web page; required off loopback
     api_max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     api_max_tokens: int = DEFAULT_MAX_TOKENS
     timings: Timings = LAN

@@ -67,6 +67,10 @@ class Api:
         """Serve `endpoint` (a Starlette request handler, sync or async) at `path`."""
         self.app.router.routes.append(Route(path, endpoint, methods=list(methods), name=name))
 
+    def open_page(self, paths: frozenset[str], prefix: str | None = None) -> None:
+        """Serve `paths` and everything under `prefix` without the API token (a page that holds no data)."""
+        self.guard.open(paths, prefix)
+
     def add_routes(self, routes: Sequence[BaseRoute]) -> None:
         self.app.router.routes.extend(routes)
 

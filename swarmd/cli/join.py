@@ -73,7 +73,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-peers-file", type=Path, metavar="FILE",
                    help="more allowed peer ids, one per line (# starts a comment)")
     p.add_argument("--api-token", metavar="TOKEN",
-                   help="bearer token the HTTP API requires (also SWARMD_API_TOKEN); needed to bind --api off loopback")
+                   help="bearer token the HTTP API requires (also SWARMD_API_TOKEN); needed to bind --api off loopback; "
+                        "the web page at the API's root asks for it once")
     p.add_argument("--timings", metavar="PRESET", help="timing preset: lan (default) or local-test")
     p.add_argument("--config", type=Path, metavar="FILE", help="TOML file with the same keys as these options")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default: info")
@@ -215,6 +216,7 @@ async def serve(config, extensions: tuple = ()) -> int:
             for addr in node.network.bound_addresses():
                 say(f"Swarm listening on {addr}")
             say(f"API server listening on {node.api_url}")
+            say(f"Swarm page at {node.api_url}/ (open it in a browser)")
             say("Daemon is ready")
     return 0
 

@@ -33,6 +33,7 @@ from planner import PlanOptions, make_plan
 from planner.plan import Plan
 from swarmd import WIRE_VERSION, __version__
 from swarmd.api.app import Api
+from swarmd.api.page import install_page
 from swarmd.config import DaemonConfig, warms_up
 from swarmd.daemon.assignment import Assignment, ExpertLoader, StageLoader, load_experts, load_stage
 from swarmd.daemon.compute import Compute, ComputeThread
@@ -302,6 +303,7 @@ class Node:
         self.api.add_route("/api/v0/leave", leave, methods=("POST",))
         self.api.add_route("/health", health)
         self.api.add_route("/metrics", metrics)
+        install_page(self)  # the web page at "/", its status stream and the status's `groups`
 
 
 def _peer_of(address: str) -> str:

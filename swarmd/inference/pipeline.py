@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse
 
 from swarmd.api.generate_route import GenerateRoute
 from swarmd.api.openai_routes import OpenAIRoutes
+from swarmd.api.traces_route import TracesRoute
 from swarmd.inference.head.service import HeadError, HeadService, ModelInfo
 from swarmd.inference.moe.expert import ExpertActor
 from swarmd.inference.moe.local import LocalExperts
@@ -41,6 +42,7 @@ from swarmd.observe.hop_timer import HopTimer
 from swarmd.observe.pipeline_metrics import register_pipeline_metrics
 from swarmd.observe.spans import NodeSpans, SpanRecorder, chrome_trace
 from swarmd.observe.trace_collect import TraceCollector
+from swarmd.observe.trace_store import KEEP_TRACES
 from swarmd.swarm.membership import State, StateChanged
 from swarmd.transport.links import start_actor_transport
 from swarmd.transport.transport import HandlerResult, Send, TransportConfig
@@ -304,6 +306,7 @@ async def run_pipeline(node: Any, *, task_status=trio.TASK_STATUS_IGNORED) -> No
         nursery.start_soon(pipeline.forget_dead_heads)
         OpenAIRoutes(pipeline.head).install(node.api)
         GenerateRoute(pipeline.head).install(node.api)
+        TracesRoute(pipeline.tracing.traces).install(node.api)
 
         async def status(request: Request) -> JSONResponse:
             return JSONResponse(pipeline.status())
@@ -315,7 +318,7 @@ async def run_pipeline(node: Any, *, task_status=trio.TASK_STATUS_IGNORED) -> No
                 spans = pipeline.tracing.recorder.spans(rid)
                 if not spans:
                     return JSONResponse({"error": {"message": f"no trace of {rid} on this daemon (traced requests "
-                                                              "only, the latest 32)", "code": "not_found"}},
+                                                              f"only, the latest {KEEP_TRACES})", "code": "not_found"}},
                                         status_code=404)
                 events = chrome_trace([NodeSpans(node.peer_id, "node", spans)], request_id=rid)
             return JSONResponse({"traceEvents": events, "displayTimeUnit": "ms"})
