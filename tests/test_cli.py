@@ -34,4 +34,4 @@ logging.getLogger("swarmd.swarm").info("member abcdef: alive (joined)")
     lines = err.splitlines()
     assert len(lines) == 2, err
     assert lines[0].endswith("ERROR   libp2p.transport.tcp: the listener broke")
-    assert lines[1].endswith("INFO    swarmd.swarm.service: member abcdef: alive (joined)")
+    assert lines[1].endswith("INFO    swarmd.swarm: member abcdef: alive (joined)")
