@@ -13,6 +13,7 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from swarmd.errors import UserError
 
@@ -144,6 +145,19 @@ def parse_size(text: str | int) -> int:
         raise UserError(f"cannot read {text!r} as a size (examples: 8GiB, 512MB, 12G)")
     unit = (m.group(2) or "").lower().removesuffix("b")
     return int(float(m.group(1)) * _UNITS[unit])
+
+
+def parse_api_address(text: str) -> tuple[str, int]:
+    """'HOST:PORT', '[::1]:PORT' or 'http://HOST:PORT' -> (host, port)."""
+    raw = text if "://" in text else f"http://{text}"
+    try:
+        parts = urlsplit(raw)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host, port = None, None
+    if not host or port is None:
+        raise UserError(f"--api {text!r} is not HOST:PORT (for example 127.0.0.1:8765)")
+    return host, port
 
 
 def parse_timings(value: Any) -> Timings:

@@ -31,7 +31,7 @@ def compiled_programs_on_disk() -> None:
 def pytest_configure(config: pytest.Config) -> None:
     # Tests run tinygrad on their own thread and on the compute thread, never both at once. Python's cyclic
     # collector would run on any thread, tinygrad's CPU worker included, where a dropped graph's finaliser
-    # waits for that very thread (see swarmd.daemon.compute): it runs between tests instead, on the compute thread.
+    # waits for that very thread (see swarmd.inference.compute): it runs between tests instead, on the compute thread.
     gc.disable()
 
 
@@ -41,7 +41,7 @@ def compute_thread_idle_after_each_test():
     process's compute thread; the next test must not use tinygrad on its own thread until it is done. Then
     garbage is collected there, as the automatic collector would have during the test."""
     yield
-    from swarmd.daemon.compute import collect_due_garbage, wait_until_idle
+    from swarmd.inference.compute import collect_due_garbage, wait_until_idle
 
     assert wait_until_idle(timeout=120.0), "a compute job outlived its test by more than 120 s"
     assert collect_due_garbage(timeout=120.0), "collecting garbage took more than 120 s"

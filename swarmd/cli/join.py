@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = build_config(args)
     setup_logging(config.log_level)
-    from swarmd.daemon.compute import collect_garbage_on_the_compute_thread
+    from swarmd.inference.compute import collect_garbage_on_the_compute_thread
 
     collect_garbage_on_the_compute_thread()  # a finaliser run on tinygrad's own thread would hang the daemon
     from swarmd.net.libp2p_network import parse_multiaddr, split_peer_addr

@@ -1,5 +1,5 @@
 """What the plan gives this daemon, loaded: a `models.stage.StageModel` for its block range, and a
-`models.moe.ExpertShard` for the routed experts of MoE blocks the plan puts here.
+`models.expert_shard.ExpertShard` for the routed experts of MoE blocks the plan puts here.
 
 The node calls `Assignment.apply(announcement)` whenever it accepts a plan; `run()` loads the
 stage on the node's compute thread (a load never blocks heartbeats), releasing the old one first so memory
@@ -30,8 +30,8 @@ from typing import Any
 
 import trio
 
-from swarmd.daemon.compute import ComputeThread
 from swarmd.daemon.served_model import ServedModel
+from swarmd.inference.compute import ComputeThread
 from swarmd.wire.gossip import AssignmentStatus, PlanAnnouncement
 
 log = logging.getLogger("swarmd.assignment")
@@ -64,7 +64,7 @@ def load_stage(model: ServedModel, start: int, end: int, device: str, max_contex
 def load_experts(model: ServedModel, experts: dict[int, tuple[int, ...]], device: str):
     """The routed experts `experts` of the model's GGUF, as an ExpertShard on `device` (blocking)."""
     from models.errors import ModelError
-    from models.moe import ExpertShard
+    from models.expert_shard import ExpertShard
 
     if model.path is None:
         raise ModelError(f"no weights for {model.name} on this machine (it is known only to plan with)")

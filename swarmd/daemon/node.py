@@ -33,7 +33,6 @@ from swarmd import WIRE_VERSION, __version__
 from swarmd.api.app import Api
 from swarmd.config import DaemonConfig, warms_up
 from swarmd.daemon.assignment import Assignment, StageLoader, load_stage
-from swarmd.daemon.compute import ComputeThread
 from swarmd.daemon.descriptor import (
     LocalDescriptor,
     device_name,
@@ -43,6 +42,7 @@ from swarmd.daemon.descriptor import (
     uplink_bps,
 )
 from swarmd.daemon.served_model import ServedModel, served_model
+from swarmd.inference.compute import ComputeThread
 from swarmd.net.access import Access, load_access
 from swarmd.net.identity import Signer, load_or_create_identity, peer_id_of, short_id
 from swarmd.net.libp2p_network import Libp2pNetwork, split_peer_addr

@@ -15,9 +15,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 
 from tiny_gguf import TinyMoE, TinySpec, tiny_moe_weights, write_moe_gguf
 
-from models.moe import ExpertCall, ExpertShard
+from models.expert_shard import ExpertShard
+from models.moe import ExpertCall
 from models.stage import StageInput, StageModel
-from swarmd.daemon.compute import use_a_kernel_cache_connection_per_thread
+from swarmd.inference.compute import use_a_kernel_cache_connection_per_thread
 from swarmd.inference.moe.local import LocalExperts, holds_every_selected
 from swarmd.inference.moe.router import MoERouter
 from swarmd.inference.stage.batch import advance_here

@@ -11,7 +11,7 @@ import pytest
 def kernel_cache_per_thread() -> None:
     """Tests run tinygrad on their own thread and stages on a compute thread: each gets its own connection
     to tinygrad's kernel cache (as a daemon's compute thread does)."""
-    from swarmd.daemon.compute import use_a_kernel_cache_connection_per_thread
+    from swarmd.inference.compute import use_a_kernel_cache_connection_per_thread
 
     use_a_kernel_cache_connection_per_thread()
 

@@ -8,8 +8,8 @@ from swarm_helpers import peer
 
 from planner.plan import ModelRef, Plan, Stage
 from swarmd.daemon.assignment import Assignment
-from swarmd.daemon.compute import ComputeThread
 from swarmd.daemon.served_model import served_model
+from swarmd.inference.compute import ComputeThread
 from swarmd.wire.gossip import PlanAnnouncement
 
 ME, OTHER = peer(1), peer(2)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from models.generate import StopText
+from models.text.stop_text import StopText
 from swarmd.wire.messages import Error, Logprobs, Token
 
 

@@ -29,19 +29,18 @@ import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
 
 import numpy as np
 import trio
 
-from swarmd.daemon.compute import ComputeThread
+from swarmd.inference.compute import ComputeThread
 from swarmd.inference.moe.local import LocalExperts
-from swarmd.inference.registry import Registry
 from swarmd.inference.stage.batch import ExpertsFailed, advance_here, run_batch
-from swarmd.inference.stage.book import Sampled, StageBook, StageRefusal, Work
+from swarmd.inference.stage.book import StageBook, StageRefusal, Work
+from swarmd.inference.stage.job import Batch, Job, Loaded
 from swarmd.observe.spans import SpanRecorder, record_stage_step
 from swarmd.transport.transport import HandlerResult, Posted, Send, as_sends
 from swarmd.wire.codec import WireError
@@ -51,45 +50,6 @@ log = logging.getLogger("swarmd.stage")
 
 SETTLE = 0.002  # s a stage waits for the rest of a convoy of decode steps sent together by the previous stage
 MAX_GATHER = 1.0  # s stage 0 waits at most for other requests' tokens to form one batch
-
-
-@dataclass(frozen=True)
-class Loaded:
-    """This daemon's stage as the plan and the assignment have it now."""
-
-    model: Any  # models.stage.StageModel
-    hop: int
-    registry: Registry
-
-
-@dataclass
-class Job:
-    work: Work
-    model: Any
-    loaded: Loaded | None = None  # the stage and book it was admitted to
-    book: StageBook | None = None
-    received: float = 0.0  # perf_counter seconds (one clock for every process of a machine): message in,
-    taken: float = 0.0  # handed to the compute thread in a batch, the model began the batch, the model was done
-    started: float = 0.0
-    ended: float = 0.0
-    computed: float = 0.0  # the model's forward was done (sampling, on the last stage, comes after)
-    done: trio.Event = field(default_factory=trio.Event)
-    output: np.ndarray | Sampled | None = None
-    error: tuple[str, str] | None = None  # (code, message)
-    batch: int = 1
-    group: list[Job] = field(default_factory=list)  # the jobs of the batch it ran in (itself included)
-    sends: tuple[Send, ...] | None = None  # its outputs, once built (with the rest of its batch's)
-
-
-@dataclass(eq=False)
-class Batch:
-    """Jobs on the compute thread: `run_batch`'s steps and the answer to its first segment once it is in."""
-
-    jobs: list[Job]
-    steps: Generator[Any, Any, None]
-    answer: tuple[bool, Any] = (False, None)  # advance's (done, next question)
-    error: BaseException | None = None
-    arrived: trio.Event = field(default_factory=trio.Event)
 
 
 class StageStats:
