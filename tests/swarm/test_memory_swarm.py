@@ -6,7 +6,6 @@ from dataclasses import replace
 
 import pytest
 import trio
-from swarm_helpers import descriptor, key
 
 from planner import BUILTIN_ARCHS, layout_from_arch, make_plan
 from swarmd.config import LAN
@@ -14,6 +13,7 @@ from swarmd.net.identity import Signer, peer_id_of
 from swarmd.swarm.planning import MakePlan
 from swarmd.swarm.service import SwarmService, SwarmSettings
 from swarmd.testing.memory_network import MemoryHub
+from tests.swarm.swarm_helpers import descriptor, key
 
 LAYOUT = layout_from_arch(BUILTIN_ARCHS["smollm2-135m"], "f16")
 
@@ -172,7 +172,7 @@ async def test_bad_messages_are_rejected_with_one_line_and_the_swarm_carries_on(
     await member.network.publish(topic, cbor2.dumps(forged))
     await settle(swarm, 3)
     assert founder.stats["rejected_messages"] >= 3
-    lines = [r.getMessage() for r in caplog.records if r.name == "swarmd.swarm.service" and "rejected" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if r.name == "swarmd.swarm" and "rejected" in r.getMessage()]
     for reason in ("not CBOR", "envelope: missing body, from, sig, swarm", "bad signature"):
         assert any(reason in line for line in lines), reason
     assert all("\n" not in line for line in lines)
