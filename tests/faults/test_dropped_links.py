@@ -6,10 +6,8 @@ last the CI subset of `scripts/chaos.py`: a few random fault schedules, kills in
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import trio
@@ -112,8 +110,7 @@ async def test_duplicated_and_reordered_frames_run_each_step_once_and_give_the_s
 
 @pytest.mark.timeout(900)  # the chaos budget (600 s) and the swarm re-forming after the last kill
 def test_a_few_random_fault_schedules_each_end_correct_or_with_a_clear_error_and_no_daemon_crashes(swarm):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    from chaos import run_chaos
+    from scripts.chaos import run_chaos
 
     counts = run_chaos(swarm, schedules=3, seed=7, n_tokens=12, deadline=240, budget=600, max_faults=2)
     assert counts["schedules"] == 3, counts

@@ -7,8 +7,6 @@ import itertools
 
 import numpy as np
 import pytest
-from reference.np_llama import NpLlama, load_gguf
-from tiny_gguf import TinyMoE, TinySpec, tiny_moe_weights, write_moe_gguf
 
 from models.catalog.moe_writer import SYNTHETIC_MOE, write_synthetic_moe
 from models.config import config_from_header
@@ -19,6 +17,8 @@ from models.layout import layout_from_gguf
 from models.moe import ExpertCall
 from models.stage import StageInput, StageModel
 from models.text.tokenizer import Tokenizer
+from tests.models.tiny_gguf import TinyMoE, TinySpec, tiny_moe_weights, write_moe_gguf
+from tests.reference.np_llama import NpLlama, load_gguf
 
 # compiles and runs tinygrad kernels (seconds each on a cold kernel cache)
 pytestmark = pytest.mark.slow

@@ -12,6 +12,8 @@ import trio
 
 from swarmd.inference.compute import ComputeThread
 
+pytestmark = pytest.mark.usefixtures("tinygrad_in_process")
+
 
 async def test_jobs_run_in_order_on_one_other_thread_and_errors_come_back():
     compute = ComputeThread()

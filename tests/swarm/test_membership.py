@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from swarm_helpers import descriptor, heartbeat, peer
-
 from swarmd.config import LAN
 from swarmd.swarm.membership import (
     Admitted,
@@ -21,6 +19,7 @@ from swarmd.swarm.membership import (
     State,
     StateChanged,
 )
+from tests.swarm.swarm_helpers import descriptor, heartbeat, peer
 
 ME, A, B = peer(1), peer(2), peer(3)
 
