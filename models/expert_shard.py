@@ -4,7 +4,7 @@
 every row as one fused MLP whose intermediate neurons are scaled by the row's gate for their expert (0: not
 selected), through `models.kernels.matvec` (jitted per layer and padded row count). That is much faster on a
 CPU than gathering each row's expert matrices (tinygrad.llm's `ExpertWeights`): docs/BENCHMARKS.md, "Figures
-the code refers to".
+moved out of the code".
 """
 
 from __future__ import annotations

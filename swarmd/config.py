@@ -111,10 +111,6 @@ class DaemonConfig:
     timings: Timings = LAN
     log_level: str = "info"
 
-    @property
-    def founds_swarm(self) -> bool:
-        return not self.bootstrap
-
     def __post_init__(self) -> None:
         if self.wire_dtype not in WIRE_DTYPES:
             raise UserError(f"wire dtype {self.wire_dtype!r} is not one of float32 (lossless), float16, bfloat16")

@@ -1,6 +1,6 @@
 """A TLS data plane for tensors beside libp2p, which stays the control plane and the fallback.
 
-py-libp2p costs about 1 ms of CPU per small frame on each side (docs: ../shared notes, docs/BENCHMARKS.md),
+py-libp2p costs about 1 ms of CPU per small frame on each side (docs/BENCHMARKS.md),
 so frames can travel instead over a plain TCP connection wrapped in TLS (the standard `ssl` module through
 `trio.SSLStream`). Trust comes from libp2p: each daemon makes a throw-away self-signed certificate at start;
 a dialer receives it inside the listener's `Hello` on the authenticated libp2p stream and pins exactly that

@@ -12,8 +12,8 @@ which is short for
     transport = ActorTransport(links.open, config, local_peer=str(host.get_id()), on_penalise=links.disconnect)
     await nursery.start(transport.run)
     await links.start(transport, nursery)
- Follows the field notes on
-py-libp2p 0.8.1: a handler never lets an exception escape (it would take the host down), the 60 s dial
+
+On py-libp2p 0.8.1: a handler never lets an exception escape (it would take the host down), the 60 s dial
 blacklist is lifted before every dial (this is a retry), and EOF is a plain end of stream.
 """
 

@@ -42,7 +42,7 @@ import logging
 import math
 import random
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import trio
@@ -295,10 +295,6 @@ class ActorTransport:
         if msg_type.CONTROL:
             raise LocalProtocolError(f"{msg_type.TAG} is link control, not an actor message")
         self._routes[msg_type] = _Route(handler, expect)
-
-    def set_expect(self, msg_type: type[Message], expect: Expect | None) -> None:
-        """Change what is expected of `msg_type` (e.g. after a new Plan)."""
-        self._routes[msg_type] = replace(self._routes[msg_type], expect=expect)
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled: link tasks and handlers live in this nursery."""
@@ -693,10 +689,6 @@ class ActorTransport:
             return False
         return True
 
-    def close_request(self, request_id: str) -> None:
-        """The request is over here: drop its cached results; later frames of it are acked and dropped."""
-        self._dedupe.close(request_id, trio.current_time())
-
     async def serve(self, peer: str, stream: ByteStream) -> None:
         """Serve one inbound stream from `peer` until it closes. Never raises (a libp2p handler must not)."""
         try:
@@ -970,11 +962,10 @@ async def _let_started_handlers_begin() -> None:
 
     The reader acks its frames and reads on after that, so a handler that starts work (a stage handing its
     step to the compute thread) does so first; the ack's encoding and TLS write and the next read's attempt
-    then overlap the compute thread's wake-up rather than come before it. (They still run before this thread
-    blocks and lets the compute thread take the interpreter lock; deferring them past that, by a sleep, was
-    measured to put their cost into the step instead.) trio runs the tasks of one scheduler batch in either
-    order, so one checkpoint is not enough: a task made ready before the first checkpoint runs in the batch
-    after it, which ends before the second checkpoint returns."""
+    then overlap the compute thread's wake-up rather than come before it, and are done before this thread
+    blocks (why not later: docs/BENCHMARKS.md, "Per-hop overhead against 1 ms"). trio runs the tasks of one
+    scheduler batch in either order, so one checkpoint is not enough: a task made ready before the first
+    checkpoint runs in the batch after it, which ends before the second checkpoint returns."""
     await trio.lowlevel.checkpoint()
     await trio.lowlevel.checkpoint()
 

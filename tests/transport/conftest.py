@@ -1,4 +1,4 @@
-"""Real py-libp2p hosts on loopback, each with an ActorTransport, set up as the field notes advise:
+"""Real py-libp2p hosts on loopback, each with an ActorTransport, set up as py-libp2p 0.8.1 needs:
 Ed25519 keys from fixed seeds, TCP + noise + yamux, `ConnectionConfig(max_connections_per_peer=1)`."""
 
 from __future__ import annotations

@@ -4,23 +4,17 @@ Messages come from the actor transport: a `Forward` (token ids on stage 0, hidde
 stage 0 the `Token` the last stage sampled (the input of the next step), and `Cancel`. `StageBook`
 (`swarmd.inference.stage.book`) decides what each means; this module does the I/O around it:
 
-    handler: book.on_forward(msg) -> Work -> queue -> (worker) -> book.complete(work, output) -> Sends
+    handler: book.on_forward(msg) -> Work -> Job -> (batch on the compute thread) -> book.complete -> Sends
 
-One worker task owns the model: it takes every job queued since its last run, frees the KV caches of finished
-requests and runs all the jobs in one `StageModel.forward` call on the compute thread (`swarmd.inference.stage.batch`; decode
-steps of several requests become one batched forward). Two task switches are kept off every step's path: when the
-worker is idle and the step has no one to wait for, the handler starts the batch on the compute thread itself (the
-worker then only sees it through, and not even that when it is done in one segment), and the compute thread's
-completion wakes the handlers directly. A stage of a MoE model whose experts live elsewhere runs its forward in
-segments (`StageModel.forward_steps`): between two segments the compute thread is free (this daemon's own experts
-may need it) while `experts` (the MoE router) asks the expert actors for the block's experts; a call whose every
-selected expert this daemon's own shard holds is answered on the compute thread without a segment break
-(`swarmd.inference.moe.local`). A short decode step holding every request of the stage runs on the event loop's own
-thread instead of the compute thread (`_inlines`), which saves both hand-overs. While the model runs on the compute
-thread, new jobs queue up and form the next batch. When a batch is done, the first of its handlers to run builds
-every job's outputs and posts them together (`ActorTransport.post_all`: one write a peer, so the next stage reads
-the whole batch at once and runs it as one batch too); each handler returns its own to the transport, which caches
-them under the message's key: a repeated frame gets the same answer again and never touches the KV cache twice.
+Jobs queued together run as one batch, one `StageModel.forward` on the compute thread
+(`swarmd.inference.stage.batch`): decode steps of several requests become one batched forward. A worker task
+takes every job queued since its last run; when it is idle, the handler starts the batch itself. A short
+decode step holding every request of the stage runs on the event loop's thread instead (`_inlines`). A MoE
+stage whose experts live elsewhere runs in segments, asking the router (`experts`) between two; calls that
+this daemon's own shard can answer are answered on the compute thread (`swarmd.inference.moe.local`).
+The first handler of a finished batch posts every job's outputs together (`ActorTransport.post_all`, one write
+a peer); each handler returns its own, which the transport caches under the message's key, so a repeated
+frame gets the same answer and never touches the KV cache twice.
 """
 
 from __future__ import annotations
@@ -380,8 +374,8 @@ class StageActor:
         captures the jitted graph, which can also take seconds), and only when the batch holds every request
         of the stage. Frames of requests not in it may land meanwhile: on the compute thread's time, the loop
         reads and admits them while the model runs; after an inline step, that work would come between the
-        batch's outputs and spread them over more than the next stage's settle window (measured: 4 requests
-        at once then ran in batches of 3.7, 2.7, 2.4 and 2.0 down the chain, against 3.9, 3.5, 3.1 and 2.7)."""
+        batch's outputs and spread them over more than the next stage's settle window (smaller batches down the
+        chain: docs/BENCHMARKS.md, "A short decode step on the event loop's own thread")."""
         book = self.book
         if (not jobs or self.inline_step_s <= 0 or book is None or len(jobs) < len(book.requests)
                 or any(j.work.rows != 1 for j in jobs)):
