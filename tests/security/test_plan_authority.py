@@ -46,7 +46,7 @@ def with_plan(plan: Plan, **changes) -> Plan:
 
 
 async def test_only_the_current_leaders_newer_plans_are_accepted(nursery, autojump_clock, caplog):
-    caplog.set_level(logging.INFO, "swarmd.swarm.service")
+    caplog.set_level(logging.INFO, "swarmd.swarm")
     hub = await nursery.start(MemoryHub().run)
     leader = await start(nursery, hub, 1)
     member = await start(nursery, hub, 2, bootstrap=leader.peer_id)
