@@ -30,7 +30,7 @@ class Timings:
     replan_debounce: float = 1.0  # membership quiet for this long before the leader re-plans
     replan_after_loss: float = 0.1  # the debounce when a member holding a stage is gone (the chain is broken)
     plan_republish_interval: float = 3.0  # the leader repeats its plan for late joiners
-    dial_backoff_initial: float = 0.5  # first retry of a failed dial (bootstrap, members)
+    dial_backoff_initial: float = 0.5  # first retry of a failed dial (bootstrap, members); doubles, with jitter
     dial_backoff_max: float = 8.0
     dial_timeout: float = 5.0
     leave_grace: float = 0.5  # after publishing a leave, time for it to spread before closing

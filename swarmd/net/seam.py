@@ -1,12 +1,14 @@
 """The one network seam: gossip, dialing, streams to a peer, serving a protocol.
 
 `swarmd.net.libp2p_network.Libp2pNetwork` implements it over py-libp2p; `swarmd.testing.memory_network.MemoryHub` gives an
-in-memory twin so a whole swarm runs in one test process in virtual time. Everything above this
-file (membership, election, actors) talks only to `Network`.
+in-memory twin so a whole swarm runs in one test process in virtual time. Membership, election and planning
+talk only to `Network`; the actor transport still opens its streams on the libp2p host
+(`swarmd.transport.links`).
 """
 
 from __future__ import annotations
 
+import logging
 import struct
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -133,3 +135,16 @@ async def write_frame(stream: Stream, payload: bytes) -> None:
         raise
     except Exception as e:
         raise StreamClosed(f"write failed: {type(e).__name__}: {e}") from None
+
+
+class Closable(Protocol):
+    async def close(self) -> None: ...
+
+
+async def close_quietly(stream: Closable) -> None:
+    """Close `stream`, within a second and even while cancelled; a failure to close is only logged (debug)."""
+    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+        try:
+            await stream.close()
+        except Exception as e:
+            logging.getLogger("swarmd.net").debug("closing a stream: %s: %s", type(e).__name__, e)

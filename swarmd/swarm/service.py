@@ -9,6 +9,7 @@ the machines never see a half-applied update.
 from __future__ import annotations
 
 import logging
+import random
 import secrets
 import struct
 import time
@@ -33,6 +34,7 @@ from swarmd.net.seam import (
     PeerUnreachable,
     Stream,
     StreamClosed,
+    close_quietly,
     read_exact,
     read_frame,
     write_frame,
@@ -72,6 +74,7 @@ from swarmd.swarm.planning import (
     PlanRejected,
     PublishPlan,
 )
+from swarmd.transport.delivery import RetryPolicy
 from swarmd.wire.gossip import (
     AssignmentStatus,
     ForgedMessage,
@@ -122,8 +125,10 @@ class SwarmService:
         make_plan: PlanFunction,
         on_plan: Callable[[PlanAnnouncement], None] = lambda ann: None,
         clock: Callable[[], float] = time.perf_counter,
+        rng: random.Random | None = None,
     ) -> None:
         self.network = network
+        self._rng = rng or random.Random()  # the dials' backoff jitter
         self.clock = clock  # the clock probes carry (the one trace spans are stamped with)
         self.clocks = ClockOffsets()
         self.signer = signer
@@ -144,7 +149,8 @@ class SwarmService:
         self.started_at = 0.0
         self.stats: Counter[str] = Counter()
         self._probe_streams: dict[str, Stream] = {}
-        self._next_dial: dict[str, tuple[float, float]] = {}  # peer -> (not before, current delay)
+        self._next_dial: dict[str, tuple[float, int]] = {}  # peer -> (not before, failed dials in a row)
+        self._dial_retry = RetryPolicy(initial=self.timings.dial_backoff_initial, maximum=self.timings.dial_backoff_max)
         self._dialing: set[str] = set()
         self._warned: dict[tuple[str, str], float] = {}
         self._nursery: trio.Nursery | None = None
@@ -449,7 +455,7 @@ class SwarmService:
             for peer, addresses, is_bootstrap in self._dial_targets():
                 if peer == self.peer_id or peer in self._dialing or self.network.is_connected(peer):
                     continue
-                if now < self._next_dial.get(peer, (0.0, 0.0))[0]:
+                if now < self._next_dial.get(peer, (0.0, 0))[0]:
                     continue
                 self._dialing.add(peer)
                 self._spawn(self._dial, peer, addresses, is_bootstrap)
@@ -485,9 +491,9 @@ class SwarmService:
         try:
             await self.network.connect(peer, addresses)
         except PeerUnreachable as e:
-            _, delay = self._next_dial.get(peer, (0.0, 0.0))
-            delay = min(self.timings.dial_backoff_max, max(self.timings.dial_backoff_initial, 2 * delay))
-            self._next_dial[peer] = (trio.current_time() + delay, delay)
+            _, failures = self._next_dial.get(peer, (0.0, 0))
+            delay = self._dial_retry.backoff(failures, self._rng)
+            self._next_dial[peer] = (trio.current_time() + delay, failures + 1)
             if is_bootstrap and not self.admitted:
                 log.warning("bootstrap peer %s unreachable (%s); retrying in %.1f s, not admitted yet",
                             short_id(peer), e, delay)
@@ -571,7 +577,7 @@ class SwarmService:
     def _drop_probe_stream(self, peer: str) -> None:
         stream = self._probe_streams.pop(peer, None)
         if stream is not None:
-            self._spawn(_close_quietly, stream)
+            self._spawn(close_quietly, stream)
 
     def _warn_once(self, key: str, message: str, every: float = 30.0) -> None:
         """One line per distinct problem per `every` seconds, so a bad peer cannot flood the log."""
@@ -581,9 +587,3 @@ class SwarmService:
             self._warned[k] = now
             log.warning(message)
 
-
-async def _close_quietly(stream: Stream) -> None:
-    try:
-        await stream.reset()
-    except Exception:
-        return

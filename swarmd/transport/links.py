@@ -26,6 +26,7 @@ from typing import Any
 import trio
 
 from swarmd.errors import LocalProtocolError
+from swarmd.net.seam import close_quietly
 from swarmd.net.tls_plane import DataPlane, DataPlaneConfig
 from swarmd.transport.transport import (
     PROTOCOL,
@@ -33,7 +34,6 @@ from swarmd.transport.transport import (
     ByteStream,
     LinkError,
     TransportConfig,
-    close_quietly,
     read_frame,
 )
 from swarmd.wire.messages import Hello, encode

@@ -48,6 +48,7 @@ from typing import Any, Protocol
 import trio
 
 from swarmd.errors import LocalProtocolError, RemoteProtocolError
+from swarmd.net.seam import close_quietly
 from swarmd.transport.delivery import (
     DedupeTable,
     Health,
@@ -1027,14 +1028,6 @@ async def read_frame(stream: ByteStream, max_frame: int) -> Envelope:
     if n > max_frame:
         raise WireError("frame_too_large", f"handshake frame of {n} bytes is over {max_frame}")
     return decode(await read_exactly(stream, n))
-
-
-async def close_quietly(stream: ByteStream) -> None:
-    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-        try:
-            await stream.close()
-        except Exception as e:
-            log.debug("closing a stream: %s: %s", type(e).__name__, e)
 
 
 class TrioStream:
