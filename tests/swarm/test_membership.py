@@ -222,7 +222,7 @@ def test_a_failed_routine_probe_of_a_member_that_still_heartbeats_changes_nothin
     out = m.tick(now=LAN.probe_interval)
     assert out == [Probe(A)]
     assert m.handle(ProbeResult(A, ok=False, error="timed out"), now=LAN.probe_interval + 1) == []
-    assert m.state_of(A) == State.ALIVE and m.members[A].failed_probes == 1
+    assert m.state_of(A) == State.ALIVE and m.members[A].reason == "joined"
 
 
 def test_suspicion_timeout_grows_with_the_log_of_the_swarm_size():
