@@ -76,6 +76,7 @@ from swarmd.swarm.planning import (
 )
 from swarmd.transport.delivery import RetryPolicy
 from swarmd.wire.gossip import (
+    AssignmentState,
     AssignmentStatus,
     ForgedMessage,
     Heartbeat,
@@ -283,7 +284,7 @@ class SwarmService:
         self._on_election(changes, now)
         nodes = self._candidate_nodes()
         failed = frozenset((n.peer_id, n.incarnation) for n in nodes
-                           if self._assignment_of(n.peer_id).state == "failed")
+                           if self._assignment_of(n.peer_id).state == AssignmentState.FAILED)
         self._on_planning(self.coordinator.handle(Candidates(nodes, failed), now))
 
     def _candidate_nodes(self) -> tuple[NodeDescriptor, ...]:
