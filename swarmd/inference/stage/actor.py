@@ -283,11 +283,9 @@ class StageActor:
                 o.msg.check()
         except WireError as e:  # our bug, but one request's, not the daemon's: it fails, the daemon goes on
             log.exception("stage %d built an invalid %s", book.hop, type(outs[0].msg).__name__)
-            head = book.head_of(work.request_id) or outs[-1].peer
-            book.requests.pop(work.request_id, None)
+            failed = book.fail(work, "internal", f"stage {book.hop} could not build its output: {e}")
             self._free(loaded.model, work.request_id)
-            return Send(head, Error("internal", f"stage {book.hop} could not build its output: {e}",
-                                    request_id=work.request_id, step=work.step, hop=book.hop))
+            return Send(failed.peer, failed.msg) if failed else None
         sent = time.perf_counter()
         self.stats.record_step(job, sent)
         if self.recorder is not None and self.recorder.wants(work.request_id):
