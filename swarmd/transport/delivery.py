@@ -6,7 +6,8 @@ code in `swarmd.transport.transport` drives these objects; tests drive them with
 Sender side, per destination: an `Outbox` numbers frames and keeps each until it is acked, refused or past
 its deadline; after a broken link every unacked frame is written again, in order, on the next one.
 `Liveness` decides when a link whose frames go unanswered gets a ping and when it is declared dead.
-`RetryPolicy` spaces reconnection attempts (exponential backoff with jitter).
+`RetryPolicy` spaces reconnection attempts (exponential backoff with jitter). `Link` is the state of the
+link to one destination (idle, connecting, connected, retired), changed only through `LINK_TRANSITIONS`.
 
 Receiver side: a `DedupeTable` remembers, per message key `(type, request_id, step, hop)`, whether it was
 delivered and what its handler produced, so a frame resent after a lost ack is acked again and its cached
@@ -163,6 +164,79 @@ class Liveness:
         if self.ping_at is not None:
             return self.ping_at + self.ack_timeout
         return max(oldest_unacked_sent_at, self.last_heard) + self.ack_timeout
+
+
+class LinkState(enum.Enum):
+    IDLE = "idle"  # no stream: nothing to carry, or waiting out a backoff before the next try
+    CONNECTING = "connecting"  # opening a stream
+    CONNECTED = "connected"  # a session runs on an open stream
+    RETIRED = "retired"  # idle too long: its task ended and a new link takes its place
+
+
+class LinkEvent(enum.Enum):
+    OPEN = "open"  # frames wait: open a stream
+    OPENED = "opened"
+    OPEN_FAILED = "open failed"
+    SESSION_ENDED = "session ended"  # its stream broke or was closed
+    IDLE_TIMEOUT = "idle timeout"  # nothing to carry for the idle timeout
+
+
+LINK_TRANSITIONS: dict[tuple[LinkState, LinkEvent], LinkState] = {
+    (LinkState.IDLE, LinkEvent.OPEN): LinkState.CONNECTING,
+    (LinkState.CONNECTING, LinkEvent.OPENED): LinkState.CONNECTED,
+    (LinkState.CONNECTING, LinkEvent.OPEN_FAILED): LinkState.IDLE,
+    (LinkState.CONNECTED, LinkEvent.SESSION_ENDED): LinkState.IDLE,
+    (LinkState.IDLE, LinkEvent.IDLE_TIMEOUT): LinkState.RETIRED,
+}
+
+
+@dataclass
+class Link:
+    """The link to one destination: its state, its sessions (one per stream opened: a frame last written on an
+    older session is written again) and the tries in a row that carried nothing (the backoff's attempt)."""
+
+    state: LinkState = LinkState.IDLE
+    session: int = 0
+    failures: int = 0
+
+    @property
+    def connected(self) -> bool:
+        return self.state is LinkState.CONNECTED
+
+    @property
+    def retired(self) -> bool:
+        return self.state is LinkState.RETIRED
+
+    def open(self) -> None:
+        self._fire(LinkEvent.OPEN)
+
+    def opened(self) -> int:
+        """The stream is open: a new session (its number)."""
+        self._fire(LinkEvent.OPENED)
+        self.session += 1
+        return self.session
+
+    def open_failed(self) -> None:
+        self._fire(LinkEvent.OPEN_FAILED)
+        self.failures += 1
+
+    def session_ended(self, carried: bool) -> None:
+        """The stream is gone; `carried`: some frame was acked on it (the link works: back off from the start)."""
+        self._fire(LinkEvent.SESSION_ENDED)
+        self.failures = 0 if carried else self.failures + 1
+
+    def retire(self) -> None:
+        self._fire(LinkEvent.IDLE_TIMEOUT)
+
+    def backoff(self, policy: RetryPolicy, rng: random.Random) -> float:
+        """How long to wait before the next try."""
+        return policy.backoff(max(self.failures - 1, 0), rng)
+
+    def _fire(self, event: LinkEvent) -> None:
+        try:
+            self.state = LINK_TRANSITIONS[(self.state, event)]
+        except KeyError:
+            raise LocalProtocolError(f"link: {event.value} while {self.state.value}") from None
 
 
 # --- receiver -------------------------------------------------------------------------------------------------
