@@ -2,9 +2,9 @@
 
 `ExpertShard` computes, for a batch of rows, the gate-weighted sum of its experts: every expert held runs on
 every row as one fused MLP whose intermediate neurons are scaled by the row's gate for their expert (0: not
-selected), through `models.kernels.matvec` (jitted per layer and padded row count). That is much faster on a
-CPU than gathering each row's expert matrices (tinygrad.llm's `ExpertWeights`): docs/BENCHMARKS.md, "Figures
-moved out of the code".
+selected), through `models.kernels.matvec` (jitted per layer and padded row count). On a CPU that is faster
+than gathering each row's expert matrices (tinygrad.llm's `ExpertWeights`): docs/BENCHMARKS.md, "Figures moved
+out of the code" (`scripts/bench_expert_shard.py`).
 """
 
 from __future__ import annotations
