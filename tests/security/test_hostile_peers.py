@@ -12,8 +12,8 @@ import multiaddr
 import pytest
 import trio
 
-from swarmd.net.framing import read_frame, write_frame
 from swarmd.net.gate import GuardLimits
+from swarmd.net.streams import read_frame, write_frame
 from swarmd.net.swarm_key import SwarmKey
 from swarmd.swarm.service import PROBE_PROTOCOL
 from swarmd.transport.links import start_actor_transport

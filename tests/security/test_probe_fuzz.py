@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from swarmd.config import LAN
-from swarmd.net.framing import read_exact, read_frame, write_frame
 from swarmd.net.gate import GuardLimits
 from swarmd.net.identity import Signer, peer_id_of
+from swarmd.net.streams import read_exact, read_frame, write_frame
 from swarmd.swarm.service import PROBE_PROTOCOL, SwarmService, SwarmSettings
 from swarmd.testing.memory_network import MemoryHub
 from tests.security.helpers import planner

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from daemons import view, wait_until
+
+from tests.swarm.daemons import view, wait_until
 
 pytestmark = pytest.mark.slow
 BOUND = 30.0  # generous: the target figures are benchmarks, not test bounds

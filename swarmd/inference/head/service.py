@@ -49,9 +49,9 @@ from swarmd.wire.messages import Cancel, Error, Forward, Logprobs, Sampling, Tok
 log = logging.getLogger(__name__)
 
 MAX_SEED = (1 << 63) - 1
-OnWait = Callable[[str], Awaitable[None]]
+OnWait = Callable[[str], Awaitable[None]]  # told what the request waits for, each time that changes
 MOVE_CHECK_INTERVAL = 0.1  # s between looks at the plan for requests whose chain changed
-TOO_SMALL_GRACE = 5.0  # s a moving request waits once the leader says the model no longer fits the swarm  # told what the request waits for, each time that changes
+TOO_SMALL_GRACE = 5.0  # s a moving request waits once the leader says the model no longer fits the swarm
 
 # The HTTP status of a failure code, where it is not a plain bad request (400).
 STATUS = {"leaving": 503, "swarm_too_small": 503, "not_ready": 503, "kv_cache_full": 503, "unreachable": 503, "timeout": 504, "internal": 500,
