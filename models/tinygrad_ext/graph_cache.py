@@ -193,6 +193,13 @@ class GraphCache:
         except (Uncacheable, pickle.PicklingError, TypeError, AttributeError, RecursionError) as e:
             log.info("graph not cached: %s", e)
             return False
+        if not self.write(key, payload, label):
+            return False
+        self.evict()
+        return True
+
+    def write(self, key: Mapping[str, Any], payload: bytes, label: Mapping[str, Any] | None = None) -> bool:
+        """Write an entry whole: under a temporary name, then renamed over `path_of(key)`."""
         header = {"key": json.loads(_canonical(key)), "label": dict(label or {}), "payload_bytes": len(payload),
                   "payload_sha256": hashlib.sha256(payload).hexdigest()}
         path = self.path_of(key)
@@ -208,7 +215,6 @@ class GraphCache:
             log.warning("graph cache %s: could not store a graph (%s)", self.root, e)
             tmp.unlink(missing_ok=True)
             return False
-        self.evict()
         return True
 
     def entries(self) -> list[Entry]:
