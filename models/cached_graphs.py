@@ -236,8 +236,21 @@ def _common(owner: Any, source: str) -> dict[str, Any] | None:
     model = model_identity(source)
     if model is None:
         return None
-    return {"model": model, "config": repr(owner.config), "code": code_fingerprint(),
+    return {"model": model, "config": repr(owner.config), "code": code_fingerprint(), "matvec_opts": _matvec_opts(),
             **graph_cache.environment(owner.device)}
+
+
+def _matvec_opts() -> str | None:
+    """A hash of the GPU matvec options file `$SWARMD_MATVEC_OPTS` names, if any (`models.kernels.matvec`)."""
+    import os
+
+    path = os.environ.get("SWARMD_MATVEC_OPTS")
+    if not path:
+        return None
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return f"unreadable {path}"
 
 
 def _stage_key(stage: Any) -> dict[str, Any] | None:

@@ -27,6 +27,7 @@ Unpickling runs code named in the file: the directory must be as trusted as tiny
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -116,6 +117,7 @@ def environment(device: str) -> dict[str, Any]:
     return env
 
 
+@functools.cache
 def _cpu_identity() -> str:
     """The CPU's model and feature flags (the binaries are compiled for this very CPU)."""
     try:
