@@ -56,6 +56,8 @@ class CachedGraphs:
         self._owner = weakref.ref(owner)  # the owner holds this object: no reference cycle back to it
         self._owner_key = owner_key
         self.label = label
+        self._identity_known = False
+        self._identity_key: dict[str, Any] | None = None
         self._key: dict[str, Any] | None = None
         self._bindings: dict[str, UOp] | None = None
         self._only_cached = False
@@ -114,8 +116,11 @@ class CachedGraphs:
         return self._bindings
 
     def _identity(self) -> dict[str, Any] | None:
-        owner = self._owner()
-        return None if owner is None else self._owner_key(owner)
+        if not self._identity_known:
+            owner = self._owner()
+            self._identity_key = None if owner is None else self._owner_key(owner)
+            self._identity_known = True
+        return self._identity_key
 
     def _store(self, name: tuple, jit: TinyJit) -> None:
         if self.cache is None or jit.captured is None:
@@ -127,7 +132,7 @@ class CachedGraphs:
 class StoringJit(TinyJit):
     """A TinyJit that replays a stored graph, or captures on its first call (as `capturing_jit`) and hands
     itself to `on_capture`. A stored graph that refuses its first inputs (tinygrad's JitError: it was made
-    for other shapes) is dropped and captured instead."""
+    for other shapes) is captured again instead, and stored over the entry."""
 
     def __init__(self, fn: Callable[..., Any], on_capture: Callable[[TinyJit], None], captured: Any = None) -> None:
         super().__init__(fn)
