@@ -389,7 +389,10 @@ def _digest(key: Mapping[str, Any]) -> str:
 def _read_header(f: Any) -> dict[str, Any]:
     if f.read(len(MAGIC)) != MAGIC:
         raise ValueError("not a graph cache entry")
-    (n,) = struct.unpack("<Q", f.read(8))
+    size = f.read(8)
+    if len(size) != 8:
+        raise ValueError("truncated header")
+    (n,) = struct.unpack("<Q", size)
     if n > 1 << 24:
         raise ValueError("header too large")
     head = f.read(n)
