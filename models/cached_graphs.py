@@ -152,9 +152,11 @@ class StoringJit(TinyJit):
                 log.warning("a stored graph does not fit its inputs (%s): capturing it again", e)
                 self.reset()
                 self.cnt = 1
-        capturing = self.cnt == 1
-        ret = super().__call__(*args, **kwargs)
-        if capturing and self.captured is not None:
+        if self.cnt != 1:
+            return super().__call__(*args, **kwargs)
+        with graph_cache.capturing_without_estimates():
+            ret = super().__call__(*args, **kwargs)
+        if self.captured is not None:
             self.on_capture(self)
         return ret
 

@@ -128,7 +128,10 @@ def script(tree: Path, graphs: Path | None, code: str, *args: str) -> dict:
 
 
 def checkout(rev: str, into: Path) -> Path:
-    """The tree of `rev`, copied out of the repository with git archive (the repository is not touched)."""
+    """The tree of `rev`, copied out of the repository with git archive (the repository is not touched); a
+    directory given instead is taken as that tree."""
+    if Path(rev).is_dir():
+        return Path(rev).resolve()
     into.mkdir(parents=True)
     archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
@@ -141,7 +144,8 @@ def median(runs: list[dict], key: str) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--before", required=True, metavar="REV", help="the revision to compare with (e.g. main)")
+    p.add_argument("--before", required=True, metavar="REV",
+                   help="the revision to compare with (e.g. main), or a directory holding its tree")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--replan", action="store_true", help="also the re-plan that grows a stage")
     args = p.parse_args()

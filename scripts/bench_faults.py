@@ -33,7 +33,7 @@ SmolLM2 (the kernel cache is warm after the first request). Then:
 * graph cache (`--compare-code REV`, no standby): as `--compare-reload`, two swarms side by side, one running
   this code with a graph cache of the run's own (empty at the start: the first kill grows the survivors'
   ranges with their graphs captured, the later kills find them cached) and one running the code of revision REV
-  (a copy outside the repository); this code's first kill is reported apart from the others.
+  (a copy outside the repository, or the directory REV names); this code's first kill is reported apart.
 * resets (on the daemons left after the kill): the same request with each link resetting every forwarded chunk
   with probability p; decode tokens/s side by side with p = 0 (medians of `--repeats` runs), frames the
   transports resent, and runs whose tokens differed or that failed.

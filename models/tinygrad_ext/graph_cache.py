@@ -27,6 +27,7 @@ Unpickling runs code named in the file: the directory must be as trusted as tiny
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -37,8 +38,8 @@ import pickle
 import platform
 import struct
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, is_dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -353,22 +354,58 @@ def _written_buffers(captured: CapturedJit) -> set[UOp]:
     return out
 
 
-def _slim_programs(linear: UOp) -> UOp:
-    """`linear` with each program reduced to what running it needs: its binary, source and launch info
-    (`ProgramInfo`), without the kernel AST and linearised instructions it was built from."""
+@contextlib.contextmanager
+def capturing_without_estimates() -> Iterator[None]:
+    """Inside, a jit that captures gets its programs without tinygrad's cost estimates (the op and byte counts
+    behind its statistics): building a captured graph's runner sums every kernel's symbolic estimates and
+    simplifies the sum, about half of a graph's first replay on a small CPU. Only for captures on this thread
+    (tinygrad never captures two graphs at once)."""
+    import tinygrad.engine.jit as jit
+
+    lower = jit.jit_lower
+
+    def lower_without_estimates(linear: UOp, held_bufs: set[UOp], input_uops: list[UOp]) -> UOp:
+        return _map_programs(lower(linear, held_bufs, input_uops), _without_estimates)
+
+    jit.jit_lower = lower_without_estimates
+    try:
+        yield
+    finally:
+        jit.jit_lower = lower
+
+
+def _without_estimates(program: UOp) -> UOp:
+    from tinygrad.uop.ops import UOp
+
+    sink = program.src[0]
+    if getattr(sink.arg, "estimates", None) is None:
+        return program
+    return program.replace(src=(UOp(sink.op, sink.dtype, sink.src, replace(sink.arg, estimates=None), sink.tag),
+                                *program.src[1:]))
+
+
+def _slim(program: UOp) -> UOp:
+    """A program reduced to what running it needs (see `_slim_programs`)."""
     from tinygrad.uop.ops import Ops, UOp
+
+    if len(program.src) != 5:
+        return program
+    sink, device, _lin, source, binary = program.src
+    stub = UOp(Ops.SINK, arg=replace(sink.arg, estimates=None)) if is_dataclass(sink.arg) else UOp(Ops.SINK)
+    return program.replace(src=(stub, device, UOp(Ops.LINEAR), source, binary))
+
+
+def _map_programs(linear: UOp, fn: Callable[[UOp], UOp]) -> UOp:
+    """`linear` with each PROGRAM uop (in its calls and batched graphs) replaced by `fn(program)`."""
+    from tinygrad.uop.ops import Ops
 
     memo: dict[UOp, UOp] = {}
 
     def walk(u: UOp) -> UOp:
         if (done := memo.get(u)) is not None:
             return done
-        if u.op is Ops.PROGRAM and len(u.src) == 5:
-            sink, device, _lin, source, binary = u.src
-            stub = UOp(Ops.SINK, arg=replace(sink.arg, estimates=None)) if sink.arg is not None else UOp(Ops.SINK)
-            out = u.replace(src=(stub, device, UOp(Ops.LINEAR), source, binary))
-        elif u.op is Ops.PROGRAM:
-            out = u
+        if u.op is Ops.PROGRAM:
+            out = fn(u)
         else:
             src = tuple(walk(s) for s in u.src)
             out = u if src == u.src else u.replace(src=src)
@@ -376,6 +413,12 @@ def _slim_programs(linear: UOp) -> UOp:
         return out
 
     return walk(linear)
+
+
+def _slim_programs(linear: UOp) -> UOp:
+    """`linear` with each program reduced to what running it needs: its binary, source and launch info
+    (`ProgramInfo`), without the kernel AST and linearised instructions it was built from."""
+    return _map_programs(linear, _slim)
 
 
 def _canonical(key: Mapping[str, Any]) -> str:
