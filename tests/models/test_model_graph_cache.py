@@ -244,3 +244,18 @@ def test_a_second_process_replays_what_the_first_captured_from_the_same_gguf(gra
     assert first["loaded"] == [] and len(first["stored"]) == 2
     assert second["stored"] == [] and second["loaded"] == first["stored"]
     assert second["out"] == first["out"]
+
+
+def test_a_stored_graph_that_refuses_its_first_inputs_is_captured_again_and_stored(tmp_path):
+    from tinygrad import Tensor
+
+    from models.cached_graphs import StoringJit
+
+    w = Tensor.ones(64).contiguous().realize()
+    cache, bindings = GraphCache(tmp_path), named_buffers([("w", w)])
+    assert cache.store({"graph": "add"}, tiny_jit(w), bindings)  # made for float32 inputs
+    stored = []
+    jit = StoringJit(lambda x: (x + w).realize(), stored.append, cache.load({"graph": "add"}, bindings))
+    out = jit(Tensor(np.arange(64, dtype=np.int32)).realize())  # int32 inputs: tinygrad refuses the stored graph
+    np.testing.assert_array_equal(out.numpy(), np.arange(64) + 1)
+    assert stored == [jit]  # captured for these inputs, and handed over to be stored
