@@ -285,7 +285,7 @@ def for_stage(stage: Any) -> CachedGraphs:
 
 
 def for_experts(shard: Any) -> CachedGraphs:
-    """The graphs of a `models.moe.ExpertShard` (in the default cache)."""
+    """The graphs of a `models.expert_shard.ExpertShard` (in the default cache)."""
     label = {"model": model_label(getattr(shard, "source", "")), "device": shard.device,
              "owner": "experts of blocks " + ", ".join(str(b) for b in sorted(shard.experts))}
     return CachedGraphs(graph_cache.default_cache(), shard, _experts_key, label)

@@ -109,9 +109,9 @@ def run(args: argparse.Namespace) -> int:
         "(graphs missing from the graph cache are captured first, and kept there)" if model.graphs.enabled
         else "(a first run also compiles kernels and captures graphs)"))
 
-    from swarmd.daemon.compute import collect_if_due
+    from swarmd.inference.compute import collect_if_due
 
-    gc.disable()  # collected between tokens on this thread, never on tinygrad's worker (see swarmd.daemon.compute)
+    gc.disable()  # collected between tokens on this thread, never on tinygrad's worker (see swarmd.inference.compute)
     generation = generate(model, tokenizer, prompt_ids, params)
     out = sys.stdout
     try:

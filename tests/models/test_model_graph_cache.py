@@ -15,7 +15,8 @@ import pytest
 from tinygrad.llm.model import TransformerConfig
 
 from models.cached_graphs import held_tensors, warm_from_cache
-from models.moe import ExpertCall, ExpertShard, MoEConfig
+from models.expert_shard import ExpertShard
+from models.moe import ExpertCall, MoEConfig
 from models.stage import StageInput, StageModel
 from models.tinygrad_ext.graph_cache import GraphCache, named_buffers
 
