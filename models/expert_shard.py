@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 from tinygrad.llm.model import TransformerConfig
 
+from models import cached_graphs
 from models.errors import ModelError
 from models.kernels.matvec import matvec, tune_cpu_renderer
 from models.moe import ExpertCall, is_moe_block
-from models.tinygrad_ext.jit import HeldInputs, capturing_jit, read_back
+from models.tinygrad_ext.jit import HeldInputs, read_back
 
 if TYPE_CHECKING:
     from tinygrad import Tensor, TinyJit
@@ -33,7 +35,8 @@ class ExpertShard:
     holding just those experts in that order."""
 
     def __init__(self, config: TransformerConfig, weights: Mapping[str, Tensor],
-                 experts: Mapping[int, Sequence[int]], device: str | None = None):
+                 experts: Mapping[int, Sequence[int]], device: str | None = None, source: str = ""):
+        """`source` names the weights (as `StageModel.source`), so that their graphs can be cached."""
         from tinygrad import Device
 
         self.device = Device.canonicalize(device)
@@ -59,6 +62,8 @@ class ExpertShard:
             self._local[layer] = local
         self._jits: dict[tuple[int, int], TinyJit] = {}
         self._inputs = HeldInputs(self.device)
+        self.source = source
+        self.graphs = cached_graphs.for_experts(self)
 
     @classmethod
     def random(cls, config: TransformerConfig, seed: int, experts: Mapping[int, Sequence[int]], *,
@@ -67,7 +72,7 @@ class ExpertShard:
         `StageModel.random` of that seed holds."""
         from models.catalog.synthetic import random_expert_weights
 
-        return cls(config, random_expert_weights(config, seed, experts, dtype), experts, device)
+        return cls(config, random_expert_weights(config, seed, experts, dtype), experts, device, f"seed {seed} {dtype}")
 
     @classmethod
     def from_gguf(cls, path, experts: Mapping[int, Sequence[int]], *, dtype: str = "float16",
@@ -79,7 +84,8 @@ class ExpertShard:
 
         header = read_header(path)
         config = config_from_header(header)
-        return cls(config, load_expert_weights(header, experts, device=device, dtype=dtype), experts, device)
+        return cls(config, load_expert_weights(header, experts, device=device, dtype=dtype), experts, device,
+                   f"gguf {Path(path).resolve()} {dtype}")
 
     def holds(self, layer: int) -> tuple[int, ...]:
         return self.experts.get(layer, ())
@@ -123,7 +129,8 @@ class ExpertShard:
         gates = np.zeros((padded, len(self.experts[call.layer])), np.float32)  # each row's gate per expert held
         np.add.at(gates, (row, local), call.gates[row, col])
         if (call.layer, padded) not in self._jits:
-            self._jits[(call.layer, padded)] = capturing_jit(functools.partial(self._step, call.layer))
+            self._jits[(call.layer, padded)] = self.graphs.jit(("experts", call.layer, padded),
+                                                               functools.partial(self._step, call.layer))
         # two inputs, not one sliced in two: a jit replays stale data through a view of an input buffer
         res = self._jits[(call.layer, padded)](self._inputs(x, slot=0), self._inputs(gates, slot=1))
         return read_back(res)[:n].copy()

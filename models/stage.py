@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from models import cached_graphs
 from models.catalog.synthetic import random_weights
 from models.errors import ModelError
 from models.gguf.loader import StageParts
@@ -42,7 +43,7 @@ from models.kernels.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_rend
 from models.kernels.quant import BlockQuantized
 from models.kv_cache import KVCacheFull, KVPool, SlotTable
 from models.moe import ExpertCall, ExpertFn, block_config, is_moe_block, route, routed_experts, shared_experts
-from models.tinygrad_ext.jit import HeldInputs, capturing_jit, read_back
+from models.tinygrad_ext.jit import HeldInputs, read_back
 
 if TYPE_CHECKING:
     from tinygrad import Tensor, TinyJit
@@ -232,6 +233,7 @@ class StageModel:
         self._prefill_jits: dict[tuple[bool, Segment], TinyJit] = {}
         self._inputs = HeldInputs(self.device)
         self.segments = self._cut_segments()
+        self.graphs = cached_graphs.for_stage(self)  # jitted graphs: from the graph cache, or captured and stored
 
     # ----- construction -----
 
@@ -494,7 +496,8 @@ class StageModel:
 
         def jit_of(seg: Segment) -> TinyJit:
             if (batch, seg) not in self._decode_jits:
-                self._decode_jits[(batch, seg)] = capturing_jit(functools.partial(self._decode_step, seg))
+                self._decode_jits[(batch, seg)] = self.graphs.jit(("decode", batch, seg),
+                                                                  functools.partial(self._decode_step, seg))
             return self._decode_jits[(batch, seg)]
 
         res = yield from self._run_segments(rows, len(items), jit_of, [*svars, *pvars, *tvars])
@@ -513,7 +516,8 @@ class StageModel:
         def jit_of(seg: Segment) -> TinyJit:
             key = (it.all_logits, seg)
             if key not in self._prefill_jits:
-                self._prefill_jits[key] = capturing_jit(functools.partial(self._prefill_step, seg, all_logits=it.all_logits))
+                self._prefill_jits[key] = self.graphs.jit(("prefill", *key),
+                                                          functools.partial(self._prefill_step, seg, all_logits=it.all_logits))
             return self._prefill_jits[key]
 
         svar = UOp.variable("slot0", 0, self.kv.scratch_slot).bind(slot)
