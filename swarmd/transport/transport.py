@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -263,6 +264,8 @@ class ActorTransport:
         self._in: dict[str, set[_InLink]] = {}
         cfg = self.config
         self._dedupe = DedupeTable(cfg.dedupe_ttl, cfg.dedupe_entries, cfg.dedupe_result_bytes)
+        # The de-duplication table and the rates are shared with the hot lane's readers (other threads).
+        self._shared = threading.Lock()
         self._handlers = trio.Semaphore(cfg.max_handlers)
         self._peer_handlers: dict[str, trio.Semaphore] = {}
         self._buckets: dict[str, TokenBucket] = {}
@@ -869,11 +872,12 @@ class ActorTransport:
         """Deliver `msg` unless its key was seen; no await between the check and the mark."""
         assert self._nursery is not None
         key = msg.key()
-        seen, cached = self._dedupe.begin(key, trio.current_time()) if key else (Seen.NEW, None)
+        with self._shared:
+            seen, cached = self._dedupe.begin(key, trio.current_time()) if key else (Seen.NEW, None)
+            if seen is Seen.NEW and isinstance(msg, Cancel):
+                self._dedupe.close(msg.request_id, trio.current_time())
         if seen is Seen.NEW:
             self.stats.delivered += 1
-            if isinstance(msg, Cancel):
-                self._dedupe.close(msg.request_id, trio.current_time())
             self._nursery.start_soon(self._handle, peer, key, msg, slots)
             return
         for s in slots:
@@ -904,7 +908,7 @@ class ActorTransport:
                 log.exception("%s handler failed", msg.TAG)
                 sends = (Send(peer, _error_for(msg, "internal", f"{type(e).__name__} in the {msg.TAG} handler")),)
             if key is not None:
-                self._dedupe.finish(key, sends, sum(_approx_size(s.msg) for s in sends))
+                self.finish(key, sends)
             if not posted:
                 for out in sends:  # holding the handler slots until there is room: backpressure up the chain
                     try:
@@ -914,6 +918,75 @@ class ActorTransport:
         finally:
             for s in slots:
                 s.release()
+
+    # --- the hot lane's way in (`swarmd.transport.lane`: frames read by other threads) ----------------------
+
+    def expectation(self, msg_type: type[Message]) -> tuple[bool, Expect | None]:
+        """Whether messages of `msg_type` are routed here, and the check each must pass first."""
+        route = self._routes.get(msg_type)
+        return (route is not None, route.expect if route is not None else None)
+
+    def check(self, expect: Expect, seq: int, msg: Message) -> None:
+        """`expect(msg)` as a frame's check (WireError with the frame's seq and request)."""
+        self._check_expect(expect, Envelope(seq, msg))
+
+    def begin(self, peer: str, msg: Message, now: float) -> tuple[Seen, Any] | None:
+        """From any thread: admit `msg` under the peer's rate and classify it as `_admit` does (a NEW one is
+        marked in progress and must be `finish`ed); None when the rate says wait (`admit_from_lane` does)."""
+        with self._shared:
+            bucket = self._buckets.setdefault(peer, TokenBucket(self.config.frames_per_second,
+                                                                self.config.frame_burst))
+            if not bucket.try_take(now):
+                return None
+            key = msg.key()
+            return self._dedupe.begin(key, now) if key else (Seen.NEW, None)
+
+    def finish(self, key: Any, sends: tuple[Send, ...]) -> None:
+        """From any thread: the handler of `key` is done; `sends` are replayed for a duplicate."""
+        with self._shared:
+            self._dedupe.finish(key, sends, sum(_approx_size(s.msg) for s in sends))
+
+    def admit_begun(self, peer: str, key: Any, msg: Message, then: Callable[[], None]) -> None:
+        """On the event loop: run the handler of a message `begin` marked new (the lane's reader declined to
+        run it itself); `then()` once it is admitted (the lane acks it then)."""
+        if self._nursery is None:
+            return
+        self.stats.delivered += 1
+        self._nursery.start_soon(self._admit_and_handle, peer, key, msg, then)
+
+    def admit_from_lane(self, peer: str, msg: Message, then: Callable[[], None]) -> None:
+        """On the event loop: admit `msg` as a link's dispatcher does (waiting for the peer's rate and the
+        handler limits), then `then()`."""
+        if self._nursery is not None:
+            self._nursery.start_soon(self._admit_waiting, peer, msg, then)
+
+    def undeliverable(self, peer: str, msg: Message, reason: str) -> None:
+        """On the event loop: `msg` to `peer` was refused or given up (as a post's failure is reported)."""
+        self._on_undeliverable(peer, msg, reason)
+
+    async def _admit_and_handle(self, peer: str, key: Any, msg: Message, then: Callable[[], None]) -> None:
+        slots = await self._handler_slots(peer)
+        then()
+        await self._handle(peer, key, msg, slots)
+
+    async def _admit_waiting(self, peer: str, msg: Message, then: Callable[[], None]) -> None:
+        bucket = self._buckets.setdefault(peer, TokenBucket(self.config.frames_per_second, self.config.frame_burst))
+        with self._shared:
+            wait = bucket.take(trio.current_time())
+        if wait > 0:
+            await trio.sleep(wait)
+        self._admit(peer, msg, await self._handler_slots(peer))
+        then()
+
+    async def _handler_slots(self, peer: str) -> tuple[trio.Semaphore, ...]:
+        peer_slots = self._peer_handlers.setdefault(peer, trio.Semaphore(self.config.max_handlers_per_peer))
+        await peer_slots.acquire()
+        try:
+            await self._handlers.acquire()
+        except BaseException:
+            peer_slots.release()
+            raise
+        return (peer_slots, self._handlers)
 
     # --- introspection -------------------------------------------------------------------------------------
 
@@ -958,6 +1031,11 @@ def as_sends(result: HandlerResult) -> tuple[Send, ...]:
     if not all(isinstance(s, Send) for s in sends):
         raise LocalProtocolError("a handler must return None, a Send or a sequence of Send")
     return sends
+
+
+def error_reply(msg: Message, code: str, message: str) -> Error:
+    """The `Error` a handler's failure sends back about `msg`."""
+    return _error_for(msg, code, message)
 
 
 def _error_for(msg: Message, code: str, message: str) -> Error:
