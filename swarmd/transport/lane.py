@@ -224,7 +224,7 @@ class HotLane:
         """Run `fn(*args)` on the event loop soon (from any thread; nothing if the loop has ended)."""
         if self._token is not None:
             with contextlib.suppress(trio.RunFinishedError):
-                self._token.run_sync_soon(fn, *args)
+                self._token.run_sync_soon(run_safely, fn, *args)
 
     # --- sending -------------------------------------------------------------------------------------------
 
@@ -274,8 +274,17 @@ class HotLane:
             self.to_loop(self._spawn_post, rest)
 
     def _spawn_post(self, sends: list[Send]) -> None:
-        if self._nursery is not None:
-            self._nursery.start_soon(self._post_by_transport, sends)
+        self._start_soon(self._post_by_transport, sends)
+
+    def _start_soon(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """A task in the lane's nursery; False when it is gone or closing (the daemon is stopping)."""
+        if self._nursery is None:
+            return False
+        try:
+            self._nursery.start_soon(fn, *args)
+        except RuntimeError:
+            return False
+        return True
 
     async def _post_by_transport(self, sends: list[Send]) -> None:
         try:
@@ -319,10 +328,8 @@ class HotLane:
             self.to_loop(self._spawn_open, link)
 
     def _spawn_open(self, link: _Out) -> None:
-        if self._nursery is None:
+        if not self._start_soon(self._open, link):
             link.opening = False
-            return
-        self._nursery.start_soon(self._open, link)
 
     async def _open(self, link: _Out) -> None:
         stream: Stream | None = None
@@ -553,6 +560,15 @@ class _InReader:
 
     def closed(self, reason: str) -> None:
         self.lane.to_loop(self.link.ended.set)
+
+
+def run_safely(fn: Callable[..., Any], *args: Any) -> None:
+    """`fn(*args)` as a `run_sync_soon` callback, whose exceptions would end the whole trio run: logged instead
+    (a nursery closed under a callback while the daemon stops, say)."""
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("a callback from a lane's reader failed")
 
 
 def _ack_later(lane: HotLane, wire: DetachedStream, seq: int) -> Callable[[], None]:

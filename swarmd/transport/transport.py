@@ -37,6 +37,7 @@ that has posted its result itself (with `post_all`, together with other messages
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -952,13 +953,15 @@ class ActorTransport:
         if self._nursery is None:
             return
         self.stats.delivered += 1
-        self._nursery.start_soon(self._admit_and_handle, peer, key, msg, then)
+        with contextlib.suppress(RuntimeError):  # the nursery is closing: the daemon stops
+            self._nursery.start_soon(self._admit_and_handle, peer, key, msg, then)
 
     def admit_from_lane(self, peer: str, msg: Message, then: Callable[[], None]) -> None:
         """On the event loop: admit `msg` as a link's dispatcher does (waiting for the peer's rate and the
         handler limits), then `then()`."""
         if self._nursery is not None:
-            self._nursery.start_soon(self._admit_waiting, peer, msg, then)
+            with contextlib.suppress(RuntimeError):  # the nursery is closing: the daemon stops
+                self._nursery.start_soon(self._admit_waiting, peer, msg, then)
 
     def undeliverable(self, peer: str, msg: Message, reason: str) -> None:
         """On the event loop: `msg` to `peer` was refused or given up (as a post's failure is reported)."""

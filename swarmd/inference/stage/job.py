@@ -43,6 +43,7 @@ class Job:
     batch: int = 1
     group: list[Job] = field(default_factory=list)  # the jobs of the batch it ran in (itself included)
     sends: tuple[Send, ...] | None = None  # its outputs, once built (with the rest of its batch's)
+    reply: Any = None  # a lane frame's later answer (`swarmd.transport.lane.Reply`): a hot step the worker finishes
 
 
 @dataclass(eq=False)
@@ -54,3 +55,4 @@ class Batch:
     answer: tuple[bool, Any] = (False, None)  # advance's (done, next question)
     error: BaseException | None = None
     arrived: trio.Event = field(default_factory=trio.Event)
+    hot: bool = False  # started by a lane's reader thread (`StageActor.take_hot`), which records it
