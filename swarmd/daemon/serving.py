@@ -26,6 +26,7 @@ async def run_pipeline(node: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED
         pipeline = Pipeline(node, transport, lane)
         pipeline.install()
         await nursery.start(pipeline.stage.run)
+        await nursery.start(pipeline.router.run)
         await nursery.start(pipeline.head.run)
         nursery.start_soon(pipeline.forget_dead_heads)
         install_pipeline_routes(node.api, pipeline, node.peer_id)

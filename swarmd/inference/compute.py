@@ -53,7 +53,7 @@ class Compute(Protocol):
 
     def run_inline(self, fn: Callable[..., T], *args: Any) -> tuple[bool, T | None, BaseException | None]: ...
 
-    def hold(self) -> bool: ...
+    def hold(self, wait: float = 0.0) -> bool: ...
 
     def release(self) -> None: ...
 
@@ -157,13 +157,15 @@ class ComputeThread:
             worker.tinygrad_lock.release()
         return True, value, error
 
-    def hold(self) -> bool:
+    def hold(self, wait: float = 0.0) -> bool:
         """Take tinygrad for the calling thread (a lane's reader running a short step) if the compute thread is
-        idle and nothing is queued; False at once otherwise. `release()` when done."""
+        idle and nothing is queued, waiting at most `wait` s for it; False otherwise. `release()` when done."""
         if self._closed:
             return False
         worker = _the_worker()
-        return worker.jobs.empty() and worker.tinygrad_lock.acquire(blocking=False)
+        if not worker.jobs.empty():
+            return False
+        return worker.tinygrad_lock.acquire(blocking=wait > 0, timeout=wait if wait > 0 else -1)
 
     def release(self) -> None:
         _the_worker().tinygrad_lock.release()

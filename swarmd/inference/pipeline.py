@@ -87,6 +87,10 @@ class Pipeline:
                                 blocking=getattr(node, "blocking", trio.to_thread.run_sync))
         self._observe()
         transport.on_link_lost = self.router.link_lost  # batches with a replica leave a broken link at once
+        transport.on_given_up = self.router.given_up  # a hot fan-out's batch the transport gave up is asked again
+        if lane is not None:  # a hot step fans its MoE layers out from its own thread, on the lane
+            self.router.lane = lane
+            self.stage.experts_hot, self.stage.experts_done = self.router.fan_out, self.router.finished_hot
         swarm = getattr(node, "swarm", None)
         if swarm is not None:  # batches waiting on a node end as soon as membership says it died
             swarm.state_listeners.append(self._member_state)
@@ -201,7 +205,7 @@ class Pipeline:
                              expect_forward=self._expect_forward, expect_token=self._expect_token,
                              router=self.router)
         if self.lane is not None:
-            install_lane_routes(self.lane, self.stage)
+            install_lane_routes(self.lane, self.stage, self.expert, self.router)
         served = self.node.model
         moe = [b.moe for b in served.layout.blocks if b.moe is not None] if served is not None else []
         if moe:
@@ -260,15 +264,17 @@ class Pipeline:
                 "computed_here": expert}
 
 
-def install_lane_routes(lane: HotLane, stage: StageActor) -> None:
-    """What runs on the hot lane's reader threads: a stage's short decode steps (the rest is declined to the
-    transport's routes)."""
+def install_lane_routes(lane: HotLane, stage: StageActor, expert: ExpertActor, router: MoERouter) -> None:
+    """What runs on the hot lane's reader threads: a stage's short decode steps, the expert batches its MoE
+    layers fan out and their answers (the rest is declined to the transport's routes)."""
 
     def on_token(peer: str, msg: Token, reply: Any) -> Any:
         return stage.take_hot(peer, msg, reply) if msg.hop == 0 else DECLINE
 
     lane.route(Forward, stage.take_hot)
     lane.route(Token, on_token)
+    lane.route(ExpertBatch, expert.take_hot)
+    lane.route(ExpertResult, router.take_hot_result)
 
 
 def install_actor_routes(transport: Any, stage: StageActor, head: HeadService, *, peer_id: str,

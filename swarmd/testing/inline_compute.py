@@ -39,7 +39,7 @@ class InlineCompute:
         value, error = self._call(fn, args)
         return True, value, error
 
-    def hold(self) -> bool:
+    def hold(self, wait: float = 0.0) -> bool:
         return not self._closed
 
     def release(self) -> None:

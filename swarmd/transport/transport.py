@@ -259,7 +259,9 @@ class ActorTransport:
         self._open = opener
         self._rng = rng or random.Random(random.getrandbits(64))  # from the process RNG: a simulation replays it
         self._gate = gate or PeerGate(self_id=local_peer)  # strikes and penalties, shared with the network
-        self._on_undeliverable = on_undeliverable or _log_undeliverable
+        self._report_undeliverable = on_undeliverable or _log_undeliverable
+        # also told of every message given up (the MoE router asks another holder of a batch's experts)
+        self.on_given_up: Callable[[str, Message, str], None] | None = None
         self._routes: dict[type[Message], _Route] = {}
         self._out: dict[str, _OutLink] = {}
         self._in: dict[str, set[_InLink]] = {}
@@ -962,6 +964,14 @@ class ActorTransport:
         if self._nursery is not None:
             with contextlib.suppress(RuntimeError):  # the nursery is closing: the daemon stops
                 self._nursery.start_soon(self._admit_waiting, peer, msg, then)
+
+    def _on_undeliverable(self, peer: str, msg: Message, reason: str) -> None:
+        self._report_undeliverable(peer, msg, reason)
+        if self.on_given_up is not None:
+            try:
+                self.on_given_up(peer, msg, reason)
+            except Exception:  # a listener's bug must not end a link or a handler
+                log.exception("on_given_up failed for %s", msg.TAG)
 
     def undeliverable(self, peer: str, msg: Message, reason: str) -> None:
         """On the event loop: `msg` to `peer` was refused or given up (as a post's failure is reported)."""

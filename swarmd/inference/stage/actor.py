@@ -53,6 +53,7 @@ from swarmd.wire.messages import Cancel, Error, Forward, Token
 log = logging.getLogger(__name__)
 
 SETTLE = 0.002  # s a stage waits for the rest of a convoy of decode steps sent together by the previous stage
+HOT_RESUME_WAIT = 0.01  # s the thread that brings a hot step's last expert answer waits for tinygrad
 MAX_GATHER = 1.0  # s stage 0 waits at most for other requests' tokens to form one batch
 
 
@@ -124,6 +125,10 @@ class StageActor:
         # the epoch of the plan this daemon has accepted (by default, that of the stage it runs)
         self._plan_epoch = plan_epoch or self._loaded_epoch
         self.experts = experts  # the MoE router: (ExpertCall, traced) -> the gate-weighted expert sum
+        # ... and from a hot step's thread: (ExpertCall, LocalExperts) -> a FanOut, or None (`MoERouter.fan_out`),
+        # told when its answer is taken (`MoERouter.finished_hot`)
+        self.experts_hot: Callable[..., Any] | None = None
+        self.experts_done: Callable[[Any], None] | None = None
         self.local_experts = local_experts  # this daemon's own shard, for the calls it can answer whole
         self.compute = compute  # the daemon's one thread for tinygrad
         self.max_context = max_context
@@ -215,18 +220,53 @@ class StageActor:
         if started is None:
             return DECLINE
         job, batch = started
+        return self._hot_run(batch, job, reply, None)
+
+    def _hot_run(self, batch: Batch, job: Job, reply: Any, fan: Any) -> Any:
+        """Run (tinygrad held) a hot step's segments from where it stands (`fan`: the answer to the expert call
+        it waits on): its outputs once done; LATER when a MoE layer's answers are still on their way (whoever
+        brings the last resumes it) or the step was handed to the worker."""
         error: BaseException | None = None
+        done = False
         try:
-            done, call = advance_here(batch.steps, None, None, self.local_experts)
+            if fan is None:
+                done, call = advance_here(batch.steps, None, None, self.local_experts)
+            else:
+                done, call = self._resume_with(batch, fan)
+            while not done:  # a MoE block whose experts live elsewhere: fanned out from here
+                fan = self.experts_hot(call, self.local_experts) if self.experts_hot is not None else None
+                if fan is None:  # an expert with no live holder: the worker's router waits for a plan
+                    job.reply = reply
+                    self._to_loop(self._hot_continues, batch, call)
+                    return LATER
+                if fan.wait_then(partial(self._hot_resume, batch, job, reply)):
+                    return LATER
+                done, call = self._resume_with(batch, fan)
         except BaseException as e:  # run_batch catches the model's errors: this is our bug, one request's
-            done, call, error = True, None, e
+            done, error = True, e
         finally:
             self.compute.release()
-        if not done:  # a MoE block whose experts live elsewhere: the worker asks the router, then finishes
-            job.reply = reply
-            self._to_loop(self._hot_continues, batch, call)
-            return LATER
         return self._hot_finish(batch, job, error)
+
+    def _resume_with(self, batch: Batch, fan: Any) -> tuple[bool, Any]:
+        if self.experts_done is not None:
+            self.experts_done(fan)
+        error = ExpertsFailed(str(fan.error)) if fan.error is not None else None
+        return advance_here(batch.steps, None if error else fan.out, error, self.local_experts)
+
+    def _hot_resume(self, batch: Batch, job: Job, reply: Any, fan: Any) -> None:
+        """The last answer of a hot step's fan-out is in (on the thread that brought it): go on here if tinygrad
+        is free, else hand the step to the worker."""
+        if threading.get_ident() == self._loop_thread or not self.compute.hold(wait=HOT_RESUME_WAIT):
+            job.reply = reply
+            batch.resume = (fan.out, ExpertsFailed(str(fan.error)) if fan.error is not None else None)
+            if self.experts_done is not None:
+                self.experts_done(fan)
+            self._to_loop(self._hot_continues, batch, None)
+            return
+        result = self._hot_run(batch, job, reply, fan)
+        if result is not LATER:
+            reply.done(result)
 
     def _hot_start(self, msg: Forward | Token, received: float) -> tuple[Job, Batch] | None:
         """With `_lock` held: book the step and take tinygrad if the stage is idle and the step is short and
@@ -480,11 +520,20 @@ class StageActor:
                         with self._lock:
                             if self._inflight is batch:
                                 self._inflight = None
+                            self._measure(batch)
                         for job in batch.jobs:
                             job.done.set()
                     if batch.jobs and not (batch.hot and all(j.reply is None for j in batch.jobs)):
                         self.stats.record_batch(batch.jobs)  # (a hot step done on the lane recorded itself)
                     self._answer_hot_replies(batch)
+
+    def _measure(self, batch: Batch) -> None:
+        """With `_lock` held: a decode batch's time, for `_inlines` and `take_hot` (a MoE stage's includes the
+        wait for its experts: it is never done in one segment)."""
+        jobs = batch.jobs
+        if (jobs and jobs[0].ended and jobs[0].model is self._model and all(j.work.rows == 1 for j in jobs)
+                and all(j.error is None for j in jobs)):
+            self._decode_s[len(jobs)] = jobs[0].ended - jobs[0].started
 
     def _answer_hot_replies(self, batch: Batch) -> None:
         """A hot step the worker finished (its MoE experts asked by the router): its outputs go out, the lane
@@ -569,6 +618,11 @@ class StageActor:
         if batch.error is not None:
             raise batch.error
         done, call = batch.answer
+        if batch.resume is not None:  # a hot step whose experts answered while tinygrad was busy elsewhere
+            (answer, failed), batch.resume = batch.resume, None
+            done, call = await self.compute.run(advance_here, batch.steps, None if failed else answer, failed,
+                                                self.local_experts)
+            self._count_local_answers(batch)
         rec = self.recorder
         traced = {j.work.request_id: j.work.step for j in batch.jobs if rec is not None and rec.wants(j.work.request_id)}
         while not done:

@@ -56,3 +56,5 @@ class Batch:
     error: BaseException | None = None
     arrived: trio.Event = field(default_factory=trio.Event)
     hot: bool = False  # started by a lane's reader thread (`StageActor.take_hot`), which records it
+    resume: tuple[Any, BaseException | None] | None = None  # a hot step's expert answer (or error) the worker
+    # resumes it with
