@@ -21,7 +21,9 @@ Reliability is the actor transport's, which the lane shares and falls back on:
   then takes the transport's path on the event loop (admission, a handler task), already marked new.
 
 A handler that cannot finish on the reader (a MoE step waiting for remote experts) returns `LATER` and calls
-`reply.done(result)` from whichever thread finishes it; the frame is acked then.
+`reply.done(result)` from whichever thread finishes it; the frame is acked then. The reader gathers the acks of
+the frames it ran and writes them together, `ack_delay` after the oldest (a quarter of a second, far below the
+sender's `ack_timeout`): no ack is written or read between two steps of a token.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ class LaneConfig:
     write_wait: float = 10.0  # s a lane thread's write waits for room in the socket
     loop_write_wait: float = 0.05  # ... and a write from the event loop's thread (which must not stall)
     no_lane_retry: float = 30.0  # s before asking again for a lane to a peer whose path cannot carry one
+    ack_delay: float = 0.25  # s a receiver gathers acks before writing them (far below ack_timeout): a frame a token
+    ack_batch: int = 16  # ... or until this many wait
     idle_timeout: float = 300.0  # an inbound lane silent this long is closed (its sender pings while it waits)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     max_frame: int = 64 << 20
@@ -138,6 +142,7 @@ class _In:
         self.wire = wire
         self.decoder = FrameDecoder(max_frame)
         self.acks: list[int] = []
+        self.acks_since = 0.0  # when the oldest of `acks` was taken
         self.ended = trio.Event()
         self.heard = 0.0
 
@@ -453,12 +458,22 @@ class HotLane:
             self._write(link.wire, encode(Error(err.code, err.message, request_id=err.request_id), err.seq or 0))
         self.to_loop(self.network.strike, link.peer, f"lane: {err.code}: {err.message}")
 
-    def _ack_in_order(self, link: _In) -> None:
-        if link.acks:
-            data = b"".join(ack_frame(s) for s in link.acks)
-            link.acks.clear()
-            with contextlib.suppress(StreamClosed):
-                self._write(link.wire, data)
+    def _ack_when_due(self, link: _In, now: float) -> float | None:
+        """On an inbound lane's reader: write the acks gathered, once `ack_delay` has passed since the oldest or
+        `ack_batch` wait (one write for many frames, and none on the step's way); the seconds until the next is due."""
+        if not link.acks:
+            return None
+        if not link.acks_since:
+            link.acks_since = now
+        due = link.acks_since + self.config.ack_delay
+        if now < due and len(link.acks) < self.config.ack_batch:
+            return due - now
+        data = b"".join(ack_frame(s) for s in link.acks)
+        link.acks.clear()
+        link.acks_since = 0.0
+        with contextlib.suppress(StreamClosed):
+            self._write(link.wire, data)
+        return None
 
     # --- acks (on an outbound lane's reader) ------------------------------------------------------------------
 
@@ -549,14 +564,14 @@ class _InReader:
         except FrameTooLarge as e:
             self.lane._bad_frame(link, WireError(e.code, str(e)))
             raise StreamClosed(str(e)) from None
-        finally:
-            self.lane._ack_in_order(link)
 
     def tick(self) -> float | None:
-        idle = self.lane.config.idle_timeout - (self.lane.now() - self.link.heard)
+        now = self.lane.now()
+        idle = self.lane.config.idle_timeout - (now - self.link.heard)
         if idle <= 0:
             raise StreamClosed(f"nothing for {self.lane.config.idle_timeout:g} s")
-        return idle
+        ack = self.lane._ack_when_due(self.link, now)
+        return idle if ack is None else min(idle, ack)
 
     def closed(self, reason: str) -> None:
         self.lane.to_loop(self.link.ended.set)

@@ -200,6 +200,14 @@ class _LinkBroken(Exception):
     pass
 
 
+class _Stopping(Exception):
+    """A link asked for while the transport's nursery closes (the daemon is stopping)."""
+
+    def __init__(self, peer: str) -> None:
+        super().__init__(f"the transport is stopping: no new link to {short_id(peer)}")
+        self.peer = peer
+
+
 class _OutLink:
     """Sender side of the link to one destination."""
 
@@ -395,7 +403,10 @@ class ActorTransport:
         """Queue without waiting; False when the window is full (used for replays, which are best effort)."""
         if peer == self.local_peer:
             return False  # a local result was delivered in-process; there is no lost frame to make up for
-        link = self._link(peer)
+        try:
+            link = self._link(peer)
+        except _Stopping:
+            return False
         try:
             link.room.acquire_nowait()
         except trio.WouldBlock:
@@ -414,8 +425,12 @@ class ActorTransport:
             raise LocalProtocolError("the transport is not running (start ActorTransport.run first)")
         link = self._out.get(peer)
         if link is None:
-            link = self._out[peer] = _OutLink(peer, self.config)
-            self._nursery.start_soon(self._run_link, link)
+            link = _OutLink(peer, self.config)
+            try:
+                self._nursery.start_soon(self._run_link, link)
+            except RuntimeError:  # the nursery is closing: the daemon stops, nothing more goes out
+                raise _Stopping(peer) from None
+            self._out[peer] = link
         return link
 
     async def _enqueue(self, peer: str, msg: Message, deadline: float) -> tuple[_OutLink, Pending]:
@@ -438,19 +453,22 @@ class ActorTransport:
         return link, pending
 
     async def _frame_room(self, peer: str, msg: Message, deadline: float) -> _OutLink:
-        link = self._link(peer)
-        try:  # the common case: room in the window, no need to wait
-            link.room.acquire_nowait()
-            return link
-        except trio.WouldBlock:
-            pass
-        with trio.move_on_at(deadline):
-            while True:
-                link = self._link(peer)
-                await link.room.acquire()
-                if not link.retired:
-                    return link
-                link.room.release()
+        try:
+            link = self._link(peer)
+            try:  # the common case: room in the window, no need to wait
+                link.room.acquire_nowait()
+                return link
+            except trio.WouldBlock:
+                pass
+            with trio.move_on_at(deadline):
+                while True:
+                    link = self._link(peer)
+                    await link.room.acquire()
+                    if not link.retired:
+                        return link
+                    link.room.release()
+        except _Stopping as e:
+            raise DeliveryFailed(peer, msg, str(e)) from None
         self.stats.expired += 1
         raise DeliveryFailed(peer, msg, f"{self.config.window} frames already waiting for acks")
 

@@ -287,7 +287,7 @@ async def test_the_hot_lane_runs_steps_on_a_data_plane_thread_and_keeps_libp2p_p
             v["unacked"] == 0 for v in lane_a.status()["lanes"].values()))
         if tls:  # the steps ran on the TLS stream's own thread, and the answers came back on b's lane
             assert len(threads) >= 25 and set(threads) == {"swarmd-link"}
-            assert lane_b.stats.sent >= 5 and lane_a.stats.acked >= 25  # (b opens its lane to a meanwhile)
+            assert lane_b.stats.sent >= 1 and lane_a.stats.acked >= 25  # (b opens its lane to a meanwhile)
         else:  # libp2p streams cannot leave the event loop: the transport carried everything
             assert threads == [] and "no data plane" in next(iter(lane_a.status()["lanes"].values()))["last_error"]
         assert len(tokens.by_key) == 30
