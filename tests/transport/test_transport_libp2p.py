@@ -279,16 +279,19 @@ async def test_the_hot_lane_runs_steps_on_a_data_plane_thread_and_keeps_libp2p_p
         lane_b.route(Forward, hot)
         tokens = Counts()
         a.transport.route(Token, tokens)
-        for step in range(30):
-            if not lane_a.send(b.peer, fwd(step)):
-                await a.transport.post(b.peer, fwd(step))
-            await tokens.wait_for(step + 1)
+        step = 0
+        with trio.fail_after(20):
+            while step < 30 or (tls and lane_b.stats.sent < 5):  # (b opens its lane to a on its first answer)
+                if not lane_a.send(b.peer, fwd(step)):
+                    await a.transport.post(b.peer, fwd(step))
+                step += 1
+                await tokens.wait_for(step)
         await eventually(lambda: lane_a.status()["lanes"] and all(
             v["unacked"] == 0 for v in lane_a.status()["lanes"].values()))
         if tls:  # the steps ran on the TLS stream's own thread, and the answers came back on b's lane
             assert len(threads) >= 25 and set(threads) == {"swarmd-link"}
-            assert lane_b.stats.sent >= 1 and lane_a.stats.acked >= 25  # (b opens its lane to a meanwhile)
+            assert lane_b.stats.sent >= 5 and lane_a.stats.acked >= 25
         else:  # libp2p streams cannot leave the event loop: the transport carried everything
             assert threads == [] and "no data plane" in next(iter(lane_a.status()["lanes"].values()))["last_error"]
-        assert len(tokens.by_key) == 30
+        assert len(tokens.by_key) == step
         nursery.cancel_scope.cancel()
