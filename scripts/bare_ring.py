@@ -6,6 +6,7 @@ reading its input from a TCP socket and writing its output to the next part's; t
 greedy token and sends it to the first, which runs the next step (the loop closed across the chain, as in a
 swarm). A frame is a 12-byte header (payload length, position, rows) and the raw int32 ids or float32 rows.
 The first part times each token's arrival, as a head does: decode tokens/s = (tokens - 1) / (last - first).
+No part runs Python's cyclic garbage collector while it serves.
 This is the physical limit a swarm of daemons on the same machine is measured against
 (`bench_pipeline.py --bare`).
 
@@ -15,6 +16,7 @@ This is the physical limit a swarm of daemons on the same machine is measured ag
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing as mp
 import socket
 import statistics
@@ -58,6 +60,9 @@ def _part(path: str, bounds: list[int], i: int, context: int, control) -> None:
     n = len(bounds) - 1
     stage = StageModel.from_gguf(path, bounds[i], bounds[i + 1], max_context=context, max_requests=8,
                                  numerics=SERVING_NUMERICS)
+    gc.collect()
+    gc.freeze()  # no cyclic collection during the steps (a daemon collects on its compute thread, between jobs)
+    gc.disable()
     listener = socket.create_server(("127.0.0.1", 0))
     control.send(listener.getsockname()[1])
     out = socket.create_connection(("127.0.0.1", control.recv()))

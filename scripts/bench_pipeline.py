@@ -165,7 +165,8 @@ def step_breakdown(swarm: LocalSwarm, request_id: str) -> dict[str, list[float]]
     for d in swarm.daemons:
         recent = httpx.get(f"{d.api}/api/v0/pipeline", timeout=10).json()["stage"]["recent_steps"]
         steps.append({s["step"]: s for s in recent if s["request_id"] == request_id and s["rows"] == 1})
-    out: dict[str, list[float]] = {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": []}
+    out: dict[str, list[float]] = {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": [],
+                                   "hop_wire": [], "hop_read": []}
     for step in sorted(steps[0]):
         if step + 1 not in steps[0] or not all(step in by_step for by_step in steps):
             continue
@@ -176,6 +177,9 @@ def step_breakdown(swarm: LocalSwarm, request_id: str) -> dict[str, list[float]]
             out["thread_handoff"].append((s["started"] - s["taken"]) * 1e3)
             nxt = steps[i + 1][step] if i + 1 < n else steps[0][step + 1]
             out["hop"].append((nxt["received"] - s["sent"]) * 1e3)
+            if nxt.get("arrived"):  # run on a lane's reader: when its bytes came off the socket
+                out["hop_wire"].append((nxt["arrived"] - s["sent"]) * 1e3)
+                out["hop_read"].append((nxt["received"] - nxt["arrived"]) * 1e3)
     return out
 
 
@@ -321,9 +325,12 @@ def main() -> int:
     kinds: list[int | str] = [*sizes, *([BASELINE] if args.baseline else []), *([NO_LANE] if args.no_lane else [])]
     results: dict[str, Any] = {"decode": {k: [] for k in [1, *kinds]}, "prefill": {k: [] for k in [1, *kinds]},
                                "raw_tcp_ms": [], "raw_tcp_idle_ms": [], "token_ms": [],
-                               "breakdown": {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": []},
-                               "breakdown_baseline": {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": []},
-                               "breakdown_nolane": {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": []},
+                               "breakdown": {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": [],
+                                   "hop_wire": [], "hop_read": []},
+                               "breakdown_baseline": {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": [],
+                                   "hop_wire": [], "hop_read": []},
+                               "breakdown_nolane": {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": [],
+                                   "hop_wire": [], "hop_read": []},
                                "aggregate": {1: [], 4: [], 8: []}, "batch": {4: [], 8: []},
                                "aggregate_baseline": {1: [], 4: [], 8: []}, "batch_baseline": {4: [], 8: []},
                                "gaps_ms": {4: [], BASELINE: []}, "collections": {}}
@@ -418,8 +425,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     med = {k: median(v) for k, v in results["decode"].items()}
     pre = {k: median(v) for k, v in results["prefill"].items()}
     agg = {k: median(v) for k, v in results["aggregate"].items()}
-    parts = {k: statistics.median(v) for k, v in results["breakdown"].items()}
-    means = {k: statistics.fmean(v) for k, v in results["breakdown"].items()}
+    parts = {k: statistics.median(v) for k, v in results["breakdown"].items() if v}
+    means = {k: statistics.fmean(v) for k, v in results["breakdown"].items() if v}
     raw = statistics.median(results["raw_tcp_ms"])
     idle = statistics.median(results["raw_tcp_idle_ms"])
     if args.json:
@@ -457,6 +464,12 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"| of which the hand-over to the compute thread | {parts['thread_handoff']:.3f} | "
           f"{means['thread_handoff']:.3f} |")
     print(f"| hop (sent -> received by the next stage) | {parts['hop']:.3f} | {means['hop']:.3f} |")
+    if "hop_wire" in parts:
+        print(f"| of which sent -> its bytes off the socket (sender's write, kernel, reader's wake-up; steps run on "
+              f"the lane, {len(results['breakdown']['hop_wire'])} of {len(results['breakdown']['hop'])}) | "
+              f"{parts['hop_wire']:.3f} | {means['hop_wire']:.3f} |")
+        print(f"| of which off the socket -> received (decrypt, decode, checks, de-duplication) | "
+              f"{parts['hop_read']:.3f} | {means['hop_read']:.3f} |")
     print(f"| raw TCP request/response of {HIDDEN_BYTES} B, second process | {raw:.3f} | |")
     print(f"| the same, both ends idle for a token's time before each request | {idle:.3f} | |")
     added = parts["hop"] + parts["stage_overhead"]
@@ -475,7 +488,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                   + ".\n")
     for key, name in (("breakdown_baseline", "the baseline swarm"), ("breakdown_nolane", "the swarm with no hot lane")):
         base = {k: statistics.median(v) for k, v in results[key].items() if v}
-        if len(base) == len(parts):
+        if "hop" in base:
             base_added = base["hop"] + base["stage_overhead"]
             print(f"The same parts for {name} (medians, ms): " + ", ".join(f"{k} {v:.3f}" for k, v in base.items())
                   + f"; added per hop over raw TCP **{base_added - raw:.3f} ms**, over the idle-receiver raw TCP "

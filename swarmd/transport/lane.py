@@ -33,6 +33,7 @@ import logging
 import math
 import random
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -143,6 +144,7 @@ class _In:
         self.decoder = FrameDecoder(max_frame)
         self.acks: list[int] = []
         self.acks_since = 0.0  # when the oldest of `acks` was taken
+        self.arrived = 0.0  # perf_counter when the bytes being read came off the socket
         self.ended = trio.Event()
         self.heard = 0.0
 
@@ -153,6 +155,7 @@ class Reply:
     def __init__(self, lane: HotLane, link: _In, seq: int, key: Any, msg: Message) -> None:
         self._lane, self._link, self._seq, self._key, self._msg = lane, link, seq, key, msg
         self._done = False
+        self.arrived = link.arrived  # perf_counter when the frame's bytes came off the socket
 
     def done(self, result: HandlerResult) -> None:
         if self._done:
@@ -556,6 +559,7 @@ class _InReader:
 
     def data(self, chunk: bytes) -> None:
         link = self.link
+        link.arrived = time.perf_counter()
         link.heard = self.lane.now()
         link.decoder.feed(chunk)
         try:

@@ -69,7 +69,7 @@ class StageStats:
         self.jobs = 0
         self.largest_batch = 0
         self.decode_batch: deque[int] = deque(maxlen=keep)  # sizes of recent batches of decode steps
-        self.steps: deque[tuple[str, int, int, int, float, float, float, float, float]] = deque(maxlen=keep)
+        self.steps: deque[tuple[str, int, int, int, float, float, float, float, float, float]] = deque(maxlen=keep)
         # moved requests that continued an attempt: here they kept its KV cache (positions kept), or rebuilt it
         self.kv_adopted = 0
         self.kv_kept_positions = 0
@@ -92,7 +92,7 @@ class StageStats:
     def record_step(self, job: Job, sent: float) -> None:
         w = job.work
         self.steps.append((w.request_id, w.step, w.rows, job.batch, job.received, job.taken, job.started, job.ended,
-                           sent))
+                           sent, job.arrived))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -105,7 +105,8 @@ class StageStats:
         }
 
 
-STEP_FIELDS = ("request_id", "step", "rows", "batch", "received", "taken", "started", "ended", "sent")
+# `arrived`: when a lane's reader got the step's bytes off the socket (0 for a step not run on the lane)
+STEP_FIELDS = ("request_id", "step", "rows", "batch", "received", "taken", "started", "ended", "sent", "arrived")
 
 
 # How long a Forward sent under a newer plan waits for that plan to reach this daemon.
@@ -216,7 +217,7 @@ class StageActor:
                 self.recorder is not None and self.recorder.wants(msg.request_id)):
             return DECLINE
         with self._lock:
-            started = self._hot_start(msg, received)
+            started = self._hot_start(msg, received, reply)
         if started is None:
             return DECLINE
         job, batch = started
@@ -268,7 +269,7 @@ class StageActor:
         if result is not LATER:
             reply.done(result)
 
-    def _hot_start(self, msg: Forward | Token, received: float) -> tuple[Job, Batch] | None:
+    def _hot_start(self, msg: Forward | Token, received: float, reply_arrived: Any) -> tuple[Job, Batch] | None:
         """With `_lock` held: book the step and take tinygrad if the stage is idle and the step is short and
         alone (the rule of `_inlines`); None to decline, with nothing changed."""
         if not (self._idle and self._inflight is None and not self._jobs and not self._frees):
@@ -292,6 +293,7 @@ class StageActor:
         job = Job(work, loaded.model, loaded, book, received)
         job.taken = time.perf_counter()
         job.group = [job]
+        job.arrived = getattr(reply_arrived, "arrived", 0.0)
         batch = self._inflight = Batch([job], run_batch([job], []), hot=True)
         return job, batch
 
@@ -311,7 +313,9 @@ class StageActor:
                 self._inflight = None
             self.stats.record_batch(batch.jobs)
             queued = bool(self._jobs or self._frees)
-        self._to_loop(self._hot_done, batch, queued)
+            watched = not self._idle  # the worker woke meanwhile and waits for this batch
+        if queued or watched:  # else nothing on the event loop waits for it: no wake-up there
+            self._to_loop(self._hot_done, batch, queued)
         return sorted(sends, key=lambda s: not _feeds_the_chain(s.msg))
 
     def _hot_done(self, batch: Batch, queued: bool) -> None:

@@ -37,6 +37,7 @@ class Job:
     started: float = 0.0
     ended: float = 0.0
     computed: float = 0.0  # the model's forward was done (sampling, on the last stage, comes after)
+    arrived: float = 0.0  # a hot step's bytes came off the socket (the lane's reader), before `received`
     done: trio.Event = field(default_factory=trio.Event)
     output: np.ndarray | Sampled | None = None
     error: tuple[str, str] | None = None  # (code, message)
