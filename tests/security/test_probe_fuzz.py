@@ -113,6 +113,7 @@ def test_a_peer_that_keeps_sending_bad_probes_is_cut_off_and_others_are_still_an
                 await stream.write(LEN.pack(9) + bytes(9))
                 assert await closes(stream)
             assert net.gate.is_penalised(FUZZER, trio.current_time())
+            await trio.sleep(1)  # the hang-up waits a moment, so that the peer can read why
             assert FUZZER not in net.connections
             with pytest.raises(Exception, match="penalised"):
                 await fuzzer.open_stream(VICTIM, PROBE_PROTOCOL)
