@@ -230,6 +230,11 @@ class DaemonConfig:
         50.0, "a decode step seen to take at most this long runs on the event loop's own thread when the compute "
               "thread is idle, which saves two thread hand-overs per step; the daemon answers nothing else "
               "meanwhile (default 50; 0: every step on the compute thread)", metavar="MS")
+    hot_lane: bool | None = setting(
+        None, "a token's messages (activations, sampled tokens, expert batches) travel on data-plane streams of "
+              "their own, read by a thread that runs a short decode step and sends its output on without waiting "
+              "for the event loop (needs the TLS data plane; --no-hot-lane: all through the actor transport, for "
+              "comparisons)", default_text="on")
     expert_placement: str = setting(
         "auto", "MoE models: keep each block's experts with its stage (local), spread them over the other daemons "
                 "(spread), or let the planner choose (auto, the default: spread under the balanced policy)",
