@@ -90,7 +90,9 @@ class DaemonConfig:
     device_label: str = ""
     mdns: bool = False
     uplink_mbps: float | None = None  # None: read the interface speed, else 1000
-    plan: Path | None = None  # a Plan JSON file the founding daemon adopts instead of planning
+    plan: Path | None = None  # a Plan JSON file the leader adopts instead of planning
+    slot: str = ""  # the slot of the plan file (one with a fleet) this daemon claims
+    claim_timeout: float = 120.0  # s after which the leader's status names the plan file's slots nobody claimed
     standby: bool = False  # a spare: the planner gives it a warm copy of a stage instead of a stage
     full_replay: bool = False  # requests this daemon heads move by replaying every stage (no hop-local rebuild)
     full_reload: bool = False  # a new block range is read whole, not built on the loaded stage's blocks
@@ -101,6 +103,8 @@ class DaemonConfig:
     inline_step_ms: float = 50.0  # a decode step seen to take at most this long runs on the event loop's thread
     expert_placement: str = "auto"  # MoE: the planner's choice, or "spread" / "local" (PlanOptions.expert_placement)
     data_plane: str = "tls"  # tls (pinned TLS sockets for tensors) or libp2p (everything on libp2p streams)
+    data_plane_port: int = 0  # the TLS data plane's TCP port (0: any free one)
+    dial_map: tuple[str, ...] = ()  # "HOST:PORT=HOST:PORT": every outbound connection to the first goes to the second
     swarm_key: Path | None = None  # a private swarm: only peers holding this key can connect
     allow_peers: tuple[str, ...] = ()  # if any: only these peer ids may connect (besides the key)
     allow_peers_file: Path | None = None  # more allowed peer ids, one per line
@@ -125,6 +129,10 @@ class DaemonConfig:
             raise UserError("inline_step_ms must be 0 (off) or more")
         if self.max_requests < 1 or self.max_context < 2:
             raise UserError("max_requests must be at least 1 and max_context at least 2")
+        if not 0 <= self.data_plane_port < 65536:
+            raise UserError(f"data plane port {self.data_plane_port} is not a TCP port (0-65535)")
+        if self.claim_timeout <= 0:
+            raise UserError("claim_timeout must be above 0 seconds")
 
     def with_overrides(self, **changes: Any) -> DaemonConfig:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -179,9 +187,9 @@ def _preset(name: str) -> Timings:
         raise UserError(f"unknown timings preset {name!r} (known: {', '.join(PRESETS)})") from None
 
 
-_LIST_KEYS = {"listen", "announce", "bootstrap", "allow_peers"}
+_LIST_KEYS = {"listen", "announce", "bootstrap", "allow_peers", "dial_map"}
 _STR_KEYS = {"swarm", "model", "api", "device", "device_label", "log_level", "wire_dtype", "data_plane",
-             "api_token", "expert_placement"}
+             "api_token", "expert_placement", "slot"}
 EXPERT_PLACEMENTS = ("auto", "spread", "local")
 WIRE_DTYPES = ("", "float32", "float16", "bfloat16")
 DATA_PLANES = ("tls", "libp2p")
@@ -215,9 +223,9 @@ def config_changes(doc: dict[str, Any], source: str = "config") -> dict[str, Any
             out[key] = parse_size(value)
         elif key in ("mdns", "standby", "full_replay", "full_reload", "warmup"):
             out[key] = bool(value)
-        elif key in ("uplink_mbps", "inline_step_ms"):
+        elif key in ("uplink_mbps", "inline_step_ms", "claim_timeout"):
             out[key] = float(value)
-        elif key in ("max_context", "max_requests", "api_max_tokens"):
+        elif key in ("max_context", "max_requests", "api_max_tokens", "data_plane_port"):
             out[key] = int(value)
         elif key == "api_max_request_bytes":
             out[key] = parse_size(value)

@@ -34,8 +34,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device-label", metavar="TEXT", help="name shown for this device, e.g. 'RTX 3060 12GB'")
     p.add_argument("--mdns", action="store_true", default=None, help="also find peers on the LAN with mDNS")
     p.add_argument("--plan", type=Path, metavar="FILE",
-                   help="founding daemon only: adopt this Plan (JSON, e.g. from `swarmd plan --json`) once the "
-                        "peers it names have joined, instead of computing one")
+                   help="adopt this Plan instead of computing one: a plan file with slots (`swarmd plan --fleet ... "
+                        "--out FILE`) on every daemon, each with its --slot; or a Plan naming peer ids (`swarmd plan "
+                        "--json`) on the founding daemon only, adopted once the peers it names have joined")
+    p.add_argument("--slot", metavar="NAME",
+                   help="with --plan FILE: the slot of the plan file this daemon takes (its stage and experts); the "
+                        "leader binds each slot to the first daemon claiming it and refuses a second claim")
+    p.add_argument("--claim-timeout", type=float, metavar="SECONDS",
+                   help="with --plan FILE: after this long the leader's status names the slots no daemon has claimed "
+                        "(default 120)")
     p.add_argument("--standby", action="store_true", default=None,
                    help="be a spare: hold a warm copy of one stage's blocks and take that stage over at once "
                         "if its daemon is lost (the planner gives this daemon no stage while the others suffice)")
@@ -66,6 +73,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "balanced policy)")
     p.add_argument("--data-plane", choices=["tls", "libp2p"],
                    help="tensors over pinned TLS sockets (default) or over the libp2p streams themselves")
+    p.add_argument("--data-plane-port", type=int, metavar="PORT",
+                   help="TCP port of the TLS data plane (default: any free port), e.g. one a firewall lets through")
+    p.add_argument("--dial-map", action="append", metavar="HOST:PORT=HOST:PORT",
+                   help="advanced, repeatable: connect to the second address whenever this daemon dials the first "
+                        "(libp2p and the data plane alike); `swarmd cluster up` routes traffic between regions "
+                        "through its link emulator this way")
     p.add_argument("--swarm-key", type=Path, metavar="FILE",
                    help="make the swarm private: only peers holding this key (from `swarmd keygen`) can connect")
     p.add_argument("--allow-peer", action="append", metavar="PEER_ID",
@@ -115,6 +128,8 @@ def build_config(args: argparse.Namespace):
         mdns=args.mdns,
         timings=parse_timings(args.timings) if args.timings else None,
         plan=args.plan.expanduser() if args.plan else None,
+        slot=args.slot,
+        claim_timeout=args.claim_timeout,
         standby=args.standby,
         full_replay=args.full_replay,
         full_reload=args.full_reload,
@@ -125,6 +140,8 @@ def build_config(args: argparse.Namespace):
         inline_step_ms=args.inline_step_ms,
         expert_placement=args.expert_placement,
         data_plane=args.data_plane,
+        data_plane_port=args.data_plane_port,
+        dial_map=tuple(args.dial_map) if args.dial_map else None,
         swarm_key=args.swarm_key.expanduser() if args.swarm_key else None,
         allow_peers=tuple(args.allow_peer) if args.allow_peer else None,
         allow_peers_file=args.allow_peers_file.expanduser() if args.allow_peers_file else None,
@@ -185,8 +202,14 @@ def run(args: argparse.Namespace) -> int:
         parse_multiaddr(addr, "--listen")
     for addr in config.bootstrap:
         split_peer_addr(addr, "--bootstrap")
-    if config.plan is not None and config.bootstrap:
-        raise UserError("--plan is for the daemon that founds the swarm (one started without --bootstrap)")
+    if config.slot and config.plan is None:
+        raise UserError("--slot NAME claims a slot of a plan file: give --plan FILE too")
+    if config.plan is not None and config.bootstrap and not config.slot:
+        raise UserError("--plan with --bootstrap needs --slot NAME (a plan file's slot); a Plan naming peer ids is "
+                        "for the daemon that founds the swarm")
+    from swarmd.net.dial_map import DialMap
+
+    DialMap.parse(config.dial_map)  # a bad entry is a one-line error now, not at the first dial
     from swarmd.inference.pipeline import run_pipeline
     from swarmd.net.access import check_access
 

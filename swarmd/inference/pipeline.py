@@ -37,6 +37,7 @@ from swarmd.inference.moe.local import LocalExperts
 from swarmd.inference.moe.router import MoERouter
 from swarmd.inference.registry import EMPTY, ChainStatus, Registry, chain_status
 from swarmd.inference.stage.actor import Loaded, StageActor
+from swarmd.net.tls_plane import DataPlaneConfig
 from swarmd.observe.clock import ClockOffsets
 from swarmd.observe.hop_timer import HopTimer
 from swarmd.observe.pipeline_metrics import register_pipeline_metrics
@@ -298,7 +299,7 @@ async def run_pipeline(node: Any, *, task_status=trio.TASK_STATUS_IGNORED) -> No
     plane = Plane.TLS if cfg.data_plane == "tls" else Plane.LIBP2P
     async with trio.open_nursery() as nursery:
         transport, links = await start_actor_transport(node.network.host, nursery, transport_config(cfg.max_requests),
-                                                       plane=plane)
+                                                       plane=plane, data_plane=DataPlaneConfig(bind_port=cfg.data_plane_port))
         pipeline = Pipeline(node, transport, links)
         pipeline.install()
         await nursery.start(pipeline.stage.run)
