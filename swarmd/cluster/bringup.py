@@ -46,10 +46,22 @@ class ClusterError(UserError):
     """Bringing the cluster up failed; the message names what (e.g. the slot that never became ready)."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
+class FreePorts:
+    """Free loopback ports, each held open until `release`, so that no two requests get the same one."""
+
+    def __init__(self) -> None:
+        self.held: list[socket.socket] = []
+
+    def __call__(self) -> int:
+        s = socket.socket()
         s.bind((HOST, 0))
+        self.held.append(s)
         return int(s.getsockname()[1])
+
+    def release(self) -> None:
+        for s in self.held:
+            s.close()
+        self.held = []
 
 
 def read_plan_file(path: Path) -> PlanFile:
@@ -88,8 +100,10 @@ class Cluster:
         self.dir.mkdir(parents=True, exist_ok=True)
         model = self._model()
         bench = self._measure_device()
-        ports = {s: SlotPorts(free_port(), free_port()) for s in self.slots}
-        self.wan = emulated_wan(self.file.fleet, ports, free_port)
+        free = FreePorts()
+        ports = {s: SlotPorts(free(), free()) for s in self.slots}
+        self.wan = emulated_wan(self.file.fleet, ports, free)
+        free.release()
         if self.wan.links:
             self._start_emulator(self.wan)
         config = self.dir / "cluster.toml"
@@ -340,8 +354,10 @@ def down(directory: Path, say: Say) -> int:
 
 
 def _last_line(log: Path) -> str:
+    """The line of `log` that says why its process ended: its last error line, else its last line."""
     try:
-        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+        lines = [ln.strip(" |") for ln in log.read_text(errors="replace").splitlines() if ln.strip(" |+-")]
     except OSError:
         return f"(no log at {log})"
-    return lines[-1][-300:] if lines else f"(empty log {log})"
+    errors = [ln for ln in lines if re.search(r"(error|Error|Exception)\b.*:", ln)]
+    return (errors or lines or [f"(empty log {log})"])[-1][-300:]
