@@ -18,7 +18,7 @@ import logging
 import socket as stdlib_socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import trio
 
@@ -95,7 +95,7 @@ class _Factory(trio.abc.SocketFactory):
                proto: int = 0) -> trio.socket.SocketType:
         sock = stdlib_socket.socket(family, type, proto)
         if family in (stdlib_socket.AF_INET, stdlib_socket.AF_INET6) and type == stdlib_socket.SOCK_STREAM:
-            return _MappedSocket(sock, self.dial_map)
+            return cast("trio.socket.SocketType", _MappedSocket(sock, self.dial_map))
         return trio.socket.from_stdlib_socket(sock)
 
 
