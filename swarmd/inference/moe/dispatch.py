@@ -3,7 +3,8 @@
 `split_by_node` picks one holder per selected expert (`ReplicaChooser`: lowest observed latency
 times load, the Plan's nearest-first order breaking ties) and groups the experts by node, so each
 node gets one batched `ExpertCall` per layer and step with just the rows that select its experts;
-`combine` adds the nodes' gated sums back into one (rows, dim) answer. `unserved` and
+`combine` makes one (rows, dim) answer of the nodes' expert outputs, each row's summed in the order of its
+selections (`models.moe.gated_sum`), so the sum is the same bits wherever the experts live. `unserved` and
 `give_up_reason` decide what a router does when a selected expert has no usable holder (every one is
 dead or failed): wait for a plan that places it on a live node, or fail the step.
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from models.moe import ExpertCall, rows_for
+from models.moe import ExpertCall, gated_sum, rows_for
 
 
 @dataclass
@@ -93,11 +94,15 @@ def split_by_node(call: ExpertCall, holders: Mapping[int, tuple[str, ...]],
 
 
 def combine(call: ExpertCall, answers: Iterable[tuple[NodePart, np.ndarray]]) -> np.ndarray:
-    """The layer's answer: each row's sum over the nodes' gated sums."""
-    out = np.zeros(call.rows.shape, np.float32)
+    """The layer's answer from the nodes' expert outputs (each node's: one per selected pair of its part, in
+    row-major order): each row's gated sum in the order of its selections, wherever its experts live."""
+    n, k = call.sel.shape
+    per = np.zeros((n, k, call.rows.shape[1]), np.float32)
     for part, answer in answers:
-        out[part.rows] += answer.astype(np.float32)
-    return out
+        mine = np.zeros((n, k), bool)
+        mine[part.rows] = part.call.sel >= 0
+        per[mine] = answer.astype(np.float32)
+    return gated_sum(call, per[call.sel >= 0])
 
 
 def tokens_per_expert(call: ExpertCall) -> dict[int, int]:
