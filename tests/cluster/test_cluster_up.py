@@ -23,7 +23,7 @@ from planner.plan_file import PlanFile
 
 pytestmark = pytest.mark.slow
 
-MODEL = "synthetic-moe-small"
+MODEL = "kimi-k2-mini"
 FLEET = ["--fleet", "2x4090,2x3090,2x3060", "--regions", "2", "--rtt-ms", "1,60", "--uplink-mbit", "100"]
 PROMPT = "The capital of France is"
 TOKENS = 16
