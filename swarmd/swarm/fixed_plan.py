@@ -31,7 +31,7 @@ from swarmd.net.identity import short_id
 from swarmd.swarm.planning import MakePlan
 from swarmd.swarm.slots import Binding, bind_slots
 
-log = logging.getLogger("swarmd.plan")
+log = logging.getLogger(__name__)
 
 
 class PlanNotAdopted(Exception):

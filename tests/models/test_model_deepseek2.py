@@ -13,9 +13,9 @@ import pytest
 from reference import np_deepseek2 as ref
 from tiny_deepseek2 import TinyDeepSeek2, joined_kv_b, tiny_deepseek2_weights, write_deepseek2_gguf
 
+from models.expert_shard import ExpertShard
 from models.gguf.header import read_header
 from models.gguf.loader import stage_tensor_names
-from models.moe import ExpertShard
 from models.stage import StageInput, StageModel
 
 pytestmark = pytest.mark.slow  # compiles kernels

@@ -4,20 +4,20 @@
 times load, the Plan's nearest-first order breaking ties) and groups the experts by node, so each
 node gets one batched `ExpertCall` per layer and step with just the rows that select its experts;
 `combine` makes one (rows, dim) answer of the nodes' expert outputs, each row's summed in the order of its
-selections (`models.moe.gated_sum`), so the sum is the same bits wherever the experts live. `unserved` and
+selections (`models.expert_shard.gated_sum`), so the sum is the same bits wherever the experts live. `unserved` and
 `give_up_reason` decide what a router does when a selected expert has no usable holder (every one is
 dead or failed): wait for a plan that places it on a live node, or fail the step.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from models.moe import ExpertCall, gated_sum, rows_for
+from models.expert_shard import gated_sum
+from models.moe import ExpertCall, rows_for
 
 
 @dataclass
@@ -26,13 +26,14 @@ class ReplicaChooser:
 
     An estimate that no new call refreshes relaxes toward the prior (`half_life_s`): a holder that was slow
     once (compiling its first batch) or failed (restarted since) is tried again after a while instead of
-    being shunned for good while another holder answers."""
+    being shunned for good while another holder answers. `clock` says the time in seconds (the router's
+    event loop's)."""
 
+    clock: Callable[[], float]
     alpha: float = 0.3  # weight of the newest sample
     prior_s: float = 0.005  # what an unmeasured peer is assumed to take
     failure_penalty: float = 4.0  # a failed call: the slowest estimate times this
     half_life_s: float = 3.0
-    clock: Callable[[], float] = time.monotonic
     latency: dict[str, float] = field(default_factory=dict)
     in_flight: dict[str, int] = field(default_factory=dict)
     sampled_at: dict[str, float] = field(default_factory=dict)
