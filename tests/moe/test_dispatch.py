@@ -86,6 +86,16 @@ def test_a_failed_replica_is_avoided_until_it_answers_fast_again():
     assert chooser.choose(("c", "b")) == "c"
 
 
+def test_a_failed_replica_stays_behind_a_holder_first_measured_slow_after_it_failed():
+    chooser = ReplicaChooser(lambda: 0.0)
+    chooser.finished("c", None)  # failed while nothing was measured yet
+    chooser.finished("b", 3.0)  # then b answered, slowly (its first batch compiled kernels)
+    assert chooser.choose(("c", "b")) == "b"
+    for _ in range(10):  # c answers fast again
+        chooser.finished("c", 0.001)
+    assert chooser.choose(("c", "b")) == "c"
+
+
 def test_an_estimate_no_call_refreshes_relaxes_so_a_holder_shunned_once_is_tried_again():
     now = [0.0]
     chooser = ReplicaChooser(lambda: now[0])
