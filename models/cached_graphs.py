@@ -192,11 +192,11 @@ def held_tensors(owner: Any) -> dict[str, Tensor]:
 
 def describe(name: tuple) -> str:
     """A graph's name as people read it: "prefill (blocks 0-29)", "prefill, every position's logits (...)",
-    "decode, batch 4 (...)", "experts of block 3, 4 rows"; a segment that ends at a MoE router says so."""
+    "decode, batch 4 (...)", "experts of block 3, 4 slots of 2 rows"; a segment that ends at a MoE router says so."""
     kind, *rest = name
     if kind == "experts":
-        layer, rows = rest
-        return f"experts of block {layer}, {rows} rows"
+        layer, slots, rows = rest
+        return f"experts of block {layer}, {slots} slots of {rows} rows"
     if kind not in ("prefill", "decode"):
         return " ".join(map(str, name))
     first, end, cut = rest[1]
@@ -274,7 +274,7 @@ def _experts_key(shard: Any) -> dict[str, Any] | None:
     common = _common(shard, getattr(shard, "source", ""))
     if common is None:
         return None
-    return {**common, "owner": "experts", "experts": {str(k): list(v) for k, v in sorted(shard.experts.items())}}
+    return {**common, "owner": "experts", "numerics": getattr(shard, "numerics", "float"), "experts": {str(k): list(v) for k, v in sorted(shard.experts.items())}}
 
 
 def for_stage(stage: Any) -> CachedGraphs:

@@ -151,6 +151,8 @@ def render(doc: dict[str, Any]):
                          + (f", {counts['suspect']} suspect" if counts["suspect"] else "")
                          + (f", {counts['dead']} dead" if counts["dead"] else ""))
     top.add_row("plan", doc.get("coverage", "-") + (f"  [red]({doc['plan_error']})[/red]" if doc.get("plan_error") else ""))
+    if doc.get("slots"):
+        top.add_row("slots", slots_line(doc["slots"], leader == me["peer_id"]))
     top.add_row("requests", f"{doc.get('requests_in_flight', 0)} in flight")
     top.add_row("access", access_line(swarm))
 
@@ -183,6 +185,21 @@ def render(doc: dict[str, Any]):
             refused.add_row(_short(r["peer_id"]), r["reason"])
         parts.append(refused)
     return Group(*parts)
+
+
+def slots_line(slots: dict[str, Any], leading: bool) -> str:
+    """This daemon's slot of the plan file, and (as the leader binds them) how many are claimed and which not."""
+    bound = slots["bound"]
+    line = f"{slots['file']}" + (f", this daemon: {slots['slot']}" if slots.get("slot") else "")
+    if leading or any(bound.values()):
+        line += f"; {sum(1 for p in bound.values() if p)}/{len(bound)} claimed"
+    if slots.get("overdue"):
+        line += f"  [red](not claimed within {slots['claim_timeout_s']:.0f} s: {', '.join(slots['overdue'])})[/red]"
+    elif slots.get("unclaimed") and (leading or any(bound.values())):
+        line += f" (waiting for {', '.join(slots['unclaimed'])})"
+    if slots.get("refused"):
+        line += "; refused: " + ", ".join(f"{_short(p)} for {s}" for p, s in slots["refused"].items())
+    return line
 
 
 def _list(items: list[str], limit: int = 24) -> str:

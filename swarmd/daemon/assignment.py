@@ -53,29 +53,44 @@ def load_stage(model: ServedModel, start: int, end: int, device: str, max_contex
                reuse: Any = None):
     """Blocks [start, end) of the model's GGUF (or drawn from its seed), as a StageModel on `device` (blocking);
     the blocks a loaded StageModel `reuse` holds (and its embedding / head) are taken over, not read again."""
+    from models.config import config_from_header
     from models.errors import ModelError
-    from models.stage import SERVING_NUMERICS, StageModel
+    from models.gguf.header import read_header
+    from models.stage import StageModel, serving_numerics
 
     if model.seeded is not None:
         config = model.seeded.config(max_context)
+        if model.seeded.mla:  # full-width blocks: say how many fit before drawing them
+            from swarmd.daemon.descriptor import device_memory
+
+            model.seeded.check_fits(start, end, device_memory(device)[1], config.max_context, max_requests)
         return StageModel.random(config, model.seeded.seed, start, end, max_context=config.max_context,
-                                 max_requests=max_requests, device=device, reuse=reuse)
+                                 max_requests=max_requests, device=device, reuse=reuse,
+                                 local_experts=not model.layout.is_moe)
     if model.path is None:
         raise ModelError(f"no weights for {model.name} on this machine (it is known only to plan with)")
     return StageModel.from_gguf(model.path, start, end, max_context=max_context, max_requests=max_requests,
                                 device=device, local_experts=not model.layout.is_moe, reuse=reuse,
-                                # MoE blocks compute in float: ggml numerics are llama.cpp's for dense models
-                                numerics="float" if model.layout.is_moe else SERVING_NUMERICS)
+                                numerics=serving_numerics(config_from_header(read_header(model.path))))
 
 
 def load_experts(model: ServedModel, experts: dict[int, tuple[int, ...]], device: str):
     """The routed experts `experts` of the model's GGUF, as an ExpertShard on `device` (blocking)."""
+    from models.config import config_from_header
     from models.errors import ModelError
     from models.expert_shard import ExpertShard
+    from models.gguf.header import read_header
+    from models.stage import serving_numerics
 
+    if model.seeded is not None and model.seeded.mla:
+        from models.catalog.seeded_quantized import expert_weights
+
+        config = model.seeded.config()
+        return ExpertShard(config, expert_weights(config, model.seeded.seed, experts, device), experts, device)
     if model.path is None:
         raise ModelError(f"no weights for {model.name} on this machine (it is known only to plan with)")
-    return ExpertShard.from_gguf(model.path, experts, device=device)
+    numerics = serving_numerics(config_from_header(read_header(model.path)))
+    return ExpertShard.from_gguf(model.path, experts, device=device, numerics=numerics)
 
 
 class Assignment:

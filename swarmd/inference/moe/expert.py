@@ -2,8 +2,9 @@
 
 An `ExpertBatch` carries the rows one router sends this node for one MoE block and step, each row with
 the experts (held here) it selected and their gates; the answer, an `ExpertResult` back to the sender,
-is each row's gated sum over those experts, computed on the daemon's compute thread by the loaded
-`models.expert_shard.ExpertShard`. A repeated batch is answered from the transport's cache, never computed twice.
+is each selected expert's output for its row (one per selection, in row-major order; the router makes the
+rows' gated sums), computed on the daemon's compute thread by the loaded `models.expert_shard.ExpertShard`.
+A repeated batch is answered from the transport's cache, never computed twice.
 
 A batch that names traced requests (`ExpertBatch.traced`) starts their traces here and records, per request,
 `expert.batch` (handler started -> answer ready; the router's `moe.call` and it share a flow id and make one
@@ -67,7 +68,7 @@ class ExpertActor:
                                     step=msg.step, hop=msg.block))
         call = ExpertCall(msg.block, msg.hidden.to_array("float32"), sel, msg.gates.to_array("float32"))
         started = time.perf_counter()
-        answer, computing, computed = await self.compute.run(_timed, clock, shard.compute, call)
+        answer, computing, computed = await self.compute.run(_timed, clock, shard.expert_outputs, call)
         self._count(msg.block, sel, time.perf_counter() - started)
         result = ExpertResult(msg.batch_id, msg.step, msg.block,
                               WireTensor.from_array(answer.astype(np.float32), self.wire_dtype))

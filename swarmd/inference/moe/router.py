@@ -3,8 +3,8 @@
 For each MoE block and step the stage hands it one `ExpertCall` (every row of the batch with its
 selected experts and gates). The router picks one holder per selected expert (observed latency times
 load, `swarmd.inference.moe.dispatch`), sends **one `ExpertBatch` per node** with just that node's rows and
-experts, gathers the `ExpertResult`s and adds them up: the gate-weighted sum the stage adds to its
-residual stream. Frames are retried over dropped links and de-duplicated by the transport; a node
+experts, gathers the `ExpertResult`s (each selected expert's output) and makes each row's gate-weighted
+sum in the order of its selections (`dispatch.combine`): what the stage adds to its residual stream. Frames are retried over dropped links and de-duplicated by the transport; a node
 that refuses, cannot be reached or does not answer in time is avoided and its experts are asked of
 another holder, while any is left.
 
@@ -284,6 +284,10 @@ class MoERouter:
                 self.recorder.add(rid, "moe.send", thread, ready, max(acked, ready), step=step, **args)
                 self.recorder.add(rid, "moe.call", thread, ready, end, step=step, answered=pending.answer is not None,
                                   flow=flow_id(msg.key()), **args)
+        want = (int((part.call.sel >= 0).sum()), part.call.rows.shape[1])
+        if pending.answer is not None and pending.answer.shape != want:
+            pending.error = f"answer of shape {pending.answer.shape}, expected {want} (one row per selection)"
+            pending.answer = None
         if pending.answer is not None:
             self.chooser.finished(part.peer, time.perf_counter() - started)
             results[part.peer] = pending.answer
