@@ -54,8 +54,8 @@ def test_swarmd_plan_out_writes_a_plan_file_for_a_model_swarmd_run_accepts(tmp_p
     args = ["plan", "--model", "synthetic-moe-small", "--fleet", "2x4090,2x3090,2x3060", "--regions", "2",
             "--rtt-ms", "1,60", "--uplink-mbit", "100", "--out", str(out)]
     assert main(args) == 0
-    assert f"wrote {out}: 6 stages over 6 slots in 2 region(s)" in capsys.readouterr().err
     pf = PlanFile.loads(out.read_text())
+    assert f"wrote {out}: {len(pf.plan.stages)} stages over 6 slots in 2 region(s)" in capsys.readouterr().err
     served = served_model("synthetic-moe-small")
     assert (pf.plan.model.name, pf.plan.model.digest) == (served.name, served.digest)  # as its daemons serve it
     assert set(pf.plan.peers()) == set(pf.fleet.names)  # every slot holds a stage or experts
