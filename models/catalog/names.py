@@ -37,7 +37,7 @@ class ModelSource:
     kind: str  # "wheel", "file", "ollama", or the kind a registered resolver gives
 
 
-# A resolver turns a registered name into a source; `fetch=False` must not download anything.
+# A resolver turns a registered name into a source; `fetch=False` must not download or write anything.
 Resolver = Callable[[str, bool], ModelSource]
 KNOWN_MODELS: dict[str, Resolver] = {}
 
@@ -75,6 +75,8 @@ def _derived_resolver(make: Callable[[Path, bool], Path]) -> Resolver:
     def resolve(name: str, fetch: bool) -> ModelSource:
         path = cache_dir() / "derived" / f"{name}.gguf"
         if not path.is_file():
+            if not fetch:
+                raise ModelError(f"model '{name}' is not in the cache yet: run `swarmd pull {name}`")
             path.parent.mkdir(parents=True, exist_ok=True)
             _progress(f"writing {name} into the model cache (once)")
             make(path, fetch)
