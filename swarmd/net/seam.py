@@ -78,6 +78,10 @@ class Network(Protocol):
 
     def connected_peers(self) -> list[str]: ...
 
+    def is_relayed(self, peer_id: str) -> bool:
+        """Whether a stream to `peer_id` may go through a circuit relay (a connection to it is relayed)."""
+        ...
+
     async def open_stream(self, peer_id: str, protocol: str) -> Stream:
         """A new stream speaking `protocol`, dialing first if needed; raise PeerUnreachable."""
         ...

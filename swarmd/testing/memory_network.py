@@ -63,6 +63,7 @@ class MemoryHub:
         self.down: set[str] = set()
         self.frozen: set[str] = set()  # hung processes (SIGSTOP): connections stay open, nothing moves
         self.group_of: dict[str, int] = {}
+        self.relayed: set[frozenset[str]] = set()  # pairs connected only through a circuit relay
         self._streams: list[tuple[str, str, _MemoryStream, _MemoryStream]] = []
         self._nursery: trio.Nursery | None = None
 
@@ -194,6 +195,9 @@ class MemoryNetwork:
 
     def connected_peers(self) -> list[str]:
         return sorted(self.connections)
+
+    def is_relayed(self, peer_id: str) -> bool:
+        return frozenset((self._peer_id, peer_id)) in self.hub.relayed
 
     async def open_stream(self, peer_id: str, protocol: str) -> Stream:
         await self.connect(peer_id, ())
