@@ -101,6 +101,8 @@ class DaemonConfig:
     inline_step_ms: float = 50.0  # a decode step seen to take at most this long runs on the event loop's thread
     expert_placement: str = "auto"  # MoE: the planner's choice, or "spread" / "local" (PlanOptions.expert_placement)
     data_plane: str = "tls"  # tls (pinned TLS sockets for tensors) or libp2p (everything on libp2p streams)
+    weights_serve_mbps: float = 200.0  # weights served to other members at most this fast (Mbit/s; 0: no limit)
+    weights_busy_mbps: float = 40.0  # the same while requests run through this daemon: activations come first
     swarm_key: Path | None = None  # a private swarm: only peers holding this key can connect
     allow_peers: tuple[str, ...] = ()  # if any: only these peer ids may connect (besides the key)
     allow_peers_file: Path | None = None  # more allowed peer ids, one per line
@@ -121,6 +123,8 @@ class DaemonConfig:
             raise UserError(f"expert placement {self.expert_placement!r} is not one of {', '.join(EXPERT_PLACEMENTS)}")
         if self.data_plane not in DATA_PLANES:
             raise UserError(f"data plane {self.data_plane!r} is not one of {', '.join(DATA_PLANES)}")
+        if self.weights_serve_mbps < 0 or self.weights_busy_mbps < 0:
+            raise UserError("weights_serve_mbps and weights_busy_mbps must be 0 (no limit) or more")
         if self.inline_step_ms < 0:
             raise UserError("inline_step_ms must be 0 (off) or more")
         if self.max_requests < 1 or self.max_context < 2:
@@ -215,7 +219,7 @@ def config_changes(doc: dict[str, Any], source: str = "config") -> dict[str, Any
             out[key] = parse_size(value)
         elif key in ("mdns", "standby", "full_replay", "full_reload", "warmup"):
             out[key] = bool(value)
-        elif key in ("uplink_mbps", "inline_step_ms"):
+        elif key in ("uplink_mbps", "inline_step_ms", "weights_serve_mbps", "weights_busy_mbps"):
             out[key] = float(value)
         elif key in ("max_context", "max_requests", "api_max_tokens"):
             out[key] = int(value)

@@ -190,5 +190,9 @@ def cached_models() -> list[CachedModel]:
         path = cached_path(model)
         if path.is_file():
             out.append(CachedModel(model.name, path, path.stat().st_size, "wheel"))
+    for name in sorted(set(KNOWN_MODELS) - set(WHEEL_MODELS)):
+        path = cache_dir() / "derived" / f"{name}.gguf"
+        if path.is_file():
+            out.append(CachedModel(name, path, path.stat().st_size, "derived"))
     out += [CachedModel(m.name, m.blob, m.size, "ollama") for m in ollama.list_models()]
     return out

@@ -26,7 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="what peers are told to dial instead of the listen addresses, repeatable")
     p.add_argument("--bootstrap", action="append", metavar="MULTIADDR",
                    help="a member to join through, ending in /p2p/<peer id>; repeatable (also SWARMD_BOOTSTRAP)")
-    p.add_argument("--model", help="model to serve: a known name, a .gguf path or an Ollama name (default: smollm2-135m)")
+    p.add_argument("--model", help="model to serve: a known name, a .gguf path, an Ollama name, or manifest:HASH "
+                                   "(default: smollm2-135m). Not on this machine: fetched from the members named by "
+                                   "--bootstrap (only the tensors the plan assigns), else downloaded or written here")
     p.add_argument("--api", metavar="HOST:PORT", help="local HTTP API address (default: 127.0.0.1:8765)")
     p.add_argument("--home", type=Path, help="state directory (default: $SWARMD_HOME or ~/.swarmd)")
     p.add_argument("--device", help="tinygrad device: auto, CPU, CUDA, METAL, ... (default: auto)")
@@ -66,6 +68,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "balanced policy)")
     p.add_argument("--data-plane", choices=["tls", "libp2p"],
                    help="tensors over pinned TLS sockets (default) or over the libp2p streams themselves")
+    p.add_argument("--weights-serve-mbps", type=float, metavar="MBITS",
+                   help="serve weights to members that fetch them at most this fast, in Mbit/s (default 200; 0: no "
+                        "limit)")
+    p.add_argument("--weights-busy-mbps", type=float, metavar="MBITS",
+                   help="the same while requests run through this daemon, so activations keep priority (default 40)")
     p.add_argument("--swarm-key", type=Path, metavar="FILE",
                    help="make the swarm private: only peers holding this key (from `swarmd keygen`) can connect")
     p.add_argument("--allow-peer", action="append", metavar="PEER_ID",
@@ -125,6 +132,8 @@ def build_config(args: argparse.Namespace):
         inline_step_ms=args.inline_step_ms,
         expert_placement=args.expert_placement,
         data_plane=args.data_plane,
+        weights_serve_mbps=args.weights_serve_mbps,
+        weights_busy_mbps=args.weights_busy_mbps,
         swarm_key=args.swarm_key.expanduser() if args.swarm_key else None,
         allow_peers=tuple(args.allow_peer) if args.allow_peer else None,
         allow_peers_file=args.allow_peers_file.expanduser() if args.allow_peers_file else None,

@@ -215,6 +215,7 @@ class LocalDescriptor:
     uplink: float
     addresses: Callable[[], list[str]]
     load: Callable[[], float] = field(default=lambda: 0.0)
+    holds: Callable[[], tuple[str, ...]] = field(default=lambda: ())  # the weights on disk (planner.holdings)
     standby: bool = False
     memory_refresh_s: float = 5.0
     _memory: tuple[float, int, int] = (float("-inf"), 0, 0)
@@ -267,4 +268,5 @@ class LocalDescriptor:
             load=float(self.load()),
             incarnation=self.incarnation,
             standby=self.standby,
+            holds=self.holds(),
         )

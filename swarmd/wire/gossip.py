@@ -58,6 +58,7 @@ class AssignmentStatus:
     state: str = "idle"  # idle | loading | ready | standby (a spare's warm copy of `layers`) | failed
     progress: float = 0.0  # 0..1 while loading
     error: str = ""
+    fetch: tuple[int, int, float] = (0, 0, 0.0)  # weights being fetched: bytes so far, bytes in all, bytes/s
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -67,12 +68,17 @@ class AssignmentStatus:
             "state": self.state,
             "progress": round(self.progress, 4),
             "error": self.error,
+            "fetch": {"bytes": self.fetch[0], "total": self.fetch[1], "rate": round(self.fetch[2], 1)},
         }
 
     @staticmethod
     def from_json(doc: Any) -> AssignmentStatus:
-        _expect_keys(doc, {"epoch", "layers", "experts", "state", "progress", "error"}, "assignment")
+        _expect_keys(doc, {"epoch", "layers", "experts", "state", "progress", "error", "fetch"}, "assignment")
         layers, experts, progress = doc["layers"], doc["experts"], doc["progress"]
+        _expect_keys(doc["fetch"], {"bytes", "total", "rate"}, "assignment.fetch")
+        rate = doc["fetch"]["rate"]
+        if not isinstance(rate, int | float) or isinstance(rate, bool) or not 0.0 <= rate < 1e15:
+            raise RemoteProtocolError("assignment.fetch.rate must be a non-negative number")
         if layers is not None and not (isinstance(layers, list) and len(layers) == 2):
             raise RemoteProtocolError("assignment.layers must be [start, end] or null")
         if doc["state"] not in ASSIGNMENT_STATES:
@@ -92,6 +98,8 @@ class AssignmentStatus:
             state=doc["state"],
             progress=float(progress),
             error=doc["error"][:300],
+            fetch=(_int(doc["fetch"]["bytes"], "assignment.fetch.bytes"), _int(doc["fetch"]["total"],
+                                                                              "assignment.fetch.total"), float(rate)),
         )
 
 
