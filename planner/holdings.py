@@ -93,16 +93,11 @@ def _parse_span(text: str, item: str) -> set[int]:
 
 
 def _ranges(values: list[int]) -> list[str]:
-    out: list[str] = []
-    start = prev = None
+    """[0, 1, 2, 5, 7, 8] -> ["0-2", "5", "7-8"] (values sorted)."""
+    runs: list[list[int]] = []
     for v in values:
-        if start is None:
-            start = prev = v
-        elif v == prev + 1:
-            prev = v
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
         else:
-            out.append(f"{start}-{prev}" if prev != start else str(start))
-            start = prev = v
-    if start is not None:
-        out.append(f"{start}-{prev}" if prev != start else str(start))
-    return out
+            runs.append([v, v])
+    return [f"{a}-{b}" if b != a else str(a) for a, b in runs]

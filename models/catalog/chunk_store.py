@@ -219,7 +219,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 # --- finding models in the cache ----------------------------------------------------------------------------
 def partial_models(root: Path | None = None) -> list[PartialModel]:
     """Every readable partial model in the cache (unreadable ones are skipped)."""
-    out = []
+    out: list[PartialModel] = []
     base = root or manifests_dir()
     if not base.is_dir():
         return out
@@ -242,8 +242,9 @@ def whole_file(path: Path, progress: Callable[[int, int], None] | None = None) -
     """A complete GGUF as a chunk store; its manifest is computed once (reading the whole file) and remembered
     by path, size and mtime in the cache."""
     stat = path.stat()
-    stamp = {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    memo = manifests_dir() / "by-file" / (hashlib.sha256(stamp["path"].encode()).hexdigest()[:32] + ".cbor")
+    resolved = str(path.resolve())
+    stamp = {"path": resolved, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    memo = manifests_dir() / "by-file" / (hashlib.sha256(resolved.encode()).hexdigest()[:32] + ".cbor")
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError, ModelError):
         doc = cbor2.loads(memo.read_bytes())
         if {k: doc[k] for k in stamp} == stamp:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from models.errors import ModelError
 
@@ -45,7 +45,7 @@ def read_header(path: str | Path) -> GGUFHeader:
         return parse_header(io.BufferedReader(raw, 1 << 20), path)
 
 
-def parse_header(r: BinaryIO, path: Path) -> GGUFHeader:
+def parse_header(r: io.BufferedIOBase, path: Path) -> GGUFHeader:
     """The header read from `r` (a file, or a GGUF's header bytes); `path` names the model in errors."""
     from tinygrad.helpers import prod, round_up
     from tinygrad.llm.gguf import read_int32, read_int64, read_str, read_uint32, read_uint64, readers

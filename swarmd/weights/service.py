@@ -18,6 +18,7 @@ import trio
 
 from models.catalog.chunk_store import PartialModel
 from models.errors import ModelError
+from planner.holdings import format_holdings
 from swarmd.daemon.served_model import ServedModel
 from swarmd.net.seam import Network
 from swarmd.weights.fetcher import Fetcher
@@ -39,6 +40,8 @@ class WeightsService:
         self.store = model.store
         self.members = members  # live members but this daemon: who may hold chunks
         self.progress = FetchProgress()
+        if serve_bytes_per_s > 0:  # busy never serves faster than idle
+            busy_bytes_per_s = min(busy_bytes_per_s, serve_bytes_per_s) if busy_bytes_per_s > 0 else serve_bytes_per_s
         self.server = WeightsServer(network, model.name, lambda: self.store,
                                     Pacer(serve_bytes_per_s, busy_bytes_per_s), busy=busy)
         self.fetcher: Fetcher | None = None
@@ -58,7 +61,11 @@ class WeightsService:
         here, fetching what is missing; ModelError if it cannot be (a whole file lacks nothing)."""
         if self.store is None or self.parts is None:
             return  # seeded weights are drawn, not held
-        missing = self.store.missing(self.parts.assignment(layers, experts))
+        wanted = self.parts.assignment(layers, experts)
+        missing = self.store.missing(wanted)
+        chunks = self.store.manifest.chunks
+        log.info("weights for %s: %.1f MiB, %.1f MiB of it to fetch", describe(layers, experts),
+                 sum(chunks[i].length for i in wanted) / 2**20, sum(chunks[i].length for i in missing) / 2**20)
         if not missing:
             return
         if self.fetcher is None:
@@ -98,6 +105,14 @@ class WeightsService:
         if self.fetcher is not None:
             out.update({f"weights_{k}": float(v) for k, v in self.fetcher.stats.items()})
         return out
+
+
+def describe(layers: tuple[int, int] | None, experts: Mapping[int, Sequence[int]]) -> str:
+    """'blocks 5-9', 'experts x3:0-1 x4:2-3' (planner.holdings' notation), or both."""
+    parts = [f"blocks {layers[0]}-{layers[1] - 1}"] if layers else []
+    if experts:
+        parts.append("experts " + " ".join(format_holdings(experts=experts)))
+    return " and ".join(parts) or "nothing"
 
 
 def weight_holders(swarm: Any) -> list[str]:
