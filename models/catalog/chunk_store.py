@@ -186,16 +186,26 @@ class PartialModel(ChunkStore):
             self._dirty = True
 
     def flush(self) -> None:
-        """Make the chunks written so far survive a crash: data to disk first, then the record of them."""
+        """Make the chunks written so far survive a crash: data to disk first, then the record of them. Daemons
+        sharing the cache share the record: chunks another one recorded are taken in, never dropped."""
         with self._lock:
             if not self._dirty:
                 return
-            bits, self._dirty = bytes(self._bits), False
+            self._dirty = False
         fd = os.open(self.path, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
+        try:
+            recorded = (self.folder / HELD_FILE).read_bytes()
+        except OSError:
+            recorded = b""
+        with self._lock:
+            if len(recorded) == len(self._bits):
+                for i, byte in enumerate(recorded):
+                    self._bits[i] |= byte
+            bits = bytes(self._bits)
         _write_atomic(self.folder / HELD_FILE, bits)
 
     def disk_bytes(self) -> int:

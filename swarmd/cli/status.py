@@ -177,7 +177,7 @@ def render(doc: dict[str, Any]):
                          + (f", {counts['dead']} dead" if counts["dead"] else ""))
     top.add_row("plan", doc.get("coverage", "-") + (f"  [red]({doc['plan_error']})[/red]" if doc.get("plan_error") else ""))
     top.add_row("requests", f"{doc.get('requests_in_flight', 0)} in flight")
-    if doc.get("weights"):
+    if (doc.get("weights") or {}).get("model_bytes"):
         top.add_row("weights", weights_line(doc["weights"]))
     top.add_row("access", access_line(swarm))
 

@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from models.catalog.chunk_store import PartialModel, WholeFile, whole_file
+from models.errors import ModelError
 from models.gguf.header import read_header
 from swarmd.net.seam import read_frame, write_frame
 from swarmd.testing.memory_network import MemoryHub, MemoryNetwork
@@ -199,10 +200,22 @@ def test_partial_models_keep_their_chunks_and_the_record_of_them_across_opens(tm
     whole = whole_file(dense_gguf(tmp_path / "d.gguf"))
     p = PartialModel.create(whole.manifest, "tiny")
     p.write(3, whole.read(3))
-    with pytest.raises(Exception, match="does not match the manifest"):
+    with pytest.raises(ModelError, match="does not match the manifest"):
         p.write(4, whole.read(5))
     p.flush()
     again = PartialModel.open(p.folder)
     assert again.held() == [3] and again.names == ["tiny"] and again.digest == whole.digest
     assert hashlib.sha256(again.read(3)).digest() == whole.manifest.chunks[3].sha256
     assert PartialModel.create(whole.manifest, "other").names == ["tiny", "other"]
+
+
+def test_daemons_sharing_a_cache_share_the_record_of_chunks_held(tmp_path, monkeypatch):
+    monkeypatch.setenv("SWARMD_MODELS", str(tmp_path / "cache"))
+    whole = whole_file(dense_gguf(tmp_path / "d.gguf"))
+    one = PartialModel.create(whole.manifest, "tiny")
+    two = PartialModel.open(one.folder)  # a second daemon on the same machine
+    one.write(1, whole.read(1))
+    one.flush()
+    two.write(2, whole.read(2))
+    two.flush()
+    assert PartialModel.open(one.folder).held() == [1, 2] and two.held() == [1, 2]
