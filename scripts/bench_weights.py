@@ -3,10 +3,11 @@
 
   throughput  two processes: a server with SmolLM2's GGUF, a client that fetches every chunk of it with the
               daemon's own code (`swarmd.weights.fetcher.Fetcher` against `WeightsServer`, pacing off) over
-              the libp2p network seam, and in the same rounds reads the same bytes in 1 MiB frames over a TLS
-              connection set up as the TLS data plane does (pinned self-signed certificate, `trio.SSLStream`):
-              that plane's bulk rate. A third stack runs the fetch protocol itself over such a TLS connection,
-              to tell the protocol's cost from the transport's. Stacks take turns in every round; medians.
+              the libp2p network seam; in the same rounds the same number of bytes goes over the TLS data
+              plane as activations do (the actor transport, 1 MiB hidden states each acked: its bulk rate), and
+              over a bare TLS connection set up as that plane does (pinned certificate, `trio.SSLStream`, 1 MiB
+              frames back to back). A fourth stack runs the fetch protocol itself over such a TLS connection, to
+              tell the protocol's cost from the transport's. Stacks take turns in every round; medians.
   join        real daemons, default timings: the time from `swarmd join` with an empty model cache to its
               assignment ready, against the same join with the model file in its cache, in alternating
               rounds: a quarter of SmolLM2 (a fourth daemon joining three that hold it), and an expert shard of
@@ -129,11 +130,54 @@ async def serve(model: Path, cert_out: Path) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(net.run)
         net.serve(PROTOCOL, WeightsServer(net, "smollm2-135m", lambda: store, Pacer(0)).handle)
+        await start_plane(net.host, nursery)
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
         nursery.start_soon(trio.serve_listeners, on_tls, listeners)
         print(json.dumps({"p2p": net.bound_addresses()[0], "tls_port": listeners[0].socket.getsockname()[1]}),
               flush=True)
         await trio.sleep(3600)
+
+
+async def start_plane(host, nursery):
+    """The actor transport on the TLS data plane, as daemons run it, on this libp2p host; it accepts Forwards."""
+    from swarmd.transport.links import Plane, start_actor_transport
+    from swarmd.wire import Forward
+
+    transport, _ = await start_actor_transport(host, nursery, plane=Plane.TLS)
+
+    async def accept(peer, msg):
+        return None
+
+    transport.route(Forward, accept)
+    return transport
+
+
+class PlaneBulk:
+    """1 MiB hidden states, one after the other, each acked: what the TLS data plane moves in bulk (a prefill)."""
+
+    def __init__(self, transport, peer: str) -> None:
+        import numpy as np
+
+        from swarmd.wire import Forward, WireTensor
+
+        self.transport, self.peer, self.step = transport, peer, 0
+        hidden = np.random.default_rng(0).standard_normal((1, FRAME // 4), dtype=np.float32)
+        self.msg = Forward("bench-weights", 0, 1, 0, "head", hidden=WireTensor.from_array(hidden))
+
+    async def send(self) -> None:
+        from dataclasses import replace
+
+        self.step += 1
+        await self.transport.send(self.peer, replace(self.msg, step=self.step), within=30)
+
+    async def rate(self, nbytes: int) -> float:
+        import trio
+
+        frames = nbytes // FRAME
+        t0 = trio.current_time()
+        for _ in range(frames):
+            await self.send()
+        return frames * FRAME / (trio.current_time() - t0)
 
 
 # --- throughput: the client -----------------------------------------------------------------------------------
@@ -184,7 +228,7 @@ async def throughput_client(info: dict[str, Any], cert: bytes, rounds: int) -> d
 
     peer, _ = split_peer_addr(info["p2p"])
     tls_net = TlsNetwork("client", port=info["tls_port"], cert=cert)
-    results: dict[str, list[float]] = {"libp2p_fetch": [], "tls_bulk": [], "tls_fetch": []}
+    results: dict[str, list[float]] = {"libp2p_fetch": [], "tls_plane": [], "tls_bulk": [], "tls_fetch": []}
     net = Libp2pNetwork(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"], timings=LAN)
     async with trio.open_nursery() as nursery:
         await nursery.start(net.run)
@@ -193,14 +237,19 @@ async def throughput_client(info: dict[str, Any], cert: bytes, rounds: int) -> d
         await write_frame(stream, encode(ManifestRequest("smollm2-135m")))
         manifest = Manifest.decode(decode_reply(await read_frame(stream, MAX_MANIFEST_FRAME)).manifest)
         await stream.close()
+        plane = PlaneBulk(await start_plane(net.host, nursery), peer)
+        for _ in range(5):  # the TLS upgrade and the first frames
+            await plane.send()
         stacks = list(results)
         for r in range(rounds):
-            for stack in stacks[r % 3:] + stacks[:r % 3]:
+            for stack in stacks[r % len(stacks):] + stacks[:r % len(stacks)]:
                 with tempfile.TemporaryDirectory(prefix="bench-weights-") as tmp:
                     if stack == "libp2p_fetch":
                         rate = await fetch_all(net, peer, manifest, Path(tmp))
                     elif stack == "tls_fetch":
                         rate = await fetch_all(tls_net, "server", manifest, Path(tmp))
+                    elif stack == "tls_plane":
+                        rate = await plane.rate(manifest.tensor_bytes)
                     else:
                         rate = await tls_bulk(tls_net, manifest.tensor_bytes)
                 results[stack].append(rate)
@@ -229,6 +278,8 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     med = {k: statistics.median(v) for k, v in results.items()}
     return {"rounds": args.rounds, "bytes": SMOLLM2_135M.size, "median_MB_per_s": {k: round(v / 1e6, 1) for k, v in med.items()},
             "all_MB_per_s": {k: [round(x / 1e6, 1) for x in v] for k, v in results.items()},
+            "libp2p_fetch_over_tls_plane": round(med["libp2p_fetch"] / med["tls_plane"], 3),
+            "tls_fetch_over_tls_plane": round(med["tls_fetch"] / med["tls_plane"], 3),
             "libp2p_fetch_over_tls_bulk": round(med["libp2p_fetch"] / med["tls_bulk"], 3),
             "tls_fetch_over_tls_bulk": round(med["tls_fetch"] / med["tls_bulk"], 3)}
 
@@ -247,8 +298,13 @@ class Swarm:
     def __init__(self, base: Path, model: str, extra: tuple[str, ...] = ()) -> None:
         from tinygrad import helpers
 
+        from swarmd.daemon.descriptor import BENCH_FILE, device_name, load_or_measure, resolve_device
+
         self.base, self.model, self.extra = base, model, extra
         self.cachedb = str(helpers.CACHEDB)
+        device = resolve_device("auto")
+        load_or_measure(base, device, device_name(device))  # measured once; every daemon gets a copy
+        self.bench_file = base / BENCH_FILE
         self.daemons: list[Any] = []
         self.n = 0
 
@@ -262,7 +318,8 @@ class Swarm:
             link = cache / "swarmd" / "models" / holding[1]
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to(holding[0])
-        d = Daemon(home, None, swarm="bench", extra=("--model", self.model, *self.extra, *extra),
+        d = Daemon(home, None, bench_file=self.bench_file, swarm="bench",
+                   extra=("--model", self.model, *self.extra, *extra),
                    env={"XDG_CACHE_HOME": str(cache), "SWARMD_MODELS": None, "CACHEDB": self.cachedb})
         d.start(bootstrap=bootstrap)
         d.started_at = time.monotonic()
@@ -398,8 +455,8 @@ def _start_spare(swarm: Swarm, founder: Any) -> Any:
     Daemon, _, _ = _daemon_kit()
     swarm.n += 1
     home = swarm.base / f"d{swarm.n}"
-    d = Daemon(home, None, swarm="bench", extra=("--model", swarm.model, *swarm.extra, "--standby"),
-               env={"XDG_CACHE_HOME": str(home / "cache"), "SWARMD_MODELS": None, "CACHEDB": swarm.cachedb})
+    d = Daemon(home, None, bench_file=swarm.bench_file, swarm="bench",
+               extra=("--model", swarm.model, *swarm.extra, "--standby"), env={"XDG_CACHE_HOME": str(home / "cache"), "SWARMD_MODELS": None, "CACHEDB": swarm.cachedb})
     d.start(bootstrap=(founder.addresses[0],))
     d.started_at = time.monotonic()
     swarm.daemons.append(d)

@@ -2,7 +2,7 @@
 
 One task per source: it opens a `/swarmd/weights/1.0.0` stream through the network seam, asks which chunks
 the peer holds, then keeps a window of requests in flight, asking `FetchState` which chunks to request
-next. Each chunk is checked against the manifest (in a worker thread) before it is written; a bad one
+next, and reads the answers while a second task checks and writes the chunks already read. Each chunk is checked against the manifest (in a worker thread) before it is written; a bad one
 strikes its sender (`Network.strike`) and bans it from this fetch, and its chunks go to other sources. A
 lost source is retried with backoff while it is a member. Peers reached only through a relay are skipped
 (`swarmd.weights.relay_rule`). What is written is flushed to disk every second, so a restart resumes.
@@ -49,7 +49,8 @@ from swarmd.weights.relay_rule import may_carry_weights
 
 log = logging.getLogger("swarmd.weights")
 
-REPLY_OVERHEAD = 1024  # CBOR around a chunk's bytes
+REPLY_OVERHEAD = 1024  # what a frame carries besides a chunk's bytes
+WRITE_QUEUE = 8  # chunks read from one source and waiting to be checked and written
 FLUSH_INTERVAL = 1.0
 
 
@@ -132,36 +133,88 @@ class Fetcher:
         return why
 
     async def _source(self, peer: str) -> None:
-        state = self._state
+        """Fetch from `peer` until the fetch is done, the peer is lost, or it sends a bad chunk: one task reads its
+        answers, another checks and writes the chunks (so the next chunk is read while one is hashed)."""
         stream: Stream | None = None
+        lost = ""
         try:
             stream = await self.network.open_stream(peer, PROTOCOL)
             await self._offer(peer, stream)
-            offered_at = trio.current_time()
-            pending: deque[int] = deque()
-            while not state.done:
-                await self._ask_more(peer, stream, pending)
-                if not pending:
-                    if state.unsourced() and trio.current_time() - offered_at >= self.refresh_s:
-                        await self._offer(peer, stream)  # a partial holder may hold more by now
-                        offered_at = trio.current_time()
-                        continue
-                    with trio.move_on_after(self.refresh_s):
-                        await self._changed.wait()
-                    continue
-                if not await self._receive(peer, stream, pending):
-                    return  # banned
+            send, receive = trio.open_memory_channel[tuple[int, bytes]](WRITE_QUEUE)
+            async with trio.open_nursery() as inner:
+                inner.start_soon(self._write, peer, receive, inner.cancel_scope)
+                lost = await self._read(peer, stream, send)
         except (PeerUnreachable, StreamClosed) as e:
-            self._lost(peer, str(e))
+            lost = str(e)
         except RemoteProtocolError as e:
             self._apply([Strike(peer, f"weights: {e}")])
-            self._lost(peer, str(e))
+            lost = str(e)
         finally:
             self._running.discard(peer)
             if stream is not None:
                 with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                     await _reset(stream)
             self._notify()
+        if lost:
+            self._lost(peer, lost)
+
+    async def _read(self, peer: str, stream: Stream, send: trio.MemorySendChannel[tuple[int, bytes]]) -> str:
+        """Ask `peer` for chunks and hand what arrives to the writer; why it stopped ("" when the fetch is done)."""
+        state = self._state
+        offered_at = trio.current_time()
+        pending: deque[int] = deque()
+        async with send:
+            try:
+                while not state.done:
+                    await self._ask_more(peer, stream, pending)
+                    if not pending:
+                        if state.unsourced() and trio.current_time() - offered_at >= self.refresh_s:
+                            await self._offer(peer, stream)  # a partial holder may hold more by now
+                            offered_at = trio.current_time()
+                            continue
+                        with trio.move_on_after(self.refresh_s):
+                            await self._changed.wait()
+                        continue
+                    reply = decode_reply(await read_frame(stream, self.store.manifest.chunk_bytes + REPLY_OVERHEAD))
+                    if isinstance(reply, Refusal) and reply.index is None:
+                        raise StreamClosed(f"refused: {reply.reason}")
+                    if not isinstance(reply, ChunkReply | Refusal) or reply.index != pending[0]:
+                        raise RemoteProtocolError(f"answered chunk {pending[0]} with {type(reply).__name__}")
+                    index = pending.popleft()
+                    if isinstance(reply, Refusal):
+                        self.stats["chunks_refused"] += 1
+                        self._state.handle(Refused(peer, index))
+                        self._notify()
+                    else:
+                        await send.send((index, reply.data))
+            except (PeerUnreachable, StreamClosed) as e:
+                return str(e)
+            except RemoteProtocolError as e:
+                self._apply([Strike(peer, f"weights: {e}")])
+                return str(e)
+        return ""
+
+    async def _write(self, peer: str, receive: trio.MemoryReceiveChannel[tuple[int, bytes]],
+                     scope: trio.CancelScope) -> None:
+        """Check each chunk against the manifest and write it; a bad one bans `peer` and stops its reader."""
+        async with receive:
+            async for index, data in receive:
+                try:
+                    await trio.to_thread.run_sync(self.store.write, index, data)
+                except ModelError as e:
+                    self.stats["bad_chunks"] += 1
+                    log.warning("%s sent a bad chunk %d: %s; fetching it elsewhere", short_id(peer), index, e)
+                    self._apply(self._state.handle(Corrupt(peer, index, str(e))))
+                    self._notify()
+                    scope.cancel()
+                    return
+                self._state.handle(Arrived(peer, index))
+                self._retry.pop(peer, None)
+                self.stats["chunks_fetched"] += 1
+                self.stats["bytes_fetched"] += len(data)
+                self.bytes_from[peer] += len(data)
+                self.progress.add(len(data), trio.current_time())
+                self._notify()
 
     async def _offer(self, peer: str, stream: Stream) -> None:
         await write_frame(stream, encode(HeldRequest(self.store.digest)))
@@ -187,36 +240,6 @@ class Fetcher:
             in_flight += sizes[got[0]]
         if batch:
             await write_frame(stream, encode(GetRequest(self.store.digest, tuple(batch))))
-
-    async def _receive(self, peer: str, stream: Stream, pending: deque[int]) -> bool:
-        """One answer from `peer`; False if it sent a bad chunk (it is banned from this fetch)."""
-        reply = decode_reply(await read_frame(stream, self.store.manifest.chunk_bytes + REPLY_OVERHEAD))
-        if isinstance(reply, Refusal) and reply.index is None:
-            raise StreamClosed(f"refused: {reply.reason}")
-        if not isinstance(reply, ChunkReply | Refusal) or reply.index != pending[0]:
-            raise RemoteProtocolError(f"answered chunk {pending[0]} with {type(reply).__name__}")
-        index = pending.popleft()
-        if isinstance(reply, Refusal):
-            self.stats["chunks_refused"] += 1
-            self._state.handle(Refused(peer, index))
-            self._notify()
-            return True
-        try:
-            await trio.to_thread.run_sync(self.store.write, index, reply.data)
-        except ModelError as e:
-            self.stats["bad_chunks"] += 1
-            log.warning("%s sent a bad chunk %d: %s; fetching it elsewhere", short_id(peer), index, e)
-            self._apply(self._state.handle(Corrupt(peer, index, str(e))))
-            self._notify()
-            return False
-        self._state.handle(Arrived(peer, index))
-        self._retry.pop(peer, None)
-        self.stats["chunks_fetched"] += 1
-        self.stats["bytes_fetched"] += len(reply.data)
-        self.bytes_from[peer] += len(reply.data)
-        self.progress.add(len(reply.data), trio.current_time())
-        self._notify()
-        return True
 
     def _lost(self, peer: str, reason: str) -> None:
         self.stats["sources_lost"] += 1

@@ -87,6 +87,8 @@ def test_requests_and_replies_are_strict():
                  {"t": "manifest", "model": "x", "extra": 1}):
         with pytest.raises(RemoteProtocolError):
             decode_request(cbor2.dumps(junk))
-    for junk in ({"t": "chunk", "i": "1", "data": b""}, {"t": "no"}, {"t": "held", "bits": "x"}):
+    for junk in ({"t": "chunk", "i": 1, "data": b""}, {"t": "no"}, {"t": "held", "bits": "x"}):
         with pytest.raises(RemoteProtocolError):
             decode_reply(cbor2.dumps(junk))
+    with pytest.raises(RemoteProtocolError, match="too short"):
+        decode_reply(b"C\x00\x01")
