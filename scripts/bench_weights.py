@@ -308,16 +308,34 @@ class Swarm:
         self.daemons: list[Any] = []
         self.n = 0
 
-    def start(self, *, holding: tuple[Path, str] | None = None, bootstrap: tuple[str, ...] = (),
+    def home(self, name: str) -> Path:
+        """The daemon's home (its identity is made now, so a plan file can name it before it starts)."""
+        from swarmd.net.identity import load_or_create_identity
+
+        home = self.base / name
+        load_or_create_identity(home)
+        return home
+
+    def start(self, name: str = "", *, holding: tuple[Path, str] | None = None, bootstrap: tuple[str, ...] = (),
               extra: tuple[str, ...] = ()) -> Any:
+        """Start daemon `name` (a new one by default) with an empty model cache, or one holding `holding`
+        (the file, and where it lies under swarmd/models)."""
+        import shutil
+
         Daemon, _, _ = _daemon_kit()
-        self.n += 1
-        home = self.base / f"d{self.n}"
+        if not name:
+            self.n += 1
+            name = f"d{self.n}"
+        home = self.home(name)
         cache = home / "cache"
+        memo = self.base / "memo" / name  # a holder's remembered manifest survives between its rounds
+        shutil.rmtree(cache, ignore_errors=True)
         if holding is not None:
             link = cache / "swarmd" / "models" / holding[1]
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to(holding[0])
+            if memo.is_dir():
+                shutil.copytree(memo, cache / "swarmd" / "models" / "manifests" / "by-file")
         d = Daemon(home, None, bench_file=self.bench_file, swarm="bench",
                    extra=("--model", self.model, *self.extra, *extra),
                    env={"XDG_CACHE_HOME": str(cache), "SWARMD_MODELS": None, "CACHEDB": self.cachedb})
@@ -325,6 +343,9 @@ class Swarm:
         d.started_at = time.monotonic()
         d.wait_ready(300)
         self.daemons.append(d)
+        by_file = cache / "swarmd" / "models" / "manifests" / "by-file"
+        if holding is not None and by_file.is_dir() and not memo.is_dir():
+            shutil.copytree(by_file, memo)
         return d
 
     def running(self) -> list[Any]:
@@ -357,44 +378,66 @@ def time_to_ready(d: Any, timeout: float = 900.0) -> float:
 
 
 def join(args: argparse.Namespace) -> dict[str, Any]:
+    """A daemon joining with an empty model cache against the same daemon (same identity) holding the file."""
     from models.catalog.names import resolve_model
 
     out: dict[str, Any] = {}
-    cases = [("smollm2-135m", "smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf", 3, ()),
-             ("synthetic-moe-1b", "derived/synthetic-moe-1b.gguf", 2, ("--memory-limit", "420MiB"))]
-    for model, in_cache, holders, joiner_extra in cases:
+    for model, in_cache in (("smollm2-135m", "smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf"),
+                            ("synthetic-moe-1b", "derived/synthetic-moe-1b.gguf")):
         path = resolve_model(model).path
         with tempfile.TemporaryDirectory(prefix="bench-weights-") as tmp:
-            swarm = Swarm(Path(tmp), model, ("--max-context", "256"))
+            swarm = Swarm(Path(tmp), model, ("--max-context", "256", "--expert-placement", "spread"))
             try:
-                founder = swarm.start(holding=(path, in_cache))
-                for _ in range(holders - 1):
-                    swarm.start(holding=(path, in_cache), bootstrap=(founder.addresses[0],))
-                swarm.settled({d.peer_id: "ready" for d in swarm.running()})
+                if model == "smollm2-135m":  # three hold it; the joiner gets a quarter from the planner
+                    names, founder_extra = ["a", "b", "c"], ()
+                else:  # two hold it and run the stages; the joiner holds half of every MoE block's experts
+                    names, founder_extra = ["a", "b"], ("--plan", str(expert_shard_plan(swarm, model)))
+                founder = swarm.start(names[0], holding=(path, in_cache), extra=founder_extra)
+                for name in names[1:]:
+                    swarm.start(name, holding=(path, in_cache), bootstrap=(founder.addresses[0],))
                 times: dict[str, list[float]] = {"empty_cache": [], "file_in_cache": []}
                 fetched: list[dict[str, Any]] = []
+                swarm.settled({x.peer_id: "ready" for x in swarm.running()})
+                warm = swarm.start("joiner", holding=(path, in_cache), bootstrap=(founder.addresses[0],))
+                time_to_ready(warm)  # not measured: its manifest is computed once, as a real holder's is
+                warm.terminate(timeout=30)
                 for r in range(args.rounds):
                     for kind in (("empty_cache", "file_in_cache") if r % 2 == 0 else ("file_in_cache", "empty_cache")):
+                        swarm.settled({x.peer_id: "ready" for x in swarm.running()})
                         holding = (path, in_cache) if kind == "file_in_cache" else None
-                        d = swarm.start(holding=holding, bootstrap=(founder.addresses[0],), extra=joiner_extra)
+                        d = swarm.start("joiner", holding=holding, bootstrap=(founder.addresses[0],))
                         took = time_to_ready(d)
                         times[kind].append(took)
                         doc = d.status()
                         if kind == "empty_cache":
-                            fetched.append({"assignment": doc["assignment"]["layers"],
+                            w = doc["weights"]
+                            fetched.append({"layers": doc["assignment"]["layers"],
                                             "experts": sum(len(v) for v in doc["assignment"]["experts"].values()),
-                                            "fetched_MiB": round(sum(doc["weights"].get("fetched_from", {}).values())
-                                                                 / 2**20, 1),
-                                            "fetch_s": doc["weights"]["fetch"]["seconds"]})
-                        print(f"{model} round {r + 1} {kind}: ready {took:.1f} s after join", file=sys.stderr,
+                                            "fetched_MiB": round(sum(w.get("fetched_from", {}).values()) / 2**20, 1),
+                                            "fetch_s": w["fetch"]["seconds"]})
+                        print(f"{model} round {r + 1} {kind}: ready {took:.1f} s after `swarmd join`", file=sys.stderr,
                               flush=True)
                         d.terminate(timeout=30)
-                        swarm.settled({x.peer_id: "ready" for x in swarm.running()})
                 out[model] = {"median_s": {k: round(statistics.median(v), 1) for k, v in times.items()},
                               "all_s": {k: [round(x, 1) for x in v] for k, v in times.items()}, "fetches": fetched}
             finally:
                 swarm.stop()
     return out
+
+
+def expert_shard_plan(swarm: Swarm, model: str) -> Path:
+    """A plan file: daemons a and b run the stages and keep the first half of every MoE block's experts; the
+    joiner holds the other half (an expert shard), as tests/moe's expert-node swarms do."""
+    from swarmd.net.identity import load_or_create_identity, peer_id_of
+
+    sys.path.insert(0, str(ROOT))
+    from tests.moe.moe_swarm import expert_node_plan
+
+    peers = [peer_id_of(load_or_create_identity(swarm.home(n))) for n in ("a", "b", "joiner")]
+    plan = expert_node_plan(model, peers[:2], peers[2], 256, replicated=frozenset())
+    path = swarm.base / "plan.json"
+    path.write_text(plan.dumps())
+    return path
 
 
 def decode(args: argparse.Namespace) -> dict[str, Any]:
@@ -409,9 +452,9 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-weights-") as tmp:
         swarm = Swarm(Path(tmp), "smollm2-135m", ("--max-context", "512"))
         try:
-            founder = swarm.start(holding=(path, in_cache))
-            for _ in range(2):
-                swarm.start(bootstrap=(founder.addresses[0],))
+            founder = swarm.start("a", holding=(path, in_cache))
+            for name in ("b", "c"):
+                swarm.start(name, bootstrap=(founder.addresses[0],))
             stages = {d.peer_id: "ready" for d in swarm.running()}
             swarm.settled(stages)
             api = founder.api
