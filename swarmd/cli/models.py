@@ -62,7 +62,7 @@ def list_models(args: argparse.Namespace) -> int:
     return 0
 
 
-HASH_ON_LISTING = 2 << 30  # larger files show their manifest once `swarmd pull` (or a daemon) has hashed them
+HASH_ON_LISTING = 512 << 20  # larger files show their identity once `swarmd pull` (or a daemon) has hashed them
 
 
 def _digest(path, size: int) -> str:
