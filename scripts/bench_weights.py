@@ -382,8 +382,10 @@ def join(args: argparse.Namespace) -> dict[str, Any]:
     from models.catalog.names import resolve_model
 
     out: dict[str, Any] = {}
-    for model, in_cache in (("smollm2-135m", "smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf"),
-                            ("synthetic-moe-1b", "derived/synthetic-moe-1b.gguf")):
+    cases = {"smollm2-135m": "smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf",
+             "synthetic-moe-1b": "derived/synthetic-moe-1b.gguf"}
+    for model in args.models.split(","):
+        in_cache = cases[model]
         path = resolve_model(model).path
         with tempfile.TemporaryDirectory(prefix="bench-weights-") as tmp:
             swarm = Swarm(Path(tmp), model, ("--max-context", "256", "--expert-placement", "spread"))
@@ -397,7 +399,8 @@ def join(args: argparse.Namespace) -> dict[str, Any]:
                     swarm.start(name, holding=(path, in_cache), bootstrap=(founder.addresses[0],))
                 times: dict[str, list[float]] = {"empty_cache": [], "file_in_cache": []}
                 fetched: list[dict[str, Any]] = []
-                swarm.settled({x.peer_id: "ready" for x in swarm.running()})
+                if not founder_extra:  # a plan file is adopted once the joiner it names is there too
+                    swarm.settled({x.peer_id: "ready" for x in swarm.running()})
                 warm = swarm.start("joiner", holding=(path, in_cache), bootstrap=(founder.addresses[0],))
                 time_to_ready(warm)  # not measured: its manifest is computed once, as a real holder's is
                 warm.terminate(timeout=30)
@@ -552,6 +555,7 @@ def main() -> None:
     t.add_argument("--rounds", type=int, default=5)
     j = sub.add_parser("join")
     j.add_argument("--rounds", type=int, default=3)
+    j.add_argument("--models", default="smollm2-135m,synthetic-moe-1b")
     d = sub.add_parser("decode")
     d.add_argument("--rounds", type=int, default=4)
     d.add_argument("--tokens", type=int, default=96)
