@@ -95,12 +95,12 @@ class Fetcher:
                     with trio.move_on_after(self.refresh_s):
                         await self._changed.wait()
                 nursery.cancel_scope.cancel()
-        finally:
+        finally:  # done, or cancelled (the plan moved on): what arrived is kept, and the progress is over
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(self.store.flush)
+            self.progress.finish(trio.current_time())
+            self.progress.sources, self.progress.waiting = 0, ""
         now = trio.current_time()
-        self.progress.finish(now)
-        self.progress.sources, self.progress.waiting = 0, ""
         log.info("fetched %.1f MiB of weights in %.1f s (%.1f MiB/s) from %s", self.progress.done / 2**20,
                  now - self.progress.started, self.progress.rate(now) / 2**20,
                  ", ".join(f"{short_id(p)} {n / 2**20:.1f} MiB" for p, n in sorted(self.bytes_from.items())))

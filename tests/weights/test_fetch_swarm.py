@@ -175,12 +175,12 @@ async def test_a_fetch_with_no_source_waits_and_says_why(tmp_path, model_file, n
     whole = whole_file(model_file)
     a = Peer(hub, "A", partial(tmp_path, whole, "a"))
     fetch = a.fetcher()
-    with trio.move_on_after(0.5):
-        await fetch.fetch([0, 1])
-    assert fetch.progress.active and fetch.progress.waiting == "2 chunks have no source"
-    Peer(hub, "F", whole)
-    fetch.sources = lambda: ["F"]
-    await fetch.fetch([0, 1])
+    async with trio.open_nursery() as inner:
+        inner.start_soon(fetch.fetch, [0, 1])
+        await trio.sleep(0.5)
+        assert fetch.progress.active and fetch.progress.waiting == "2 chunks have no source"
+        Peer(hub, "F", whole)
+        fetch.sources = lambda: ["F"]  # a holder joins
     assert a.store.held() == [0, 1] and not fetch.progress.active
 
 
@@ -219,3 +219,15 @@ def test_daemons_sharing_a_cache_share_the_record_of_chunks_held(tmp_path, monke
     two.write(2, whole.read(2))
     two.flush()
     assert PartialModel.open(one.folder).held() == [1, 2] and two.held() == [1, 2]
+
+
+async def test_a_cancelled_fetch_keeps_what_arrived_and_is_no_longer_shown_as_running(tmp_path, model_file, nursery):
+    hub = await start_hub(nursery)
+    whole = whole_file(model_file)
+    Peer(hub, "F", whole, rate=2e6)
+    a = Peer(hub, "A", partial(tmp_path, whole, "a"))
+    fetch = a.fetcher("F")
+    with trio.move_on_after(0.8):  # the plan gave the blocks to another daemon meanwhile
+        await fetch.fetch([c.index for c in whole.manifest.chunks])
+    assert not fetch.progress.active and 0 < fetch.progress.done < whole.manifest.tensor_bytes
+    assert PartialModel.open(a.store.folder).held_bytes() == fetch.progress.done  # flushed on the way out
