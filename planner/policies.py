@@ -36,6 +36,7 @@ from planner.node import NodeDescriptor
 from planner.options import GiB, PlanOptions
 from planner.plan import ModelRef, Plan, Stage, router_actor, stage_actor
 from planner.standby import choose_standbys
+from planner.sticky import repair
 from planner.topology import build_topology
 
 POLICIES = ("balanced", "min-latency")
@@ -330,8 +331,6 @@ class Planner:
                                                      self.fetch(ed[1]).fetch_s))
         reasons = [f"policy {self.policy}: {len(drafts)} candidate plans; best: {self._describe(best)}"]
         if self.previous is not None:
-            from planner.sticky import repair
-
             kept = repair(self, self.previous)
             if kept is not None:
                 kept_eval = self.cm.evaluate(kept)

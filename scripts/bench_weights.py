@@ -79,7 +79,7 @@ class TlsNetwork:
     async def open_stream(self, peer_id: str, protocol: str):
         import trio
 
-        from swarmd.net.seam import write_frame
+        from swarmd.net.streams import write_frame
         from swarmd.net.tls_plane import pinned_client_context
 
         tcp = await trio.open_tcp_stream(self.host, self.port)
@@ -97,7 +97,7 @@ async def serve(model: Path, cert_out: Path) -> None:
     from models.catalog.chunk_store import whole_file
     from swarmd.config import LAN
     from swarmd.net.libp2p_network import Libp2pNetwork
-    from swarmd.net.seam import read_frame, write_frame
+    from swarmd.net.streams import read_frame, write_frame
     from swarmd.net.tls_plane import make_certificate, server_context
     from swarmd.weights.pacing import Pacer
     from swarmd.weights.protocol import PROTOCOL
@@ -199,7 +199,7 @@ async def fetch_all(network, peer: str, manifest, root: Path) -> float:
 async def tls_bulk(tls_net: TlsNetwork, nbytes: int) -> float:
     import trio
 
-    from swarmd.net.seam import read_frame, write_frame
+    from swarmd.net.streams import read_frame, write_frame
     from swarmd.net.tls_plane import pinned_client_context
 
     frames = nbytes // FRAME
@@ -223,7 +223,7 @@ async def throughput_client(info: dict[str, Any], cert: bytes, rounds: int) -> d
     from models.gguf.manifest import Manifest
     from swarmd.config import LAN
     from swarmd.net.libp2p_network import Libp2pNetwork, split_peer_addr
-    from swarmd.net.seam import read_frame, write_frame
+    from swarmd.net.streams import read_frame, write_frame
     from swarmd.weights.protocol import MAX_MANIFEST_FRAME, PROTOCOL, ManifestRequest, decode_reply, encode
 
     peer, _ = split_peer_addr(info["p2p"])

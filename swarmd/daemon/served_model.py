@@ -26,7 +26,7 @@ from planner import BUILTIN_ARCHS, ModelLayout, layout_from_arch
 if TYPE_CHECKING:
     from models.catalog.chunk_store import ChunkStore
 
-log = logging.getLogger("swarmd.model")
+log = logging.getLogger(__name__)
 
 LAYOUT_DTYPE = "f16"  # models.gguf.loader dequantises weights to float16
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import trio
 
@@ -20,7 +21,8 @@ from models.catalog.chunk_store import PartialModel
 from models.errors import ModelError
 from swarmd.errors import RemoteProtocolError
 from swarmd.net.identity import short_id
-from swarmd.net.seam import Network, PeerUnreachable, Stream, StreamClosed, read_frame, write_frame
+from swarmd.net.seam import Network, PeerUnreachable, Stream, StreamClosed
+from swarmd.net.streams import read_frame, write_frame
 from swarmd.weights.fetch import (
     Arrived,
     Corrupt,
@@ -57,9 +59,11 @@ FLUSH_INTERVAL = 1.0
 class Fetcher:
     def __init__(self, network: Network, store: PartialModel, sources: Callable[[], Sequence[str]], *,
                  progress: FetchProgress | None = None, window_bytes: int = 4 << 20, max_pending: int = 64,
-                 refresh_s: float = 2.0, retry_s: float = 0.5, retry_max_s: float = 8.0) -> None:
+                 refresh_s: float = 2.0, retry_s: float = 0.5, retry_max_s: float = 8.0,
+                 blocking: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync) -> None:
         self.network = network
         self.store = store
+        self.blocking = blocking  # disk writes and hashing, off the event loop
         self.sources = sources  # members that may hold chunks of the model, asked anew every refresh
         self.progress = progress or FetchProgress()
         self.window_bytes = window_bytes
@@ -97,7 +101,7 @@ class Fetcher:
                 nursery.cancel_scope.cancel()
         finally:  # done, or cancelled (the plan moved on): what arrived is kept, and the progress is over
             with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(self.store.flush)
+                await self.blocking(self.store.flush)
             self.progress.finish(trio.current_time())
             self.progress.sources, self.progress.waiting = 0, ""
         now = trio.current_time()
@@ -200,7 +204,7 @@ class Fetcher:
         async with receive:
             async for index, data in receive:
                 try:
-                    await trio.to_thread.run_sync(self.store.write, index, data)
+                    await self.blocking(self.store.write, index, data)
                 except ModelError as e:
                     self.stats["bad_chunks"] += 1
                     log.warning("%s sent a bad chunk %d: %s; fetching it elsewhere", short_id(peer), index, e)
@@ -263,7 +267,7 @@ class Fetcher:
     async def _flush_now_and_then(self) -> None:
         while True:
             await trio.sleep(FLUSH_INTERVAL)
-            await trio.to_thread.run_sync(self.store.flush)
+            await self.blocking(self.store.flush)
 
 
 async def _reset(stream: Stream) -> None:

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 
 from models.catalog.chunk_store import ChunkStore
 from models.gguf.manifest import PREFIX
 from swarmd.errors import RemoteProtocolError
-from swarmd.net.seam import Network, Stream, StreamClosed, read_frame, write_frame
+from swarmd.net.seam import Network, Stream, StreamClosed
+from swarmd.net.streams import read_frame, write_frame
 from swarmd.weights.pacing import Pacer
 from swarmd.weights.protocol import (
     MAX_REQUEST_BYTES,
@@ -42,12 +44,14 @@ CORRUPT_SWITCH = "SWARMD_TEST_CORRUPT_CHUNKS"
 
 class WeightsServer:
     def __init__(self, network: Network, name: str, store: Callable[[], ChunkStore | None], pacer: Pacer, *,
-                 busy: Callable[[], bool] = lambda: False) -> None:
+                 busy: Callable[[], bool] = lambda: False,
+                 blocking: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync) -> None:
         self.network = network
         self.name = name  # the model's name in the swarm
         self.store = store  # the chunks held (None: a seeded model, nothing to serve)
         self.pacer = pacer
         self.busy = busy
+        self.blocking = blocking  # disk reads, off the event loop
         self.corrupt = os.environ.get(CORRUPT_SWITCH, "") == "1"
         self.stats: Counter[str] = Counter()
         self._manifest: tuple[str, bytes] | None = None
@@ -90,7 +94,7 @@ class WeightsServer:
                 self.stats["chunks_refused"] += 1
                 await write_frame(stream, encode(Refusal("not held here", index)))
                 continue
-            data = await trio.to_thread.run_sync(store.read, index)
+            data = await self.blocking(store.read, index)
             if self.corrupt:
                 data = bytes([data[0] ^ 0xFF]) + data[1:]
             delay = self.pacer.reserve(len(data), trio.current_time(), self.busy())

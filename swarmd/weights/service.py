@@ -11,15 +11,16 @@ once. `holds()` goes into the descriptor (the planner prefers holders), `fetch_s
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
 
 import trio
 
-from models.catalog.chunk_store import PartialModel
+from models.catalog.chunk_store import ChunkStore, PartialModel
 from models.errors import ModelError
+from planner import ModelLayout
 from planner.holdings import format_holdings
-from swarmd.daemon.served_model import ServedModel
 from swarmd.net.seam import Network
 from swarmd.weights.fetcher import Fetcher
 from swarmd.weights.pacing import Pacer
@@ -31,10 +32,26 @@ from swarmd.weights.server import WeightsServer
 log = logging.getLogger("swarmd.weights")
 
 
+class HeldModel(Protocol):
+    """What the service needs of the model a daemon serves (`swarmd.daemon.served_model.ServedModel`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def store(self) -> ChunkStore | None: ...  # a whole file, a partial model, or None (seeded weights)
+    @property
+    def path(self) -> Path | None: ...
+    @property
+    def layout(self) -> ModelLayout: ...
+    @property
+    def seeded(self) -> Any: ...
+
+
 class WeightsService:
-    def __init__(self, network: Network, model: ServedModel, *, members: Callable[[], Sequence[str]],
+    def __init__(self, network: Network, model: HeldModel, *, members: Callable[[], Sequence[str]],
                  serve_bytes_per_s: float = 25e6, busy_bytes_per_s: float = 5e6,
-                 busy: Callable[[], bool] = lambda: False, refresh_s: float = 2.0) -> None:
+                 busy: Callable[[], bool] = lambda: False, refresh_s: float = 2.0,
+                 blocking: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync) -> None:
         self.network = network
         self.model = model
         self.store = model.store
@@ -43,10 +60,12 @@ class WeightsService:
         if serve_bytes_per_s > 0:  # busy never serves faster than idle
             busy_bytes_per_s = min(busy_bytes_per_s, serve_bytes_per_s) if busy_bytes_per_s > 0 else serve_bytes_per_s
         self.server = WeightsServer(network, model.name, lambda: self.store,
-                                    Pacer(serve_bytes_per_s, busy_bytes_per_s), busy=busy)
+                                    Pacer(serve_bytes_per_s, busy_bytes_per_s), busy=busy,
+                                    blocking=blocking)
         self.fetcher: Fetcher | None = None
         if isinstance(self.store, PartialModel):
-            self.fetcher = Fetcher(network, self.store, members, progress=self.progress, refresh_s=refresh_s)
+            self.fetcher = Fetcher(network, self.store, members, progress=self.progress, refresh_s=refresh_s,
+                                   blocking=blocking)
         self.parts: ModelParts | None = None
         if self.store is not None and model.path is not None:
             header = self.store.manifest.gguf_header(model.path)

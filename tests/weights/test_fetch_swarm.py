@@ -12,7 +12,7 @@ import trio
 from models.catalog.chunk_store import PartialModel, WholeFile, whole_file
 from models.errors import ModelError
 from models.gguf.header import read_header
-from swarmd.net.seam import read_frame, write_frame
+from swarmd.net.streams import read_frame, write_frame
 from swarmd.testing.memory_network import MemoryHub, MemoryNetwork
 from swarmd.weights.fetcher import Fetcher
 from swarmd.weights.pacing import Pacer
@@ -159,7 +159,10 @@ async def test_weights_never_travel_through_a_relay(tmp_path, model_file, nurser
     behind_relay = Peer(hub, "F", whole)
     Peer(hub, "G", whole_file(model_file))
     a = Peer(hub, "A", partial(tmp_path, whole, "a"))
-    hub.relayed.add(frozenset({"A", "F"}))
+    hub.behind_nat("F")
+    await behind_relay.net.connect("G")  # F dials out to G, which then relays for it
+    await a.net.connect("F")
+    assert a.net.is_relayed("F") and not a.net.is_relayed("G")
     everything = [c.index for c in whole.manifest.chunks]
     fetch = a.fetcher("F", "G")
     await fetch.fetch(everything)

@@ -7,6 +7,7 @@ import trio
 
 from models.catalog.chunk_store import find_partial, whole_file
 from models.errors import ModelError
+from swarmd.daemon.model_source import resolve_served
 from swarmd.testing.memory_network import MemoryHub
 from swarmd.weights.pacing import Pacer
 from swarmd.weights.protocol import (
@@ -20,7 +21,6 @@ from swarmd.weights.protocol import (
     decode_request,
     encode,
 )
-from swarmd.weights.resolve import resolve_served
 from swarmd.weights.server import WeightsServer
 from tests.weights.weight_files import dense_gguf
 

@@ -14,7 +14,8 @@ In order:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import trio
 
@@ -23,7 +24,8 @@ from models.errors import ModelError
 from models.gguf.manifest import Manifest, parse_manifest_name
 from swarmd.daemon.served_model import ServedModel, from_store, seeded_model, served_model, whole_file_store
 from swarmd.net.identity import short_id
-from swarmd.net.seam import Network, PeerUnreachable, StreamClosed, read_frame, write_frame
+from swarmd.net.seam import Network, PeerUnreachable, StreamClosed
+from swarmd.net.streams import read_frame, write_frame
 from swarmd.weights.protocol import (
     MAX_MANIFEST_FRAME,
     PROTOCOL,
@@ -40,7 +42,10 @@ ASK_ATTEMPTS = 3
 
 
 async def resolve_served(spec: str, network: Network, bootstrap: Sequence[tuple[str, str]], *,
-                         wait_s: float = 10.0) -> ServedModel:
+                         wait_s: float = 10.0,
+                         blocking: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync) -> ServedModel:
+    """The model `spec` names, as this daemon serves it (see the module's docstring); `blocking` runs file work
+    and hashing."""
     from models.catalog.seeded import parse_seeded_name
 
     seeded = parse_seeded_name(spec)
@@ -48,19 +53,19 @@ async def resolve_served(spec: str, network: Network, bootstrap: Sequence[tuple[
         return seeded_model(seeded)
     digest = parse_manifest_name(spec)
     if digest is None:
-        local = await trio.to_thread.run_sync(_local_file, spec)
+        local = await blocking(_local_file, spec)
         if local is not None:
             name, path = local
-            return from_store(name, await trio.to_thread.run_sync(whole_file_store, path))
-    partial = await trio.to_thread.run_sync(lambda: find_partial(name="" if digest else spec, digest=digest or ""))
+            return from_store(name, await blocking(whole_file_store, path))
+    partial = await blocking(lambda: find_partial(name="" if digest else spec, digest=digest or ""))
     if partial is not None and partial.complete:
         return from_store(_name(partial, spec), partial)
     if bootstrap:
-        answer = await ask_members(network, bootstrap, spec, wait_s=wait_s)
+        answer = await ask_members(network, bootstrap, spec, wait_s=wait_s, blocking=blocking)
         if answer is not None:
             name, peer, manifest = answer
             if partial is None or partial.digest != manifest.digest:
-                partial = await trio.to_thread.run_sync(PartialModel.create, manifest, name)
+                partial = await blocking(PartialModel.create, manifest, name)
             else:
                 partial.add_name(name)
             log.info("%s (manifest %s) is served by the swarm (%s answered): %.1f of %.1f MiB held here; the "
@@ -76,7 +81,7 @@ async def resolve_served(spec: str, network: Network, bootstrap: Sequence[tuple[
             return from_store(_name(partial, spec), partial)
         raise ModelError(f"no member serves {spec} and it is not in the model cache: join through a member that "
                          "serves it (--bootstrap)")
-    return await trio.to_thread.run_sync(served_model, spec)
+    return await blocking(served_model, spec)
 
 
 def _local_file(spec: str):
@@ -95,7 +100,8 @@ def _name(partial: PartialModel, spec: str) -> str:
 
 
 async def ask_members(network: Network, bootstrap: Sequence[tuple[str, str]], spec: str, *,
-                      wait_s: float = 10.0) -> tuple[str, str, Manifest] | None:
+                      wait_s: float = 10.0, blocking: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync,
+                      ) -> tuple[str, str, Manifest] | None:
     """(served name, peer, manifest) from the first bootstrap peer that serves `spec`; None if none does within
     `wait_s` (a peer that serves another model says so at once)."""
     digest = parse_manifest_name(spec)
@@ -104,7 +110,7 @@ async def ask_members(network: Network, bootstrap: Sequence[tuple[str, str]], sp
             refused = 0
             for peer, address in bootstrap:
                 try:
-                    answer = await _ask(network, peer, address, spec)
+                    answer = await _ask(network, peer, address, spec, blocking)
                 except (PeerUnreachable, StreamClosed, ModelError) as e:
                     log.info("asking %s for %s: %s", short_id(peer), spec, e)
                     continue
@@ -126,7 +132,8 @@ async def ask_members(network: Network, bootstrap: Sequence[tuple[str, str]], sp
     return None
 
 
-async def _ask(network: Network, peer: str, address: str, spec: str) -> tuple[str, Manifest] | str:
+async def _ask(network: Network, peer: str, address: str, spec: str, blocking: Callable[..., Awaitable[Any]],
+               ) -> tuple[str, Manifest] | str:
     if not network.is_connected(peer):
         await network.connect(peer, [address if "/p2p/" in address else f"{address}/p2p/{peer}"])
     stream = await network.open_stream(peer, PROTOCOL)
@@ -142,5 +149,5 @@ async def _ask(network: Network, peer: str, address: str, spec: str) -> tuple[st
         return reply.reason
     if not isinstance(reply, ManifestReply):
         raise StreamClosed(f"answered a manifest request with {type(reply).__name__}")
-    manifest = await trio.to_thread.run_sync(Manifest.decode, reply.manifest)
+    manifest = await blocking(Manifest.decode, reply.manifest)
     return reply.name, manifest
