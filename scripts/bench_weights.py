@@ -3,11 +3,12 @@
 
   throughput  two processes: a server with SmolLM2's GGUF, a client that fetches every chunk of it with the
               daemon's own code (`swarmd.weights.fetcher.Fetcher` against `WeightsServer`, pacing off) over
-              the libp2p network seam; in the same rounds the same number of bytes goes over the TLS data
-              plane as activations do (the actor transport, 1 MiB hidden states each acked: its bulk rate), and
-              over a bare TLS connection set up as that plane does (pinned certificate, `trio.SSLStream`, 1 MiB
-              frames back to back). A fourth stack runs the fetch protocol itself over such a TLS connection, to
-              tell the protocol's cost from the transport's. Stacks take turns in every round; medians.
+              the network seam as a daemon runs it (bulk streams on the TLS data plane), and over a network
+              without the plane (`--data-plane libp2p`: a libp2p stream); in the same rounds the same number of
+              bytes goes over the TLS data plane as activations do (the actor transport, 1 MiB hidden states
+              each acked: its bulk rate), and over a bare TLS connection set up as that plane does (pinned
+              certificate, `trio.SSLStream`, 1 MiB frames back to back). Stacks take turns in every round;
+              medians.
   join        real daemons, default timings: the time from `swarmd join` with an empty model cache to its
               assignment ready, against the same join with the model file in its cache, in alternating
               rounds: a quarter of SmolLM2 (a fourth daemon joining three that hold it), and an expert shard of
@@ -41,7 +42,7 @@ FRAME = 1 << 20
 
 # --- throughput: the server process ---------------------------------------------------------------------------
 class TlsStream:
-    """A trio.SSLStream as the seam's Stream."""
+    """A trio.SSLStream as the seam's Stream (the bare-TLS reference)."""
 
     def __init__(self, tls, tcp) -> None:
         self.tls, self.tcp = tls, tcp
@@ -59,38 +60,9 @@ class TlsStream:
         await self.tcp.aclose()
 
 
-class TlsNetwork:
-    """Just enough of the Network seam for `Fetcher` and `WeightsServer` over TLS connections to one server."""
-
-    def __init__(self, peer_id: str, host: str = "127.0.0.1", port: int = 0, cert: bytes = b"") -> None:
-        self._peer_id, self.host, self.port, self.cert = peer_id, host, port, cert
-        self.strikes = 0
-
-    @property
-    def peer_id(self) -> str:
-        return self._peer_id
-
-    def is_relayed(self, peer_id: str) -> bool:
-        return False
-
-    def strike(self, peer_id: str, reason: str) -> None:
-        self.strikes += 1
-
-    async def open_stream(self, peer_id: str, protocol: str):
-        import trio
-
-        from swarmd.net.streams import write_frame
-        from swarmd.net.tls_plane import pinned_client_context
-
-        tcp = await trio.open_tcp_stream(self.host, self.port)
-        tls = trio.SSLStream(tcp, pinned_client_context(self.cert))
-        await tls.do_handshake()
-        stream = TlsStream(tls, tcp)
-        await write_frame(stream, b"weights")
-        return stream
-
-
 async def serve(model: Path, cert_out: Path) -> None:
+    """A daemon's network with its TLS data plane, serving the weights and the actor transport; beside it a
+    bare TLS listener that sends 1 MiB frames back to back."""
     import trio
     from libp2p.crypto.ed25519 import create_new_key_pair
 
@@ -98,17 +70,16 @@ async def serve(model: Path, cert_out: Path) -> None:
     from swarmd.config import LAN
     from swarmd.net.libp2p_network import Libp2pNetwork
     from swarmd.net.streams import read_frame, write_frame
-    from swarmd.net.tls_plane import make_certificate, server_context
+    from swarmd.net.tls_plane import DataPlaneConfig, make_certificate, server_context
     from swarmd.weights.pacing import Pacer
     from swarmd.weights.protocol import PROTOCOL
     from swarmd.weights.server import WeightsServer
 
     store = whole_file(model)
-    net = Libp2pNetwork(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"], timings=LAN)
+    net = Libp2pNetwork(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"], timings=LAN, data_plane=DataPlaneConfig())
     cert, key = make_certificate("bench")
     ctx = server_context(cert, key)
     await trio.Path(cert_out).write_bytes(cert)
-    tls_server = WeightsServer(TlsNetwork("server"), "smollm2-135m", lambda: store, Pacer(0))
     payload = os.urandom(FRAME)
 
     async def on_tls(tcp: trio.SocketStream) -> None:
@@ -117,9 +88,7 @@ async def serve(model: Path, cert_out: Path) -> None:
         try:
             await tls.do_handshake()
             hello = await read_frame(stream, 64)
-            if hello == b"weights":
-                await tls_server.handle("client", stream)
-            elif hello.startswith(b"bulk "):
+            if hello.startswith(b"bulk "):
                 for _ in range(int(hello[5:])):
                     await write_frame(stream, payload)
         except Exception:
@@ -129,8 +98,9 @@ async def serve(model: Path, cert_out: Path) -> None:
 
     async with trio.open_nursery() as nursery:
         await nursery.start(net.run)
-        net.serve(PROTOCOL, WeightsServer(net, "smollm2-135m", lambda: store, Pacer(0)).handle)
-        await start_plane(net.host, nursery)
+        # as WeightsService serves it
+        net.serve(PROTOCOL, WeightsServer(net, "smollm2-135m", lambda: store, Pacer(0)).handle, bulk=True)
+        await start_plane(net, nursery)
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
         nursery.start_soon(trio.serve_listeners, on_tls, listeners)
         print(json.dumps({"p2p": net.bound_addresses()[0], "tls_port": listeners[0].socket.getsockname()[1]}),
@@ -138,12 +108,12 @@ async def serve(model: Path, cert_out: Path) -> None:
         await trio.sleep(3600)
 
 
-async def start_plane(host, nursery):
-    """The actor transport on the TLS data plane, as daemons run it, on this libp2p host; it accepts Forwards."""
-    from swarmd.transport.links import Plane, start_actor_transport
+async def start_plane(network, nursery):
+    """The actor transport as daemons run it, on this network; it accepts Forwards."""
+    from swarmd.transport.links import start_actor_transport
     from swarmd.wire import Forward
 
-    transport, _ = await start_actor_transport(host, nursery, plane=Plane.TLS)
+    transport = await start_actor_transport(network, nursery)
 
     async def accept(peer, msg):
         return None
@@ -196,15 +166,15 @@ async def fetch_all(network, peer: str, manifest, root: Path) -> float:
     return manifest.tensor_bytes / took
 
 
-async def tls_bulk(tls_net: TlsNetwork, nbytes: int) -> float:
+async def tls_bulk(port: int, cert: bytes, nbytes: int) -> float:
     import trio
 
     from swarmd.net.streams import read_frame, write_frame
     from swarmd.net.tls_plane import pinned_client_context
 
     frames = nbytes // FRAME
-    tcp = await trio.open_tcp_stream(tls_net.host, tls_net.port)
-    tls = trio.SSLStream(tcp, pinned_client_context(tls_net.cert))
+    tcp = await trio.open_tcp_stream("127.0.0.1", port)
+    tls = trio.SSLStream(tcp, pinned_client_context(cert))
     await tls.do_handshake()
     stream = TlsStream(tls, tcp)
     t0 = trio.current_time()
@@ -216,7 +186,7 @@ async def tls_bulk(tls_net: TlsNetwork, nbytes: int) -> float:
     return frames * FRAME / took
 
 
-async def throughput_client(info: dict[str, Any], cert: bytes, rounds: int) -> dict[str, list[float]]:
+async def throughput_client(info: dict[str, Any], cert: bytes, rounds: int) -> dict[str, Any]:
     import trio
     from libp2p.crypto.ed25519 import create_new_key_pair
 
@@ -224,38 +194,42 @@ async def throughput_client(info: dict[str, Any], cert: bytes, rounds: int) -> d
     from swarmd.config import LAN
     from swarmd.net.libp2p_network import Libp2pNetwork, split_peer_addr
     from swarmd.net.streams import read_frame, write_frame
+    from swarmd.net.tls_plane import DataPlaneConfig
     from swarmd.weights.protocol import MAX_MANIFEST_FRAME, PROTOCOL, ManifestRequest, decode_reply, encode
 
     peer, _ = split_peer_addr(info["p2p"])
-    tls_net = TlsNetwork("client", port=info["tls_port"], cert=cert)
-    results: dict[str, list[float]] = {"libp2p_fetch": [], "tls_plane": [], "tls_bulk": [], "tls_fetch": []}
-    net = Libp2pNetwork(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"], timings=LAN)
+    results: dict[str, list[float]] = {"fetch": [], "fetch_libp2p": [], "tls_plane": [], "tls_bulk": []}
+    # the daemon's network (with its data plane), and one with --data-plane libp2p: the fetch before the plane
+    net = Libp2pNetwork(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"], timings=LAN, data_plane=DataPlaneConfig())
+    net_libp2p = Libp2pNetwork(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"], timings=LAN)
     async with trio.open_nursery() as nursery:
-        await nursery.start(net.run)
-        await net.connect(peer, [info["p2p"]])
+        for n in (net, net_libp2p):
+            await nursery.start(n.run)
+            await n.connect(peer, [info["p2p"]])
         stream = await net.open_stream(peer, PROTOCOL)
         await write_frame(stream, encode(ManifestRequest("smollm2-135m")))
         manifest = Manifest.decode(decode_reply(await read_frame(stream, MAX_MANIFEST_FRAME)).manifest)
         await stream.close()
-        plane = PlaneBulk(await start_plane(net.host, nursery), peer)
+        plane = PlaneBulk(await start_plane(net, nursery), peer)
         for _ in range(5):  # the TLS upgrade and the first frames
             await plane.send()
         stacks = list(results)
         for r in range(rounds):
             for stack in stacks[r % len(stacks):] + stacks[:r % len(stacks)]:
                 with tempfile.TemporaryDirectory(prefix="bench-weights-") as tmp:
-                    if stack == "libp2p_fetch":
+                    if stack == "fetch":
                         rate = await fetch_all(net, peer, manifest, Path(tmp))
-                    elif stack == "tls_fetch":
-                        rate = await fetch_all(tls_net, "server", manifest, Path(tmp))
+                    elif stack == "fetch_libp2p":
+                        rate = await fetch_all(net_libp2p, peer, manifest, Path(tmp))
                     elif stack == "tls_plane":
                         rate = await plane.rate(manifest.tensor_bytes)
                     else:
-                        rate = await tls_bulk(tls_net, manifest.tensor_bytes)
+                        rate = await tls_bulk(info["tls_port"], cert, manifest.tensor_bytes)
                 results[stack].append(rate)
                 print(f"round {r + 1} {stack}: {rate / 1e6:.1f} MB/s", file=sys.stderr, flush=True)
+        paths = {"fetch": net.link_paths()[peer].path.value, "fetch_libp2p": net_libp2p.link_paths()[peer].path.value}
         nursery.cancel_scope.cancel()
-    return results
+    return {"rates": results, "paths": paths}
 
 
 def throughput(args: argparse.Namespace) -> dict[str, Any]:
@@ -271,17 +245,18 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
         try:
             assert server.stdout is not None
             info = json.loads(server.stdout.readline())
-            results = trio.run(throughput_client, info, cert_file.read_bytes(), args.rounds)
+            got = trio.run(throughput_client, info, cert_file.read_bytes(), args.rounds)
         finally:
             server.kill()
             server.wait()
+    results = got["rates"]
     med = {k: statistics.median(v) for k, v in results.items()}
-    return {"rounds": args.rounds, "bytes": SMOLLM2_135M.size, "median_MB_per_s": {k: round(v / 1e6, 1) for k, v in med.items()},
+    return {"rounds": args.rounds, "bytes": SMOLLM2_135M.size, "paths": got["paths"],
+            "median_MB_per_s": {k: round(v / 1e6, 1) for k, v in med.items()},
             "all_MB_per_s": {k: [round(x / 1e6, 1) for x in v] for k, v in results.items()},
-            "libp2p_fetch_over_tls_plane": round(med["libp2p_fetch"] / med["tls_plane"], 3),
-            "tls_fetch_over_tls_plane": round(med["tls_fetch"] / med["tls_plane"], 3),
-            "libp2p_fetch_over_tls_bulk": round(med["libp2p_fetch"] / med["tls_bulk"], 3),
-            "tls_fetch_over_tls_bulk": round(med["tls_fetch"] / med["tls_bulk"], 3)}
+            "fetch_over_tls_plane": round(med["fetch"] / med["tls_plane"], 3),
+            "fetch_libp2p_over_tls_plane": round(med["fetch_libp2p"] / med["tls_plane"], 3),
+            "fetch_over_tls_bulk": round(med["fetch"] / med["tls_bulk"], 3)}
 
 
 # --- real daemons -----------------------------------------------------------------------------------------------

@@ -142,7 +142,7 @@ class Fetcher:
         stream: Stream | None = None
         lost = ""
         try:
-            stream = await self.network.open_stream(peer, PROTOCOL)
+            stream = await self.network.open_stream(peer, PROTOCOL, bulk=True)
             await self._offer(peer, stream)
             send, receive = trio.open_memory_channel[tuple[int, bytes]](WRITE_QUEUE)
             async with trio.open_nursery() as inner:

@@ -1,7 +1,10 @@
 """Serving the weights this daemon holds to peers that ask (`swarmd.weights.protocol`).
 
-Every stream is served under the network's stream guard (rates, read timeouts, strikes for bad frames). A
-peer reached through a relay is refused (`swarmd.weights.relay_rule`). Chunks go out paced by one `Pacer`
+Streams are `bulk` (the libp2p network carries them on its TLS data plane, at several times a libp2p stream's
+rate), served under the network's stream guard (rates, strikes for bad frames); as the guard leaves bulk
+streams' liveness to their protocol, the server closes a stream idle for `IDLE_TIMEOUT_S` and answers at most
+`STREAMS_PER_PEER` at once from one peer. A peer reached through a relay is refused
+(`swarmd.weights.relay_rule`). Chunks go out paced by one `Pacer`
 for all streams: at most `rate` bytes per second, and `busy_rate` while requests run through this daemon,
 so that activations keep priority over weights. A partial model serves what it has fetched so far.
 
@@ -40,6 +43,8 @@ from swarmd.weights.protocol import (
 from swarmd.weights.relay_rule import REFUSAL, may_carry_weights
 
 CORRUPT_SWITCH = "SWARMD_TEST_CORRUPT_CHUNKS"
+IDLE_TIMEOUT_S = 60.0  # no request for this long: the stream is closed (an asker opens another when it needs one)
+STREAMS_PER_PEER = 4  # streams served at once to one peer (a fetcher keeps one per source)
 
 
 class WeightsServer:
@@ -55,6 +60,7 @@ class WeightsServer:
         self.corrupt = os.environ.get(CORRUPT_SWITCH, "") == "1"
         self.stats: Counter[str] = Counter()
         self._manifest: tuple[str, bytes] | None = None
+        self._open: Counter[str] = Counter()  # peer -> streams being served
 
     async def handle(self, peer: str, stream: Stream) -> None:
         """One inbound stream: requests answered in order until the asker closes it."""
@@ -62,13 +68,28 @@ class WeightsServer:
             self.stats["refused_relayed"] += 1
             await write_frame(stream, encode(Refusal(REFUSAL)))
             return
-        while True:
-            try:
-                data = await read_frame(stream, MAX_REQUEST_BYTES)
-            except StreamClosed:
-                return
-            request = decode_request(data)  # RemoteProtocolError: the guard strikes the peer
-            await self._answer(peer, stream, request)
+        if self._open[peer] >= STREAMS_PER_PEER:
+            self.stats["refused_streams"] += 1
+            await write_frame(stream, encode(Refusal(f"more than {STREAMS_PER_PEER} weights streams at once")))
+            return
+        self._open[peer] += 1
+        try:
+            while True:
+                data: bytes | None = None
+                with trio.move_on_after(IDLE_TIMEOUT_S):
+                    try:
+                        data = await read_frame(stream, MAX_REQUEST_BYTES)
+                    except StreamClosed:
+                        return
+                if data is None:
+                    self.stats["idle_streams_closed"] += 1
+                    return
+                request = decode_request(data)  # RemoteProtocolError: the guard strikes the peer
+                await self._answer(peer, stream, request)
+        finally:
+            self._open[peer] -= 1
+            if not self._open[peer]:
+                del self._open[peer]
 
     async def _answer(self, peer: str, stream: Stream, request: Request) -> None:
         store = self.store()

@@ -72,7 +72,7 @@ class WeightsService:
             self.parts = ModelParts(self.store.manifest, header, model.layout.n_blocks, model.layout.is_moe)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        self.network.serve(PROTOCOL, self.server.handle)
+        self.network.serve(PROTOCOL, self.server.handle, bulk=True)  # chunks ride the TLS data plane
         task_status.started(self)
 
     async def ensure(self, layers: tuple[int, int] | None, experts: Mapping[int, Sequence[int]]) -> None:

@@ -12,6 +12,7 @@ import trio
 from models.catalog.chunk_store import PartialModel, WholeFile, whole_file
 from models.errors import ModelError
 from models.gguf.header import read_header
+from swarmd.net.seam import StreamClosed
 from swarmd.net.streams import read_frame, write_frame
 from swarmd.testing.memory_network import MemoryHub, MemoryNetwork
 from swarmd.weights.fetcher import Fetcher
@@ -19,7 +20,7 @@ from swarmd.weights.pacing import Pacer
 from swarmd.weights.parts import ModelParts
 from swarmd.weights.protocol import PROTOCOL, HeldRequest, Refusal, decode_reply, encode
 from swarmd.weights.relay_rule import REFUSAL
-from swarmd.weights.server import WeightsServer
+from swarmd.weights.server import IDLE_TIMEOUT_S, STREAMS_PER_PEER, WeightsServer
 from tests.weights.weight_files import big_gguf, dense_gguf
 
 
@@ -36,7 +37,7 @@ class Peer:
         self.net: MemoryNetwork = hub.endpoint(name)
         self.store = store
         self.server = WeightsServer(self.net, "big", lambda: self.store, Pacer(rate))
-        self.net.serve(PROTOCOL, self.server.handle)
+        self.net.serve(PROTOCOL, self.server.handle, bulk=True)  # as the daemon serves it
 
     def fetcher(self, *sources: str) -> Fetcher:
         return Fetcher(self.net, self.store, lambda: list(sources), refresh_s=0.05, retry_s=0.05, retry_max_s=0.2)
@@ -234,3 +235,27 @@ async def test_a_cancelled_fetch_keeps_what_arrived_and_is_no_longer_shown_as_ru
         await fetch.fetch([c.index for c in whole.manifest.chunks])
     assert not fetch.progress.active and 0 < fetch.progress.done < whole.manifest.tensor_bytes
     assert PartialModel.open(a.store.folder).held_bytes() == fetch.progress.done  # flushed on the way out
+
+
+async def test_a_server_closes_idle_streams_and_serves_few_at_once_to_one_peer(tmp_path, model_file, nursery,
+                                                                              autojump_clock):
+    hub = await start_hub(nursery)
+    whole = whole_file(model_file)
+    f = Peer(hub, "F", whole)
+    a = Peer(hub, "A", partial(tmp_path, whole, "a"))
+    streams = []
+    for _ in range(STREAMS_PER_PEER):
+        stream = await a.net.open_stream("F", PROTOCOL, bulk=True)
+        await write_frame(stream, encode(HeldRequest(whole.digest)))
+        await read_frame(stream, 4096)
+        streams.append(stream)
+    one_more = await a.net.open_stream("F", PROTOCOL, bulk=True)
+    refusal = decode_reply(await read_frame(one_more, 4096))
+    assert isinstance(refusal, Refusal) and "at once" in refusal.reason
+    await trio.sleep(IDLE_TIMEOUT_S + 1)  # nobody asks anything on them
+    for stream in streams:
+        with pytest.raises(StreamClosed):
+            await read_frame(stream, 4096)
+    assert f.server.stats["idle_streams_closed"] == STREAMS_PER_PEER
+    await a.fetcher("F").fetch([0, 1])  # and a new fetch is served
+    assert a.store.held() == [0, 1]
