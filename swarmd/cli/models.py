@@ -123,6 +123,7 @@ def show_graph_cache(*, clear: bool) -> int:
     console.print(f"{len(entries)} graphs, {_size(total)} of {_size(cache.max_bytes)} in {cache.root}", highlight=False)
     return 0
 
+
 HASH_ON_LISTING = 512 << 20  # larger files show their identity once `swarmd pull` (or a daemon) has hashed them
 
 
