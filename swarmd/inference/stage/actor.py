@@ -79,6 +79,13 @@ class Job:
     batch: int = 1
     group: list[Job] = field(default_factory=list)  # the jobs of the batch it ran in (itself included)
     sends: tuple[Send, ...] | None = None  # its outputs, once built (with the rest of its batch's)
+    offset: int = 0  # rows of `work` the model has run (a long prefill runs a chunk per batch)
+    take: int = 0  # rows it runs in the batch it is in (0: all the rest)
+    parts: list[np.ndarray] = field(default_factory=list)  # outputs of its earlier chunks that the step returns
+
+    @property
+    def rows_left(self) -> int:
+        return self.work.rows - self.offset
 
 
 @dataclass(eq=False)
@@ -90,6 +97,7 @@ class Batch:
     answer: tuple[bool, Any] = (False, None)  # advance's (done, next question)
     error: BaseException | None = None
     arrived: trio.Event = field(default_factory=trio.Event)
+    settled: bool = False  # its jobs were woken, or put back for their next chunk
 
 
 class StageStats:
@@ -109,6 +117,7 @@ class StageStats:
         self.kv_adopted = 0
         self.kv_kept_positions = 0
         self.kv_rebuilt = 0
+        self.prefill_chunks_deferred = 0  # prefills whose next chunk waited for the next batch (others decoding)
 
     def record_batch(self, jobs: Sequence[Job]) -> None:
         self.batches += 1
@@ -136,6 +145,7 @@ class StageStats:
             "largest_batch": self.largest_batch,
             "decode_batch_mean": round(statistics.fmean(self.decode_batch), 3) if self.decode_batch else None,
             "kv_adopted": self.kv_adopted, "kv_kept_positions": self.kv_kept_positions, "kv_rebuilt": self.kv_rebuilt,
+            "prefill_chunks_deferred": self.prefill_chunks_deferred,
             "recent_steps": [dict(zip(STEP_FIELDS, step, strict=True)) for step in self.steps],
         }
 
@@ -182,6 +192,8 @@ class StageActor:
         self.inline_step_s = inline_step_s
         self._decode_s: dict[int, float] = {}  # batch size -> the current model's last decode step of it, s
         self._post_all = post_all  # the transport's: a batch's outputs leave together
+        self._waiters: dict[str, trio.Event] = {}  # new requests waiting for a KV slot, by request id
+        self._version = 0  # of the slots report, carried over from one book to the next
 
     def _loaded_epoch(self) -> int:
         loaded = self._current()
@@ -199,8 +211,14 @@ class StageActor:
                     await trio.sleep(0.01)
         try:
             loaded, book = self._book()
+            if book.must_wait(msg):
+                if not await self._wait_for_slot(book, msg.request_id, msg.head or peer):
+                    return None  # cancelled while it waited, or the stage changed under it
+                received = time.perf_counter()
+                loaded, book = self._book()
             work = book.on_forward(msg, trio.current_time())
         except StageRefusal as e:
+            self._admit_waiting()  # a slot held for it is free again
             return _refusal(msg.head or peer, msg.request_id, msg.step, msg.hop, e)
         if msg.resume_of:  # the attempt it continues is over here: adopted by `work`, or (busy, say) dropped
             self.stats.record_resume(work)
@@ -225,6 +243,39 @@ class StageActor:
     async def on_cancel(self, peer: str, msg: Cancel) -> None:
         if self.book is not None and self.book.cancel(msg.request_id):
             self._free(self._model, msg.request_id)
+        self._admit_waiting()
+
+    # --- KV slots ----------------------------------------------------------------------------------------
+
+    async def _wait_for_slot(self, book: StageBook, request_id: str, head: str) -> bool:
+        """Wait in line for a KV slot; True once one is held for the request (False: it left the line)."""
+        book.wait(request_id, head)
+        waiter = self._waiters[request_id] = trio.Event()
+        try:
+            await waiter.wait()
+        finally:
+            if self._waiters.get(request_id) is waiter:  # cancelled while waiting: the daemon stops
+                del self._waiters[request_id]
+                book.cancel(request_id)
+        return self.book is book and request_id in book.reserved
+
+    def _admit_waiting(self) -> None:
+        """Give freed slots to the requests waiting here, in order; wake those that left the line too."""
+        book = self.book
+        if book is not None:
+            book.release_waiting()
+        for rid in [r for r in self._waiters if book is None or r not in book.waiting]:
+            self._waiters.pop(rid).set()
+
+    def slot_state(self) -> tuple[int, int, int] | None:
+        """(KV slots, requests holding or waiting for one, version) of the loaded stage, for its heartbeat."""
+        loaded = self._current()
+        if loaded is None:
+            return None
+        book = self.book
+        if book is None or self._model is not loaded.model:
+            return int(loaded.model.max_requests), 0, self._version
+        return book.slots, book.used + len(book.waiting), book.version
 
     def head_of(self, request_id: str) -> str | None:
         return self.book.head_of(request_id) if self.book else None
@@ -247,6 +298,7 @@ class StageActor:
         for rid in dropped:
             log.info("request %s: its head is gone; freed its KV cache", rid)
             self._free(self._model, rid)
+        self._admit_waiting()
         return dropped
 
     # --- the book of the stage loaded now ----------------------------------------------------------------
@@ -263,9 +315,12 @@ class StageActor:
                     self._free(old, rid)
                 log.info("stage %d of %d now (blocks %d-%d); requests of the old stage dropped", loaded.hop,
                          loaded.registry.n_stages, loaded.model.start, loaded.model.end - 1)
+            version = self.book.version + 1 if self.book is not None else self._version
             self.book = StageBook(loaded.hop, loaded.registry.n_stages, min(self.max_context, loaded.model.max_context),
-                                  loaded.model.vocab_size, self.wire_dtype)
+                                  loaded.model.vocab_size, self.wire_dtype, slots=loaded.model.max_requests,
+                                  version=version)
             self._book_key = key
+            self._admit_waiting()  # those waiting for the old stage's slots leave the line
             self._model = loaded.model
             self._decode_s.clear()  # a new model's batch sizes are all unseen
         assert self.book is not None
@@ -295,7 +350,7 @@ class StageActor:
             # head, the next step then starts before the head's work (a read takes one write's TLS record).
             built: list[Send] = []
             for j in job.group or [job]:
-                if j.sends is None:
+                if j.sends is None and j.done.is_set():  # (not a prefill still running its next chunk)
                     j.sends = as_sends(self._outputs(j))
                     built += j.sends
             chain: list[Send] = []
@@ -330,7 +385,7 @@ class StageActor:
         except WireError as e:  # our bug, but one request's, not the daemon's: it fails, the daemon goes on
             log.exception("stage %d built an invalid %s", book.hop, type(outs[0].msg).__name__)
             head = book.head_of(work.request_id) or outs[-1].peer
-            book.requests.pop(work.request_id, None)
+            book.forget(work.request_id)
             self._free(loaded.model, work.request_id)
             return Send(head, Error("internal", f"stage {book.hop} could not build its output: {e}",
                                     request_id=work.request_id, step=work.step, hop=book.hop))
@@ -344,21 +399,52 @@ class StageActor:
         if model is not None:
             self._frees.append((model, request_id))
             self._wake.set()
+        self._admit_waiting()  # the book let the slot go: the next in line takes it (freed before it runs)
 
     def _take_batch(self) -> list[Job]:
-        """Every queued job of one model, one per request (a request's next step waits for the next batch)."""
+        """Every queued job of one model, one per request (a request's next step waits for the next batch).
+
+        While the stage holds other requests, whose next steps a long prefill would hold up, the batch runs at
+        most one prefill chunk (`prefill_chunk` rows); the rest of that prompt runs in the batches after it,
+        each with the decode steps that are queued by then."""
         model = self._jobs[0].model
+        prefilling = {j.work.request_id for j in self._jobs if j.rows_left > 1}
+        chunk = getattr(model, "prefill_chunk", 0)
+        book = self.book
+        budget = chunk if chunk and book is not None and len(book.requests) > len(prefilling) else None
         batch: list[Job] = []
         rest: list[Job] = []
         seen: set[str] = set()
         for job in self._jobs:
-            if job.model is model and job.work.request_id not in seen:
-                seen.add(job.work.request_id)
-                batch.append(job)
-            else:
+            if job.model is not model or job.work.request_id in seen:
                 rest.append(job)
+                continue
+            job.take = job.rows_left
+            if job.rows_left > 1 and budget is not None:
+                if budget <= 0:
+                    rest.append(job)
+                    continue
+                job.take = min(job.rows_left, budget)
+                budget -= job.take
+            seen.add(job.work.request_id)
+            batch.append(job)
         self._jobs = rest
         return batch
+
+    def _settle(self, batch: Batch) -> None:
+        """The batch is over: wake the handlers of its finished (or failed) jobs; a prefill with rows left goes
+        back to the front of the queue for its next chunk. Once per batch."""
+        if batch.settled:
+            return
+        batch.settled = True
+        again = [j for j in batch.jobs if j.output is None and j.error is None and 0 < j.offset < j.work.rows]
+        for job in batch.jobs:
+            if job not in again:
+                job.done.set()
+        if again:
+            self.stats.prefill_chunks_deferred += len(again)
+            self._jobs[:0] = again
+            self._wake.set()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -388,10 +474,13 @@ class StageActor:
                         for job in batch.jobs:
                             if job.output is None and job.error is None:
                                 job.error = ("internal", f"the stage failed: {type(e).__name__}: {e}")
-                    finally:
-                        self._inflight = None
+                    except BaseException:  # cancelled: the daemon stops; no job waits for a next chunk
                         for job in batch.jobs:
                             job.done.set()
+                        raise
+                    finally:
+                        self._inflight = None
+                        self._settle(batch)
                     if batch.jobs:
                         self.stats.record_batch(batch.jobs)
 
@@ -435,7 +524,7 @@ class StageActor:
                 and all(j.work.rows == 1 for j in jobs)):
             self._decode_s[len(jobs)] = jobs[0].ended - jobs[0].started
         self._count_local_answers(batch)
-        _first_segment_done(batch, answer, error)
+        self._first_segment_done(batch, answer, error)
         if self._idle and batch is self._inflight and error is None and batch.answer[0]:
             # A batch a handler launched while the worker slept, done in one segment (the usual decode step):
             # finish it here rather than wake the worker, whose run would share the next scheduler pass with
@@ -469,6 +558,16 @@ class StageActor:
                     error = ExpertsFailed(f"{type(e).__name__}: {e}")
             done, call = await self.compute.run(advance_here, batch.steps, answer, error, self.local_experts)
             self._count_local_answers(batch)
+
+    def _first_segment_done(self, batch: Batch, answer: tuple[bool, Any] | None, error: BaseException | None) -> None:
+        """On the event loop, as the compute thread finishes a batch's first segment: a finished batch wakes its
+        handlers at once. Must not raise."""
+        batch.error = error
+        if error is None and answer is not None:
+            batch.answer = answer
+            if answer[0]:
+                self._settle(batch)
+        batch.arrived.set()
 
     def _count_local_answers(self, batch: Batch) -> None:
         """Hand the router the expert calls this daemon's shard answered during the batch's last segment (none
@@ -519,15 +618,3 @@ def _feeds_the_chain(msg: Any) -> bool:
 def _refusal(head: str, request_id: str, step: int, hop: int, e: StageRefusal) -> Send:
     log.info("refused step %d of %s: %s: %s", step, request_id, e.code, e)
     return Send(head, Error(e.code, str(e), request_id=request_id, step=step, hop=hop))
-
-
-def _first_segment_done(batch: Batch, answer: tuple[bool, Any] | None, error: BaseException | None) -> None:
-    """On the event loop, as the compute thread finishes a batch's first segment: a finished batch wakes its
-    handlers at once. Must not raise."""
-    batch.error = error
-    if error is None and answer is not None:
-        batch.answer = answer
-        if answer[0]:
-            for job in batch.jobs:
-                job.done.set()
-    batch.arrived.set()

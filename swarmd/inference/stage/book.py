@@ -6,7 +6,13 @@ next stage; on the last stage the sampled token to stage 0 (the next step) and t
 log-probs for teacher forcing. It checks that each step follows the last (the transport already drops
 repeats) and that a cache is never written out of order. A request ends on `Cancel`, on an error, or when
 it has been idle too long; the trio code (`swarmd.inference.stage.actor`) then frees its KV cache. The model itself (forward,
-sampling) is not called from here. A moved request's first Forward may name the attempt it continues: the
+sampling) is not called from here.
+
+A stage holds at most `slots` requests (its KV cache slots). A new request that finds them all taken waits here
+(`must_wait`, `wait`), first come first served, until one frees (`release_waiting`, which reserves the slot
+for it); at most `max_waiting` wait, and one more is refused as `busy` (its head puts it back in its queue).
+`version` changes whenever a request takes or leaves a slot or starts waiting: heads read it, with `used`,
+from the stage's heartbeat (`swarmd.inference.head.slots`). A moved request's first Forward may name the attempt it continues: the
 stage then adopts that attempt's KV cache if it holds it, and computes only the positions it lacks
 (`swarmd.inference.head.hop_local`).
 """
@@ -102,7 +108,12 @@ class StageBook:
     max_context: int
     vocab_size: int
     wire_dtype: str | None = None  # None: hidden states travel in their compute dtype (lossless)
+    slots: int = 1 << 30  # requests held at once (the model's KV cache slots)
+    max_waiting: int = 0  # new requests that may wait for a slot; 0: as many as there are slots
     requests: dict[str, RequestState] = field(default_factory=dict)
+    waiting: dict[str, str] = field(default_factory=dict)  # request id -> head: first steps waiting for a slot
+    reserved: set[str] = field(default_factory=set)  # taken from `waiting`: their slot is held for them
+    version: int = 0  # changes whenever `used` may have
 
     @property
     def is_first(self) -> bool:
@@ -112,9 +123,48 @@ class StageBook:
     def is_last(self) -> bool:
         return self.hop == self.n_stages - 1
 
+    # --- slots -------------------------------------------------------------------------------------------
+
+    @property
+    def used(self) -> int:
+        """Slots taken (a cancelled request still running keeps its slot until the model is done with it)."""
+        return len(self.requests) + len(self.reserved)
+
+    def must_wait(self, msg: Forward) -> bool:
+        """Whether this request's first step must wait for a slot (every slot taken, or others wait first);
+        StageRefusal `busy` when too many wait already. A moved request continuing an attempt this stage holds
+        idle takes that attempt's slot over and never waits."""
+        first = msg.step == 0 or msg.sampling is not None
+        if not first or msg.request_id in self.reserved or msg.request_id in self.requests:
+            return False
+        old = self.requests.get(msg.resume_of) if msg.resume_of else None
+        if old is not None and not old.busy and not old.cancelled:
+            return False
+        if not self.waiting and self.used < self.slots:
+            return False
+        if len(self.waiting) >= (self.max_waiting or self.slots):
+            raise StageRefusal("busy", f"all {self.slots} KV cache slots of stage {self.hop} are taken and "
+                                       f"{len(self.waiting)} requests wait for one")
+        return True
+
+    def wait(self, request_id: str, head: str) -> None:
+        self.waiting[request_id] = head
+        self.version += 1
+
+    def release_waiting(self) -> list[str]:
+        """Waiting requests that now have a slot (reserved for them), first come first served."""
+        out = []
+        while self.waiting and self.used < self.slots:
+            rid = next(iter(self.waiting))
+            del self.waiting[rid]
+            self.reserved.add(rid)
+            out.append(rid)
+        return out
+
     # --- messages in -> work ------------------------------------------------------------------------------
 
     def on_forward(self, msg: Forward, now: float) -> Work:
+        self.reserved.discard(msg.request_id)  # the slot held for it is now its own, or free again if refused
         data = self._rows(msg)
         # A request's first Forward is step 0, or a later step carrying the sampling settings: the head moved
         # the request to a new chain and replays its tokens so far (prompt and generated) from position 0.
@@ -140,6 +190,7 @@ class StageBook:
             start = self._adopt(msg.resume_of, state, len(data)) if msg.resume_of else 0
             adopt = msg.resume_of if start else ""
             self.requests[msg.request_id] = state
+            self.version += 1
         state = self.requests[msg.request_id]
         targets = msg.targets.to_array().astype(np.int32) if msg.targets is not None else None
         return self._begin(state, Work(msg.request_id, msg.step, start, data[start - msg.start_pos:], first,
@@ -156,6 +207,7 @@ class StageBook:
         if keep == 0:
             return 0
         del self.requests[old_id]
+        self.version += 1
         state.position, state.sent = keep, old.sent
         if state.sent is not None:
             state.sent.truncate(keep)
@@ -207,7 +259,7 @@ class StageBook:
         state.busy, state.last_active = False, now
         state.position = work.start_pos + work.rows
         if state.cancelled:
-            del self.requests[work.request_id]
+            self.forget(work.request_id)
             return []
         if not self.is_last:
             assert isinstance(output, np.ndarray) and next_peer is not None and state.sent is not None
@@ -240,33 +292,47 @@ class StageBook:
 
     def fail(self, work: Work, code: str, message: str) -> Out | None:
         """The model could not run `work`: the request ends here; the head is told why."""
-        state = self.requests.pop(work.request_id, None)
+        state = self.requests.get(work.request_id)
         if state is None:
             return None
+        self.forget(work.request_id)
         return Out(state.head, Error(code, message, request_id=work.request_id, step=work.step, hop=self.hop))
 
     # --- ends ---------------------------------------------------------------------------------------------
 
     def cancel(self, request_id: str) -> bool:
-        """Forget the request; True if its KV cache can be freed now (False: none, or the model still runs it)."""
+        """Forget the request; True if its KV cache can be freed now (False: none, or the model still runs it).
+        A request waiting for a slot, or given one it has not taken yet, just leaves."""
+        if self.waiting.pop(request_id, None) is not None or request_id in self.reserved:
+            self.reserved.discard(request_id)
+            self.version += 1
+            return False
         state = self.requests.get(request_id)
         if state is None:
             return False
         if state.busy:
             state.cancelled = True
             return False
-        del self.requests[request_id]
+        self.forget(request_id)
         return True
+
+    def forget(self, request_id: str) -> None:
+        """The request leaves its slot (its KV cache is the caller's to free)."""
+        if self.requests.pop(request_id, None) is not None:
+            self.version += 1
 
     def expire(self, now: float, idle: float) -> list[str]:
         """Requests idle for `idle` seconds (their head is gone or forgot them): forgotten; free their caches."""
         stale = [r for r, s in self.requests.items() if not s.busy and now - s.last_active >= idle]
         for r in stale:
-            del self.requests[r]
+            self.forget(r)
         return stale
 
     def drop_heads(self, heads: set[str]) -> list[str]:
-        """Forget the requests whose head is gone (dead or left): those to free now (busy ones: when done)."""
+        """Forget the requests whose head is gone (dead or left): those to free now (busy ones: when done).
+        Those waiting for a slot leave the line."""
+        for rid in [r for r, head in self.waiting.items() if head in heads]:
+            self.cancel(rid)
         return [rid for rid, st in list(self.requests.items()) if st.head in heads and self.cancel(rid)]
 
     def head_of(self, request_id: str) -> str | None:
@@ -277,6 +343,9 @@ class StageBook:
         """The model was replaced (a new plan): every request here is lost."""
         gone = list(self.requests)
         self.requests.clear()
+        self.waiting.clear()
+        self.reserved.clear()
+        self.version += 1
         return gone
 
 
