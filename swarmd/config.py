@@ -68,6 +68,7 @@ DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_SWARM = "swarmd"
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a 128k-token prompt as a list of ids fits
 DEFAULT_MAX_TOKENS = 4096  # the most tokens one request may ask for
+PLANNED_REQUESTS = 4  # requests whose KV caches the planner budgets on every stage (at most max_requests)
 
 
 def default_home() -> Path:
@@ -96,7 +97,8 @@ class DaemonConfig:
     full_reload: bool = False  # a new block range is read whole, not built on the loaded stage's blocks
     warmup: bool | None = None  # capture every jitted graph before the stage is ready; None: on GPUs only
     max_context: int = 2048
-    max_requests: int = 4  # KV cache slots of this daemon's stage: requests it can hold at once
+    max_requests: int = 32  # the most KV cache slots this daemon's stage gets (its memory may allow fewer)
+    max_queued: int = 256  # requests this daemon, as head, keeps waiting for a slot; more are refused (429)
     wire_dtype: str = ""  # "" sends activations in their compute dtype (lossless); or float16, bfloat16
     inline_step_ms: float = 50.0  # a decode step seen to take at most this long runs on the event loop's thread
     expert_placement: str = "auto"  # MoE: the planner's choice, or "spread" / "local" (PlanOptions.expert_placement)
@@ -125,6 +127,14 @@ class DaemonConfig:
             raise UserError("inline_step_ms must be 0 (off) or more")
         if self.max_requests < 1 or self.max_context < 2:
             raise UserError("max_requests must be at least 1 and max_context at least 2")
+        if self.max_queued < 0:
+            raise UserError("max_queued must be 0 (no queue: refuse when no slot is free) or more")
+
+    @property
+    def planned_requests(self) -> int:
+        """Requests whose KV caches the planner budgets on each stage; a stage then holds as many more as its
+        memory allows, up to max_requests."""
+        return min(self.max_requests, PLANNED_REQUESTS)
 
     def with_overrides(self, **changes: Any) -> DaemonConfig:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -217,7 +227,7 @@ def config_changes(doc: dict[str, Any], source: str = "config") -> dict[str, Any
             out[key] = bool(value)
         elif key in ("uplink_mbps", "inline_step_ms"):
             out[key] = float(value)
-        elif key in ("max_context", "max_requests", "api_max_tokens"):
+        elif key in ("max_context", "max_requests", "max_queued", "api_max_tokens"):
             out[key] = int(value)
         elif key == "api_max_request_bytes":
             out[key] = parse_size(value)

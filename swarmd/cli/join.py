@@ -51,7 +51,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "for the compiler later (default: on for GPUs, where a batch size's first use costs "
                         "seconds per graph; off for CPUs, where each graph costs many seconds at start)")
     p.add_argument("--max-requests", type=int, metavar="N",
-                   help="requests this daemon's stage holds at once (its KV cache slots; default 4)")
+                   help="the most requests this daemon's stage holds at once (its KV cache slots): as many as its "
+                        "memory allows at the full context, up to N (default 32)")
+    p.add_argument("--max-queued", type=int, metavar="N",
+                   help="requests this daemon accepts beyond what the swarm runs now: they wait in turn (fair "
+                        "across clients) for a free slot; one more is refused with HTTP 429 and Retry-After "
+                        "(default 256; 0: no queue)")
     p.add_argument("--max-context", type=int, metavar="TOKENS",
                    help="context per request, prompt plus completion (default 2048, capped at the model's)")
     p.add_argument("--wire-dtype", choices=["float32", "float16", "bfloat16"],
@@ -120,6 +125,7 @@ def build_config(args: argparse.Namespace):
         full_reload=args.full_reload,
         warmup=args.warmup,
         max_requests=args.max_requests,
+        max_queued=args.max_queued,
         max_context=args.max_context,
         wire_dtype=args.wire_dtype,
         inline_step_ms=args.inline_step_ms,

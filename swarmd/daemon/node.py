@@ -132,7 +132,8 @@ class Node:
             self.assignment = Assignment(self.peer_id, self.model, device, self.compute,
                                          max_context=cfg.max_context, max_requests=cfg.max_requests,
                                          loader=self.loader, warmup=warms_up(cfg.warmup, device),
-                                         reuse_blocks=not cfg.full_reload)
+                                         reuse_blocks=not cfg.full_reload, memory=self.descriptor.memory,
+                                         options=self.plan_options)
             await nursery.start(self.assignment.run)
             settings = SwarmSettings(cfg.swarm, cfg.timings, bootstrap)
             self.swarm = SwarmService(network, Signer(key_pair), settings, describe_self=self.descriptor,
@@ -197,7 +198,7 @@ class Node:
     @property
     def plan_options(self) -> PlanOptions:
         """What the planner budgets per node: the KV cache this daemon's stages really allocate."""
-        return PlanOptions(context_length=self.config.max_context, concurrency=self.config.max_requests,
+        return PlanOptions(context_length=self.config.max_context, concurrency=self.config.planned_requests,
                            expert_placement=self.config.expert_placement)
 
     async def _follow_mdns(self) -> None:

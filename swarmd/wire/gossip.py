@@ -58,9 +58,11 @@ class AssignmentStatus:
     state: str = "idle"  # idle | loading | ready | standby (a spare's warm copy of `layers`) | failed
     progress: float = 0.0  # 0..1 while loading
     error: str = ""
+    # the loaded stage's KV slots: (slots, requests holding or waiting for one, version: changes with the second)
+    kv: tuple[int, int, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "epoch": self.epoch,
             "layers": list(self.layers) if self.layers else None,
             "experts": {str(b): list(es) for b, es in self.experts.items()},
@@ -68,10 +70,19 @@ class AssignmentStatus:
             "progress": round(self.progress, 4),
             "error": self.error,
         }
+        if self.kv is not None:
+            doc["kv"] = {"slots": self.kv[0], "used": self.kv[1], "version": self.kv[2]}
+        return doc
 
     @staticmethod
     def from_json(doc: Any) -> AssignmentStatus:
-        _expect_keys(doc, {"epoch", "layers", "experts", "state", "progress", "error"}, "assignment")
+        keys = {"epoch", "layers", "experts", "state", "progress", "error"}
+        _expect_keys(doc, keys | ({"kv"} if isinstance(doc, dict) and "kv" in doc else set()), "assignment")
+        kv = None
+        if "kv" in doc:
+            _expect_keys(doc["kv"], {"slots", "used", "version"}, "assignment.kv")
+            kv = (_int(doc["kv"]["slots"], "assignment.kv.slots"), _int(doc["kv"]["used"], "assignment.kv.used"),
+                  _int(doc["kv"]["version"], "assignment.kv.version"))
         layers, experts, progress = doc["layers"], doc["experts"], doc["progress"]
         if layers is not None and not (isinstance(layers, list) and len(layers) == 2):
             raise RemoteProtocolError("assignment.layers must be [start, end] or null")
@@ -92,6 +103,7 @@ class AssignmentStatus:
             state=doc["state"],
             progress=float(progress),
             error=doc["error"][:300],
+            kv=kv,
         )
 
 
