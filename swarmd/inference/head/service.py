@@ -149,6 +149,7 @@ class RequestHandle:
     busy_retries: int = 0
     turn: Turn | None = None  # its place in the head's queue
     moving: bool = False
+    deferred_error: Error | None = None  # a stage's error that came while the request was moving
     full_replay: bool = False  # a stage could not continue an attempt: the next move replays on every stage
     closed: bool = False  # the caller left the block: nothing more is sent for it
     recoveries: list[Recovery] = field(default_factory=list)
@@ -498,7 +499,7 @@ class HeadService:
         except HeadError as e:
             handle.push(handle.session.fail(e.code, f"the request's chain broke and it could not move: {e.message}"))
         finally:
-            handle.moving = False
+            self._moved(handle)
 
     async def _wait_again(self, handle: RequestHandle, hop: int) -> None:
         """Stage `hop` had no KV slot for the request: the attempt is cancelled on every stage, the request goes
@@ -538,7 +539,15 @@ class HeadService:
         except HeadError as e:
             handle.push(handle.session.fail(e.code, e.message))
         finally:
-            handle.moving = False
+            self._moved(handle)
+
+    def _moved(self, handle: RequestHandle) -> None:
+        """The move (or the new turn) is over: an error about the new attempt that came while it was under way
+        (a stage may refuse a Forward before the send returns) is handled now."""
+        handle.moving = False
+        error, handle.deferred_error = handle.deferred_error, None
+        if error is not None and error.request_id == handle.wire_id and not handle.session.ended:
+            self.on_error(error)
 
     # --- messages from the chain ----------------------------------------------------------------------------
 
@@ -568,7 +577,10 @@ class HeadService:
         handle = self.requests.get(msg.request_id)
         if handle is None:
             return False
-        if msg.request_id != handle.wire_id or handle.moving:
+        if msg.request_id != handle.wire_id:
+            return True  # about an earlier attempt
+        if handle.moving:
+            handle.deferred_error = msg  # about the attempt being sent now: once the send is done
             return True
         if msg.code in BUSY_CODES and handle.busy_retries < MAX_BUSY_RETRIES and self._nursery is not None:
             handle.moving = True
