@@ -21,8 +21,10 @@ caches are not kept (requests move by replay). `swarmd join --full-reload` turns
 
 A stage holds as many requests at once (KV cache slots) as its memory allows: the daemon's memory (its
 `--memory-limit`, else the device's; what is free now plus what the stage it replaces held) less the new
-stage's weights and the runtime overhead, divided by one request's KV cache at the full context
-(`planner.memory.kv_slots`); `--max-requests` is the most. The loaded stage's slots, and how many are taken,
+stage's weights and the runtime, divided by one request's KV cache at the full context
+(`planner.memory.kv_slots`); `--max-requests` is the most. The runtime is the planner's overhead; on a CPU,
+whose memory is the process's own, what the process holds besides its stage when it loads, plus that overhead
+(compiled kernels and the graphs of each batch size come later). The loaded stage's slots, and how many are taken,
 go into every heartbeat (`AssignmentStatus.kv`, from the stage actor) so that heads know when one is free.
 """
 
@@ -137,7 +139,12 @@ class Assignment:
         blocks = self.model.layout.blocks
         experts = sum(len(es) * moe.bytes_per_expert for blk, es in self.loaded_experts.items()
                       if (moe := blocks[blk].moe) is not None)
-        opts = replace(self.options, context_length=self.max_context + KV_PAD_ROWS)
+        overhead = self.options.runtime_overhead_bytes
+        if not on_gpu(self.device):  # the process's memory is the device's: count what it holds already
+            import psutil
+
+            overhead += max(0, psutil.Process().memory_info().rss - held - experts)
+        opts = replace(self.options, context_length=self.max_context + KV_PAD_ROWS, runtime_overhead_bytes=overhead)
         return kv_slots(self.model.layout, a, b, opts, min(total, free + held), most=self.max_requests,
                         kv_scale=kv_value_scale(self.model), extra_bytes=experts)
 
@@ -290,6 +297,12 @@ def _state(layers: tuple[int, int] | None, copy: tuple[int, int] | None, experts
     if layers or experts:
         return "ready"
     return "standby" if copy else "idle"
+
+
+def on_gpu(device: str) -> bool:
+    from models.kernels.matvec import GPU_DEVICES
+
+    return device.split(":")[0] in GPU_DEVICES
 
 
 def _stage_bytes(stage: Any) -> int:
