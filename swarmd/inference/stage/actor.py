@@ -193,7 +193,6 @@ class StageActor:
         self._decode_s: dict[int, float] = {}  # batch size -> the current model's last decode step of it, s
         self._post_all = post_all  # the transport's: a batch's outputs leave together
         self._waiters: dict[str, trio.Event] = {}  # new requests waiting for a KV slot, by request id
-        self._version = 0  # of the slots report, carried over from one book to the next
 
     def _loaded_epoch(self) -> int:
         loaded = self._current()
@@ -274,7 +273,7 @@ class StageActor:
             return None
         book = self.book
         if book is None or self._model is not loaded.model:
-            return int(loaded.model.max_requests), 0, self._version
+            return int(loaded.model.max_requests), 0, 0
         return book.slots, book.used + len(book.waiting), book.version
 
     def head_of(self, request_id: str) -> str | None:
@@ -315,7 +314,7 @@ class StageActor:
                     self._free(old, rid)
                 log.info("stage %d of %d now (blocks %d-%d); requests of the old stage dropped", loaded.hop,
                          loaded.registry.n_stages, loaded.model.start, loaded.model.end - 1)
-            version = self.book.version + 1 if self.book is not None else self._version
+            version = self.book.version + 1 if self.book is not None else 0  # a head sees the change
             self.book = StageBook(loaded.hop, loaded.registry.n_stages, min(self.max_context, loaded.model.max_context),
                                   loaded.model.vocab_size, self.wire_dtype, slots=loaded.model.max_requests,
                                   version=version)
@@ -404,14 +403,15 @@ class StageActor:
     def _take_batch(self) -> list[Job]:
         """Every queued job of one model, one per request (a request's next step waits for the next batch).
 
-        While the stage holds other requests, whose next steps a long prefill would hold up, the batch runs at
-        most one prefill chunk (`prefill_chunk` rows); the rest of that prompt runs in the batches after it,
-        each with the decode steps that are queued by then."""
+        While the stage holds other requests, whose next steps a prefill would hold up, the batch runs at most
+        one prefill chunk (`prefill_chunk` rows, one call of the model's prefill graph, whatever the rows); the
+        rest of that prompt, and other prompts, run in the batches after it, each with the decode steps queued
+        by then."""
         model = self._jobs[0].model
         prefilling = {j.work.request_id for j in self._jobs if j.rows_left > 1}
         chunk = getattr(model, "prefill_chunk", 0)
         book = self.book
-        budget = chunk if chunk and book is not None and len(book.requests) > len(prefilling) else None
+        budget = 1 if chunk and book is not None and len(book.requests) > len(prefilling) else None  # chunks
         batch: list[Job] = []
         rest: list[Job] = []
         seen: set[str] = set()
@@ -424,8 +424,8 @@ class StageActor:
                 if budget <= 0:
                     rest.append(job)
                     continue
-                job.take = min(job.rows_left, budget)
-                budget -= job.take
+                job.take = min(job.rows_left, chunk)
+                budget -= 1
             seen.add(job.work.request_id)
             batch.append(job)
         self._jobs = rest
@@ -582,7 +582,7 @@ class StageActor:
         book = self.book
         if book is None or not self._jobs or any(j.work.rows != 1 for j in self._jobs):
             return False
-        return any(not st.busy for st in book.requests.values())
+        return any(book.elsewhere(st) for st in book.requests.values())
 
     async def _gather(self) -> None:
         """Let the decode steps of other requests here catch up, so that they run as one batch.
@@ -596,7 +596,7 @@ class StageActor:
             return
         window = min(statistics.median(self.periods), MAX_GATHER) if book.is_first and self.periods else SETTLE
         deadline = self._first_queued + window
-        while any(not st.busy for st in book.requests.values()) and trio.current_time() < deadline:
+        while any(book.elsewhere(st) for st in book.requests.values()) and trio.current_time() < deadline:
             with trio.move_on_at(deadline):
                 await self._wake.wait()
             self._wake = trio.Event()

@@ -335,6 +335,12 @@ class StageBook:
             self.cancel(rid)
         return [rid for rid, st in list(self.requests.items()) if st.head in heads and self.cancel(rid)]
 
+    def elsewhere(self, state: RequestState) -> bool:
+        """Whether the request is elsewhere in the chain and will be back for another step: not running here,
+        and (as far as this stage knows) not at its last step (max_tokens; its head's Cancel comes next)."""
+        last = bool(state.sampling.max_tokens) and state.step + 1 >= state.sampling.max_tokens
+        return not state.busy and not state.cancelled and not last
+
     def head_of(self, request_id: str) -> str | None:
         state = self.requests.get(request_id)
         return state.head if state else None
