@@ -13,8 +13,8 @@
   chunk, as the client sees it (its wait in the queue included); p50 and p99 over every request of every
   round. Requests answered with an HTTP error are counted (a baseline daemon holds 4 requests and refuses
   the others with 503).
-* Rounds interleave the swarms (round r: N = 1 on each swarm, then N = 4 on each, ...); after one warm-up
-  round (kernel compiles and graph captures of each batch size are not measured). The single-request cost
+* Rounds interleave the swarms (round r: N = 1 on each swarm, then N = 4 on each, ...); every daemon runs with
+  `--warmup` and after one warm-up round (kernel compiles and graph captures are not measured). The single-request cost
   of the change is N = 1 on this code against its baseline: ratios of medians.
 
 Results go to stdout as a Markdown section for docs/BENCHMARKS.md (and as JSON with --json).
@@ -105,11 +105,13 @@ def main() -> int:
 
     swarms: dict[str, LocalSwarm] = {}
     try:
+        warm = {"extra_of": lambda i: ("--warmup",)}  # every batch size's graph captured before the stage is ready
         for n in (4, 1):
-            swarms[str(n)] = start_swarm(n, args.context, args.max_requests, name=f"queue{n}")
+            swarms[str(n)] = start_swarm(n, args.context, args.max_requests, name=f"queue{n}", **warm)
             if args.baseline:
                 env = {"PYTHONPATH": str(args.baseline.resolve()), "PYTHONSAFEPATH": "1"}  # not the working dir
-                swarms[f"{n}{BASELINE}"] = start_swarm(n, args.context, 4, name=f"queue{n}b", env_of=lambda i, e=env: e)
+                swarms[f"{n}{BASELINE}"] = start_swarm(n, args.context, 4, name=f"queue{n}b",
+                                                       env_of=lambda i, e=env: e, **warm)
         plan = {name: (counts if not name.endswith(BASELINE) else base_counts) for name in swarms}
         say("warm-up: every count once on every swarm (compiles, graph captures)")
         for name, swarm in swarms.items():

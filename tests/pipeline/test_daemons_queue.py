@@ -149,6 +149,26 @@ def test_64_requests_at_once_all_complete_each_with_its_own_answer_within_the_me
           f"moved {[swarm.pipeline(i)['head']['moved'] for i in range(4)]}")
 
 
+def test_one_clients_burst_does_not_hold_up_another_clients_single_request(swarm, ref):
+    api = swarm.running[1].api
+    done: dict[str, float] = {}
+
+    def one(i: int, user: str) -> None:
+        r = complete(api, PROMPTS[i], user=user)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text[PROMPTS[i]]
+        done[f"{user}{i}"] = time.monotonic()
+
+    with ThreadPoolExecutor(61) as pool:
+        burst = [pool.submit(one, i, "burst") for i in range(60)]  # a chain's worth at once, twice that waits
+        wait_until(lambda: swarm.pipeline(1)["queue"]["queued"] >= 30, 60, "the burst to fill the queue")
+        single = pool.submit(one, 63, "single")
+        for f in [*burst, single]:
+            f.result(timeout=600)
+    after = sum(1 for k, t in done.items() if k.startswith("burst") and t > done["single63"])
+    # it went in at its client's first turn: about two dozen of the burst ended after it (last in line: none)
+    assert after >= 20, sorted(done.items(), key=lambda kv: kv[1])
+
+
 def test_a_daemon_whose_queue_is_full_answers_429_with_retry_after_and_nothing_breaks(swarm, ref):
     small = swarm.running[SMALL_QUEUE]
     results = at_once([(small.api, p) for p in PROMPTS], max_tokens=12)
@@ -198,27 +218,26 @@ def test_kill_9_of_a_stage_while_32_requests_wait_or_run_ends_each_with_its_toke
     started = time.monotonic()
     with ThreadPoolExecutor(32) as pool:
         futures = [pool.submit(complete, head.api, p, 16) for p in PROMPTS[:32]]
-        wait_until(lambda: swarm.pipeline(0)["head"]["tokens"] > 0 or any(f.done() for f in futures), 300,
-                   "the first tokens")
+        wait_until(lambda: swarm.pipeline(0)["head"]["tokens"] > 0, 300, "the first tokens")
         queued = swarm.pipeline(0)["queue"]
         victim.kill9()
         for f in futures:
             try:
-                results.append(f.result(timeout=600))  # none hangs
+                results.append(f.result(timeout=900))  # none hangs: the head's own deadlines end each one
             except httpx.HTTPError as e:
                 results.append(e)
-    assert queued["queued"] + queued["running"] == 32, queued
+    assert queued["queued"] > 0 and queued["queued"] + queued["running"] <= 32, queued  # some wait their turn
     ok = 0
     for p, r in zip(PROMPTS[:32], results, strict=True):
         assert isinstance(r, httpx.Response), (p, r)
         if r.status_code == 200:
             ok += 1
-            text = r.json()["choices"][0]["text"]
-            assert text.startswith(ref.text[p]) or ref.text[p].startswith(text), (p, text)
-        else:
-            assert r.json()["error"]["message"], r.text  # a clear error, in OpenAI's shape
-            assert r.status_code in (429, 503, 504), r.text
-    assert ok >= 24, [getattr(r, "status_code", r) for r in results]  # the swarm moved them to three daemons
+            assert r.json()["choices"][0]["text"].startswith(ref.text[p]), p  # the same tokens, moved or not
+        else:  # a clear error in OpenAI's shape: the swarm could not serve it in time, never a crash
+            assert r.status_code in (503, 504) and r.json()["error"]["message"], r.text
+    swarm.wait_chain(3)  # the survivors hold the model again, and serve
+    r = complete(head.api, PROMPTS[40])
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text[PROMPTS[40]]
     assert all(d.proc.poll() is None for d in swarm.running)
-    print(f"kill -9 with 32 requests: {ok} completed, {32 - ok} clear errors, {time.monotonic() - started:.0f} s; "
-          f"moved {swarm.pipeline(0)['head']['moved']}")
+    print(f"kill -9 with 32 requests ({queued['queued']} queued): {ok} completed, {32 - ok} clear errors, "
+          f"{time.monotonic() - started:.0f} s; moved {swarm.pipeline(0)['head']['moved']}")
