@@ -4,7 +4,8 @@ Each request is headed by this daemon (`swarmd.inference.head.service`): parsed 
 prompt tokenized, its turn in the daemon's queue waited for (`swarmd.api.turns`: 429 with `Retry-After` when
 the queue is full, 503 in OpenAI's error shape if the swarm cannot serve), then generated, streamed as
 server-sent events ending in `data: [DONE]` or answered as one JSON object. A client that disconnects leaves
-the queue, or cancels its request along the chain.
+the queue, or cancels its request along the chain. With the header `X-Swarmd-Trace: 1` the request is traced:
+its merged trace is kept for `GET /api/v0/traces/{id}` before the answer ends (`data: [DONE]`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from swarmd.inference.head.service import (
 )
 from swarmd.inference.head.session import Failed, Finished, PromptScores, TokenOut
 
-log = logging.getLogger("swarmd.openai")
+log = logging.getLogger(__name__)
 
 
 def api_error(e: HeadError | Failed) -> ApiError:
@@ -95,7 +96,7 @@ class OpenAIRoutes:
             body = await _json(request)
             call = parse_completion(body, model.name)
             ids = call.prompt_ids if call.prompt_ids is not None else tuple(model.tokenizer.encode(call.prompt_text))
-            req = call.head_request(ids)
+            req = call.head_request(ids, trace=traced(request))
             _check(req, model)
         except ApiError as e:
             return error_response(e)
@@ -133,6 +134,7 @@ class OpenAIRoutes:
                 elif isinstance(ev, Finished):
                     parts.append(ev.text)
                     finish = ev.reason
+                    await self.head.trace(handle)
         return completion_body(new_id("cmpl"), call.model, "".join(parts), finish, handle.usage(),
                                logprobs.to_json() if logprobs is not None else None)
 
@@ -170,6 +172,7 @@ class OpenAIRoutes:
                             await chunk(ev.text)
                     elif isinstance(ev, Finished):
                         await chunk(ev.text, ev.reason)
+                        await self.head.trace(handle)
             if call.include_usage:
                 await write(sse(usage_chunk(call_id, call.model, created, handle.usage(), chat=False)))
             await write(sse("[DONE]"))
@@ -185,7 +188,7 @@ class OpenAIRoutes:
             body = await _json(request)
             call = parse_chat(body, model.name)
             ids = tuple(model.tokenizer.encode(render_chat(model, call.messages)))
-            req = call.head_request(ids, model.max_context)
+            req = call.head_request(ids, model.max_context, trace=traced(request))
             _check(req, model)
         except ApiError as e:
             return error_response(e)
@@ -215,6 +218,7 @@ class OpenAIRoutes:
                 elif isinstance(ev, Finished):
                     parts.append(ev.text)
                     finish = ev.reason
+                    await self.head.trace(handle)
         return chat_body(new_id("chatcmpl"), call.model, "".join(parts), finish, handle.usage(), entries)
 
     async def _stream_chat(self, write: Write, call: ChatCall, req: HeadRequest, model: ModelInfo,
@@ -235,6 +239,7 @@ class OpenAIRoutes:
                         if ev.text:
                             await write(sse(chat_chunk(call_id, call.model, created, {"content": ev.text})))
                         await write(sse(chat_chunk(call_id, call.model, created, {}, ev.reason)))
+                        await self.head.trace(handle)
             if call.include_usage:
                 await write(sse(usage_chunk(call_id, call.model, created, handle.usage(), chat=True)))
             await write(sse("[DONE]"))
@@ -261,6 +266,11 @@ def _check(req: HeadRequest, model: ModelInfo) -> None:
         check_request(req, model)
     except HeadError as e:
         raise api_error(e) from None
+
+
+def traced(request: Request) -> bool:
+    """Whether the client asked for a trace of this request (`X-Swarmd-Trace: 1`)."""
+    return request.headers.get("x-swarmd-trace", "").strip().lower() in ("1", "true", "yes")
 
 
 def guarded(route: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:

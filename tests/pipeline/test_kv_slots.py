@@ -9,7 +9,7 @@ import pytest
 from planner import BUILTIN_ARCHS, PlanOptions, layout_from_arch
 from planner.memory import kv_slots, stage_bytes
 from swarmd.inference.head.slots import FULL_HOLD, SlotView, StageSlots
-from swarmd.inference.stage.book import StageBook, StageRefusal
+from swarmd.inference.stage.book import StageBook, StageRefusal, Work
 from swarmd.wire import Forward, Sampling, WireTensor
 
 MiB = 1 << 20
@@ -18,6 +18,11 @@ MiB = 1 << 20
 def first_step(rid: str, **kw) -> Forward:
     return Forward(rid, 0, 0, 0, "H", tokens=WireTensor.from_array(np.arange(3, dtype=np.int32)),
                    sampling=Sampling(max_tokens=4), **kw)
+
+
+def ran(book: StageBook, work: Work) -> None:
+    """The model ran the step: the request is idle here until its next one."""
+    book.complete(work, np.zeros((work.rows, 4), np.float32), next_peer="S1", first_peer="S0", now=1.5)
 
 
 # --- a stage's slots from its memory ---------------------------------------------------------------------------
@@ -44,8 +49,7 @@ def test_a_new_request_finding_every_slot_taken_waits_in_line_and_takes_the_firs
     b = StageBook(0, 2, max_context=16, vocab_size=100, slots=2)
     for rid in ("a", "b"):
         assert not b.must_wait(first_step(rid))
-        b.on_forward(first_step(rid), now=1.0)
-        b.requests[rid].busy = False  # its step ran
+        ran(b, b.on_forward(first_step(rid), now=1.0))
     assert b.must_wait(first_step("c")) and b.must_wait(first_step("d"))
     b.wait("c", "H")
     b.wait("d", "H")
@@ -73,8 +77,7 @@ def test_too_many_waiting_are_refused_as_busy_and_a_cancelled_one_leaves_the_lin
 
 def test_a_moved_request_continuing_an_attempt_held_here_never_waits():
     b = StageBook(0, 2, max_context=16, vocab_size=100, slots=1)
-    b.on_forward(first_step("r"), now=1.0)
-    b.requests["r"].busy = False
+    ran(b, b.on_forward(first_step("r"), now=1.0))
     assert not b.must_wait(first_step("r.r1", resume_of="r"))
     assert b.must_wait(first_step("other"))
 
