@@ -97,6 +97,7 @@ class Assignment:
                  max_context: int = 2048, max_requests: int = 4, loader: StageLoader = load_stage,
                  expert_loader: ExpertLoader = load_experts, warmup: bool = False, reuse_blocks: bool = True,
                  memory: Callable[[], tuple[int, int]] | None = None,
+                 process_bytes: Callable[[], int] | None = None,
                  options: PlanOptions | None = None) -> None:
         self.peer_id = peer_id
         self.reuse_blocks = reuse_blocks  # a new range takes the loaded stage's blocks over (off: reload all)
@@ -107,6 +108,7 @@ class Assignment:
         self.max_context = max_context
         self.max_requests = max_requests  # the most KV slots a stage gets (its memory may allow fewer)
         self.memory = memory  # (total, free) bytes of the daemon's memory; None: every stage gets max_requests
+        self.process_bytes = process_bytes or process_rss  # what the process holds now (on a CPU its memory is the device's)
         self.options = options or PlanOptions(context_length=max_context)
         self.slots = 0  # KV slots of the loaded stage
         self.kv_slots: Callable[[], tuple[int, int, int] | None] = lambda: None  # the stage actor's, for heartbeats
@@ -143,9 +145,7 @@ class Assignment:
                       if (moe := blocks[blk].moe) is not None)
         overhead = self.options.runtime_overhead_bytes
         if not on_gpu(self.device):  # the process's memory is the device's: count what it holds already
-            import psutil
-
-            overhead += max(0, psutil.Process().memory_info().rss - held - experts)
+            overhead += max(0, self.process_bytes() - held - experts)
         opts = replace(self.options, context_length=self.max_context + KV_PAD_ROWS, runtime_overhead_bytes=overhead)
         return kv_slots(self.model.layout, a, b, opts, min(total, free + held), most=self.max_requests,
                         kv_scale=kv_value_scale(self.model), extra_bytes=experts)
@@ -292,6 +292,13 @@ class Assignment:
             self._ready.set()
         elif self._ready.is_set():
             self._ready = trio.Event()
+
+
+def process_rss() -> int:
+    """Bytes this process holds in memory now."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
 
 
 def on_gpu(device: str) -> bool:

@@ -76,8 +76,9 @@ class Node:
     def __init__(self, config: DaemonConfig, *, network: NetworkFactory = libp2p_network,
                  compute: Compute | None = None, blocking: Callable[..., Awaitable[Any]] | None = None,
                  loader: StageLoader = load_stage, expert_loader: ExpertLoader = load_experts,
-                 serve_api: bool = True) -> None:
+                 serve_api: bool = True, process_bytes: Callable[[], int] | None = None) -> None:
         self.config = config
+        self.process_bytes = process_bytes  # what the process holds (None: its RSS), for a CPU stage's KV slots
         self.blocking = blocking or trio.to_thread.run_sync  # other blocking work: planning, tokenizer loads
         self._make_network = network
         self._serve_api = serve_api
@@ -156,7 +157,7 @@ class Node:
                                          loader=self.loader, expert_loader=self.expert_loader,
                                          warmup=warms_up(cfg.warmup, device),
                                          reuse_blocks=not cfg.full_reload, memory=self.descriptor.memory,
-                                         options=self.plan_options)
+                                         options=self.plan_options, process_bytes=self.process_bytes)
             await nursery.start(self.assignment.run)
             settings = SwarmSettings(cfg.swarm, cfg.timings, bootstrap)
             self.swarm = SwarmService(network, Signer(key_pair), settings, describe_self=self.descriptor,
