@@ -54,9 +54,9 @@ def test_a_new_request_finding_every_slot_taken_waits_in_line_and_takes_the_firs
     b.wait("c", "H")
     b.wait("d", "H")
     v = b.version
-    assert b.release_waiting() == [] and b.used == 2
+    assert b.release_line() == [] and b.used == 2
     assert b.cancel("a") and b.version > v
-    assert b.release_waiting() == ["c"] and b.reserved == {"c"} and b.used == 2
+    assert b.release_line() == ["c"] and b.reserved == {"c"} and b.used == 2
     assert b.must_wait(first_step("e"))  # d waits before it, even once a slot frees
     work = b.on_forward(first_step("c"), now=2.0)
     assert work.new and b.reserved == set() and set(b.requests) == {"b", "c"}
@@ -70,9 +70,9 @@ def test_too_many_waiting_are_refused_as_busy_and_a_cancelled_one_leaves_the_lin
     with pytest.raises(StageRefusal) as refused:
         b.must_wait(first_step("c"))
     assert refused.value.code == "busy" and "1 KV cache slots" in str(refused.value)
-    assert not b.cancel("b") and b.waiting == {}  # nothing to free: it never held a slot
+    assert not b.cancel("b") and b.in_line == {}  # nothing to free: it never held a slot
     b.wait("c", "H2")
-    assert b.drop_heads({"H2"}) == [] and b.waiting == {}
+    assert b.drop_heads({"H2"}) == [] and b.in_line == {}
 
 
 def test_a_moved_request_continuing_an_attempt_held_here_never_waits():
@@ -85,7 +85,7 @@ def test_a_moved_request_continuing_an_attempt_held_here_never_waits():
 def test_a_refused_first_step_gives_its_reserved_slot_back():
     b = StageBook(0, 2, max_context=2, vocab_size=100, slots=1)
     b.wait("long", "H")
-    assert b.release_waiting() == ["long"]
+    assert b.release_line() == ["long"]
     with pytest.raises(StageRefusal):
         b.on_forward(first_step("long"), now=1.0)  # 3 tokens in a context of 2
     assert b.used == 0

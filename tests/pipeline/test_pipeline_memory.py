@@ -214,9 +214,9 @@ async def test_a_request_finding_every_kv_slot_taken_waits_at_the_stage_for_one_
         nursery.start_soon(third)
         for _ in range(100):
             await trio.sleep(0.02)
-            if swarm.stages["s0"].book.waiting:
+            if swarm.stages["s0"].book.in_line:
                 break
-        assert list(swarm.stages["s0"].book.waiting) and not done  # in line at stage 0, not refused
+        assert list(swarm.stages["s0"].book.in_line) and not done  # in line at stage 0, not refused
         await a.__anext__()  # the two go on meanwhile
     with trio.fail_after(60):
         while not done:  # noqa: ASYNC110 - the request runs in the fixture's nursery

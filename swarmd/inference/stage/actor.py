@@ -163,7 +163,7 @@ class StageActor:
                 loaded, book = self._book()
             work = book.on_forward(msg, trio.current_time())
         except StageRefusal as e:
-            self._admit_waiting()  # a slot held for it is free again
+            self._admit_in_line()  # a slot held for it is free again
             return _refusal(msg.head or peer, msg.request_id, msg.step, msg.hop, e)
         if msg.resume_of:  # the attempt it continues is over here: adopted by `work`, or (busy, say) dropped
             self.stats.record_resume(work)
@@ -188,7 +188,7 @@ class StageActor:
     async def on_cancel(self, peer: str, msg: Cancel) -> None:
         if self.book is not None and self.book.cancel(msg.request_id):
             self._free(self._model, msg.request_id)
-        self._admit_waiting()
+        self._admit_in_line()
 
     # --- KV slots ----------------------------------------------------------------------------------------
 
@@ -204,12 +204,12 @@ class StageActor:
                 book.cancel(request_id)
         return self.book is book and request_id in book.reserved
 
-    def _admit_waiting(self) -> None:
+    def _admit_in_line(self) -> None:
         """Give freed slots to the requests waiting here, in order; wake those that left the line too."""
         book = self.book
         if book is not None:
-            book.release_waiting()
-        for rid in [r for r in self._waiters if book is None or r not in book.waiting]:
+            book.release_line()
+        for rid in [r for r in self._waiters if book is None or r not in book.in_line]:
             self._waiters.pop(rid).set()
 
     def slot_state(self) -> tuple[int, int, int] | None:
@@ -220,7 +220,7 @@ class StageActor:
         book = self.book
         if book is None or self._model is not loaded.model:
             return int(loaded.model.max_requests), 0, 0
-        return book.slots, book.used + len(book.waiting), book.version
+        return book.slots, book.used + len(book.in_line), book.version
 
     def head_of(self, request_id: str) -> str | None:
         return self.book.head_of(request_id) if self.book else None
@@ -243,7 +243,7 @@ class StageActor:
         for rid in dropped:
             log.info("request %s: its head is gone; freed its KV cache", rid)
             self._free(self._model, rid)
-        self._admit_waiting()
+        self._admit_in_line()
         return dropped
 
     # --- the book of the stage loaded now ----------------------------------------------------------------
@@ -265,7 +265,7 @@ class StageActor:
                                   loaded.model.vocab_size, self.wire_dtype, slots=loaded.model.max_requests,
                                   version=version)
             self._book_key = key
-            self._admit_waiting()  # those waiting for the old stage's slots leave the line
+            self._admit_in_line()  # those waiting for the old stage's slots leave the line
             self._model = loaded.model
             self._decode_s.clear()  # a new model's batch sizes are all unseen
         assert self.book is not None
@@ -342,7 +342,7 @@ class StageActor:
         if model is not None:
             self._frees.append((model, request_id))
             self._wake.set()
-        self._admit_waiting()  # the book let the slot go: the next in line takes it (freed before it runs)
+        self._admit_in_line()  # the book let the slot go: the next in line takes it (freed before it runs)
 
     def _take_batch(self) -> list[Job]:
         """Every queued job of one model, one per request (a request's next step waits for the next batch).

@@ -8,13 +8,14 @@ repeats) and that a cache is never written out of order. A request ends on `Canc
 it has been idle too long; the trio code (`swarmd.inference.stage.actor`) then frees its KV cache. The model itself (forward,
 sampling) is not called from here.
 
-A stage holds at most `slots` requests (its KV cache slots). A new request that finds them all taken waits here
-(`must_wait`, `wait`), first come first served, until one frees (`release_waiting`, which reserves the slot
-for it); at most `max_waiting` wait, and one more is refused as `busy` (its head puts it back in its queue).
-`version` changes whenever a request takes or leaves a slot or starts waiting: heads read it, with `used`,
-from the stage's heartbeat (`swarmd.inference.head.slots`). A moved request's first Forward may name the attempt it continues: the
-stage then adopts that attempt's KV cache if it holds it, and computes only the positions it lacks
-(`swarmd.inference.head.hop_local`).
+A stage holds at most `slots` requests (its KV cache slots). A new request that finds them all taken waits in
+line here (`must_wait`, `wait`: `in_line`, before it has a phase), first come first served, until one frees
+(`release_line`, which reserves the slot for it); at most `max_in_line` wait, and one more is refused as `busy`
+(its head puts it back in its queue). `version` changes whenever a request takes or leaves a slot or lines up:
+heads read it, with `used`, from the stage's heartbeat (`swarmd.inference.head.slots`).
+
+A moved request's first Forward may name the attempt it continues: the stage then adopts that attempt's KV cache
+if it holds it, and computes only the positions it lacks (`swarmd.inference.head.hop_local`).
 
 A request's phase changes only through `REQUEST_TRANSITIONS` (a pair not in it raises LocalProtocolError):
 
@@ -157,9 +158,9 @@ class StageBook:
     vocab_size: int
     wire_dtype: str | None = None  # None: hidden states travel in their compute dtype (lossless)
     slots: int = 1 << 30  # requests held at once (the model's KV cache slots)
-    max_waiting: int = 0  # new requests that may wait for a slot; 0: as many as there are slots
+    max_in_line: int = 0  # new requests that may wait for a slot; 0: as many as there are slots
     requests: dict[str, RequestState] = field(default_factory=dict)
-    waiting: dict[str, str] = field(default_factory=dict)  # request id -> head: first steps waiting for a slot
+    in_line: dict[str, str] = field(default_factory=dict)  # request id -> head: first steps waiting for a slot
     reserved: set[str] = field(default_factory=set)  # taken from `waiting`: their slot is held for them
     version: int = 0  # changes whenever `used` may have
 
@@ -188,23 +189,23 @@ class StageBook:
         old = self.requests.get(msg.resume_of) if msg.resume_of else None
         if old is not None and not old.busy and not old.cancelled:
             return False
-        if not self.waiting and self.used < self.slots:
+        if not self.in_line and self.used < self.slots:
             return False
-        if len(self.waiting) >= (self.max_waiting or self.slots):
+        if len(self.in_line) >= (self.max_in_line or self.slots):
             raise StageRefusal("busy", f"all {self.slots} KV cache slots of stage {self.hop} are taken and "
-                                       f"{len(self.waiting)} requests wait for one")
+                                       f"{len(self.in_line)} requests wait for one")
         return True
 
     def wait(self, request_id: str, head: str) -> None:
-        self.waiting[request_id] = head
+        self.in_line[request_id] = head
         self.version += 1
 
-    def release_waiting(self) -> list[str]:
+    def release_line(self) -> list[str]:
         """Waiting requests that now have a slot (reserved for them), first come first served."""
         out = []
-        while self.waiting and self.used < self.slots:
-            rid = next(iter(self.waiting))
-            del self.waiting[rid]
+        while self.in_line and self.used < self.slots:
+            rid = next(iter(self.in_line))
+            del self.in_line[rid]
             self.reserved.add(rid)
             out.append(rid)
         return out
@@ -362,7 +363,7 @@ class StageBook:
     def cancel(self, request_id: str) -> bool:
         """Forget the request; True if its KV cache can be freed now (False: none, or the model still runs it).
         A request waiting for a slot, or given one it has not taken yet, just leaves."""
-        if self.waiting.pop(request_id, None) is not None or request_id in self.reserved:
+        if self.in_line.pop(request_id, None) is not None or request_id in self.reserved:
             self.reserved.discard(request_id)
             self.version += 1
             return False
@@ -381,7 +382,7 @@ class StageBook:
     def drop_heads(self, heads: set[str]) -> list[str]:
         """Forget the requests whose head is gone (dead or left): those to free now (busy ones: when done).
         Those waiting for a slot leave the line."""
-        for rid in [r for r, head in self.waiting.items() if head in heads]:
+        for rid in [r for r, head in self.in_line.items() if head in heads]:
             self.cancel(rid)
         return [rid for rid, st in list(self.requests.items()) if st.head in heads and self.cancel(rid)]
 
@@ -400,7 +401,7 @@ class StageBook:
         gone = list(self.requests.values())
         for s in gone:
             self._fire(s, RequestEvent.CLEAR)
-        self.waiting.clear()
+        self.in_line.clear()
         self.reserved.clear()
         self.version += 1
         return [s.request_id for s in gone]
