@@ -76,3 +76,18 @@ def node_memory_use(
             for peer in peers:
                 use[peer] = use.get(peer, 0) + size
     return {peer: n + opts.runtime_overhead_bytes for peer, n in use.items()}
+
+
+def kv_slots(layout: ModelLayout, a: int, b: int, opts: PlanOptions, memory_bytes: int, *, most: int,
+             kv_scale: float = 1.0, extra_bytes: int = 0) -> int:
+    """How many requests a stage of blocks [a, b) can hold at once: the KV caches of `opts.context_length`
+    tokens that fit in `memory_bytes` beside its weights, `extra_bytes` (experts it holds) and the runtime
+    overhead, one kept spare (a decode batch's padding rows); at least 1 (a plan budgets for
+    `opts.concurrency`), at most `most`. `kv_scale`: bytes the stage's cache takes per KV byte of the layout
+    (2 for a float32 cache where the layout counts 16-bit values)."""
+    per_request = float(sum(blk.kv_bytes_per_token for blk in layout.blocks[a:b])) * opts.context_length * kv_scale
+    if per_request <= 0:
+        return most
+    weights = stage_bytes(layout, a, b, opts) - float(kv_bytes(layout, opts)[a:b].sum())
+    room = memory_bytes - weights - extra_bytes - opts.runtime_overhead_bytes
+    return int(max(1, min(most, room // per_request - 1)))

@@ -107,6 +107,7 @@ DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_SWARM = "swarmd"
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a 128k-token prompt as a list of ids fits
 DEFAULT_MAX_TOKENS = 4096  # the most tokens one request may ask for
+PLANNED_REQUESTS = 4  # requests whose KV caches the planner budgets on every stage (at most max_requests)
 
 
 def default_home() -> Path:
@@ -230,8 +231,13 @@ class DaemonConfig:
               "--max-requests) before it reports ready: a slower start, and no request waits for the compiler "
               "later (default: on for GPUs, where a batch size's first use costs seconds per graph; off for CPUs, "
               "where each graph costs many seconds at start)", default_text="on for GPUs, off for CPUs")
-    max_requests: int = setting(4, "requests this daemon's stage holds at once (its KV cache slots; default 4)",
-                                metavar="N")
+    max_requests: int = setting(
+        32, "the most requests this daemon's stage holds at once (its KV cache slots): as many as its memory allows "
+            "at the full context, up to N (default 32)", metavar="N")
+    max_queued: int = setting(
+        256, "requests this daemon accepts beyond what the swarm runs now: they wait in turn (fair across clients) "
+             "for a free slot; one more is refused with HTTP 429 and Retry-After (default 256; 0: no queue)",
+        metavar="N")
     max_context: int = setting(2048, "context per request, prompt plus completion (default 2048, capped at the "
                                      "model's)", metavar="TOKENS")
     wire_dtype: str = setting(
@@ -305,6 +311,14 @@ class DaemonConfig:
             raise UserError(f"data plane port {self.data_plane_port} is not a TCP port (0-65535)")
         if self.claim_timeout <= 0:
             raise UserError("claim_timeout must be above 0 seconds")
+        if self.max_queued < 0:
+            raise UserError("max_queued must be 0 (no queue: refuse when no slot is free) or more")
+
+    @property
+    def planned_requests(self) -> int:
+        """Requests whose KV caches the planner budgets on each stage; a stage then holds as many more as its
+        memory allows, up to max_requests."""
+        return min(self.max_requests, PLANNED_REQUESTS)
 
     def with_overrides(self, **changes: Any) -> DaemonConfig:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})

@@ -6,12 +6,15 @@ template), `messages` (a chat) or `prompt_ids`; and optionally `max_tokens` (def
 to wait for the swarm to be ready). Events, in order:
 
     {"event": "waiting", "detail": "plan epoch 2: loading stage 1 (blocks 8-15, ...)"}   (while it waits)
+    {"event": "waiting", "detail": "queued: 3 requests ahead, waiting for a free slot"}  (its turn in the queue)
     {"event": "start", "request_id": ..., "prompt_tokens": 12, "seed": ...}
     {"event": "token", "step": 0, "id": 1824, "text": " Paris"}                          (one per token)
     {"event": "done", "finish_reason": "stop", "text": "", "usage": {...}, "timings": {...}, "trace": [...]}
 or  {"event": "error", "code": "timeout", "message": "..."}
+    ({"event": "error", "code": "queue_full", "message": ..., "retry_after": 5}: pushed out of a full queue)
 
-A body that cannot be served is answered at once with an HTTP error and `{"error": {...}}` instead.
+A body that cannot be served is answered at once with an HTTP error and `{"error": {...}}` instead: 429 with
+`Retry-After` when this daemon's queue is full.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from swarmd.api.app import Api
 from swarmd.api.openai_format import ApiError, integer_field, number_field, stop_field
 from swarmd.api.openai_routes import guarded, render_chat
 from swarmd.api.streaming import EventStream, Write, ndjson, read_json
+from swarmd.api.turns import admit
+from swarmd.inference.head.admission import Turn
 from swarmd.inference.head.service import HeadError, HeadRequest, HeadService, ModelInfo, check_request
 from swarmd.inference.head.session import Failed, Finished, TokenOut
 
@@ -91,15 +96,19 @@ class GenerateRoute:
             return JSONResponse(e.body(), status_code=e.status)
         except HeadError as e:
             return JSONResponse(ApiError(e.status, e.message, code=e.code).body(), status_code=e.status)
-        return EventStream(lambda write: self._produce(write, req, wait, tokenized), "application/x-ndjson")
+        turn = admit(self.head, request, body)
+        if isinstance(turn, Response):
+            return turn
+        return EventStream(lambda write: self._produce(write, req, wait, turn, tokenized), "application/x-ndjson",
+                           closing=lambda: self.head.close_turn(turn))
 
-    async def _produce(self, write: Write, req: HeadRequest, wait: float | None,
+    async def _produce(self, write: Write, req: HeadRequest, wait: float | None, turn: Turn,
                        tokenized: tuple[float, float] = (0.0, 0.0)) -> None:
         async def on_wait(detail: str) -> None:
             await write(ndjson({"event": "waiting", "detail": detail}))
 
         try:
-            async with self.head.open(req, on_wait=on_wait, ready_timeout=wait) as handle:
+            async with self.head.open(req, turn=turn, on_wait=on_wait, ready_timeout=wait) as handle:
                 handle.record("tokenize", *tokenized, prompt_tokens=handle.prompt_tokens)
                 await write(ndjson({"event": "start", "request_id": handle.request_id,
                                     "prompt_tokens": handle.prompt_tokens, "seed": handle.seed}))
@@ -118,4 +127,5 @@ class GenerateRoute:
                     elif isinstance(ev, Failed):
                         await write(ndjson({"event": "error", "code": ev.code, "message": ev.message}))
         except HeadError as e:
-            await write(ndjson({"event": "error", "code": e.code, "message": e.message}))
+            retry = {"retry_after": e.retry_after} if e.retry_after is not None else {}
+            await write(ndjson({"event": "error", "code": e.code, "message": e.message, **retry}))

@@ -25,14 +25,18 @@ MAX_STOPS = 16
 class ApiError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+        self.retry_after = retry_after  # s: the `Retry-After` header of a 429
 
     def body(self) -> dict[str, Any]:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         if self.status == 503:
             kind = "service_unavailable"
+        elif self.status == 429:
+            kind = "requests"  # OpenAI's type for a rate limit; its clients retry after `Retry-After`
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 

@@ -1,9 +1,10 @@
 """OpenAI-compatible routes on every daemon: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
 
 Each request is headed by this daemon (`swarmd.inference.head.service`): parsed and checked (`swarmd.api.openai_format`), the
-prompt tokenized, the chain waited for (a 503 in OpenAI's error shape if it is not ready in time), then
-generated, streamed as server-sent events ending in `data: [DONE]` or answered as one JSON object. A client
-that disconnects cancels its request along the chain. With the header `X-Swarmd-Trace: 1` the request is traced:
+prompt tokenized, its turn in the daemon's queue waited for (`swarmd.api.turns`: 429 with `Retry-After` when
+the queue is full, 503 in OpenAI's error shape if the swarm cannot serve), then generated, streamed as
+server-sent events ending in `data: [DONE]` or answered as one JSON object. A client that disconnects leaves
+the queue, or cancels its request along the chain. With the header `X-Swarmd-Trace: 1` the request is traced:
 its merged trace is kept for `GET /api/v0/traces/{id}` before the answer ends (`data: [DONE]`).
 """
 
@@ -35,6 +36,8 @@ from swarmd.api.openai_format import (
     usage_chunk,
 )
 from swarmd.api.streaming import EventStream, Write, read_json, sse, until_disconnect
+from swarmd.api.turns import error_response, take_turn
+from swarmd.inference.head.admission import Turn
 from swarmd.inference.head.service import (
     HeadError,
     HeadRequest,
@@ -48,13 +51,10 @@ from swarmd.inference.head.session import Failed, Finished, PromptScores, TokenO
 log = logging.getLogger(__name__)
 
 
-def error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
-
-
 def api_error(e: HeadError | Failed) -> ApiError:
-    status = e.status if isinstance(e, HeadError) else status_of(e.code)
-    return ApiError(status, e.message, code=e.code)
+    if isinstance(e, HeadError):
+        return ApiError(e.status, e.message, code=e.code, retry_after=e.retry_after)
+    return ApiError(status_of(e.code), e.message, code=e.code)
 
 
 class OpenAIRoutes:
@@ -93,27 +93,35 @@ class OpenAIRoutes:
     async def completions(self, request: Request) -> Response:
         try:
             model = await self.head.model()
-            call = parse_completion(await _json(request), model.name)
+            body = await _json(request)
+            call = parse_completion(body, model.name)
             ids = call.prompt_ids if call.prompt_ids is not None else tuple(model.tokenizer.encode(call.prompt_text))
             req = call.head_request(ids, trace=traced(request))
-            await self._check_and_wait(req, model)
+            _check(req, model)
         except ApiError as e:
             return error_response(e)
+        turn = await take_turn(self.head, request, body)
+        if isinstance(turn, Response):
+            return turn
         if call.stream:
-            return EventStream(lambda write: self._stream_completion(write, call, req, model), "text/event-stream")
-        return await self._answer(request, lambda: self._completion(call, req, model))
+            return EventStream(lambda write: self._stream_completion(write, call, req, model, turn),
+                               "text/event-stream", closing=lambda: self.head.close_turn(turn))
+        try:
+            return await self._answer(request, lambda: self._completion(call, req, model, turn))
+        finally:
+            self.head.close_turn(turn)
 
     def _prompt_text(self, call: CompletionCall, req: HeadRequest, model: ModelInfo) -> str:
         if call.prompt_text is not None:
             return call.prompt_text
         return model.tokenizer.decode(req.prompt_ids, skip_special=False)
 
-    async def _completion(self, call: CompletionCall, req: HeadRequest, model: ModelInfo) -> dict[str, Any]:
+    async def _completion(self, call: CompletionCall, req: HeadRequest, model: ModelInfo, turn: Turn) -> dict[str, Any]:
         prompt_text = self._prompt_text(call, req, model)
         logprobs = self._legacy_logprobs(call, model, prompt_text)
         parts = [prompt_text] if call.echo else []
         finish = "length"
-        async with self.head.open(req) as handle:
+        async with self.head.open(req, turn=turn) as handle:
             async for ev in handle:
                 if isinstance(ev, Failed):
                     raise api_error(ev)
@@ -136,7 +144,8 @@ class OpenAIRoutes:
             return None
         return LegacyLogprobs(model.tokenizer, call.logprobs, offset=0 if call.echo else len(prompt_text))
 
-    async def _stream_completion(self, write: Write, call: CompletionCall, req: HeadRequest, model: ModelInfo) -> None:
+    async def _stream_completion(self, write: Write, call: CompletionCall, req: HeadRequest, model: ModelInfo,
+                                 turn: Turn) -> None:
         call_id, created = new_id("cmpl"), int(time.time())
         prompt_text = self._prompt_text(call, req, model)
         logprobs = self._legacy_logprobs(call, model, prompt_text)
@@ -146,7 +155,7 @@ class OpenAIRoutes:
             await write(sse(completion_body(call_id, call.model, text, finish, None, lp, created=created)))
 
         try:
-            async with self.head.open(req) as handle:
+            async with self.head.open(req, turn=turn) as handle:
                 if call.echo and logprobs is None:
                     await chunk(prompt_text)
                 async for ev in handle:
@@ -176,21 +185,29 @@ class OpenAIRoutes:
     async def chat(self, request: Request) -> Response:
         try:
             model = await self.head.model()
-            call = parse_chat(await _json(request), model.name)
+            body = await _json(request)
+            call = parse_chat(body, model.name)
             ids = tuple(model.tokenizer.encode(render_chat(model, call.messages)))
             req = call.head_request(ids, model.max_context, trace=traced(request))
-            await self._check_and_wait(req, model)
+            _check(req, model)
         except ApiError as e:
             return error_response(e)
+        turn = await take_turn(self.head, request, body)
+        if isinstance(turn, Response):
+            return turn
         if call.stream:
-            return EventStream(lambda write: self._stream_chat(write, call, req, model), "text/event-stream")
-        return await self._answer(request, lambda: self._chat(call, req, model))
+            return EventStream(lambda write: self._stream_chat(write, call, req, model, turn), "text/event-stream",
+                               closing=lambda: self.head.close_turn(turn))
+        try:
+            return await self._answer(request, lambda: self._chat(call, req, model, turn))
+        finally:
+            self.head.close_turn(turn)
 
-    async def _chat(self, call: ChatCall, req: HeadRequest, model: ModelInfo) -> dict[str, Any]:
+    async def _chat(self, call: ChatCall, req: HeadRequest, model: ModelInfo, turn: Turn) -> dict[str, Any]:
         parts: list[str] = []
         entries: list[dict[str, Any]] | None = [] if call.logprobs else None
         finish = "length"
-        async with self.head.open(req) as handle:
+        async with self.head.open(req, turn=turn) as handle:
             async for ev in handle:
                 if isinstance(ev, Failed):
                     raise api_error(ev)
@@ -204,10 +221,11 @@ class OpenAIRoutes:
                     await self.head.trace(handle)
         return chat_body(new_id("chatcmpl"), call.model, "".join(parts), finish, handle.usage(), entries)
 
-    async def _stream_chat(self, write: Write, call: ChatCall, req: HeadRequest, model: ModelInfo) -> None:
+    async def _stream_chat(self, write: Write, call: ChatCall, req: HeadRequest, model: ModelInfo,
+                           turn: Turn) -> None:
         call_id, created = new_id("chatcmpl"), int(time.time())
         try:
-            async with self.head.open(req) as handle:
+            async with self.head.open(req, turn=turn) as handle:
                 await write(sse(chat_chunk(call_id, call.model, created, {"role": "assistant", "content": ""})))
                 async for ev in handle:
                     if isinstance(ev, Failed):
@@ -231,13 +249,6 @@ class OpenAIRoutes:
 
     # --- shared ---------------------------------------------------------------------------------------------
 
-    async def _check_and_wait(self, req: HeadRequest, model: ModelInfo) -> None:
-        try:
-            check_request(req, model)
-            await self.head.wait_ready()
-        except HeadError as e:
-            raise api_error(e) from None
-
     async def _answer(self, request: Request, work: Callable[[], Awaitable[dict[str, Any]]]) -> Response:
         try:
             body = await until_disconnect(request, work)
@@ -248,6 +259,13 @@ class OpenAIRoutes:
         if body is None:  # the client went away; the request was cancelled
             return Response(status_code=499)
         return JSONResponse(body)
+
+
+def _check(req: HeadRequest, model: ModelInfo) -> None:
+    try:
+        check_request(req, model)
+    except HeadError as e:
+        raise api_error(e) from None
 
 
 def traced(request: Request) -> bool:

@@ -26,17 +26,26 @@ T = TypeVar("T")
 
 
 class EventStream(Response):
-    """A 200 response whose body `produce(write)` writes piece by piece (SSE or NDJSON)."""
+    """A 200 response whose body `produce(write)` writes piece by piece (SSE or NDJSON); `closing()` is called
+    when it is over, however it ended (the request's place in the queue is given up there)."""
 
     def __init__(self, produce: Callable[[Write], Awaitable[None]], media_type: str,
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None, closing: Callable[[], None] | None = None) -> None:
         self.produce = produce
+        self.closing = closing
         self.status_code = 200
         self.media_type = media_type
         self.background = None
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._stream(receive, send)
+        finally:
+            if self.closing is not None:
+                self.closing()
+
+    async def _stream(self, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         gone = False
         async with trio.open_nursery() as nursery:

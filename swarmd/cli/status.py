@@ -140,6 +140,23 @@ def weights_line(w: dict[str, Any]) -> str:
     return line
 
 
+def _slots(a: dict[str, Any]) -> str:
+    """'3/16 used' (requests waiting for a slot count as used), or '-' when the member reports none."""
+    kv = a.get("kv")
+    return f"{kv['used']}/{kv['slots']} used" if kv else "-"
+
+
+def requests_line(doc: dict[str, Any]) -> str:
+    """This daemon's requests: running, waiting in its queue (and its bound), refused for a full queue."""
+    queue = doc.get("queue")
+    if not queue:
+        return f"{doc.get('requests_in_flight', 0)} in flight"
+    line = f"{queue['running']} running, {queue['queued']} queued (max {queue['max_queued']})"
+    if queue["refused"]:
+        line += f", {queue['refused']} refused (429, queue full)"
+    return line
+
+
 def access_line(swarm: dict[str, Any]) -> str:
     """Who can join, in one line (rich markup): open swarms in red."""
     if swarm.get("private"):
@@ -179,13 +196,13 @@ def render(doc: dict[str, Any]):
     top.add_row("plan", doc.get("coverage", "-") + (f"  [red]({doc['plan_error']})[/red]" if doc.get("plan_error") else ""))
     if doc.get("slots"):
         top.add_row("slots", slots_line(doc["slots"], leader == me["peer_id"]))
-    top.add_row("requests", f"{doc.get('requests_in_flight', 0)} in flight")
+    top.add_row("requests", requests_line(doc))
     if (doc.get("weights") or {}).get("model_bytes"):
         top.add_row("weights", weights_line(doc["weights"]))
     top.add_row("access", access_line(swarm))
 
     table = Table(title="members", title_justify="left", expand=False)
-    for col in ("peer", "state", "last seen", "rtt", "device", "memory free", "layers", "stage"):
+    for col in ("peer", "state", "last seen", "rtt", "device", "memory free", "layers", "stage", "kv slots"):
         table.add_column(col)
     styles = {"alive": "green", "suspect": "yellow", "dead": "red"}
     for m in doc["members"]:
@@ -194,7 +211,8 @@ def render(doc: dict[str, Any]):
         table.add_row(peer, Text(m["state"], style=styles.get(m["state"], "")),
                       "now" if m["peer_id"] == me["peer_id"] else f"{m['last_seen_s']:.1f} s ago",
                       "-" if m.get("rtt_ms") is None else f"{m['rtt_ms']:.1f} ms",
-                      m.get("label") or m.get("device") or "-", _bytes(m.get("memory_free")), layers, stage)
+                      m.get("label") or m.get("device") or "-", _bytes(m.get("memory_free")), layers, stage,
+                      _slots(m["assignment"]))
     parts: list[Any] = [top, table]
     if doc.get("moe", {}).get("placement"):
         parts.append(experts_table(doc["moe"]))

@@ -27,7 +27,9 @@ daemons the plan names, and streams the tokens back as the last stage samples th
 
 The completion, and nothing else, is written to stdout as it arrives; waiting for the swarm and the final
 summary (tokens, time to first token, tokens/s) go to stderr. Sampling is greedy unless --temperature is set;
-with the same --seed the same completion comes back.
+with the same --seed the same completion comes back. While the swarm is busy the request waits its turn in
+the daemon's queue (stderr says how many are ahead); when that queue is full the command says so in one line
+and exits with status 75 (try again later).
 
 examples:
   swarmd submit-prompt "The capital of France is"
@@ -62,6 +64,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--home", type=Path, help="the daemon's state directory (default: $SWARMD_HOME or ~/.swarmd)")
     add_token_option(p)
     p.set_defaults(func=run)
+
+
+class SwarmBusy(UserError):
+    """The daemon's queue is full (HTTP 429): nothing is wrong, try again later."""
+
+    exit_code = 75  # EX_TEMPFAIL
 
 
 def _say(message: str) -> None:
@@ -106,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
         with httpx.stream("POST", f"{url}/api/v0/generate", json=body,
                           timeout=httpx.Timeout(10.0, read=None), headers=auth_headers(args.api_token)) as response:
             check_authorised(response, url, args.api_token)
+            if response.status_code == 429:
+                raise SwarmBusy(_busy(response))
             if response.status_code != 200:
                 raise UserError(_http_error(response))
             for line in response.iter_lines():
@@ -138,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
                 elif kind == "error":
                     if wrote:
                         out.write("\n")
+                    if event.get("code") == "queue_full":
+                        raise SwarmBusy(event["message"])
                     raise UserError(f"the swarm could not finish the request: {event['message']} ({event['code']})")
     except httpx.HTTPError as e:
         raise UserError(f"no answer from the daemon at {url} ({type(e).__name__}: {e}): is `swarmd join` "
@@ -163,6 +175,16 @@ def summary(result: dict[str, Any]) -> str:
         parts.append(f"decode {t['decode_tokens_per_s']:.1f} tok/s")
     parts.append(f"finish: {result['finish_reason']}")
     return "; ".join(parts)
+
+
+def _busy(response: Any) -> str:
+    """The 429's message (it says how long to wait), else one made from its Retry-After header."""
+    response.read()
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        wait = response.headers.get("retry-after", "a few")
+        return f"the swarm is busy: the daemon's queue is full; retry in {wait} s"
 
 
 def _http_error(response: Any) -> str:

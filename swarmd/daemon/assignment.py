@@ -24,6 +24,14 @@ no spare, or shrinks when a node comes back), the old stage is handed to the loa
 the new stage takes over its realised blocks (and the embedding / head when both have it) and reads only
 the blocks it lacks; the old stage is dropped on the compute thread once the new one is built. Its KV
 caches are not kept (requests move by replay). `swarmd join --full-reload` turns this off (to measure it).
+
+A stage holds as many requests at once (KV cache slots) as its memory allows: the daemon's memory (its
+`--memory-limit`, else the device's; what is free now plus what the stage it replaces held) less the new
+stage's weights and the runtime, divided by one request's KV cache at the full context
+(`planner.memory.kv_slots`); `--max-requests` is the most. The runtime is the planner's overhead; on a CPU,
+whose memory is the process's own, what the process holds besides its stage when it loads, plus that overhead
+(compiled kernels and the graphs of each batch size come later). The loaded stage's slots, and how many are taken,
+go into every heartbeat (`AssignmentStatus.kv`, from the stage actor) so that heads know when one is free.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ from typing import Any
 
 import trio
 
+from planner.memory import kv_slots
+from planner.options import PlanOptions
 from swarmd.daemon.assignment_machine import AssignmentEvent, held, next_state
 from swarmd.daemon.served_model import ServedModel
 from swarmd.inference.compute import Compute
@@ -76,6 +86,15 @@ def load_stage(model: ServedModel, start: int, end: int, device: str, max_contex
                                 numerics=serving_numerics(config_from_header(read_header(model.path))))
 
 
+def kv_value_scale(model: ServedModel) -> float:
+    """The stage's KV bytes per KV byte the layout counts (16-bit values): `load_stage` keeps a dense GGUF
+    model's cache in float16 (ggml numerics), the others' in float32."""
+    return 1.0 if model.seeded is None and model.path is not None and not model.layout.is_moe else 2.0
+
+
+KV_PAD_ROWS = 128  # rows a stage's KV pool holds past the context (a prefill chunk's padding, attention tiles)
+
+
 def load_experts(model: ServedModel, experts: dict[int, tuple[int, ...]], device: str):
     """The routed experts `experts` of the model's GGUF, as an ExpertShard on `device` (blocking)."""
     from models.config import config_from_header
@@ -99,7 +118,10 @@ class Assignment:
     def __init__(self, peer_id: str, model: ServedModel, device: str, compute: Compute, *,
                  max_context: int = 2048, max_requests: int = 4, loader: StageLoader = load_stage,
                  expert_loader: ExpertLoader = load_experts, warmup: bool = False, reuse_blocks: bool = True,
-                 prepare: Prepare | None = None) -> None:
+                 prepare: Prepare | None = None,
+                 memory: Callable[[], tuple[int, int]] | None = None,
+                 process_bytes: Callable[[], int] | None = None,
+                 options: PlanOptions | None = None) -> None:
         self.peer_id = peer_id
         self.prepare = prepare  # fetches the weights an assignment lacks before it loads (cancelled if the plan moves)
         self._preparing: trio.CancelScope | None = None
@@ -109,7 +131,12 @@ class Assignment:
         self.model = model
         self.device = device
         self.max_context = max_context
-        self.max_requests = max_requests
+        self.max_requests = max_requests  # the most KV slots a stage gets (its memory may allow fewer)
+        self.memory = memory  # (total, free) bytes of the daemon's memory; None: every stage gets max_requests
+        self.process_bytes = process_bytes or process_rss  # what the process holds now (on a CPU its memory is the device's)
+        self.options = options or PlanOptions(context_length=max_context)
+        self.slots = 0  # KV slots of the loaded stage
+        self.kv_slots: Callable[[], tuple[int, int, int] | None] = lambda: None  # the stage actor's, for heartbeats
         self.loader = loader
         self.expert_loader = expert_loader
         self.stage: Any = None  # the loaded StageModel, or None
@@ -124,9 +151,30 @@ class Assignment:
         self._ready = trio.Event()
         self.load_started: float | None = None
         self._background: trio.Nursery | None = None  # set by run(): the graph cache's fill runs there
+        self._held = 0  # bytes the loaded stage takes (weights and KV pool), for the next one's budget
 
     def status(self) -> AssignmentStatus:
+        if self._status.state == AssignmentState.READY and self.stage is not None:
+            kv = self.kv_slots()
+            if kv is not None:
+                return replace(self._status, kv=kv)
         return self._status
+
+    def slots_for(self, a: int, b: int, held: int) -> int:
+        """KV slots a stage of blocks [a, b) gets in this daemon's memory (`held`: bytes of the stage it
+        replaces, which it lets go); `max_requests` when the memory is not known."""
+        if self.memory is None:
+            return self.max_requests
+        total, free = self.memory()
+        blocks = self.model.layout.blocks
+        experts = sum(len(es) * moe.bytes_per_expert for blk, es in self.loaded_experts.items()
+                      if (moe := blocks[blk].moe) is not None)
+        overhead = self.options.runtime_overhead_bytes
+        if not on_gpu(self.device):  # the process's memory is the device's: count what it holds already
+            overhead += max(0, self.process_bytes() - held - experts)
+        opts = replace(self.options, context_length=self.max_context + KV_PAD_ROWS, runtime_overhead_bytes=overhead)
+        return kv_slots(self.model.layout, a, b, opts, min(total, free + held), most=self.max_requests,
+                        kv_scale=kv_value_scale(self.model), extra_bytes=experts)
 
     def apply(self, ann: PlanAnnouncement) -> None:
         """Take the part of an accepted plan that names this daemon (synchronous; loading happens in run)."""
@@ -304,9 +352,16 @@ class Assignment:
         `previous`, which it then drops here (its jitted graphs must be finalised on this thread)."""
         old = previous.pop() if previous else None
         try:
+            freed = _stage_bytes(old) if old is not None else self._held
+            self.slots = slots = self.slots_for(a, b, freed)
             if old is None:
-                return self.loader(self.model, a, b, self.device, self.max_context, self.max_requests)
-            return self.loader(self.model, a, b, self.device, self.max_context, self.max_requests, reuse=old)
+                stage = self.loader(self.model, a, b, self.device, self.max_context, slots)
+            else:
+                stage = self.loader(self.model, a, b, self.device, self.max_context, slots, reuse=old)
+            self._held = _stage_bytes(stage)
+            log.info("blocks %d-%d: %d KV cache slots (%s)", a, b - 1, slots,
+                     "the most --max-requests allows" if slots == self.max_requests else "as many as memory allows")
+            return stage
         finally:
             del old
 
@@ -317,3 +372,24 @@ class Assignment:
             self._ready.set()
         elif self._ready.is_set():
             self._ready = trio.Event()
+
+
+def process_rss() -> int:
+    """Bytes this process holds in memory now."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def on_gpu(device: str) -> bool:
+    from models.kernels.matvec import GPU_DEVICES
+
+    return device.split(":")[0] in GPU_DEVICES
+
+
+def _stage_bytes(stage: Any) -> int:
+    """Device bytes a loaded stage holds: its weights and its KV pool (0 for a stage that does not say)."""
+    try:
+        return int(stage.weight_bytes()) + int(stage.kv.nbytes())
+    except AttributeError:
+        return 0

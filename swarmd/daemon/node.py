@@ -83,8 +83,9 @@ class Node:
     def __init__(self, config: DaemonConfig, *, network: NetworkFactory = libp2p_network,
                  compute: Compute | None = None, blocking: Callable[..., Awaitable[Any]] | None = None,
                  loader: StageLoader = load_stage, expert_loader: ExpertLoader = load_experts,
-                 serve_api: bool = True) -> None:
+                 serve_api: bool = True, process_bytes: Callable[[], int] | None = None) -> None:
         self.config = config
+        self.process_bytes = process_bytes  # what the process holds (None: its RSS), for a CPU stage's KV slots
         self.blocking = blocking or trio.to_thread.run_sync  # other blocking work: planning, tokenizer loads
         self._make_network = network
         self._serve_api = serve_api
@@ -169,7 +170,9 @@ class Node:
                                          max_context=cfg.max_context, max_requests=cfg.max_requests,
                                          loader=self.loader, expert_loader=self.expert_loader,
                                          warmup=warms_up(cfg.warmup, device),
-                                         reuse_blocks=not cfg.full_reload, prepare=weights.ensure)
+                                         reuse_blocks=not cfg.full_reload, prepare=weights.ensure,
+                                         memory=self.descriptor.memory, options=self.plan_options,
+                                         process_bytes=self.process_bytes)
             await nursery.start(self.assignment.run)
             settings = SwarmSettings(cfg.swarm, cfg.timings, bootstrap)
             self.swarm = swarm = SwarmService(network, Signer(key_pair), settings, describe_self=self.descriptor,
@@ -247,7 +250,7 @@ class Node:
     @property
     def plan_options(self) -> PlanOptions:
         """What the planner budgets per node: the KV cache this daemon's stages really allocate."""
-        return PlanOptions(context_length=self.config.max_context, concurrency=self.config.max_requests,
+        return PlanOptions(context_length=self.config.max_context, concurrency=self.config.planned_requests,
                            expert_placement=self.config.expert_placement,
                            fetch_bytes_per_s=max(1.0, self.config.weights_serve_mbps * 1e6 / 8))
 

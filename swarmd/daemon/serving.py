@@ -32,5 +32,6 @@ async def run_pipeline(node: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED
         install_pipeline_routes(node.api, pipeline, node.peer_id)
         if node.model is not None and node.model.layout.is_moe:
             node.status_parts["moe"] = pipeline.moe_status
+        node.status_parts["queue"] = pipeline.head.admission.status
         task_status.started(pipeline)
         await trio.sleep_forever()

@@ -27,10 +27,11 @@ from typing import Any
 import trio
 
 from swarmd.inference.head.service import HeadError, HeadService, ModelInfo
+from swarmd.inference.head.slots import StageSlots
 from swarmd.inference.moe.expert import ExpertActor
 from swarmd.inference.moe.local import LocalExperts
 from swarmd.inference.moe.router import MoERouter
-from swarmd.inference.registry import EMPTY, ChainStatus, Registry, chain_status
+from swarmd.inference.registry import EMPTY, ChainStatus, Registry, chain_status, stage_slots
 from swarmd.inference.stage.actor import Loaded, StageActor
 from swarmd.observe.clock import ClockOffsets
 from swarmd.observe.hop_timer import HopTimer
@@ -84,7 +85,10 @@ class Pipeline:
         self.head = HeadService(node.peer_id, transport, chain=self.chain, registry=self.registry,
                                 timings=cfg.timings, load_model=self._load_model, in_flight=self._count,
                                 leaving=lambda: node.leaving, hop_local=not cfg.full_replay,
+                                capacity=self.capacity, max_queued=cfg.max_queued,
                                 blocking=getattr(node, "blocking", trio.to_thread.run_sync))
+        if getattr(node, "assignment", None) is not None:
+            node.assignment.kv_slots = self.stage.slot_state  # this stage's slots go into its heartbeats
         self._observe()
         transport.on_link_lost = self.router.link_lost  # batches with a replica leave a broken link at once
         transport.on_given_up = self.router.given_up  # a hot fan-out's batch the transport gave up is asked again
@@ -164,6 +168,11 @@ class Pipeline:
                            cannot_hold=True)
         return status
 
+    def capacity(self) -> dict[str, StageSlots | None]:
+        """The members' KV slots as gossiped (this daemon's own as they are now)."""
+        swarm = self.node.swarm
+        return stage_slots(swarm.snapshot()["members"]) if swarm is not None else {}
+
     async def forget_dead_heads(self, interval: float = 1.0) -> None:
         """Requests whose head died hold KV caches no one reads: free them as soon as membership says so."""
         while True:
@@ -241,6 +250,7 @@ class Pipeline:
                 "hop": loaded.hop, "of": loaded.registry.n_stages, "blocks": [loaded.model.start, loaded.model.end],
                 "requests": len(book.requests) if book else 0, **self.stage.queue_state(),
                 **self.stage.stats.to_json()},
+            "queue": self.head.admission.status(),
             "head": {"in_flight": len(self.head.requests), **self.head.stats,
                      "requests": [{"request_id": h.request_id, "tokens": h.timing.tokens, "where": h.whereabouts()}
                                   for h in self.head.handles()]},

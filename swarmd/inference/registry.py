@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.plan import Plan, expert_actor, stage_actor
+from swarmd.inference.head.slots import StageSlots
 from swarmd.net.identity import short_id
 
 
@@ -102,3 +103,12 @@ def chain_status(plan: Mapping[str, Any] | None, members: Sequence[Mapping[str, 
         return ChainStatus(False, f"plan epoch {plan.get('epoch')}: loading " + ", ".join(loading))
     n = len(plan["stages"])
     return ChainStatus(True, f"plan epoch {plan.get('epoch')}: {n} stage{'s' if n != 1 else ''} ready")
+
+
+def stage_slots(members: Sequence[Mapping[str, Any]]) -> dict[str, StageSlots | None]:
+    """Each member's KV slots as its heartbeat reports them (`assignment.kv`; None: it reports none)."""
+    out: dict[str, StageSlots | None] = {}
+    for m in members:
+        kv = (m.get("assignment") or {}).get("kv")
+        out[m["peer_id"]] = StageSlots(kv["slots"], kv["used"], kv["version"]) if kv else None
+    return out

@@ -10,6 +10,10 @@ at scrape time.
     swarmd_tokens_total, swarmd_requests_total{outcome}, swarmd_stage_steps_total, swarmd_stage_batches_total
     swarmd_transport_frames_total{event}              resent (retries), reconnects, expired, refused, duplicates
     swarmd_kv_cache_bytes, swarmd_kv_cache_slots{state}
+    swarmd_queue_depth                    gauge       requests waiting in this daemon's queue for a KV slot
+    swarmd_queue_wait_seconds             histogram   arrival (or a busy stage's refusal) -> its turn
+    swarmd_queue_refused_total            counter     requests refused with 429 (queue full, or pushed out)
+    swarmd_stage_slots{hop,peer,state}    gauge       KV slots of each stage of the chain (used, total), as seen here
     swarmd_stage_moved_requests_total{kv}             moved requests this stage continued: kv adopted or rebuilt
     swarmd_expert_tokens_total{block,expert}          tokens this daemon's MoE routers sent to each expert
     swarmd_moe_fanout_messages_total{block}           expert batches they sent (one per node hit per step)
@@ -26,6 +30,7 @@ from prometheus_client.registry import Collector
 
 HOP_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 TRANSPORT_EVENTS = ("resent", "reconnects", "connect_failures", "expired", "refused", "duplicates", "replays",
                     "bad_frames")
 
@@ -96,7 +101,24 @@ class PipelineCollector(Collector):
             slots.add_metric(["free"], model.max_requests - used)
         yield kv_bytes
         yield slots
+        yield from _queue_metrics(p)
         yield from _moe_metrics(p)
+
+
+def _queue_metrics(pipeline: Any) -> Iterator[Metric]:
+    """This daemon's queue, and the chain's KV slots as its head sees them."""
+    queue = pipeline.head.admission.status()
+    yield GaugeMetricFamily("swarmd_queue_depth", "Requests waiting in this daemon's queue for a KV slot",
+                            value=queue["queued"])
+    yield CounterMetricFamily("swarmd_queue_refused", "Requests refused with 429: the queue was full, or they "
+                              "were pushed out of it", value=queue["refused"])
+    slots = GaugeMetricFamily("swarmd_stage_slots", "KV slots of each stage of the chain, as this daemon sees them",
+                              labels=["hop", "peer", "state"])
+    for st in queue["stages"]:
+        if st["slots"] is not None:
+            slots.add_metric([str(st["hop"]), st["peer_id"], "total"], st["slots"])
+            slots.add_metric([str(st["hop"]), st["peer_id"], "used"], st["used"] or 0)
+    yield slots
 
 
 def _moe_metrics(pipeline: Any) -> Iterator[Metric]:
@@ -120,4 +142,7 @@ def register_pipeline_metrics(registry: CollectorRegistry, pipeline: Any) -> tup
     registry.register(PipelineCollector(pipeline))
     ttft = Histogram("swarmd_time_to_first_token_seconds", "Request sent into the chain to its first token",
                      buckets=TTFT_BUCKETS, registry=registry)
+    wait = Histogram("swarmd_queue_wait_seconds", "Time a request waited in this daemon's queue for its turn",
+                     buckets=WAIT_BUCKETS, registry=registry)
+    pipeline.head.admission.on_wait_time = wait.observe
     return WireMetrics(registry), ttft

@@ -186,7 +186,7 @@ class SwarmTwin:
 
         node = Node(daemon.config, network=network, compute=InlineCompute(), blocking=run_inline,
                     loader=self.pool.stage_loader(name), expert_loader=self.pool.expert_loader(name),
-                    serve_api=False)
+                    serve_api=False, process_bytes=lambda: 0)  # the process is every daemon's
         node.add_extension(run_pipeline)
         daemon.node, daemon.scope, daemon.stopped = node, trio.CancelScope(), trio.Event()
         try:

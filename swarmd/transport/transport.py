@@ -317,6 +317,7 @@ class ActorTransport:
         """Deliver `msg` to `peer` and wait for its ack (retrying over broken links until the deadline)."""
         if self._nursery is None:
             raise DeliveryFailed(peer, msg, "the transport has stopped (the daemon is stopping)")
+        await trio.lowlevel.checkpoint_if_cancelled()  # stopping: its link tasks' nursery may be closed already
         if peer == self.local_peer:
             await self._deliver_locally(msg)
             return

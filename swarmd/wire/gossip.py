@@ -72,12 +72,14 @@ class AssignmentStatus:
     progress: float = 0.0  # 0..1 while loading
     error: str = ""
     fetch: tuple[int, int, float] = (0, 0, 0.0)  # weights being fetched: bytes so far, bytes in all, bytes/s
+    # the loaded stage's KV slots: (slots, requests holding or waiting for one, version: changes with the second)
+    kv: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state", AssignmentState(self.state))
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "epoch": self.epoch,
             "layers": list(self.layers) if self.layers else None,
             "experts": {str(b): list(es) for b, es in self.experts.items()},
@@ -86,10 +88,19 @@ class AssignmentStatus:
             "error": self.error,
             "fetch": {"bytes": self.fetch[0], "total": self.fetch[1], "rate": round(self.fetch[2], 1)},
         }
+        if self.kv is not None:
+            doc["kv"] = {"slots": self.kv[0], "used": self.kv[1], "version": self.kv[2]}
+        return doc
 
     @staticmethod
     def from_json(doc: Any) -> AssignmentStatus:
-        _expect_keys(doc, {"epoch", "layers", "experts", "state", "progress", "error", "fetch"}, "assignment")
+        keys = {"epoch", "layers", "experts", "state", "progress", "error", "fetch"}
+        _expect_keys(doc, keys | ({"kv"} if isinstance(doc, dict) and "kv" in doc else set()), "assignment")
+        kv = None
+        if "kv" in doc:
+            _expect_keys(doc["kv"], {"slots", "used", "version"}, "assignment.kv")
+            kv = (_int(doc["kv"]["slots"], "assignment.kv.slots"), _int(doc["kv"]["used"], "assignment.kv.used"),
+                  _int(doc["kv"]["version"], "assignment.kv.version"))
         layers, experts, progress = doc["layers"], doc["experts"], doc["progress"]
         _expect_keys(doc["fetch"], {"bytes", "total", "rate"}, "assignment.fetch")
         rate = doc["fetch"]["rate"]
@@ -116,6 +127,7 @@ class AssignmentStatus:
             error=doc["error"][:300],
             fetch=(_int(doc["fetch"]["bytes"], "assignment.fetch.bytes"), _int(doc["fetch"]["total"],
                                                                               "assignment.fetch.total"), float(rate)),
+            kv=kv,
         )
 
 

@@ -20,7 +20,7 @@ from models.text.tokenizer import Tokenizer
 from swarmd.config import Timings
 from swarmd.inference.compute import ComputeThread
 from swarmd.inference.head.service import HeadError, HeadRequest, HeadService, ModelInfo
-from swarmd.inference.head.session import Failed, Finished, PromptScores, TokenOut
+from swarmd.inference.head.session import Finished, PromptScores, TokenOut
 from swarmd.inference.pipeline import install_actor_routes
 from swarmd.inference.registry import ChainStatus, Registry
 from swarmd.inference.stage.actor import Loaded, StageActor
@@ -69,6 +69,22 @@ def reference(tiny: Tiny, prompt: str, max_tokens: int, **params) -> list[int]:
         return gen.token_ids
 
     return run()  # on the test's thread while no stage computes
+
+
+def reference_ids(tiny: Tiny, ids: list[int], max_tokens: int) -> list[int]:
+    gen = generate(tiny.whole, tiny.tokenizer, ids, SamplingParams(max_tokens=max_tokens))
+    for _ in gen:
+        pass
+    return gen.token_ids
+
+
+def whole_logits(tiny: Tiny, ids: list[int]) -> np.ndarray:
+    """Every position's logits from the whole model in one process (on the test's thread)."""
+    tiny.whole.add_request("tf")
+    try:
+        return tiny.whole.forward([StageInput("tf", 0, np.asarray(ids, dtype=np.int32), all_logits=True)])[0]
+    finally:
+        tiny.whole.free_request("tf")
 
 
 class MemorySwarm:
@@ -185,29 +201,74 @@ async def test_a_stop_string_ends_the_request_where_it_appears(swarm, tiny):
     assert text == full[:full.index(stop)] and events[-1] == Finished("stop", events[-1].text)
 
 
-async def test_a_full_kv_cache_refuses_a_new_request_clearly(swarm, tiny):
+async def test_a_request_finding_every_kv_slot_taken_waits_at_the_stage_for_one_then_runs(swarm, tiny, nursery):
+    done: list[list[int]] = []
+
+    async def third() -> None:
+        done.append((await swarm.generate("h", swarm.request(PROMPTS[0], 4)))[0])
+
     async with swarm.heads["s0"].open(swarm.request(PROMPTS[0], 80)) as a, \
             swarm.heads["h"].open(swarm.request(PROMPTS[1], 80)) as b:
         await a.__anext__()
         await b.__anext__()  # both hold a KV slot at every stage (SLOTS == 2)
-        _, events = await swarm.generate("h", swarm.request(PROMPTS[0], 4))
-    assert isinstance(events[-1], Failed) and events[-1].code == "kv_cache_full"
-    assert "KV cache slots" in events[-1].message
+        nursery.start_soon(third)
+        for _ in range(100):
+            await trio.sleep(0.02)
+            if swarm.stages["s0"].book.in_line:
+                break
+        assert list(swarm.stages["s0"].book.in_line) and not done  # in line at stage 0, not refused
+        await a.__anext__()  # the two go on meanwhile
+    with trio.fail_after(60):
+        while not done:  # noqa: ASYNC110 - the request runs in the fixture's nursery
+            await trio.sleep(0.05)
+    assert done == [reference(tiny, PROMPTS[0], 4)]
+
+
+async def test_requests_a_stage_has_no_room_for_wait_their_turn_again_at_the_head_and_all_complete(swarm, tiny):
+    results: dict[int, list[int]] = {}
+    prompts = [PROMPTS[i % 2] + " " * (i // 2) for i in range(6)]  # 2 run, 2 wait at stage 0, 2 are busy
+
+    async def one(i: int) -> None:
+        results[i] = (await swarm.generate(("s0", "h")[i % 2], swarm.request(prompts[i], 5)))[0]
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(one, i)
+    assert results == {i: reference(tiny, prompts[i], 5) for i in range(len(prompts))}
+    assert swarm.heads["s0"].stats["busy"] + swarm.heads["h"].stats["busy"] >= 1  # some were put back
+    assert all(h.admission.queue.depth == 0 and not h.admission.queue.tickets for h in swarm.heads.values())
+
+
+async def test_a_long_prompt_arriving_while_another_request_decodes_is_prefilled_a_chunk_per_step(swarm, tiny):
+    ids = tiny.tokenizer.encode("the quick brown fox jumps over the lazy dog; " * 10)
+    assert len(ids) >= 90  # 3 chunks of 32
+    results: dict[str, object] = {}
+
+    async def scored() -> None:
+        results["scores"] = (await swarm.generate("h", HeadRequest(tuple(ids[:80]), 0, logprobs=2,
+                                                                   prompt_scores=True)))[1]
+
+    async with swarm.heads["s0"].open(swarm.request(PROMPTS[1], 40)) as running:
+        first = await running.__anext__()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(scored)
+            results["long"] = (await swarm.generate("h", HeadRequest(tuple(ids[:90]), 4)))[0]
+        results["running"] = [first.token_id] + [ev.token_id async for ev in running if isinstance(ev, TokenOut)]
+    assert results["long"] == reference_ids(tiny, ids[:90], 4)
+    assert results["running"] == reference(tiny, PROMPTS[1], 40)
+    assert swarm.stages["s0"].stats.prefill_chunks_deferred >= 2  # the prompts ran a chunk per batch
+    (scores,) = [e for e in results["scores"] if isinstance(e, PromptScores)]
+    logits = whole_logits(tiny, ids[:80])
+    top1 = [int(np.argmax(row)) for row in logits[:-1]]
+    assert [top[0][0] for top in scores.top] == top1
 
 
 async def test_teacher_forcing_scores_every_prompt_token_as_the_whole_model_does(swarm, tiny):
     ids = tiny.tokenizer.encode("the theory of the thing: there, then")
     _, events = await swarm.generate("h", HeadRequest(tuple(ids), 0, logprobs=3, prompt_scores=True))
     (scores,) = [e for e in events if isinstance(e, PromptScores)]
-
-    def whole_logits() -> np.ndarray:
-        tiny.whole.add_request("tf")
-        try:
-            return tiny.whole.forward([StageInput("tf", 0, np.asarray(ids, dtype=np.int32), all_logits=True)])[0]
-        finally:
-            tiny.whole.free_request("tf")
-
-    logits = whole_logits()
+    logits = whole_logits(tiny, ids)
     x = logits.astype(np.float64)
     logp = x - x.max(axis=1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(axis=1, keepdims=True))

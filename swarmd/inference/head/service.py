@@ -4,12 +4,18 @@
         async for event in request:          # TokenOut, PromptScores, then Finished or Failed
             ...
 
-`open` waits (up to `ready_timeout`) until every stage of the plan is alive and loaded, telling `on_wait`
-what it waits for; sends the prompt's token ids to stage 0 as a `Forward` carrying the sampling settings
+`open` waits its turn in the daemon's queue (`swarmd.inference.head.admission`: bounded, fair across clients)
+until every stage of the plan is alive and loaded (up to `ready_timeout`) and has a KV slot free, telling
+`on_wait` what it waits for; sends the prompt's token ids to stage 0 as a `Forward` carrying the sampling settings
 (seeded per request); and hands the `Token`s the last stage sends back to a `HeadSession`
 (`swarmd.inference.head.session`), whose events the caller iterates. Leaving the block, however it is left (finished,
 a stop string, the client went away, an error), sends `Cancel` to every stage so that each frees the
-request's KV cache.
+request's KV cache, and gives its place up. The HTTP routes take the place first (`admit`, which answers 429
+when the queue is full) and wait for the turn (`wait_turn`) before their response starts.
+
+A stage that finds no slot free holds a new request until one frees; when too many wait there it answers
+`busy`, and the request goes back to the front of the queue and is sent again, as a new attempt, when the
+chain has room.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import math
 import random
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +34,7 @@ import numpy as np
 import trio
 
 from swarmd.config import Timings
+from swarmd.inference.head.admission import Admission, Closed, NotReady, QueueFull, Turn
 from swarmd.inference.head.hop_local import plan_move
 from swarmd.inference.head.recovery import (
     CHAIN_ERRORS,
@@ -38,6 +45,7 @@ from swarmd.inference.head.recovery import (
     replay_forward,
 )
 from swarmd.inference.head.session import Event, Failed, HeadSession, TokenOut
+from swarmd.inference.head.slots import StageSlots
 from swarmd.inference.registry import ChainStatus, Registry
 from swarmd.net.identity import short_id
 from swarmd.observe.spans import SpanRecorder
@@ -52,10 +60,14 @@ MAX_SEED = (1 << 63) - 1
 OnWait = Callable[[str], Awaitable[None]]  # told what the request waits for, each time that changes
 MOVE_CHECK_INTERVAL = 0.1  # s between looks at the plan for requests whose chain changed
 TOO_SMALL_GRACE = 5.0  # s a moving request waits once the leader says the model no longer fits the swarm
+MAX_BUSY_RETRIES = 64  # a request the chain's stages turned away as busy this often fails (something is wrong)
+BUSY_CODES = frozenset({"busy", "kv_cache_full"})  # a stage had no KV slot: the request waits its turn again
 
-# The HTTP status of a failure code, where it is not a plain bad request (400).
-STATUS = {"leaving": 503, "swarm_too_small": 503, "not_ready": 503, "kv_cache_full": 503, "unreachable": 503, "timeout": 504, "internal": 500,
-          "model_error": 500, "unknown_request": 502, "out_of_order": 502, "not_a_stage": 503, "wrong_hop": 503}
+# The HTTP status of a failure code, where it is not a plain bad request (400). 503: the swarm cannot serve;
+# 429: it is busy (the client may retry after a while).
+STATUS = {"leaving": 503, "swarm_too_small": 503, "not_ready": 503, "unreachable": 503, "timeout": 504, "internal": 500,
+          "model_error": 500, "unknown_request": 502, "out_of_order": 502, "not_a_stage": 503, "wrong_hop": 503,
+          "queue_full": 429, "busy": 429, "kv_cache_full": 429}
 
 
 def status_of(code: str) -> int:
@@ -69,9 +81,10 @@ CLIENT_CODES = {"empty_prompt", "context_length_exceeded", "context_full", "bad_
 class HeadError(Exception):
     """A request that cannot be served; `status` is the HTTP status the API answers with."""
 
-    def __init__(self, code: str, message: str, status: int = 400) -> None:
+    def __init__(self, code: str, message: str, status: int = 400, *, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.code, self.message, self.status = code, message, status
+        self.retry_after = retry_after  # s, for a busy swarm (429)
 
 
 @dataclass(frozen=True)
@@ -131,8 +144,12 @@ class RequestHandle:
     on_first: Callable[[float], None] | None = None  # told the time to the first token (s)
     request: HeadRequest | None = None
     sampling: Sampling | None = None
-    attempt: int = 0  # how often the request moved to a new chain (its stages know it as `wire_id`)
+    attempt: int = 0  # how often the request was sent anew (its stages know it as `wire_id`)
+    moves: int = 0  # of those, how often it moved to a new chain (the others: a stage was busy)
+    busy_retries: int = 0
+    turn: Turn | None = None  # its place in the head's queue
     moving: bool = False
+    deferred_error: Error | None = None  # a stage's error that came while the request was moving
     full_replay: bool = False  # a stage could not continue an attempt: the next move replays on every stage
     closed: bool = False  # the caller left the block: nothing more is sent for it
     recoveries: list[Recovery] = field(default_factory=list)
@@ -224,6 +241,7 @@ class HeadService:
                  registry: Callable[[], Registry], timings: Timings, load_model: Callable[[], ModelInfo],
                  in_flight: Callable[[int], None] = lambda delta: None,
                  leaving: Callable[[], bool] = lambda: False, hop_local: bool = True,
+                 capacity: Callable[[], Mapping[str, StageSlots | None]] = dict, max_queued: int = 256,
                  blocking: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync) -> None:
         self.peer_id = peer_id
         self._blocking = blocking  # loads the tokenizer off the event loop (a worker thread; inline in simulations)
@@ -233,19 +251,22 @@ class HeadService:
         self._registry = registry
         self.timings = timings
         self._load_model = load_model
-        self._in_flight = in_flight
         self._leaving = leaving
+        # the queue of requests waiting for a slot on every stage (counted in flight from arrival to end)
+        self.admission = Admission(chain=chain, registry=registry, capacity=capacity, timings=timings,
+                                   max_queued=max_queued, in_flight=in_flight)
         self._model: ModelInfo | None = None
         self._model_lock = trio.Lock()
         self.requests: dict[str, RequestHandle] = {}
         self._nursery: trio.Nursery | None = None
-        self.stats = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0, "tokens": 0, "moved": 0}
+        self.stats = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0, "tokens": 0, "moved": 0, "busy": 0}
         self.tracing: TraceCollector | None = None  # gathers traced requests' spans (swarmd.observe.trace_collect)
         self.on_first_token: Callable[[float], None] | None = None  # metrics: time to first token (s)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            await nursery.start(self.admission.run)
             task_status.started(self)
             await self._follow_plans()
 
@@ -285,28 +306,59 @@ class HeadService:
 
     # --- requests ------------------------------------------------------------------------------------------
 
-    @asynccontextmanager
-    async def open(self, req: HeadRequest, *, on_wait: OnWait | None = None,
-                   ready_timeout: float | None = None) -> AsyncIterator[RequestHandle]:
+    def admit(self, client: str) -> Turn:
+        """A place in this daemon's queue for a request of `client`; HeadError 429 (with retry_after) when the
+        queue is full, 503 while the daemon leaves. Close it (`close_turn`) however the request ends."""
         if self._leaving():
             raise HeadError("leaving", "this daemon is leaving the swarm: send the request to another member", 503)
-        model = await self.model()
-        check_request(req, model)
+        try:
+            return self.admission.admit(client)
+        except QueueFull as e:
+            raise HeadError("queue_full", e.message, 429, retry_after=e.retry_after) from None
+
+    async def wait_turn(self, turn: Turn, on_wait: OnWait | None = None, *, within: float | None = None,
+                        give_up_when_too_small: bool = False) -> Registry:
+        """Wait in the queue until the request may start; the chain to send it to. HeadError 503 when the
+        swarm cannot serve (not ready within `within` s), 429 when the request was pushed out of the queue."""
+        try:
+            return await self.admission.wait_turn(turn, on_wait, within=within,
+                                                  give_up_when_too_small=give_up_when_too_small)
+        except NotReady as e:
+            raise HeadError(e.code, e.message, 503) from None
+        except QueueFull as e:
+            raise HeadError("queue_full", e.message, 429, retry_after=e.retry_after) from None
+        except Closed:
+            raise HeadError("cancelled", "the request was cancelled while it waited", 499) from None
+
+    def close_turn(self, turn: Turn) -> None:
+        self.admission.close(turn)
+
+    @asynccontextmanager
+    async def open(self, req: HeadRequest, *, turn: Turn | None = None, on_wait: OnWait | None = None,
+                   ready_timeout: float | None = None) -> AsyncIterator[RequestHandle]:
+        """The request, sent into the chain once it is its turn (`turn`: its place, taken with `admit`; by
+        default one is taken here). Its place is given up when the block is left."""
+        turn = turn if turn is not None else self.admit("local")
+        try:
+            model = await self.model()
+            check_request(req, model)
+        except BaseException:
+            self.close_turn(turn)
+            raise
         recorder = self.tracing.recorder if req.trace and self.tracing is not None else None
         request_id = f"req-{random.getrandbits(64):016x}"  # the process RNG: a simulation seed replays it
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         session = HeadSession(request_id, len(req.prompt_ids), req.max_tokens, model.tokenizer.stream_decoder(),
                               req.stop, want_prompt_scores=req.prompt_scores)
         handle = RequestHandle(request_id, session, seed, self.timings, recorder=recorder,
-                               on_first=self.on_first_token, request=req)
+                               on_first=self.on_first_token, request=req, turn=turn)
         if recorder is not None:
             recorder.trace(request_id)
-        handle.timing.opened = time.perf_counter()
+        handle.timing.opened = turn.arrived
         self.stats["requests"] += 1
-        self._in_flight(+1)
         sent, crashed = False, False
         try:
-            handle.registry = await self.wait_ready(ready_timeout, on_wait)
+            handle.registry = await self.wait_turn(turn, on_wait, within=ready_timeout)
             handle.record("head.wait_for_chain", handle.timing.opened, time.perf_counter())
             self.requests[request_id] = handle
             sent = True  # from here on the stages may hold the request, even if sending seems to fail
@@ -319,7 +371,7 @@ class HeadService:
             handle.closed = True
             for attempt in range(handle.attempt + 1):
                 self.requests.pop(attempt_id(request_id, attempt), None)
-            self._in_flight(-1)
+            self.close_turn(turn)
             if session.done and session.error is None:
                 outcome = "finished"
             else:
@@ -418,7 +470,7 @@ class HeadService:
         assert self._nursery is not None and handle.request is not None and handle.sampling is not None
         try:
             while True:
-                if handle.attempt >= MAX_MOVES:
+                if handle.moves >= MAX_MOVES:
                     self._spawn(self._cancel_chain, handle.wire_id, handle.registry, "moved")
                     raise HeadError("unreachable", f"moved {MAX_MOVES} times and the chain still does not hold it",
                                     503)
@@ -435,7 +487,10 @@ class HeadService:
                 recovery.ready, recovery.epoch = time.perf_counter(), registry.epoch
                 recovery.kept_hops = tuple(hop for hop, _ in move.kept)
                 handle.attempt += 1
+                handle.moves += 1
                 handle.registry = registry
+                if handle.turn is not None:
+                    self.admission.moved(handle.turn, registry)
                 self.requests[handle.wire_id] = handle
                 msg = replay_forward(handle.request_id, handle.attempt, self.peer_id, req.prompt_ids,
                                      list(session.tokens), handle.sampling, registry.epoch,
@@ -456,7 +511,55 @@ class HeadService:
         except HeadError as e:
             handle.push(handle.session.fail(e.code, f"the request's chain broke and it could not move: {e.message}"))
         finally:
-            handle.moving = False
+            self._moved(handle)
+
+    async def _wait_again(self, handle: RequestHandle, hop: int) -> None:
+        """Stage `hop` had no KV slot for the request: the attempt is cancelled on every stage, the request goes
+        back to the front of the queue, and its tokens so far are sent again, as a new attempt, on its turn."""
+        assert self._nursery is not None and handle.request is not None and handle.sampling is not None
+        turn = handle.turn
+        try:
+            handle.busy_retries += 1
+            self.stats["busy"] += 1
+            self._spawn(self._cancel_chain, handle.wire_id, handle.registry, "busy")
+            if turn is None:
+                raise HeadError("busy", "the chain had no KV slot free for the request", 429)
+            self.admission.requeue(turn, handle.registry.stages[hop] if hop < handle.registry.n_stages else None)
+            while True:
+                registry = await self.wait_turn(turn, give_up_when_too_small=True)
+                if handle.session.ended or handle.closed:
+                    return
+                req, session = handle.request, handle.session
+                handle.attempt += 1
+                handle.registry = registry
+                self.requests[handle.wire_id] = handle
+                msg = replay_forward(handle.request_id, handle.attempt, self.peer_id, req.prompt_ids,
+                                     list(session.tokens), handle.sampling, registry.epoch,
+                                     prompt_scores=req.prompt_scores and not session.scored)
+                if not handle.timing.first:
+                    handle.timing.sent = time.perf_counter()
+                try:
+                    await self.transport.send(registry.stage_peer(0), msg)
+                except (Refused, DeliveryFailed) as e:
+                    log.info("%s: stage 0 did not take it again: %s", handle.request_id, e)
+                    self.admission.requeue(turn, None)
+                    await trio.sleep(MOVE_CHECK_INTERVAL)
+                    continue
+                if handle.closed:
+                    self._spawn(self._cancel_chain, handle.wire_id, registry, "cancelled")
+                return
+        except HeadError as e:
+            handle.push(handle.session.fail(e.code, e.message))
+        finally:
+            self._moved(handle)
+
+    def _moved(self, handle: RequestHandle) -> None:
+        """The move (or the new turn) is over: an error about the new attempt that came while it was under way
+        (a stage may refuse a Forward before the send returns) is handled now."""
+        handle.moving = False
+        error, handle.deferred_error = handle.deferred_error, None
+        if error is not None and error.request_id == handle.wire_id and not handle.session.ended:
+            self.on_error(error)
 
     # --- messages from the chain ----------------------------------------------------------------------------
 
@@ -486,9 +589,16 @@ class HeadService:
         handle = self.requests.get(msg.request_id)
         if handle is None:
             return False
-        if msg.request_id != handle.wire_id or handle.moving:
+        if msg.request_id != handle.wire_id:
+            return True  # about an earlier attempt
+        if handle.moving:
+            handle.deferred_error = msg  # about the attempt being sent now: once the send is done
             return True
-        if msg.code in CHAIN_ERRORS and handle.attempt < MAX_MOVES:
+        if msg.code in BUSY_CODES and handle.busy_retries < MAX_BUSY_RETRIES and not handle.closed:
+            handle.moving = self._spawn(self._wait_again, handle, msg.hop)
+            if handle.moving:
+                return True
+        if msg.code in CHAIN_ERRORS and handle.moves < MAX_MOVES:
             handle.full_replay = handle.full_replay or msg.code == "resume_failed"
             self._start_move(handle, f"stage {msg.hop}: {msg.code}: {msg.message}")
             return True

@@ -74,6 +74,7 @@ class StageStats:
         self.kv_adopted = 0
         self.kv_kept_positions = 0
         self.kv_rebuilt = 0
+        self.prefill_chunks_deferred = 0  # prefills whose next chunk waited for the next batch (others decoding)
 
     def record_batch(self, jobs: Sequence[Job]) -> None:
         self.batches += 1
@@ -101,6 +102,7 @@ class StageStats:
             "largest_batch": self.largest_batch,
             "decode_batch_mean": round(statistics.fmean(self.decode_batch), 3) if self.decode_batch else None,
             "kv_adopted": self.kv_adopted, "kv_kept_positions": self.kv_kept_positions, "kv_rebuilt": self.kv_rebuilt,
+            "prefill_chunks_deferred": self.prefill_chunks_deferred,
             "recent_steps": [dict(zip(STEP_FIELDS, step, strict=True)) for step in self.steps],
         }
 
@@ -156,6 +158,7 @@ class StageActor:
         self._loop_thread = threading.get_ident()
         self._token: trio.lowlevel.TrioToken | None = None
         self._now: Callable[[], float] = trio.current_time  # the event loop's clock, readable from any thread
+        self._waiters: dict[str, trio.Event] = {}  # new requests waiting for a KV slot, by request id
 
     def _loaded_epoch(self) -> int:
         loaded = self._current()
@@ -171,16 +174,25 @@ class StageActor:
             with trio.move_on_after(PLAN_CATCH_UP_S):
                 while msg.epoch > self._plan_epoch():  # noqa: ASYNC110 - the plan arrives through gossip
                     await trio.sleep(0.01)
-        with self._lock:
-            try:
+        try:
+            with self._lock:
+                loaded, book = self._book()
+                wait = book.must_wait(msg)
+            if wait:
+                if not await self._wait_for_slot(book, msg.request_id, msg.head or peer):
+                    return None  # cancelled while it waited, or the stage changed under it
+                received = time.perf_counter()
+            with self._lock:
                 loaded, book = self._book()
                 work = book.on_forward(msg, trio.current_time())
-            except StageRefusal as e:
-                return _refusal(msg.head or peer, msg.request_id, msg.step, msg.hop, e)
-            if msg.resume_of:  # the attempt it continues is over here: adopted by `work`, or (busy, say) dropped
-                self.stats.record_resume(work)
-                if book.cancel(msg.resume_of):
-                    self._free(loaded.model, msg.resume_of)
+                if msg.resume_of:  # the attempt it continues is over here: adopted by `work`, or (busy) dropped
+                    self.stats.record_resume(work)
+                    if book.cancel(msg.resume_of):
+                        self._free(loaded.model, msg.resume_of)
+        except StageRefusal as e:
+            with self._lock:
+                self._admit_in_line()  # a slot held for it is free again
+            return _refusal(msg.head or peer, msg.request_id, msg.step, msg.hop, e)
         return await self._run(loaded, book, work, received)
 
     async def on_token(self, peer: str, msg: Token) -> HandlerResult:
@@ -208,6 +220,7 @@ class StageActor:
             batch = self._inflight
             if batch is not None and self._all_cancelled(batch):
                 self._stop_waiting(batch)
+            self._admit_in_line()
 
     def _all_cancelled(self, batch: Batch) -> bool:
         """Whether every request of `batch` is cancelled or gone (under `_lock`)."""
@@ -366,6 +379,41 @@ class StageActor:
         else:
             self._to_loop(self._poke)
 
+    # --- KV slots ----------------------------------------------------------------------------------------
+
+    async def _wait_for_slot(self, book: StageBook, request_id: str, head: str) -> bool:
+        """Wait in line for a KV slot; True once one is held for the request (False: it left the line)."""
+        book.wait(request_id, head)
+        waiter = self._waiters[request_id] = trio.Event()
+        try:
+            await waiter.wait()
+        finally:
+            if self._waiters.get(request_id) is waiter:  # cancelled while waiting: the daemon stops
+                del self._waiters[request_id]
+                book.cancel(request_id)
+        return self.book is book and request_id in book.reserved
+
+    def _admit_in_line(self) -> None:
+        """On the event loop: give freed slots to the requests waiting here, in order; wake those that left the
+        line too."""
+        with self._lock:
+            book = self.book
+            if book is not None:
+                book.release_line()
+            woken = [r for r in self._waiters if book is None or r not in book.in_line]
+        for rid in woken:
+            self._waiters.pop(rid).set()
+
+    def slot_state(self) -> tuple[int, int, int] | None:
+        """(KV slots, requests holding or waiting for one, version) of the loaded stage, for its heartbeat."""
+        loaded = self._current()
+        if loaded is None:
+            return None
+        book = self.book
+        if book is None or self._model is not loaded.model:
+            return int(loaded.model.max_requests), 0, 0
+        return book.slots, book.used + len(book.in_line), book.version
+
     def head_of(self, request_id: str) -> str | None:
         return self.book.head_of(request_id) if self.book else None
 
@@ -388,6 +436,7 @@ class StageActor:
             for rid in dropped:
                 log.info("request %s: its head is gone; freed its KV cache", rid)
                 self._free(self._model, rid)
+            self._admit_in_line()
         return dropped
 
     # --- the book of the stage loaded now ----------------------------------------------------------------
@@ -404,9 +453,12 @@ class StageActor:
                     self._free(old, rid)
                 log.info("stage %d of %d now (blocks %d-%d); requests of the old stage dropped", loaded.hop,
                          loaded.registry.n_stages, loaded.model.start, loaded.model.end - 1)
+            version = self.book.version + 1 if self.book is not None else 0  # a head sees the change
             self.book = StageBook(loaded.hop, loaded.registry.n_stages, min(self.max_context, loaded.model.max_context),
-                                  loaded.model.vocab_size, self.wire_dtype)
+                                  loaded.model.vocab_size, self.wire_dtype, slots=loaded.model.max_requests,
+                                  version=version)
             self._book_key = key
+            self._admit_in_line()  # those waiting for the old stage's slots leave the line
             self._model = loaded.model
             self._decode_s.clear()  # a new model's batch sizes are all unseen
         assert self.book is not None
@@ -439,7 +491,7 @@ class StageActor:
             built: list[Send] = []
             with self._lock:
                 for j in job.group or [job]:
-                    if j.sends is None:
+                    if j.sends is None and j.done.is_set():  # (not a prefill still running its next chunk)
                         j.sends = as_sends(self._outputs(j))
                         built += j.sends
             chain: list[Send] = []
@@ -486,21 +538,59 @@ class StageActor:
         if model is not None:
             self._frees.append((model, request_id))
             self._poke()
+        # the book let the slot go: the next in line takes it (freed before it runs)
+        if threading.get_ident() == self._loop_thread:
+            self._admit_in_line()
+        else:
+            self._to_loop(self._admit_in_line)
 
     def _take_batch(self) -> list[Job]:
-        """Every queued job of one model, one per request (a request's next step waits for the next batch)."""
+        """Every queued job of one model, one per request (a request's next step waits for the next batch).
+
+        While the stage holds other requests, whose next steps a prefill would hold up, the batch runs at most
+        one prefill chunk (`prefill_chunk` rows, one call of the model's prefill graph, whatever the rows); the
+        rest of that prompt, and other prompts, run in the batches after it, each with the decode steps queued
+        by then."""
         model = self._jobs[0].model
+        prefilling = {j.work.request_id for j in self._jobs if j.rows_left > 1}
+        chunk = getattr(model, "prefill_chunk", 0)
+        book = self.book
+        budget = 1 if chunk and book is not None and len(book.requests) > len(prefilling) else None  # chunks
         batch: list[Job] = []
         rest: list[Job] = []
         seen: set[str] = set()
         for job in self._jobs:
-            if job.model is model and job.work.request_id not in seen:
-                seen.add(job.work.request_id)
-                batch.append(job)
-            else:
+            if job.model is not model or job.work.request_id in seen:
                 rest.append(job)
+                continue
+            job.take = job.rows_left
+            if job.rows_left > 1 and budget is not None:
+                if budget <= 0:
+                    rest.append(job)
+                    continue
+                job.take = min(job.rows_left, chunk)
+                budget -= 1
+            seen.add(job.work.request_id)
+            batch.append(job)
         self._jobs = rest
         return batch
+
+    def _settle(self, batch: Batch) -> None:
+        """The batch is over: wake the handlers of its finished (or failed) jobs; a prefill with rows left goes
+        back to the front of the queue for its next chunk. Once per batch."""
+        with self._lock:
+            if batch.settled:
+                return
+            batch.settled = True
+            again = [j for j in batch.jobs if j.output is None and j.error is None and 0 < j.offset < j.work.rows]
+            if again:
+                self.stats.prefill_chunks_deferred += len(again)
+                self._jobs[:0] = again
+        for job in batch.jobs:
+            if job not in again:
+                job.done.set()
+        if again:
+            self._wake.set()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self._token = trio.lowlevel.current_trio_token()
@@ -539,13 +629,16 @@ class StageActor:
                         for job in batch.jobs:
                             if job.output is None and job.error is None:
                                 job.error = ("internal", f"the stage failed: {type(e).__name__}: {e}")
+                    except BaseException:  # cancelled: the daemon stops; no job waits for a next chunk
+                        for job in batch.jobs:
+                            job.done.set()
+                        raise
                     finally:
                         with self._lock:
                             if self._inflight is batch:
                                 self._inflight = None
                             self._measure(batch)
-                        for job in batch.jobs:
-                            job.done.set()
+                        self._settle(batch)
                     if batch.jobs and not (batch.hot and all(j.reply is None for j in batch.jobs)):
                         self.stats.record_batch(batch.jobs)  # (a hot step done on the lane recorded itself)
                     self._answer_hot_replies(batch)
@@ -621,7 +714,7 @@ class StageActor:
             if (jobs and answer is not None and answer[0] and jobs[0].ended and jobs[0].model is self._model
                     and all(j.work.rows == 1 for j in jobs)):
                 self._decode_s[len(jobs)] = jobs[0].ended - jobs[0].started
-            _first_segment_done(batch, answer, error)
+            self._first_segment_done(batch, answer, error)
             if self._idle and batch is self._inflight and error is None and batch.answer[0]:
                 # A batch a handler launched while the worker slept, done in one segment (the usual decode step):
                 # finish it here rather than wake the worker, whose run would share the next scheduler pass with
@@ -668,6 +761,16 @@ class StageActor:
             done, call = await self.compute.run(advance_here, batch.steps, answer, error, self.local_experts)
             self._count_local_answers(batch)
 
+    def _first_segment_done(self, batch: Batch, answer: tuple[bool, Any] | None, error: BaseException | None) -> None:
+        """On the event loop, as the compute thread finishes a batch's first segment: a finished batch wakes its
+        handlers at once. Must not raise."""
+        batch.error = error
+        if error is None and answer is not None:
+            batch.answer = answer
+            if answer[0]:
+                self._settle(batch)
+        batch.arrived.set()
+
     def _count_local_answers(self, batch: Batch) -> None:
         """Hand the router the expert calls this daemon's shard answered during the batch's last segment (none
         on a dense stage's step: nothing to do there)."""
@@ -682,7 +785,7 @@ class StageActor:
         if book is None or not self._jobs or any(j.work.rows != 1 for j in self._jobs):
             return False
         with self._lock:
-            return any(not st.busy for st in book.requests.values())
+            return any(book.elsewhere(st) for st in book.requests.values())
 
     async def _gather(self) -> None:
         """Let the decode steps of other requests here catch up, so that they run as one batch.
@@ -728,15 +831,3 @@ def _feeds_the_chain(msg: Any) -> bool:
 def _refusal(head: str, request_id: str, step: int, hop: int, e: StageRefusal) -> Send:
     log.info("refused step %d of %s: %s: %s", step, request_id, e.code, e)
     return Send(head, Error(e.code, str(e), request_id=request_id, step=step, hop=hop))
-
-
-def _first_segment_done(batch: Batch, answer: tuple[bool, Any] | None, error: BaseException | None) -> None:
-    """On the event loop, as the compute thread finishes a batch's first segment: a finished batch wakes its
-    handlers at once. Must not raise."""
-    batch.error = error
-    if error is None and answer is not None:
-        batch.answer = answer
-        if answer[0]:
-            for job in batch.jobs:
-                job.done.set()
-    batch.arrived.set()

@@ -1,5 +1,7 @@
 """A stage's batch on the compute thread: free finished requests' KV caches, reserve slots for new ones, run
 every job in one forward, and on the last stage sample each request's token (seeded by request and step).
+A job may run only part of its rows (`Job.take`: a chunk of a long prefill); its step's output is made once
+its last rows have run.
 
 `run_batch` is a generator: a MoE stage whose experts live elsewhere yields an `ExpertCall` per block and is
 resumed with the answer (`advance`); `advance_here` answers from this daemon's own shard without leaving the
@@ -57,7 +59,9 @@ def run_batch(jobs: Sequence[Job], frees: Sequence[tuple[Any, str]]) -> Generato
         model.free_request(rid)
     ready: list[Job] = []
     for job in jobs:
-        if job.work.adopt:
+        if job.offset:
+            pass  # a prefill's next chunk: its slot is held since its first
+        elif job.work.adopt:
             try:
                 job.model.adopt_request(job.work.adopt, job.work.request_id, job.work.start_pos)
             except ModelError as e:  # the head moves the request again, with a full replay
@@ -93,12 +97,23 @@ def _forward(jobs: Sequence[Job]) -> Generator[Any, Any, None]:
     from models.stage import StageInput
 
     model = jobs[0].model
-    inputs = [StageInput(j.work.request_id, j.work.start_pos, j.work.data, j.work.all_logits and model.is_last)
-              for j in jobs]
+    inputs = []
+    for j in jobs:
+        rows = j.take or j.rows_left
+        inputs.append(StageInput(j.work.request_id, j.work.start_pos + j.offset, j.work.data[j.offset:j.offset + rows],
+                                 j.work.all_logits and model.is_last))
     started = time.perf_counter()
     outputs = yield from model.forward_steps(inputs)
     computed = time.perf_counter()
-    for job, out in zip(jobs, outputs, strict=True):
+    for job, inp, out in zip(jobs, inputs, outputs, strict=True):
+        job.offset += len(inp.data)
+        if not model.is_last or job.work.all_logits:  # every row's output is the step's; else the last row's
+            job.parts.append(out)
+        if job.offset < job.work.rows:
+            continue  # more chunks to run
+        if len(job.parts) > 1:
+            out = np.concatenate(job.parts)
+        job.parts = []
         job.output = sample_step(out, job.work) if model.is_last else out.reshape(job.work.rows, model.hidden_size)
     ended = time.perf_counter()
     for job in jobs:

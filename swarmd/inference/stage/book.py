@@ -6,9 +6,16 @@ next stage; on the last stage the sampled token to stage 0 (the next step) and t
 log-probs for teacher forcing. It checks that each step follows the last (the transport already drops
 repeats) and that a cache is never written out of order. A request ends on `Cancel`, on an error, or when
 it has been idle too long; the trio code (`swarmd.inference.stage.actor`) then frees its KV cache. The model itself (forward,
-sampling) is not called from here. A moved request's first Forward may name the attempt it continues: the
-stage then adopts that attempt's KV cache if it holds it, and computes only the positions it lacks
-(`swarmd.inference.head.hop_local`).
+sampling) is not called from here.
+
+A stage holds at most `slots` requests (its KV cache slots). A new request that finds them all taken waits in
+line here (`must_wait`, `wait`: `in_line`, before it has a phase), first come first served, until one frees
+(`release_line`, which reserves the slot for it); at most `max_in_line` wait, and one more is refused as `busy`
+(its head puts it back in its queue). `version` changes whenever a request takes or leaves a slot or lines up:
+heads read it, with `used`, from the stage's heartbeat (`swarmd.inference.head.slots`).
+
+A moved request's first Forward may name the attempt it continues: the stage then adopts that attempt's KV cache
+if it holds it, and computes only the positions it lacks (`swarmd.inference.head.hop_local`).
 
 A request's phase changes only through `REQUEST_TRANSITIONS` (a pair not in it raises LocalProtocolError):
 
@@ -150,7 +157,12 @@ class StageBook:
     max_context: int
     vocab_size: int
     wire_dtype: str | None = None  # None: hidden states travel in their compute dtype (lossless)
+    slots: int = 1 << 30  # requests held at once (the model's KV cache slots)
+    max_in_line: int = 0  # new requests that may wait for a slot; 0: as many as there are slots
     requests: dict[str, RequestState] = field(default_factory=dict)
+    in_line: dict[str, str] = field(default_factory=dict)  # request id -> head: first steps waiting for a slot
+    reserved: set[str] = field(default_factory=set)  # taken from `waiting`: their slot is held for them
+    version: int = 0  # changes whenever `used` may have
 
     @property
     def is_first(self) -> bool:
@@ -160,9 +172,48 @@ class StageBook:
     def is_last(self) -> bool:
         return self.hop == self.n_stages - 1
 
+    # --- slots -------------------------------------------------------------------------------------------
+
+    @property
+    def used(self) -> int:
+        """Slots taken (a cancelled request still running keeps its slot until the model is done with it)."""
+        return len(self.requests) + len(self.reserved)
+
+    def must_wait(self, msg: Forward) -> bool:
+        """Whether this request's first step must wait for a slot (every slot taken, or others wait first);
+        StageRefusal `busy` when too many wait already. A moved request continuing an attempt this stage holds
+        idle takes that attempt's slot over and never waits."""
+        first = msg.step == 0 or msg.sampling is not None
+        if not first or msg.request_id in self.reserved or msg.request_id in self.requests:
+            return False
+        old = self.requests.get(msg.resume_of) if msg.resume_of else None
+        if old is not None and not old.busy and not old.cancelled:
+            return False
+        if not self.in_line and self.used < self.slots:
+            return False
+        if len(self.in_line) >= (self.max_in_line or self.slots):
+            raise StageRefusal("busy", f"all {self.slots} KV cache slots of stage {self.hop} are taken and "
+                                       f"{len(self.in_line)} requests wait for one")
+        return True
+
+    def wait(self, request_id: str, head: str) -> None:
+        self.in_line[request_id] = head
+        self.version += 1
+
+    def release_line(self) -> list[str]:
+        """Waiting requests that now have a slot (reserved for them), first come first served."""
+        out = []
+        while self.in_line and self.used < self.slots:
+            rid = next(iter(self.in_line))
+            del self.in_line[rid]
+            self.reserved.add(rid)
+            out.append(rid)
+        return out
+
     # --- messages in -> work ------------------------------------------------------------------------------
 
     def on_forward(self, msg: Forward, now: float) -> Work:
+        self.reserved.discard(msg.request_id)  # the slot held for it is now its own, or free again if refused
         data = self._rows(msg)
         # A request's first Forward is step 0, or a later step carrying the sampling settings: the head moved
         # the request to a new chain and replays its tokens so far (prompt and generated) from position 0.
@@ -188,6 +239,7 @@ class StageBook:
             start = self._adopt(msg.resume_of, state, len(data)) if msg.resume_of else 0
             adopt = msg.resume_of if start else ""
             self.requests[msg.request_id] = state
+            self.version += 1
         state = self.requests[msg.request_id]
         targets = msg.targets.to_array().astype(np.int32) if msg.targets is not None else None
         return self._begin(state, Work(msg.request_id, msg.step, start, data[start - msg.start_pos:], first,
@@ -255,6 +307,7 @@ class StageBook:
             raise LocalProtocolError(f"request {state.request_id}: {event.value} while {state.phase.value}") from None
         if state.phase is RequestPhase.GONE:
             del self.requests[state.request_id]
+            self.version += 1  # its slot is free
         return state.phase
 
     # --- the model's output -> messages out -----------------------------------------------------------------
@@ -308,7 +361,12 @@ class StageBook:
     # --- ends ---------------------------------------------------------------------------------------------
 
     def cancel(self, request_id: str) -> bool:
-        """Forget the request; True if its KV cache can be freed now (False: none, or the model still runs it)."""
+        """Forget the request; True if its KV cache can be freed now (False: none, or the model still runs it).
+        A request waiting for a slot, or given one it has not taken yet, just leaves."""
+        if self.in_line.pop(request_id, None) is not None or request_id in self.reserved:
+            self.reserved.discard(request_id)
+            self.version += 1
+            return False
         state = self.requests.get(request_id)
         if state is None:
             return False
@@ -322,8 +380,17 @@ class StageBook:
         return [s.request_id for s in stale]
 
     def drop_heads(self, heads: set[str]) -> list[str]:
-        """Forget the requests whose head is gone (dead or left): those to free now (busy ones: when done)."""
+        """Forget the requests whose head is gone (dead or left): those to free now (busy ones: when done).
+        Those waiting for a slot leave the line."""
+        for rid in [r for r, head in self.in_line.items() if head in heads]:
+            self.cancel(rid)
         return [rid for rid, st in list(self.requests.items()) if st.head in heads and self.cancel(rid)]
+
+    def elsewhere(self, state: RequestState) -> bool:
+        """Whether the request is elsewhere in the chain and will be back for another step: not running here,
+        and (as far as this stage knows) not at its last step (max_tokens; its head's Cancel comes next)."""
+        last = bool(state.sampling.max_tokens) and state.step + 1 >= state.sampling.max_tokens
+        return not state.busy and not state.cancelled and not last
 
     def head_of(self, request_id: str) -> str | None:
         state = self.requests.get(request_id)
@@ -334,6 +401,9 @@ class StageBook:
         gone = list(self.requests.values())
         for s in gone:
             self._fire(s, RequestEvent.CLEAR)
+        self.in_line.clear()
+        self.reserved.clear()
+        self.version += 1
         return [s.request_id for s in gone]
 
 

@@ -45,6 +45,13 @@ class Job:
     group: list[Job] = field(default_factory=list)  # the jobs of the batch it ran in (itself included)
     sends: tuple[Send, ...] | None = None  # its outputs, once built (with the rest of its batch's)
     reply: Any = None  # a lane frame's later answer (`swarmd.transport.lane.Reply`): a hot step the worker finishes
+    offset: int = 0  # rows of `work` the model has run (a long prefill runs a chunk per batch)
+    take: int = 0  # rows it runs in the batch it is in (0: all the rest)
+    parts: list[np.ndarray] = field(default_factory=list)  # outputs of its earlier chunks that the step returns
+
+    @property
+    def rows_left(self) -> int:
+        return self.work.rows - self.offset
 
 
 @dataclass(eq=False)
@@ -61,3 +68,4 @@ class Batch:
     # resumes it with
     asking: trio.CancelScope | None = None  # the worker's wait for the step's remote experts
     fan: Any = None  # the hot fan-out (moe.fan_out.FanOut) the step waits on
+    settled: bool = False  # its jobs were woken, or put back for their next chunk
