@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmd.errors import UserError
+from swarmd.inference.spec.settings import SpecError, SpecSettings
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,8 @@ class DaemonConfig:
     max_requests: int = 4  # KV cache slots of this daemon's stage: requests it can hold at once
     wire_dtype: str = ""  # "" sends activations in their compute dtype (lossless); or float16, bfloat16
     inline_step_ms: float = 50.0  # a decode step seen to take at most this long runs on the event loop's thread
+    speculate: str = "off"  # requests this daemon heads draft tokens: off, ngram or model:NAME (a draft model)
+    draft_tokens: int = 4  # the most tokens drafted per pass (and the most a request may ask for)
     expert_placement: str = "auto"  # MoE: the planner's choice, or "spread" / "local" (PlanOptions.expert_placement)
     data_plane: str = "tls"  # tls (pinned TLS sockets for tensors) or libp2p (everything on libp2p streams)
     swarm_key: Path | None = None  # a private swarm: only peers holding this key can connect
@@ -127,6 +130,10 @@ class DaemonConfig:
             raise UserError("inline_step_ms must be 0 (off) or more")
         if self.max_requests < 1 or self.max_context < 2:
             raise UserError("max_requests must be at least 1 and max_context at least 2")
+        try:
+            SpecSettings(self.speculate, self.draft_tokens)
+        except SpecError as e:
+            raise UserError(f"--speculate / --draft-tokens: {e}") from None
 
     def with_overrides(self, **changes: Any) -> DaemonConfig:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -183,7 +190,7 @@ def _preset(name: str) -> Timings:
 
 _LIST_KEYS = {"listen", "announce", "bootstrap", "allow_peers"}
 _STR_KEYS = {"swarm", "model", "api", "device", "device_label", "log_level", "wire_dtype", "data_plane",
-             "api_token", "expert_placement"}
+             "api_token", "expert_placement", "speculate"}
 EXPERT_PLACEMENTS = ("auto", "spread", "local")
 WIRE_DTYPES = ("", "float32", "float16", "bfloat16")
 DATA_PLANES = ("tls", "libp2p")
@@ -219,7 +226,7 @@ def config_changes(doc: dict[str, Any], source: str = "config") -> dict[str, Any
             out[key] = bool(value)
         elif key in ("uplink_mbps", "inline_step_ms"):
             out[key] = float(value)
-        elif key in ("max_context", "max_requests", "api_max_tokens"):
+        elif key in ("max_context", "max_requests", "api_max_tokens", "draft_tokens"):
             out[key] = int(value)
         elif key == "api_max_request_bytes":
             out[key] = parse_size(value)

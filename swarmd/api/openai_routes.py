@@ -234,6 +234,7 @@ class OpenAIRoutes:
     async def _check_and_wait(self, req: HeadRequest, model: ModelInfo) -> None:
         try:
             check_request(req, model)
+            await self.head.check_speculation(req, model)
             await self.head.wait_ready()
         except HeadError as e:
             raise api_error(e) from None

@@ -60,6 +60,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a decode step seen to take at most this long runs on the event loop's own thread when the "
                         "compute thread is idle, which saves two thread hand-overs per step; the daemon answers "
                         "nothing else meanwhile (default 50; 0: every step on the compute thread)")
+    p.add_argument("--speculate", metavar="MODE",
+                   help="speculative decoding for the requests this daemon heads: off (the default), ngram (drafts "
+                        "from the request's own context: prompt lookup, strong on code and editing) or model:NAME (a "
+                        "small draft model with the served model's vocabulary, run here, e.g. model:smollm2-135m); "
+                        "each pass through the chain then verifies several tokens, with the same output")
+    p.add_argument("--draft-tokens", type=int, metavar="K",
+                   help="the most tokens drafted per pass (default 4; the number adapts to the acceptance seen, and "
+                        "a request may ask for fewer with \"speculate\": {\"draft_tokens\": K})")
     p.add_argument("--expert-placement", choices=["auto", "spread", "local"],
                    help="MoE models: keep each block's experts with its stage (local), spread them over the "
                         "other daemons (spread), or let the planner choose (auto, the default: spread under the "
@@ -124,6 +132,8 @@ def build_config(args: argparse.Namespace):
         max_context=args.max_context,
         wire_dtype=args.wire_dtype,
         inline_step_ms=args.inline_step_ms,
+        speculate=args.speculate,
+        draft_tokens=args.draft_tokens,
         expert_placement=args.expert_placement,
         data_plane=args.data_plane,
         swarm_key=args.swarm_key.expanduser() if args.swarm_key else None,

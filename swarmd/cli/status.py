@@ -152,6 +152,8 @@ def render(doc: dict[str, Any]):
                          + (f", {counts['dead']} dead" if counts["dead"] else ""))
     top.add_row("plan", doc.get("coverage", "-") + (f"  [red]({doc['plan_error']})[/red]" if doc.get("plan_error") else ""))
     top.add_row("requests", f"{doc.get('requests_in_flight', 0)} in flight")
+    if doc.get("speculation"):
+        top.add_row("speculation", speculation_line(doc["speculation"]))
     top.add_row("access", access_line(swarm))
 
     table = Table(title="members", title_justify="left", expand=False)
@@ -183,6 +185,16 @@ def render(doc: dict[str, Any]):
             refused.add_row(_short(r["peer_id"]), r["reason"])
         parts.append(refused)
     return Group(*parts)
+
+
+def speculation_line(spec: dict[str, Any]) -> str:
+    """The speculative requests this daemon headed, in one line."""
+    line = f"{spec['mode']}" + (f" (up to {spec['draft_tokens']} drafts a pass)" if spec["mode"] != "off" else "")
+    if spec.get("passes"):
+        rate = f"{100 * spec['acceptance']:.0f} %" if spec.get("acceptance") is not None else "-"
+        line += (f"  {spec['passes']} passes, {spec['drafted']} drafted, {spec['accepted']} accepted ({rate}), "
+                 f"{spec['tokens_per_pass']:.2f} tokens a pass, {spec['draft_seconds']:.2f} s drafting")
+    return line
 
 
 def _list(items: list[str], limit: int = 24) -> str:

@@ -7,6 +7,7 @@ the actor transport on the node's network (its links are the network's bulk stre
     Token hop 0      -> stage      (stage 0: the next step's input)
     Token hop 1      -> head       (a token for a request this daemon heads)
     Logprobs         -> head
+    Verified         -> head       (a speculative request's step: the head drafts and sends the next one)
     Cancel           -> stage      (free the request's KV cache)
     ExpertBatch      -> expert     (MoE: rows for the routed experts this daemon holds)
     ExpertResult     -> MoE router (the answer to a batch this daemon's stage sent)
@@ -31,11 +32,15 @@ from starlette.responses import JSONResponse
 from swarmd.api.generate_route import GenerateRoute
 from swarmd.api.openai_routes import OpenAIRoutes
 from swarmd.api.traces_route import TracesRoute
+from swarmd.errors import UserError
 from swarmd.inference.head.service import HeadError, HeadService, ModelInfo
 from swarmd.inference.moe.expert import ExpertActor
 from swarmd.inference.moe.local import LocalExperts
 from swarmd.inference.moe.router import MoERouter
 from swarmd.inference.registry import EMPTY, ChainStatus, Registry, chain_status
+from swarmd.inference.spec.draft_model import DraftRefused, check_draft_model
+from swarmd.inference.spec.head import SpecHead
+from swarmd.inference.spec.settings import SpecSettings
 from swarmd.inference.stage.actor import Loaded, StageActor
 from swarmd.observe.clock import ClockOffsets
 from swarmd.observe.hop_timer import HopTimer
@@ -47,7 +52,14 @@ from swarmd.swarm.membership import State, StateChanged
 from swarmd.transport.links import start_actor_transport
 from swarmd.transport.transport import HandlerResult, Send, TransportConfig
 from swarmd.wire.codec import FLOAT_DTYPES, WireError
-from swarmd.wire.expect import Expect, ExpectExpertBatch, ExpectExpertResult, ExpectForward, ExpectToken
+from swarmd.wire.expect import (
+    Expect,
+    ExpectExpertBatch,
+    ExpectExpertResult,
+    ExpectForward,
+    ExpectToken,
+    ExpectVerified,
+)
 from swarmd.wire.messages import (
     Cancel,
     Error,
@@ -59,6 +71,7 @@ from swarmd.wire.messages import (
     Token,
     TraceQuery,
     TraceSpans,
+    Verified,
 )
 
 log = logging.getLogger(__name__)
@@ -85,10 +98,12 @@ class Pipeline:
                                 wire_dtype=wire_dtype, idle_timeout=cfg.timings.request_idle_timeout,
                                 experts=self.router.call, local_experts=local, plan_epoch=lambda: self.registry().epoch,
                                 inline_step_s=cfg.inline_step_ms / 1e3, post_all=transport.post_all)
+        speculation = SpecHead(node.peer_id, SpecSettings(cfg.speculate, cfg.draft_tokens), compute=node.compute,
+                               max_requests=cfg.max_requests)
         self.head = HeadService(node.peer_id, transport, chain=self.chain, registry=self.registry,
                                 timings=cfg.timings, load_model=self._load_model, in_flight=self._count,
                                 leaving=lambda: node.leaving, hop_local=not cfg.full_replay,
-                                blocking=getattr(node, "blocking", trio.to_thread.run_sync))
+                                blocking=getattr(node, "blocking", trio.to_thread.run_sync), speculation=speculation)
         self._observe()
         transport.on_link_lost = self.router.link_lost  # batches with a replica leave a broken link at once
         swarm = getattr(node, "swarm", None)
@@ -205,6 +220,9 @@ class Pipeline:
                              expect_forward=self._expect_forward, expect_token=self._expect_token,
                              router=self.router)
         served = self.node.model
+        self.transport.route(Verified, self.head.on_verified,
+                             expect=ExpectVerified(served.layout.vocab_size) if served is not None else None)
+        served = self.node.model
         moe = [b.moe for b in served.layout.blocks if b.moe is not None] if served is not None else []
         if moe:
             hidden = served.layout.hidden_size
@@ -239,6 +257,7 @@ class Pipeline:
                 "hop": loaded.hop, "of": loaded.registry.n_stages, "blocks": [loaded.model.start, loaded.model.end],
                 "requests": len(book.requests) if book else 0, **self.stage.queue_state(),
                 **self.stage.stats.to_json()},
+            "speculation": self.speculation_status(),
             "head": {"in_flight": len(self.head.requests), **self.head.stats,
                      "requests": [{"request_id": h.request_id, "tokens": h.timing.tokens, "where": h.whereabouts()}
                                   for h in self.head.handles()]},
@@ -249,6 +268,27 @@ class Pipeline:
             "clock_offsets": self.tracing.clocks.to_json(),  # NTP-style, from probes and trace queries
         }
 
+
+    async def check_draft_model(self) -> None:
+        """`--speculate model:NAME`: refuse to start (UserError) unless NAME is a model with the served model's
+        vocabulary (a daemon without the served model's weights heads nothing and checks nothing)."""
+        name = self.head.speculation.default.draft_model
+        served = self.node.model
+        if name is None or served is None or (served.path is None and served.seeded is None):
+            return
+        try:
+            info = await self.head.model()
+        except HeadError:
+            return  # the head says why when a request comes
+        try:
+            await self.node.compute.run(check_draft_model, name, info.tokenizer.tokens)
+        except DraftRefused as e:
+            raise UserError(f"--speculate model:{name}: {e}") from None
+
+    def speculation_status(self) -> dict[str, Any]:
+        """This daemon's speculation setting and the passes of the speculative requests it headed."""
+        spec = self.head.speculation
+        return {"mode": spec.default.mode, "draft_tokens": spec.default.draft_tokens, **spec.stats.to_json()}
 
     def moe_status(self) -> dict[str, Any]:
         """Where each block's experts live (the plan's), and the tokens routed to each expert: by this
@@ -300,6 +340,7 @@ async def run_pipeline(node: Any, *, task_status=trio.TASK_STATUS_IGNORED) -> No
         transport = await start_actor_transport(node.network, nursery,
                                                 transport_config(cfg.max_requests, cfg.timings.send_timeout))
         pipeline = Pipeline(node, transport)
+        await pipeline.check_draft_model()
         pipeline.install()
         await nursery.start(pipeline.stage.run)
         await nursery.start(pipeline.head.run)
@@ -327,5 +368,6 @@ async def run_pipeline(node: Any, *, task_status=trio.TASK_STATUS_IGNORED) -> No
         node.api.add_route("/api/v0/trace/{request_id}", trace)
         if node.model is not None and node.model.layout.is_moe:
             node.status_parts["moe"] = pipeline.moe_status
+        node.status_parts["speculation"] = pipeline.speculation_status
         task_status.started(pipeline)
         await trio.sleep_forever()

@@ -5,6 +5,7 @@ from swarmd.wire.codec import WireError, WireTensor
 from swarmd.wire.messages import (
     Ack,
     Cancel,
+    Draft,
     Envelope,
     Error,
     ExpertBatch,
@@ -19,6 +20,7 @@ from swarmd.wire.messages import (
     Token,
     TraceQuery,
     TraceSpans,
+    Verified,
     decode,
     encode,
 )
@@ -28,6 +30,7 @@ __all__ = [
     "Ack",
 
     "Cancel",
+    "Draft",
     "Envelope",
     "Error",
     "ExpertBatch",
@@ -43,6 +46,7 @@ __all__ = [
     "Token",
     "TraceQuery",
     "TraceSpans",
+    "Verified",
     "WireError",
     "WireTensor",
     "decode",

@@ -9,6 +9,7 @@ import numpy as np
 from swarmd.wire import (
     Ack,
     Cancel,
+    Draft,
     Error,
     ExpertBatch,
     ExpertResult,
@@ -20,6 +21,7 @@ from swarmd.wire import (
     Token,
     TraceQuery,
     TraceSpans,
+    Verified,
     WireTensor,
     encode,
 )
@@ -55,6 +57,11 @@ EXAMPLES = [
     Forward("req-2.r2", 5, 1, 0, "head-peer", hidden=hidden(3), sampling=Sampling(seed=9), resume_of="req-2.r1"),
     TraceQuery("req-2", hop=1),
     TraceSpans("req-2", b"\x80", received=12.5, answered=12.625, hop=1),
+    Forward("req-3", 6, 0, 20, "head-peer", tokens=ids(5, 6, 7), draft=Draft(ids(6, 7))),
+    Forward("req-3", 6, 1, 20, "head-peer", hidden=hidden(3),
+            draft=Draft(ids(6, 7), WireTensor.from_array(np.array([[6, 9], [7, 0]], np.int32)), f32(2, 2))),
+    Verified("req-3", 6, (6, 7, 11), drafted=2),
+    Verified("req-3", 9, (4,), logprobs=(-0.5,), top_ids=(4, 8), top_logprobs=(-0.5, -1.0), finish="stop"),
     Ack(),
     Ping(),
     Hello(1 << 20),

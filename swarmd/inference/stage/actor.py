@@ -180,7 +180,7 @@ class StageActor:
         # A decode batch whose last run of the same size took at most this long runs on the event loop's thread
         # when the compute thread is idle (`ComputeThread.run_inline`); 0: never.
         self.inline_step_s = inline_step_s
-        self._decode_s: dict[int, float] = {}  # batch size -> the current model's last decode step of it, s
+        self._decode_s: dict[int, float] = {}  # rows -> the current model's last decode batch of them, s
         self._post_all = post_all  # the transport's: a batch's outputs leave together
 
     def _loaded_epoch(self) -> int:
@@ -199,6 +199,9 @@ class StageActor:
                     await trio.sleep(0.01)
         try:
             loaded, book = self._book()
+            state = book.requests.get(msg.request_id)
+            if book.is_first and state is not None and not state.busy and msg.sampling is None:
+                self.periods.append(trio.current_time() - state.last_active)  # a speculative step came round
             work = book.on_forward(msg, trio.current_time())
         except StageRefusal as e:
             return _refusal(msg.head or peer, msg.request_id, msg.step, msg.hop, e)
@@ -424,16 +427,16 @@ class StageActor:
         at once then ran in batches of 3.7, 2.7, 2.4 and 2.0 down the chain, against 3.9, 3.5, 3.1 and 2.7)."""
         book = self.book
         if (not jobs or self.inline_step_s <= 0 or book is None or len(jobs) < len(book.requests)
-                or any(j.work.rows != 1 for j in jobs)):
+                or not all(_decodes(j.work) for j in jobs)):
             return False
-        took = self._decode_s.get(len(jobs)) if jobs[0].model is self._model else None
+        took = self._decode_s.get(_rows(jobs)) if jobs[0].model is self._model else None
         return took is not None and took <= self.inline_step_s
 
     def _segment_done(self, batch: Batch, answer: tuple[bool, Any] | None, error: BaseException | None) -> None:
         jobs = batch.jobs
         if (jobs and answer is not None and answer[0] and jobs[0].ended and jobs[0].model is self._model
-                and all(j.work.rows == 1 for j in jobs)):
-            self._decode_s[len(jobs)] = jobs[0].ended - jobs[0].started
+                and all(_decodes(j.work) for j in jobs)):
+            self._decode_s[_rows(jobs)] = jobs[0].ended - jobs[0].started
         self._count_local_answers(batch)
         _first_segment_done(batch, answer, error)
         if self._idle and batch is self._inflight and error is None and batch.answer[0]:
@@ -481,7 +484,7 @@ class StageActor:
     def _must_wait(self) -> bool:
         """Whether `_gather` would wait for other requests' decode steps now."""
         book = self.book
-        if book is None or not self._jobs or any(j.work.rows != 1 for j in self._jobs):
+        if book is None or not self._jobs or not all(_decodes(j.work) for j in self._jobs):
             return False
         return any(not st.busy for st in book.requests.values())
 
@@ -509,6 +512,15 @@ class StageActor:
                 for rid in self.book.expire(trio.current_time(), self.idle_timeout):
                     log.info("request %s idle for %.0f s: freed its KV cache", rid, self.idle_timeout)
                     self._free(self._model, rid)
+
+
+def _decodes(work: Work) -> bool:
+    """Whether `work` runs in the decode batch: one position, or a verify step's positions one per row."""
+    return work.rows == 1 or work.verify
+
+
+def _rows(jobs: Sequence[Job]) -> int:
+    return sum(j.work.rows for j in jobs)
 
 
 def _feeds_the_chain(msg: Any) -> bool:

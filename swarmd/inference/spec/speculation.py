@@ -1,0 +1,120 @@
+"""One request's speculation on its head, and the daemon's counters of it. No I/O.
+
+The head sends a speculative request's prompt as usual; from then on the last stage answers every step to the head
+with a `Verified` (the tokens the step yielded) instead of closing the loop at stage 0, and the head sends the next
+step: the last token and the k tokens its drafter proposes, one verify step of k + 1 rows (`verify_forward`). k
+comes from `AdaptiveK`, bounded by the tokens and context the request has left.
+
+    spec = Speculation(settings, drafter, prompt_len=12, max_tokens=64, max_context=2048)
+    drafted, accepted = spec.on_result(verified, now)      # after the session took the tokens
+    k = spec.next_k(next_step)                              # then drafter.propose(k, next_step)
+    msg = verify_forward(request_id, next_step, prompt_len + next_step - 1, head, last, proposal, epoch)
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from swarmd.inference.spec.adaptive import AdaptiveK
+from swarmd.inference.spec.drafting import Drafter, Proposal
+from swarmd.inference.spec.settings import SpecSettings
+from swarmd.wire.codec import WireTensor
+from swarmd.wire.messages import Draft, Forward, Verified
+
+ACCEPTED_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)  # drafted tokens accepted per pass (histogram bounds)
+
+
+@dataclass
+class SpecStats:
+    """Counters of the speculative passes a daemon headed (for /metrics, `swarmd status` and benchmarks)."""
+
+    drafted: int = 0  # tokens drafted and sent for verification
+    accepted: int = 0  # drafted tokens the target accepted
+    passes: int = 0  # verify passes through the chain (a step of a speculative request after its prompt)
+    draft_seconds: float = 0.0  # time spent drafting
+    buckets: list[int] = field(default_factory=lambda: [0] * len(ACCEPTED_BUCKETS))  # passes per upper bound
+    over: int = 0  # passes with more accepted than the last bound
+
+    def record_pass(self, drafted: int, accepted: int) -> None:
+        self.passes += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        i = bisect.bisect_left(ACCEPTED_BUCKETS, accepted)
+        if i < len(self.buckets):
+            self.buckets[i] += 1
+        else:
+            self.over += 1
+
+    def merge(self, other: SpecStats) -> None:
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.passes += other.passes
+        self.draft_seconds += other.draft_seconds
+        self.buckets = [a + b for a, b in zip(self.buckets, other.buckets, strict=True)]
+        self.over += other.over
+
+    def to_json(self) -> dict[str, Any]:
+        return {"passes": self.passes, "drafted": self.drafted, "accepted": self.accepted,
+                "draft_seconds": round(self.draft_seconds, 6),
+                "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None,
+                "tokens_per_pass": round((self.passes + self.accepted) / self.passes, 4) if self.passes else None,
+                "accepted_length": {str(b): n for b, n in zip(ACCEPTED_BUCKETS, self.buckets, strict=True)}
+                | ({"+Inf": self.over} if self.over else {})}
+
+
+class Speculation:
+    """A speculative request on its head: the drafter, the controller of k, and what its passes did."""
+
+    def __init__(self, settings: SpecSettings, drafter: Drafter, *, prompt_len: int, max_tokens: int,
+                 max_context: int) -> None:
+        self.settings = settings
+        self.drafter = drafter
+        self.prompt_len, self.max_tokens, self.max_context = prompt_len, max_tokens, max_context
+        self.control = AdaptiveK(settings.draft_tokens, adaptive=settings.adaptive)
+        self.stats = SpecStats()
+        self.in_flight: Proposal | None = None  # the draft of the pass sent last
+        self.sent_at: float = 0.0
+        self._last_result: float | None = None
+
+    def on_result(self, msg: Verified, now: float) -> tuple[int, int]:
+        """A step's tokens came back: (drafted, accepted) of that pass (0, 0 for the prompt's step). The drafter
+        learns the tokens; the controller the acceptance and the time since the last result."""
+        drafted = msg.drafted
+        accepted = min(len(msg.tokens) - 1, drafted) if drafted else 0
+        if msg.step > 0:
+            self.stats.record_pass(drafted, accepted)
+            seconds = None if self._last_result is None else now - self._last_result
+            self.control.observe(drafted, accepted, seconds)
+        self._last_result = now
+        self.in_flight = None
+        self.drafter.accept(msg.tokens)
+        return drafted, accepted
+
+    def next_k(self, next_step: int) -> int:
+        """Drafts for the step `next_step`: the controller's choice, within the tokens and context left."""
+        start = self.prompt_len + next_step - 1  # the position of the last accepted token
+        room = min(self.max_tokens - 1 - next_step, self.max_context - 1 - start)
+        return max(0, min(self.control.next_k(), room))
+
+
+def verify_forward(request_id: str, step: int, start_pos: int, head: str, last: int, proposal: Proposal,
+                   epoch: int) -> Forward:
+    """Stage 0's input for a speculative step: the last accepted token, then the drafted ones (if any)."""
+    rows = np.asarray((last, *proposal.tokens), dtype=np.int32)
+    draft = None
+    if proposal.tokens:
+        q_ids = q_probs = None
+        if proposal.q is not None:
+            width = max(len(q.ids) for q in proposal.q)
+            ids = np.zeros((len(proposal.q), width), np.int32)
+            probs = np.zeros((len(proposal.q), width), np.float32)
+            for i, q in enumerate(proposal.q):
+                ids[i, :len(q.ids)] = q.ids
+                probs[i, :len(q.probs)] = q.probs
+            q_ids, q_probs = WireTensor.from_array(ids), WireTensor.from_array(probs)
+        draft = Draft(WireTensor.from_array(rows[1:]), q_ids, q_probs)
+    return Forward(request_id, step, 0, start_pos, head, tokens=WireTensor.from_array(rows), epoch=epoch, draft=draft)
