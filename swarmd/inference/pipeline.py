@@ -7,6 +7,7 @@ the actor transport on the node's network (its links are the network's bulk stre
     Token hop 0      -> stage      (stage 0: the next step's input)
     Token hop 1      -> head       (a token for a request this daemon heads)
     Logprobs         -> head
+    Speculate        -> stage      (the last stage: a speculative request's head takes the loop back)
     Verified         -> head       (a speculative request's step: the head drafts and sends the next one)
     Cancel           -> stage      (free the request's KV cache)
     ExpertBatch      -> expert     (MoE: rows for the routed experts this daemon holds)
@@ -68,6 +69,7 @@ from swarmd.wire.messages import (
     Forward,
     Logprobs,
     Message,
+    Speculate,
     Token,
     TraceQuery,
     TraceSpans,
@@ -310,8 +312,7 @@ def install_actor_routes(transport: Any, stage: StageActor, head: HeadService, *
         if msg.hop == 0:
             return await stage.on_token(peer, msg)
         if msg.hop == 1:
-            await head.on_token(peer, msg)
-            return None
+            return await head.on_token(peer, msg)
         raise WireError("wrong_hop", f"a token copy is for stage 0 (hop 0) or the head (hop 1), not hop {msg.hop}",
                         request_id=msg.request_id)
 
@@ -330,6 +331,7 @@ def install_actor_routes(transport: Any, stage: StageActor, head: HeadService, *
     transport.route(Token, on_token, expect=expect_token)
     transport.route(Logprobs, head.on_logprobs)
     transport.route(Cancel, stage.on_cancel)
+    transport.route(Speculate, stage.on_speculate)
     transport.route(Error, on_error)
 
 

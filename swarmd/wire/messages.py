@@ -340,6 +340,7 @@ class Forward(Message):
     targets: WireTensor | None = None  # int32 [rows - 1] with all_logits: the token each row predicts
     resume_of: str = ""  # the earlier attempt of this request whose KV caches the stages may keep
     draft: Draft | None = None  # a verify step: rows are the last accepted token and these drafts
+    chain: bool = False  # a speculative request's head hands the loop back: the last stage sends on to stage 0
 
     def key(self) -> Key:
         return ("forward", self.request_id, self.step, self.hop)
@@ -369,6 +370,9 @@ class Forward(Message):
             need(self.sampling is None and not self.all_logits and self.step > 0,
                  "a draft goes only on a later step of a running request, without all_logits")
             need(self.rows == self.draft.k + 1, "a verify step has one row more than its draft", "bad_shape")
+        if self.chain:
+            need(self.draft is None and self.sampling is None and self.step > 0,
+                 "chain goes only on a later step without a draft")
 
     @property
     def rows(self) -> int:
@@ -442,6 +446,24 @@ class Verified(Message):
         """Token i's top alternatives, (id, log-prob) pairs."""
         per = len(self.top_ids) // len(self.tokens)
         return tuple(zip(self.top_ids[i * per:(i + 1) * per], self.top_logprobs[i * per:(i + 1) * per], strict=True))
+
+
+@wire("speculate")
+@dataclass(frozen=True, slots=True)
+class Speculate(Message):
+    """The head of a speculative request takes the loop back from the chain: the last stage (`hop`) sends the
+    request's next steps to the head (as `Verified`), which drafts them, instead of closing the loop at stage 0.
+    `step` is the last token the head had when it asked."""
+
+    request_id: str
+    step: int
+    hop: int
+
+    def key(self) -> Key:
+        return ("speculate", self.request_id, self.step, self.hop)
+
+    def check(self) -> None:
+        _check_request(self.request_id, self.step, self.hop)
 
 
 @wire("logprobs")

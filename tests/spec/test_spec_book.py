@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from swarmd.inference.stage.book import Sampled, StageBook, StageRefusal
-from swarmd.wire import Draft, Forward, Sampling, Verified, WireTensor
+from swarmd.wire import Draft, Forward, Sampling, Token, Verified, WireTensor
 
 HIDDEN, VOCAB = 8, 100
 SPEC = Sampling(temperature=0.0, seed=5, max_tokens=10, stop_ids=(2,), speculative=True)
@@ -94,3 +94,26 @@ def test_max_tokens_cuts_a_pass_short():
     run(b, prefill(2, rows=10), Sampled(7))
     _, (out,) = run(b, verify_step(2, 8, 10, 7, 8, 9, 4), Sampled(3, tokens=(8, 9, 4, 3)))
     assert out.msg.tokens == (8, 9) and out.msg.finish == "length"  # steps 8 and 9 of at most 10
+
+
+def test_the_head_hands_the_loop_to_the_chain_and_takes_it_back():
+    b = book(2)
+    run(b, prefill(2), Sampled(7))
+    handback = Forward("r", 1, 2, 3, "H", hidden=WireTensor.from_array(np.ones((1, HIDDEN), np.float32)), chain=True)
+    _, outs = run(b, handback, Sampled(8))
+    assert [(o.peer, type(o.msg).__name__, o.msg.hop) for o in outs] == [("S0", "Token", 0), ("H", "Token", 1)]
+    assert b.drive("r") and not b.drive("nobody")
+    step2 = Forward("r", 2, 2, 4, "H", hidden=WireTensor.from_array(np.ones((1, HIDDEN), np.float32)))
+    _, outs = run(b, step2, Sampled(9))
+    assert [(o.peer, o.msg) for o in outs] == [("H", Verified("r", 2, (9,)))]
+
+
+def test_stage_0_runs_the_chains_tokens_of_a_speculative_request_after_a_verify_step():
+    b = book(0)
+    run(b, prefill(0), np.zeros((3, HIDDEN), np.float32))
+    run(b, verify_step(0, 1, 3, 7, 8, 9), np.zeros((3, HIDDEN), np.float32))
+    handback = Forward("r", 2, 0, 5, "H", tokens=ids(8), chain=True)  # one draft accepted; 9 rolled back
+    work, (out,) = run(b, handback, np.zeros((1, HIDDEN), np.float32))
+    assert work.rollback == 5 and out.msg.chain
+    work = b.on_token(Token("r", 2, 40), now=3.0)
+    assert (work.step, work.start_pos, list(work.data)) == (3, 6, [40])

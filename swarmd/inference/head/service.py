@@ -478,19 +478,23 @@ class HeadService:
 
     # --- messages from the chain ----------------------------------------------------------------------------
 
-    async def on_token(self, peer: str, msg: Token) -> None:
+    async def on_token(self, peer: str, msg: Token) -> HandlerResult:
         handle = self.requests.get(msg.request_id)
         if handle is not None:
             start = time.perf_counter()
+            before = len(handle.session.tokens)
             events = handle.session.on_token(msg)  # in step order, detokenised, stop strings found
             handle.record("head.detokenize", start, time.perf_counter(), step=msg.step)
             handle.push(events)
+            if handle.spec is not None and msg.request_id == handle.wire_id:  # the chain drives a speculative one
+                return self.speculation.on_chain_token(handle, msg, handle.session.tokens[before:])
+        return None
 
     async def on_verified(self, peer: str, msg: Verified) -> HandlerResult:
         """A speculative request's step came back: its tokens go to the session, and the next step to stage 0."""
         handle = self.requests.get(msg.request_id)
-        if handle is None or handle.spec is None or msg.request_id != handle.wire_id or handle.moving:
-            return None  # not headed here, or an earlier attempt's (the request moved)
+        if handle is None or handle.spec is None or msg.request_id != handle.wire_id:
+            return None  # not headed here, or an earlier attempt's (the request moved: its replay continues it)
         return await self.speculation.on_verified(handle, msg)
 
     async def check_speculation(self, req: HeadRequest, model: ModelInfo) -> SpecSettings:

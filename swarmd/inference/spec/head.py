@@ -5,6 +5,11 @@ its tokens to the request's session, tells the request's `Speculation` how the p
 once; a draft model on the compute thread) and returns the next step for stage 0 as the handler's result, which the
 transport sends and keeps for a repeated frame (a repeated `Verified` gets the same next step, never a second one).
 Traced requests get a `spec.draft` span per drafting and a `spec.verify` span per pass (step sent -> tokens back).
+
+Where the controller drafts nothing (drafts fail), the head hands the loop back to the chain: its step carries
+`chain`, and from then on the last stage sends each token to stage 0 and the head as without speculation, which
+spares the hop to the head and back. The head still scores prompt lookup's guesses against the tokens as they come
+(and probes now and then), and takes the loop back (`Speculate` to the last stage) when drafting would pay again.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from swarmd.inference.spec.drafting import EMPTY, Drafter, NgramSource
 from swarmd.inference.spec.settings import SpecError, SpecRequest, SpecSettings
 from swarmd.inference.spec.speculation import SpecStats, Speculation, verify_forward
 from swarmd.transport.transport import Send
-from swarmd.wire.messages import Token, Verified
+from swarmd.wire.messages import Speculate, Token, Verified
 
 log = logging.getLogger(__name__)
 
@@ -104,16 +109,20 @@ class SpecHead:
             drafted = msg.drafted
             handle.record("spec.verify", spec.sent_at, now, step=msg.step, drafted=drafted,
                           accepted=min(len(msg.tokens) - 1, drafted) if drafted else 0)
+        session = handle.session
+        spec.on_verified()
+        before = len(session.tokens)
         events = []
         for token in as_tokens(msg):
-            events += handle.session.on_token(token)
-        drafted, accepted = spec.on_result(msg, now)
+            events += session.on_token(token)
+        drafted, accepted = spec.on_result(msg, now, session.tokens[before:])
         if msg.step > 0:
             self.stats.record_pass(drafted, accepted)
         handle.push(events)
-        if handle.session.ended or handle.closed:
+        if session.ended or handle.closed or not session.tokens:
             return None
-        next_step = msg.step + len(msg.tokens)
+        # the next step continues the session's history (the same as this step's end unless the request moved)
+        next_step = len(session.tokens)
         k = spec.next_k(next_step)
         start = time.perf_counter()
         proposal = EMPTY
@@ -125,13 +134,25 @@ class SpecHead:
             spec.stats.draft_seconds += drafted_at - start
             self.stats.draft_seconds += drafted_at - start
             handle.record("spec.draft", start, drafted_at, step=next_step, k=len(proposal.tokens))
-        if handle.session.ended or handle.closed or handle.moving or msg.request_id != handle.wire_id:
-            return None
-        last = msg.tokens[-1]
-        forward = verify_forward(handle.wire_id, next_step, spec.prompt_len + next_step - 1, self.peer_id, last,
-                                 proposal, handle.registry.epoch)
+        if session.ended or handle.closed or msg.request_id != handle.wire_id or len(session.tokens) != next_step:
+            return None  # over, or moved meanwhile: the move's replay continues from the session's history
+        chain = spec.hands_back(k)
+        forward = verify_forward(handle.wire_id, next_step, spec.prompt_len + next_step - 1, self.peer_id,
+                                 session.tokens[-1], proposal, handle.registry.epoch, chain=chain)
         spec.in_flight, spec.sent_at = proposal, time.perf_counter()
+        if chain:
+            spec.handed_back()
         return Send(handle.registry.stage_peer(0), forward)
+
+    def on_chain_token(self, handle: Any, msg: Token, taken: Sequence[int]) -> Send | None:
+        """A token that came round the chain (it drives while drafting does not pay): asks the last stage for the
+        loop back (`Speculate`) when the controller would draft again."""
+        spec: Speculation = handle.spec
+        session = handle.session
+        if not spec.on_chain_tokens(taken, len(session.tokens)) or session.ended or handle.closed:
+            return None
+        last = handle.registry.n_stages - 1
+        return Send(handle.registry.stage_peer(last), Speculate(handle.wire_id, msg.step, last))
 
 
 __all__ = ["DraftRefused", "SpecError", "SpecHead", "as_tokens"]

@@ -6,7 +6,7 @@ step: the last token and the k tokens its drafter proposes, one verify step of k
 comes from `AdaptiveK`, bounded by the tokens and context the request has left.
 
     spec = Speculation(settings, drafter, prompt_len=12, max_tokens=64, max_context=2048)
-    drafted, accepted = spec.on_result(verified, now)      # after the session took the tokens
+    drafted, accepted = spec.on_result(verified, now, taken)   # the tokens the session took
     k = spec.next_k(next_step)                              # then drafter.propose(k, next_step)
     msg = verify_forward(request_id, next_step, prompt_len + next_step - 1, head, last, proposal, epoch)
 """
@@ -14,6 +14,7 @@ comes from `AdaptiveK`, bounded by the tokens and context the request has left.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,10 +80,17 @@ class Speculation:
         self.in_flight: Proposal | None = None  # the draft of the pass sent last
         self.sent_at: float = 0.0
         self._last_result: float | None = None
+        # Who closes the loop: the head (it drafts each step) or, while drafting does not pay, the chain itself
+        # (the last stage sends each token to stage 0, as without speculation, and the head only watches).
+        self.head_drives = True
+        self.taking_over = False  # the head asked the last stage for the loop back; no answer yet
+        self.planned_k: int | None = None  # the k that made the head take the loop back
+        self._guess: int | None = None  # while the chain drives: prompt lookup's guess of the next token
 
-    def on_result(self, msg: Verified, now: float) -> tuple[int, int]:
-        """A step's tokens came back: (drafted, accepted) of that pass (0, 0 for the prompt's step). The drafter
-        learns the tokens; the controller the acceptance and the time since the last result."""
+    def on_result(self, msg: Verified, now: float, taken: Sequence[int]) -> tuple[int, int]:
+        """A step's tokens came back and the session took `taken` of them (all, but after a move or the end):
+        (drafted, accepted) of that pass (0, 0 for the prompt's step). The drafter learns the tokens taken; the
+        controller the acceptance and the time since the last result."""
         drafted = msg.drafted
         accepted = min(len(msg.tokens) - 1, drafted) if drafted else 0
         if msg.step > 0:
@@ -91,19 +99,52 @@ class Speculation:
             self.control.observe(drafted, accepted, seconds)
         self._last_result = now
         self.in_flight = None
-        self.drafter.accept(msg.tokens)
+        self.drafter.accept(taken)
         return drafted, accepted
 
     def next_k(self, next_step: int) -> int:
-        """Drafts for the step `next_step`: the controller's choice, within the tokens and context left."""
+        """Drafts for the step `next_step`: the controller's choice (or the one that took the loop back), within the
+        tokens and context left."""
         start = self.prompt_len + next_step - 1  # the position of the last accepted token
         room = min(self.max_tokens - 1 - next_step, self.max_context - 1 - start)
-        return max(0, min(self.control.next_k(), room))
+        k = self.planned_k if self.planned_k is not None else self.control.next_k()
+        self.planned_k = None
+        return max(0, min(k, room))
+
+    def hands_back(self, k: int) -> bool:
+        """Whether a step of `k` drafts gives the loop back to the chain: the controller chose none."""
+        return k == 0 and self.control.adaptive
+
+    def handed_back(self) -> None:
+        self.head_drives, self._last_result = False, None
+
+    def on_chain_tokens(self, taken: Sequence[int], next_step: int) -> bool:
+        """Tokens that came round the chain while it drives: the drafter learns them, prompt lookup's guesses are
+        scored against them (acceptance seen without drafting); True when the head should take the loop back."""
+        for token in taken:
+            if self._guess is not None:
+                self.control.observe(1, int(token == self._guess))
+            self.drafter.accept([token])
+            self._guess = None
+            if not self.drafter.blocking:  # a lookup costs nothing: guess the next token
+                guess = self.drafter.propose(1, next_step).tokens
+                self._guess = guess[0] if guess else None
+        if self.taking_over or self.head_drives or not taken:
+            return False
+        k = self.next_k(next_step)
+        if k > 0:
+            self.taking_over, self.planned_k = True, k
+        return k > 0
+
+    def on_verified(self) -> None:
+        """The last stage answered the head: the head drives."""
+        self.head_drives, self.taking_over, self._guess = True, False, None
 
 
 def verify_forward(request_id: str, step: int, start_pos: int, head: str, last: int, proposal: Proposal,
-                   epoch: int) -> Forward:
-    """Stage 0's input for a speculative step: the last accepted token, then the drafted ones (if any)."""
+                   epoch: int, *, chain: bool = False) -> Forward:
+    """Stage 0's input for a speculative step: the last accepted token, then the drafted ones (if any); with
+    `chain`, the step that hands the loop back to the chain."""
     rows = np.asarray((last, *proposal.tokens), dtype=np.int32)
     draft = None
     if proposal.tokens:
@@ -117,4 +158,5 @@ def verify_forward(request_id: str, step: int, start_pos: int, head: str, last: 
                 probs[i, :len(q.probs)] = q.probs
             q_ids, q_probs = WireTensor.from_array(ids), WireTensor.from_array(probs)
         draft = Draft(WireTensor.from_array(rows[1:]), q_ids, q_probs)
-    return Forward(request_id, step, 0, start_pos, head, tokens=WireTensor.from_array(rows), epoch=epoch, draft=draft)
+    return Forward(request_id, step, 0, start_pos, head, tokens=WireTensor.from_array(rows), epoch=epoch, draft=draft,
+                   chain=chain)

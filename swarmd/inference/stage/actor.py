@@ -45,7 +45,7 @@ from swarmd.inference.stage.book import Sampled, StageBook, StageRefusal, Work
 from swarmd.observe.spans import SpanRecorder, record_stage_step
 from swarmd.transport.transport import HandlerResult, Posted, Send, as_sends
 from swarmd.wire.codec import WireError
-from swarmd.wire.messages import Cancel, Error, Forward, Token
+from swarmd.wire.messages import Cancel, Error, Forward, Speculate, Token
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +224,11 @@ class StageActor:
             head = self.book.head_of(msg.request_id) if self.book else None
             return _refusal(head or peer, msg.request_id, msg.step + 1, 0, e)
         return await self._run(loaded, book, work, received)
+
+    async def on_speculate(self, peer: str, msg: Speculate) -> None:
+        """A speculative request's head takes the loop back from the chain (the last stage sends it the next step)."""
+        if self.book is not None:
+            self.book.drive(msg.request_id)
 
     async def on_cancel(self, peer: str, msg: Cancel) -> None:
         if self.book is not None and self.book.cancel(msg.request_id):

@@ -46,6 +46,7 @@ class Work:
     adopt: str = ""  # the KV slot is this earlier attempt's, its first `start_pos` positions kept
     resume_of: str = ""  # the request continues this attempt: send the next stage every row from position 0
     draft: Draft | None = None  # a verify step: the rows after the first are these drafted tokens
+    chain: bool = False  # a speculative request's head hands the loop back to the chain from this step on
     rollback: int | None = None  # the cache holds positions past `start_pos` (rejected drafts): drop them first
 
     @property
@@ -82,6 +83,7 @@ class RequestState:
     sampling: Sampling
     position: int = 0  # tokens this stage's cache holds for the request
     floor: int = 0  # a speculative request's next step may start from here (positions before it are accepted)
+    drives: bool = False  # a speculative request's head drafts its steps (else the chain closes the loop itself)
     step: int = -1  # the last step this stage has run (or is running)
     busy: bool = False  # a step is with the model
     cancelled: bool = False  # cancelled while busy: free once the model is done
@@ -156,7 +158,8 @@ class StageBook:
         start, adopt = msg.start_pos, ""
         if first:
             state = RequestState(msg.request_id, msg.head, msg.epoch, msg.sampling or Sampling(), last_active=now,
-                                 sent=None if self.is_last else SentRows(self.max_context))
+                                 sent=None if self.is_last else SentRows(self.max_context),
+                                 drives=msg.sampling is not None and msg.sampling.speculative)
             start = self._adopt(msg.resume_of, state, len(data)) if msg.resume_of else 0
             adopt = msg.resume_of if start else ""
             self.requests[msg.request_id] = state
@@ -165,7 +168,8 @@ class StageBook:
         rollback = msg.start_pos if not first and msg.start_pos < state.position else None
         return self._begin(state, Work(msg.request_id, msg.step, start, data[start - msg.start_pos:], first,
                                        msg.all_logits, targets, state.sampling if self.is_last else None,
-                                       adopt=adopt, resume_of=msg.resume_of, draft=msg.draft, rollback=rollback), now)
+                                       adopt=adopt, resume_of=msg.resume_of, draft=msg.draft, rollback=rollback,
+                                       chain=msg.chain), now)
 
     def _adopt(self, old_id: str, state: RequestState, total: int) -> int:
         """Take over what this stage holds of the attempt `old_id` (idle, not cancelled) for `state`: the
@@ -243,9 +247,11 @@ class StageBook:
             return [Out(next_peer, Forward(work.request_id, work.step, self.hop + 1, start, state.head,
                                            hidden=hidden, epoch=state.epoch, all_logits=work.all_logits,
                                            sampling=state.sampling if work.new else None, targets=targets,
-                                           resume_of=work.resume_of, draft=work.draft))]
+                                           resume_of=work.resume_of, draft=work.draft, chain=work.chain))]
         assert isinstance(output, Sampled)
-        if state.sampling.speculative:
+        if work.chain:
+            state.drives = False
+        if state.sampling.speculative and state.drives:
             return [Out(state.head, self._verified(work, output, state))]
         out: list[Out] = []
         if output.prompt_logprobs is not None:
@@ -284,6 +290,14 @@ class StageBook:
         return Verified(work.request_id, work.step, tuple(tokens[:n]), drafted=work.draft.k if work.draft else 0,
                         logprobs=tuple(logprobs[:n]), top_ids=tuple(i for i, _ in top),
                         top_logprobs=tuple(p for _, p in top), finish=finish)
+
+    def drive(self, request_id: str) -> bool:
+        """A speculative request's head takes the loop back: its next steps go to the head (False: not here)."""
+        state = self.requests.get(request_id)
+        if state is None or not self.is_last or not state.sampling.speculative:
+            return False
+        state.drives = True
+        return True
 
     def fail(self, work: Work, code: str, message: str) -> Out | None:
         """The model could not run `work`: the request ends here; the head is told why."""
