@@ -3,8 +3,8 @@
 With a per-token acceptance rate a, a pass of k drafts yields on average E(k) = 1 + a + ... + a^k tokens and costs
 t(k) seconds from one result to the next (drafting included). The controller drafts the k in [0, limit] that makes
 E(k) / t(k) largest: over a WAN, where a pass costs about the same for one position or many, k grows with a; where
-computing the rows dominates (loopback), each extra row must pay for itself; where drafts fail (a near 0), k = 0:
-speculation switches itself off, and every `probe_every` passes (doubling while probes fail, up to `max_probe`)
+computing the rows dominates (loopback), each extra row must pay for itself; where drafts fail (a below MIN_ACCEPT,
+or no k promising MIN_GAIN over none), k = 0: speculation switches itself off, and every `probe_every` passes (doubling while probes fail, up to `max_probe`)
 one pass drafts a token again to see whether the text has changed.
 
 a is estimated from recent passes (successes over trials, each pass decayed by `decay`): a pass of k drafts with m
@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 PRIOR_ACCEPT = 0.6  # acceptance assumed before any pass (worth trying a few drafts)
 PRIOR_TRIALS = 2.0  # its weight in trials
 PRIOR_SLOPE = 0.1  # an extra drafted row costs this fraction of a one-row pass until measured
+MIN_ACCEPT = 0.1  # below this acceptance drafting gains at most 11 %: within the noise of the costs, so none
+MIN_GAIN = 0.03  # drafting must promise this much more than a pass without drafts
 
 
 @dataclass
@@ -60,15 +62,18 @@ class AdaptiveK:
 
     def best_k(self) -> int:
         a = min(self.acceptance, 0.999)
+        if a < MIN_ACCEPT:
+            return 0
         slope, intercept = self.cost_line()
         best, best_rate, expected, term = 0, 0.0, 0.0, 1.0
+        plain = 1.0 / max(intercept, 1e-9)  # a pass without drafts
         for k in range(self.limit + 1):
             expected += term  # E(k) = 1 + a + ... + a^k
             term *= a
             rate = expected / max(intercept + slope * k, 1e-9)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = k, rate
-        return best
+        return best if best_rate >= plain * (1 + MIN_GAIN) else 0
 
     def cost_line(self) -> tuple[float, float]:
         """(seconds per drafted token, seconds of a pass without drafts), from the passes seen."""
