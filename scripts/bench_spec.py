@@ -135,7 +135,9 @@ class Tally:
         rate = got["timings"]["decode_tokens_per_s"] or 0.0
         self.rates.setdefault((set_name, mode), []).append(rate)
         s = got["speculation"] or {}
-        acc = self.spec.setdefault((set_name, mode), {"passes": 0, "drafted": 0, "accepted": 0, "draft_s": 0.0})
+        acc = self.spec.setdefault((set_name, mode), {"passes": 0, "drafted": 0, "accepted": 0, "draft_s": 0.0,
+                                                      "rejections": 0})
+        acc["rejections"] += s.get("rejections", 0)
         acc["passes"] += s.get("passes", 0)
         acc["drafted"] += s.get("drafted", 0)
         acc["accepted"] += s.get("accepted", 0)
@@ -151,10 +153,13 @@ class Tally:
         ratios = [a / b for a, b in zip(rates, base_rates, strict=False) if b]
         s = self.spec.get((set_name, mode), {})
         drafted, accepted, passes = s.get("drafted", 0), s.get("accepted", 0), s.get("passes", 0)
+        trials = accepted + s.get("rejections", 0)
         return {"set": set_name, "mode": mode, "requests": len(rates),
                 "tok_s": statistics.median(rates) if rates else None,
                 "ratio": statistics.median(ratios) if ratios and mode != base else None,
                 "acceptance": accepted / drafted if drafted else None, "drafted": drafted, "accepted": accepted,
+                "token_acceptance": accepted / trials if trials else None,
+                "drafted_per_pass": drafted / passes if passes else None,
                 "passes": passes, "tokens_per_pass": (passes + accepted) / passes if passes else None,
                 "accepted_per_pass": accepted / passes if passes else None}
 

@@ -37,6 +37,7 @@ class SpecStats:
     accepted: int = 0  # drafted tokens the target accepted
     passes: int = 0  # verify passes through the chain (a step of a speculative request after its prompt)
     draft_seconds: float = 0.0  # time spent drafting
+    rejections: int = 0  # passes that ended at a rejected draft (the others accepted every draft)
     buckets: list[int] = field(default_factory=lambda: [0] * len(ACCEPTED_BUCKETS))  # passes per upper bound
     over: int = 0  # passes with more accepted than the last bound
 
@@ -44,6 +45,7 @@ class SpecStats:
         self.passes += 1
         self.drafted += drafted
         self.accepted += accepted
+        self.rejections += int(accepted < drafted)
         i = bisect.bisect_left(ACCEPTED_BUCKETS, accepted)
         if i < len(self.buckets):
             self.buckets[i] += 1
@@ -55,13 +57,18 @@ class SpecStats:
         self.accepted += other.accepted
         self.passes += other.passes
         self.draft_seconds += other.draft_seconds
+        self.rejections += other.rejections
         self.buckets = [a + b for a, b in zip(self.buckets, other.buckets, strict=True)]
         self.over += other.over
 
     def to_json(self) -> dict[str, Any]:
-        return {"passes": self.passes, "drafted": self.drafted, "accepted": self.accepted,
+        return {"passes": self.passes, "drafted": self.drafted, "accepted": self.accepted, "rejections": self.rejections,
                 "draft_seconds": round(self.draft_seconds, 6),
                 "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None,
+                # the chance that a draft is accepted given the ones before it were (accepted until the first
+                # rejection: successes over trials), as planner.simulate's `acceptance` means it
+                "token_acceptance": round(self.accepted / (self.accepted + self.rejections), 4)
+                if self.accepted + self.rejections else None,
                 "tokens_per_pass": round((self.passes + self.accepted) / self.passes, 4) if self.passes else None,
                 "accepted_length": {str(b): n for b, n in zip(ACCEPTED_BUCKETS, self.buckets, strict=True)}
                 | ({"+Inf": self.over} if self.over else {})}
