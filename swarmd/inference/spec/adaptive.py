@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PRIOR_ACCEPT = 0.6  # acceptance assumed before any pass (worth trying a few drafts)
+PRIOR_ACCEPT = 0.4  # acceptance assumed before any pass: try a couple of drafts, more once they are accepted
 PRIOR_TRIALS = 2.0  # its weight in trials
 PRIOR_SLOPE = 0.1  # an extra drafted row costs this fraction of a one-row pass until measured
 MIN_ACCEPT = 0.1  # below this acceptance drafting gains at most 11 %: within the noise of the costs, so none

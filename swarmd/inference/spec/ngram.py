@@ -1,4 +1,5 @@
-"""Prompt-lookup drafting: the tokens that followed the latest earlier occurrence of the context's last n-gram.
+"""Prompt-lookup drafting: the tokens that followed the latest earlier occurrence of the context's last n-gram
+(n from 3 down to 2).
 
 No model: a request's own context (its prompt and what it generated) is the draft's only source, which is strong
 where the output repeats its input (code being edited, quoting, summaries that reuse phrases) and proposes nothing
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 MAX_NGRAM = 3  # the longest suffix looked up; the longest that matches wins
-MIN_NGRAM = 1
+MIN_NGRAM = 2  # a single token recurs everywhere ("the", a space): too weak a cue to draft from
 
 
 class NgramDrafter:
