@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command: sets up (scripts/bootstrap.sh), lints, then runs the tests.
+# The test command: sets up (scripts/bootstrap.sh), lints (ruff, then the import contracts), then runs the tests.
 #   ./scripts/test.sh           the whole suite (what CI runs)
 #   ./scripts/test.sh --quick   the inner loop: units, property tests, the fault simulation's seeds and one
 #                               real-process smoke test (tests marked slow, but for the smoke test, are left out)
@@ -8,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
 .venv/bin/ruff check .
+.venv/bin/lint-imports
 args=()
 for arg in "$@"; do
   if [ "$arg" = --quick ]; then args+=(-m "not slow or smoke"); else args+=("$arg"); fi

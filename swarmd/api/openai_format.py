@@ -1,4 +1,5 @@
-"""OpenAI's request and response shapes, as pure functions: JSON in -> `HeadRequest`, head events -> JSON out.
+"""OpenAI's request and response shapes: JSON in -> `HeadRequest`, head events -> JSON out. No I/O, but not pure:
+a response's id is random (`new_id`) and its `created` time is now unless given.
 
 Covers `/v1/completions` (prompt as text or token ids, `echo`, `logprobs` in the legacy shape: `tokens`,
 `token_logprobs`, `top_logprobs` keyed by decoded token text, `text_offset`) and `/v1/chat/completions`
@@ -16,7 +17,7 @@ from typing import Any
 
 from swarmd.inference.head.service import HeadRequest
 from swarmd.inference.head.session import PromptScores, TokenOut
-from swarmd.inference.spec.settings import SpecError, SpecRequest, parse_spec_field
+from swarmd.spec_settings import SpecError, SpecRequest, parse_spec_field
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for the legacy endpoint
 MAX_STOPS = 16

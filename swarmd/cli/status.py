@@ -30,8 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def daemon_url(api: str | None, home: Path | None) -> str:
     """The API base URL: --api, else the URL the daemon wrote to its home."""
-    from swarmd.api.app import api_url, parse_api_address
-    from swarmd.config import default_home
+    from swarmd.api.app import api_url
+    from swarmd.config import default_home, parse_api_address
 
     if api:
         if api.startswith(("http://", "https://")):

@@ -36,7 +36,6 @@ from swarmd.api.app import Api
 from swarmd.api.page import install_page
 from swarmd.config import DaemonConfig, warms_up
 from swarmd.daemon.assignment import Assignment, ExpertLoader, StageLoader, load_experts, load_stage
-from swarmd.daemon.compute import Compute, ComputeThread
 from swarmd.daemon.descriptor import (
     LocalDescriptor,
     device_name,
@@ -47,6 +46,7 @@ from swarmd.daemon.descriptor import (
 )
 from swarmd.daemon.served_model import ServedModel, served_model
 from swarmd.errors import UserError
+from swarmd.inference.compute import Compute, ComputeThread
 from swarmd.net.access import Access, load_access
 from swarmd.net.identity import Signer, load_or_create_identity, peer_id_of, short_id
 from swarmd.net.seam import Network

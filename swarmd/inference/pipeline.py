@@ -1,7 +1,7 @@
-"""Pipeline inference on a daemon: the actor transport, the stage and head actors, and their HTTP routes.
+"""Pipeline inference on a daemon: the stage, head and MoE actors on the actor transport.
 
-`run_pipeline` is a Node extension (`node.add_extension(run_pipeline)`; `swarmd join` adds it). It starts
-the actor transport on the node's network (its links are the network's bulk streams), and routes its messages:
+`Pipeline(node, transport)` builds the actors and `install()` routes the transport's messages to them
+(`swarmd.daemon.serving` starts it all, with its HTTP routes):
 
     Forward          -> stage      (checked against this daemon's stage: hop, hidden size, dtype, vocabulary)
     Token hop 0      -> stage      (stage 0: the next step's input)
@@ -15,8 +15,7 @@ the actor transport on the node's network (its links are the network's bulk stre
     Error            -> MoE router (about one of its batches), head, or passed on to the request's head
 
 The registry (actor -> peer) follows the node's current plan; the stage actor follows the node's loaded
-assignment. Routes: `/v1/*` (OpenAI-compatible), `/api/v0/generate` (for `swarmd submit-prompt`) and
-`/api/v0/pipeline` (this daemon's stage and head counters).
+assignment.
 """
 
 from __future__ import annotations
@@ -27,12 +26,7 @@ from dataclasses import replace
 from typing import Any
 
 import trio
-from starlette.requests import Request
-from starlette.responses import JSONResponse
 
-from swarmd.api.generate_route import GenerateRoute
-from swarmd.api.openai_routes import OpenAIRoutes
-from swarmd.api.traces_route import TracesRoute
 from swarmd.errors import UserError
 from swarmd.inference.head.service import HeadError, HeadService, ModelInfo
 from swarmd.inference.moe.expert import ExpertActor
@@ -41,16 +35,14 @@ from swarmd.inference.moe.router import MoERouter
 from swarmd.inference.registry import EMPTY, ChainStatus, Registry, chain_status
 from swarmd.inference.spec.draft_model import DraftRefused, check_draft_model
 from swarmd.inference.spec.head import SpecHead
-from swarmd.inference.spec.settings import SpecSettings
 from swarmd.inference.stage.actor import Loaded, StageActor
 from swarmd.observe.clock import ClockOffsets
 from swarmd.observe.hop_timer import HopTimer
 from swarmd.observe.pipeline_metrics import register_pipeline_metrics
-from swarmd.observe.spans import NodeSpans, SpanRecorder, chrome_trace
+from swarmd.observe.spans import SpanRecorder
 from swarmd.observe.trace_collect import TraceCollector
-from swarmd.observe.trace_store import KEEP_TRACES
+from swarmd.spec_settings import SpecSettings
 from swarmd.swarm.membership import State, StateChanged
-from swarmd.transport.links import start_actor_transport
 from swarmd.transport.transport import HandlerResult, Send, TransportConfig
 from swarmd.wire.codec import FLOAT_DTYPES, WireError
 from swarmd.wire.expect import (
@@ -333,43 +325,3 @@ def install_actor_routes(transport: Any, stage: StageActor, head: HeadService, *
     transport.route(Cancel, stage.on_cancel)
     transport.route(Speculate, stage.on_speculate)
     transport.route(Error, on_error)
-
-
-async def run_pipeline(node: Any, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """The Node extension: serve pipeline requests until the node stops."""
-    cfg = node.config
-    async with trio.open_nursery() as nursery:
-        transport = await start_actor_transport(node.network, nursery,
-                                                transport_config(cfg.max_requests, cfg.timings.send_timeout))
-        pipeline = Pipeline(node, transport)
-        await pipeline.check_draft_model()
-        pipeline.install()
-        await nursery.start(pipeline.stage.run)
-        await nursery.start(pipeline.head.run)
-        nursery.start_soon(pipeline.forget_dead_heads)
-        OpenAIRoutes(pipeline.head).install(node.api)
-        GenerateRoute(pipeline.head).install(node.api)
-        TracesRoute(pipeline.tracing.traces).install(node.api)
-
-        async def status(request: Request) -> JSONResponse:
-            return JSONResponse(pipeline.status())
-
-        async def trace(request: Request) -> JSONResponse:
-            rid = request.path_params["request_id"]
-            events = pipeline.tracing.traces.get(rid)
-            if events is None:  # not headed here: this daemon's own spans of it, on its own clock
-                spans = pipeline.tracing.recorder.spans(rid)
-                if not spans:
-                    return JSONResponse({"error": {"message": f"no trace of {rid} on this daemon (traced requests "
-                                                              f"only, the latest {KEEP_TRACES})", "code": "not_found"}},
-                                        status_code=404)
-                events = chrome_trace([NodeSpans(node.peer_id, "node", spans)], request_id=rid)
-            return JSONResponse({"traceEvents": events, "displayTimeUnit": "ms"})
-
-        node.api.add_route("/api/v0/pipeline", status)
-        node.api.add_route("/api/v0/trace/{request_id}", trace)
-        if node.model is not None and node.model.layout.is_moe:
-            node.status_parts["moe"] = pipeline.moe_status
-        node.status_parts["speculation"] = pipeline.speculation_status
-        task_status.started(pipeline)
-        await trio.sleep_forever()

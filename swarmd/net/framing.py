@@ -1,20 +1,15 @@
 """The one framing of every stream between daemons: a 4-byte big-endian length, then that many bytes.
 
-`FrameDecoder` splits bytes into frame bodies as they arrive (sans-IO); `read_frame` / `write_frame` do the
-same on a `Stream` for handshakes and request/answer protocols. What a body holds is the caller's business
-(CBOR messages for the actor transport and gossip, fixed structs for probes).
+`FrameDecoder` splits bytes into frame bodies as they arrive (sans-IO); `swarmd.net.streams.read_frame` /
+`write_frame` do the same on a `Stream` for handshakes and request/answer protocols. What a body holds is the
+caller's business (CBOR messages for the actor transport and gossip, fixed structs for probes).
 """
 
 from __future__ import annotations
 
-import logging
 import struct
 
-import trio
-
-from swarmd.net.seam import BadFrame, Stream, StreamClosed
-
-log = logging.getLogger(__name__)
+from swarmd.net.errors import BadFrame
 
 HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 64 << 20
@@ -78,45 +73,3 @@ class FrameDecoder:
         del self._buf[:end]
         self._need = None
         return body
-
-
-async def read_exact(stream: Stream, n: int) -> bytes:
-    """Exactly `n` bytes (a read returns at most what was asked, so nothing past them is consumed)."""
-    buf = bytearray()
-    while len(buf) < n:
-        try:
-            chunk = await stream.read(n - len(buf))
-        except (trio.Cancelled, StreamClosed):
-            raise
-        except Exception as e:
-            raise StreamClosed(f"stream broke after {len(buf)} of {n} bytes: {type(e).__name__}") from None
-        if not chunk:
-            raise StreamClosed(f"stream ended after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
-
-
-async def read_frame(stream: Stream, max_bytes: int) -> bytes:
-    """One whole frame's body; FrameTooLarge for a length over `max_bytes` (callers bound it in time)."""
-    (n,) = HEADER.unpack(await read_exact(stream, HEADER.size))
-    if n > max_bytes:
-        raise FrameTooLarge(f"frame of {n} bytes is over the {max_bytes} byte limit")
-    return await read_exact(stream, n)
-
-
-async def write_frame(stream: Stream, payload: bytes) -> None:
-    try:
-        await stream.write(HEADER.pack(len(payload)) + payload)  # one write per frame
-    except (trio.Cancelled, StreamClosed):
-        raise
-    except Exception as e:
-        raise StreamClosed(f"write failed: {type(e).__name__}: {e}") from None
-
-
-async def close_quietly(stream: Stream) -> None:
-    """Close `stream`, shielded and within a second; a failure to close is only logged."""
-    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-        try:
-            await stream.close()
-        except Exception as e:
-            log.debug("closing a stream: %s: %s", type(e).__name__, e)

@@ -31,13 +31,12 @@ import trio
 
 from swarmd.config import LAN, Timings
 from swarmd.errors import UserError
-from swarmd.net.framing import close_quietly, read_frame, write_frame
 from swarmd.net.gate import GuardLimits, PeerGate
 from swarmd.net.identity import short_id
 from swarmd.net.libp2p_gate import gossip_validator, guard_all_handlers, install_gate
 from swarmd.net.seam import GossipMessage, LinkInfo, LinkPath, PeerUnreachable, Stream, StreamHandler
 from swarmd.net.stream_guard import StreamGuard
-from swarmd.net.streams import Libp2pStream
+from swarmd.net.streams import Libp2pStream, close_quietly, read_frame, write_frame
 from swarmd.net.tls_plane import MAX_HANDSHAKE_FRAME, PLANE_PROTOCOL, DataPlane, DataPlaneConfig, Offer
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
-from swarmd.errors import RemoteProtocolError
+from swarmd.net.errors import BadFrame, PeerUnreachable, StreamClosed
 
 if TYPE_CHECKING:
     from swarmd.net.gate import PeerGate
@@ -39,19 +39,8 @@ class Stream(Protocol):
 
 
 StreamHandler = Callable[[str, Stream], Awaitable[None]]  # (remote peer id, stream)
-
-
-class PeerUnreachable(Exception):
-    """Dialing a peer or opening a stream to it failed; the message says why, in one line."""
-
-
-class StreamClosed(Exception):
-    """The other side closed or reset the stream, or the connection under it broke."""
-
-
-class BadFrame(StreamClosed, RemoteProtocolError):
-    """The peer sent a frame that breaks the protocol (too large, wrong shape): the stream is given up and
-    the peer gets a strike from the guard that serves it."""
+__all__ = ["BadFrame", "GossipMessage", "LinkInfo", "LinkPath", "Network", "PeerUnreachable", "Stream",
+           "StreamClosed", "StreamHandler"]
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,17 @@
-"""Byte streams of other libraries as the seam's `Stream`: b'' at the end, StreamClosed when broken."""
+"""Streams in practice: other libraries' byte streams as the seam's `Stream` (b'' at the end, StreamClosed when
+broken), and reading, writing and closing frames on any `Stream`."""
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, Protocol
 
 import trio
 
-from swarmd.net.seam import StreamClosed
+from swarmd.net.framing import HEADER, FrameTooLarge
+from swarmd.net.seam import Stream, StreamClosed
+
+log = logging.getLogger(__name__)
 
 
 class TrioStream:
@@ -75,3 +80,49 @@ class Libp2pStream:
 
     async def reset(self) -> None:
         await self.stream.reset()
+
+
+async def read_exact(stream: Stream, n: int) -> bytes:
+    """Exactly `n` bytes (a read returns at most what was asked, so nothing past them is consumed)."""
+    buf = bytearray()
+    while len(buf) < n:
+        try:
+            chunk = await stream.read(n - len(buf))
+        except (trio.Cancelled, StreamClosed):
+            raise
+        except Exception as e:
+            raise StreamClosed(f"stream broke after {len(buf)} of {n} bytes: {type(e).__name__}") from None
+        if not chunk:
+            raise StreamClosed(f"stream ended after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+async def read_frame(stream: Stream, max_bytes: int) -> bytes:
+    """One whole frame's body; FrameTooLarge for a length over `max_bytes` (callers bound it in time)."""
+    (n,) = HEADER.unpack(await read_exact(stream, HEADER.size))
+    if n > max_bytes:
+        raise FrameTooLarge(f"frame of {n} bytes is over the {max_bytes} byte limit")
+    return await read_exact(stream, n)
+
+
+async def write_frame(stream: Stream, payload: bytes) -> None:
+    try:
+        await stream.write(HEADER.pack(len(payload)) + payload)  # one write per frame
+    except (trio.Cancelled, StreamClosed):
+        raise
+    except Exception as e:
+        raise StreamClosed(f"write failed: {type(e).__name__}: {e}") from None
+
+
+class Closable(Protocol):
+    async def close(self) -> None: ...
+
+
+async def close_quietly(stream: Closable) -> None:
+    """Close `stream`, shielded and within a second; a failure to close is only logged."""
+    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+        try:
+            await stream.close()
+        except Exception as e:
+            log.debug("closing a stream: %s: %s", type(e).__name__, e)

@@ -29,9 +29,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from swarmd.errors import RemoteProtocolError
-from swarmd.net.framing import close_quietly, read_frame, write_frame
 from swarmd.net.seam import PeerUnreachable, Stream
-from swarmd.net.streams import TrioStream
+from swarmd.net.streams import TrioStream, close_quietly, read_frame, write_frame
 
 log = logging.getLogger(__name__)
 

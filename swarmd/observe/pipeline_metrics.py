@@ -121,8 +121,6 @@ def _moe_metrics(pipeline: Any) -> Iterator[Metric]:
 
 def _spec_metrics(pipeline: Any) -> Iterator[Metric]:
     """Speculative decoding on this daemon's head: drafts, acceptance, passes through the chain."""
-    from swarmd.inference.spec.speculation import ACCEPTED_BUCKETS
-
     stats = pipeline.head.speculation.stats
     yield CounterMetricFamily("swarmd_spec_drafted_tokens", "Tokens drafted and sent for verification",
                               value=stats.drafted)
@@ -130,7 +128,7 @@ def _spec_metrics(pipeline: Any) -> Iterator[Metric]:
     yield CounterMetricFamily("swarmd_spec_verify_passes", "Speculative steps through the chain", value=stats.passes)
     yield CounterMetricFamily("swarmd_spec_draft_seconds", "Time spent drafting", value=stats.draft_seconds)
     cumulative, buckets = 0, []
-    for bound, n in zip(ACCEPTED_BUCKETS, stats.buckets, strict=True):
+    for bound, n in zip(stats.bounds, stats.buckets, strict=True):
         cumulative += n
         buckets.append((str(float(bound)), cumulative))
     buckets.append(("+Inf", cumulative + stats.over))

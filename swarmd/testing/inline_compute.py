@@ -17,7 +17,7 @@ T = TypeVar("T")
 
 
 class InlineCompute:
-    """`swarmd.daemon.compute.Compute`, running each job inline."""
+    """`swarmd.inference.compute.Compute`, running each job inline."""
 
     def __init__(self) -> None:
         self.busy_seconds = 0.0

@@ -62,7 +62,8 @@ class _Pipe:
         self.delay = delay
         self.chunks: deque[tuple[float, bytes]] = deque()
         self.eof = False  # the writer closed its side: reads end once the chunks are read
-        self.broken = ""  # a reset or a crash: reads and writes fail at once
+        self.broken = ""  # a reset or a crash: writes fail at once, reads once what had arrived is read
+        self.broken_at = 0.0
         self.arrived = trio.Event()
 
     def put(self, data: bytes) -> None:
@@ -74,7 +75,8 @@ class _Pipe:
         self._wake()
 
     def break_(self, reason: str) -> None:
-        self.broken = self.broken or reason
+        if not self.broken:
+            self.broken, self.broken_at = reason, trio.current_time()
         self._wake()
 
     def _wake(self) -> None:
@@ -83,8 +85,8 @@ class _Pipe:
 
     async def get(self, n: int) -> bytes:
         while True:
-            if self.broken:
-                raise StreamClosed(self.broken)
+            if self.broken and not (self.chunks and self.chunks[0][0] <= self.broken_at):
+                raise StreamClosed(self.broken)  # what was still on the wire is lost with it
             if self.chunks:
                 due, data = self.chunks[0]
                 now = trio.current_time()

@@ -169,7 +169,7 @@ class SwarmTwin:
         return daemon
 
     async def _run(self, daemon: TwinDaemon, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        from swarmd.inference.pipeline import run_pipeline
+        from swarmd.daemon.serving import run_pipeline
 
         name = daemon.name
 

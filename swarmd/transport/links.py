@@ -9,11 +9,12 @@ transport cuts off (bad frames) is penalised in the network's peer gate, which d
 from __future__ import annotations
 
 import logging
+import random
 
 import trio
 
-from swarmd.net.framing import close_quietly, read_frame
 from swarmd.net.seam import Network, Stream
+from swarmd.net.streams import close_quietly, read_frame
 from swarmd.transport.transport import ActorTransport, LinkError, TransportConfig
 from swarmd.wire.messages import Hello, decode, encode
 
@@ -62,11 +63,12 @@ def serve_links(network: Network, transport: ActorTransport) -> None:
     network.serve(PROTOCOL, handle, bulk=True)
 
 
-async def start_actor_transport(network: Network, nursery: trio.Nursery,
-                                config: TransportConfig | None = None) -> ActorTransport:
+async def start_actor_transport(network: Network, nursery: trio.Nursery, config: TransportConfig | None = None, *,
+                                rng: random.Random | None = None) -> ActorTransport:
     """An ActorTransport over `network`, serving and dialing `/swarmd/act/1.0.0`, its tasks in `nursery`."""
     config = config or TransportConfig()
-    transport = ActorTransport(link_opener(network, config), config, local_peer=network.peer_id, gate=network.gate)
+    transport = ActorTransport(link_opener(network, config), config, local_peer=network.peer_id, gate=network.gate,
+                               rng=rng)
     await nursery.start(transport.run)
     serve_links(network, transport)
     return transport

@@ -47,10 +47,12 @@ from typing import Any, Protocol
 import trio
 
 from swarmd.errors import LocalProtocolError, RemoteProtocolError
-from swarmd.net.framing import DEFAULT_MAX_FRAME, FrameDecoder, FrameTooLarge, close_quietly
+from swarmd.net.framing import DEFAULT_MAX_FRAME, FrameDecoder, FrameTooLarge
 from swarmd.net.gate import PeerGate
 from swarmd.net.identity import short_id
+from swarmd.net.rates import TokenBucket
 from swarmd.net.seam import Stream
+from swarmd.net.streams import close_quietly
 from swarmd.transport.delivery import (
     DedupeTable,
     Health,
@@ -60,7 +62,6 @@ from swarmd.transport.delivery import (
     Pending,
     RetryPolicy,
     Seen,
-    TokenBucket,
 )
 from swarmd.wire.codec import WireError, WireTensor
 from swarmd.wire.expect import Expect
@@ -929,11 +930,10 @@ async def _let_started_handlers_begin() -> None:
 
     The reader acks its frames and reads on after that, so a handler that starts work (a stage handing its
     step to the compute thread) does so first; the ack's encoding and TLS write and the next read's attempt
-    then overlap the compute thread's wake-up rather than come before it. (They still run before this thread
-    blocks and lets the compute thread take the interpreter lock; deferring them past that, by a sleep, was
-    measured to put their cost into the step instead.) trio runs the tasks of one scheduler batch in either
-    order, so one checkpoint is not enough: a task made ready before the first checkpoint runs in the batch
-    after it, which ends before the second checkpoint returns."""
+    then overlap the compute thread's wake-up rather than come before it, and are done before this thread
+    blocks (why not later: docs/BENCHMARKS.md, "Per-hop overhead against 1 ms"). trio runs the tasks of one
+    scheduler batch in either order, so one checkpoint is not enough: a task made ready before the first
+    checkpoint runs in the batch after it, which ends before the second checkpoint returns."""
     await trio.lowlevel.checkpoint()
     await trio.lowlevel.checkpoint()
 

@@ -10,6 +10,7 @@ types, unknown fields and bad schemas raise RemoteProtocolError with one line th
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,19 @@ from swarmd.wire.codec import WireError, decode_cbor
 
 MAX_MESSAGE_BYTES = 1 << 20  # gossipsub's own inbound limit
 MAX_DEPTH = 16  # a plan nests 7 deep (envelope, body, plan, stages, stage, experts, list)
-ASSIGNMENT_STATES = ("idle", "loading", "ready", "standby", "failed")
+
+
+class AssignmentState(enum.StrEnum):
+    """How far a daemon got with what the plan gives it (the transitions: `swarmd.daemon.assignment_machine`)."""
+
+    IDLE = "idle"  # nothing to hold
+    LOADING = "loading"
+    READY = "ready"  # its stage and experts are loaded
+    STANDBY = "standby"  # a spare's warm copy of `layers`
+    FAILED = "failed"  # loading failed (`error` says why)
+
+
+ASSIGNMENT_STATES = tuple(s.value for s in AssignmentState)
 
 
 class ForgedMessage(RemoteProtocolError):
@@ -55,16 +68,19 @@ class AssignmentStatus:
     epoch: int = 0
     layers: tuple[int, int] | None = None
     experts: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    state: str = "idle"  # idle | loading | ready | standby (a spare's warm copy of `layers`) | failed
+    state: AssignmentState = AssignmentState.IDLE
     progress: float = 0.0  # 0..1 while loading
     error: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", AssignmentState(self.state))
 
     def to_json(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,
             "layers": list(self.layers) if self.layers else None,
             "experts": {str(b): list(es) for b, es in self.experts.items()},
-            "state": self.state,
+            "state": self.state.value,
             "progress": round(self.progress, 4),
             "error": self.error,
         }
@@ -89,7 +105,7 @@ class AssignmentStatus:
             layers=(_int(layers[0], "assignment.layers"), _int(layers[1], "assignment.layers"))
             if layers is not None else None,
             experts={int(b): tuple(_int(e, "assignment.experts") for e in es) for b, es in experts.items()},
-            state=doc["state"],
+            state=AssignmentState(doc["state"]),
             progress=float(progress),
             error=doc["error"][:300],
         )

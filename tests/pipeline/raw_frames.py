@@ -7,8 +7,8 @@ import multiaddr
 import numpy as np
 import trio
 
-from swarmd.net.framing import HEADER, read_frame
-from swarmd.net.streams import Libp2pStream
+from swarmd.net.framing import HEADER
+from swarmd.net.streams import Libp2pStream, read_frame
 from swarmd.transport.links import PROTOCOL
 from swarmd.wire import Forward, Hello, WireTensor, decode, encode
 

@@ -18,7 +18,7 @@ from swarmd.wire import Forward
 from tests.security.helpers import SWARM, TIMINGS, eventually, forward, start_member
 
 pytestmark = pytest.mark.slow  # about 20 s
-FLOODER = Path(__file__).with_name("flooder.py")
+ROOT = Path(__file__).resolve().parents[2]
 FLOOD_SECONDS = 6.0
 
 
@@ -43,8 +43,8 @@ async def test_a_flood_from_one_member_does_not_stop_the_others(tmp_path):
             victim.swarm.state_listeners.append(changes.append)
 
             flooder = await trio.lowlevel.open_process(
-                [sys.executable, str(FLOODER), str(tmp_path / "swarm.key"), victim.address, SWARM, str(FLOOD_SECONDS)],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                [sys.executable, "-m", "tests.security.flooder", str(tmp_path / "swarm.key"), victim.address, SWARM,
+                 str(FLOOD_SECONDS)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
             try:
                 gaps, sent, slowest, step = [], 0, 0.0, 0
                 end = trio.current_time() + FLOOD_SECONDS + 3

@@ -7,13 +7,16 @@ from pathlib import Path
 import pytest
 
 from swarmd.testing.twin import ModelPool
+from tests.pipeline.conftest import kernel_cache_per_thread
 from tests.simulation.runner import References
+
+__all__ = ["kernel_cache_per_thread"]
 
 
 @pytest.fixture(scope="session")
 def sim_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """A dense and a mixture-of-experts model, tiny, with byte-level tokenizers."""
-    from models.gguf.moe_writer import SYNTHETIC_MOE, write_synthetic_moe
+    from models.catalog.moe_writer import SYNTHETIC_MOE, write_synthetic_moe
     from tests.swarm.tiny_model import write_tiny_llama
 
     root = tmp_path_factory.mktemp("sim-models")

@@ -6,7 +6,7 @@ import pytest
 
 from swarmd.config import DaemonConfig
 from swarmd.errors import UserError
-from swarmd.inference.spec.settings import SpecError, SpecRequest, SpecSettings, parse_spec_field
+from swarmd.spec_settings import SpecError, SpecRequest, SpecSettings, parse_spec_field
 
 
 def test_a_request_takes_the_daemons_setting_unless_it_asks_for_its_own():

@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from swarmd.inference.head.service import HeadError, HeadRequest
-from swarmd.inference.spec.settings import SpecRequest
+from swarmd.spec_settings import SpecRequest
 from tests.swarm.tiny_model import write_tiny_llama
 from tests.twin_swarm import stage_daemons, twin_swarm
 

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from models.sampling import SamplingParams
 from swarmd.inference.spec.acceptance import verify
 from swarmd.inference.spec.drafting import NgramSource
-from swarmd.inference.spec.settings import SpecSettings
 from swarmd.inference.spec.speculation import SpecStats, Speculation, verify_forward
+from swarmd.spec_settings import SpecSettings
 from swarmd.wire import Verified
 
 VOCAB = 16

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from swarm_helpers import peer
-
 from swarmd.swarm.election import Claim, Election, LeaderChanged, MembersChanged, new_term, term_round
+from tests.swarm.swarm_helpers import peer
 
 P = sorted(peer(i) for i in range(1, 6))  # P[0] has the lowest peer id
 

@@ -6,7 +6,6 @@ from dataclasses import replace
 
 import pytest
 import trio
-from swarm_helpers import descriptor, key
 
 from planner import BUILTIN_ARCHS, layout_from_arch, make_plan
 from swarmd.config import LAN
@@ -15,6 +14,7 @@ from swarmd.swarm.election import term_round
 from swarmd.swarm.planning import MakePlan
 from swarmd.swarm.service import SwarmService, SwarmSettings
 from swarmd.testing.memory_network import MemoryHub
+from tests.swarm.swarm_helpers import descriptor, key
 
 LAYOUT = layout_from_arch(BUILTIN_ARCHS["smollm2-135m"], "f16")
 

@@ -26,15 +26,9 @@ def write_tiny_llama(path: Path, *, n_blocks: int = 8, dim: int = 64, ffn: int =
 
     w = gguf.GGUFWriter(str(path), "llama")
     if byte_tokenizer:
-        from models.catalog.seeded import byte_level_tokenizer_kv
+        from models.catalog.seeded import write_byte_level_tokenizer
 
-        kv = byte_level_tokenizer_kv(vocab)
-        w.add_tokenizer_model(kv["tokenizer.ggml.model"])
-        w.add_tokenizer_pre(kv["tokenizer.ggml.pre"])
-        w.add_token_list(kv["tokenizer.ggml.tokens"])
-        w.add_token_types(kv["tokenizer.ggml.token_type"])
-        w.add_eos_token_id(kv["tokenizer.ggml.eos_token_id"])
-        w.add_add_bos_token(kv["tokenizer.ggml.add_bos_token"])
+        write_byte_level_tokenizer(w, vocab)
     w.add_name("tiny-llama")
     w.add_block_count(n_blocks)
     w.add_context_length(256)

@@ -9,12 +9,13 @@ write frames by hand.
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import trio
 
-from swarmd.net.framing import read_frame
 from swarmd.net.seam import Stream, StreamClosed
+from swarmd.net.streams import read_frame
 from swarmd.testing.memory_network import MemoryHub, MemoryNetwork
 from swarmd.transport.links import PROTOCOL, start_actor_transport
 from swarmd.transport.transport import ActorTransport, TransportConfig
@@ -61,7 +62,8 @@ class MemoryNet:
             return await inner(peer, protocol, bulk=bulk)
 
         endpoint.open_stream = open_stream  # type: ignore[method-assign]
-        transport = self.transports[name] = await start_actor_transport(endpoint, self.nursery, config)
+        transport = self.transports[name] = await start_actor_transport(endpoint, self.nursery, config,
+                                                                        rng=random.Random(name))
         return transport
 
     async def break_links(self) -> None:

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import trio
 
-from swarmd.net.framing import HEADER, read_frame, write_frame
+from swarmd.net.framing import HEADER
 from swarmd.net.gate import GuardLimits
 from swarmd.net.seam import LinkPath, StreamClosed
-from swarmd.net.streams import Libp2pStream, TrioStream
+from swarmd.net.streams import Libp2pStream, TrioStream, read_frame, write_frame
 from swarmd.net.tls_plane import make_certificate, pinned_client_context
 from swarmd.transport.links import PROTOCOL
 from swarmd.transport.transport import Send, TransportConfig

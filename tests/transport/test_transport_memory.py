@@ -12,10 +12,10 @@ import trio.lowlevel
 import trio.testing
 
 from swarmd.errors import RemoteProtocolError
-from swarmd.net.framing import HEADER, read_frame
+from swarmd.net.framing import HEADER
 from swarmd.net.gate import GuardLimits
 from swarmd.net.seam import PeerUnreachable, Stream, StreamClosed
-from swarmd.net.streams import TrioStream
+from swarmd.net.streams import TrioStream, read_frame
 from swarmd.transport.transport import DeliveryFailed, Posted, Refused, Send, TransportConfig
 from swarmd.wire import (
     Ack,

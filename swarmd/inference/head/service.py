@@ -41,11 +41,11 @@ from swarmd.inference.head.recovery import (
 from swarmd.inference.head.session import Event, Failed, HeadSession, TokenOut
 from swarmd.inference.registry import ChainStatus, Registry
 from swarmd.inference.spec.head import DraftRefused, SpecError, SpecHead
-from swarmd.inference.spec.settings import SpecRequest, SpecSettings
 from swarmd.inference.spec.speculation import Speculation
 from swarmd.net.identity import short_id
 from swarmd.observe.spans import SpanRecorder
 from swarmd.observe.trace_collect import TraceCollector
+from swarmd.spec_settings import SpecRequest, SpecSettings
 from swarmd.transport.transport import ActorTransport, DeliveryFailed, HandlerResult, Refused
 from swarmd.wire.codec import WireTensor
 from swarmd.wire.messages import Cancel, Error, Forward, Logprobs, Sampling, Token, Verified
@@ -53,9 +53,9 @@ from swarmd.wire.messages import Cancel, Error, Forward, Logprobs, Sampling, Tok
 log = logging.getLogger(__name__)
 
 MAX_SEED = (1 << 63) - 1
-OnWait = Callable[[str], Awaitable[None]]
+OnWait = Callable[[str], Awaitable[None]]  # told what the request waits for, each time that changes
 MOVE_CHECK_INTERVAL = 0.1  # s between looks at the plan for requests whose chain changed
-TOO_SMALL_GRACE = 5.0  # s a moving request waits once the leader says the model no longer fits the swarm  # told what the request waits for, each time that changes
+TOO_SMALL_GRACE = 5.0  # s a moving request waits once the leader says the model no longer fits the swarm
 
 # The HTTP status of a failure code, where it is not a plain bad request (400).
 STATUS = {"leaving": 503, "swarm_too_small": 503, "not_ready": 503, "kv_cache_full": 503, "unreachable": 503, "timeout": 504, "internal": 500,

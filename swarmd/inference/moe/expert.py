@@ -3,7 +3,7 @@
 An `ExpertBatch` carries the rows one router sends this node for one MoE block and step, each row with
 the experts (held here) it selected and their gates; the answer, an `ExpertResult` back to the sender,
 is each row's gated sum over those experts, computed on the daemon's compute thread by the loaded
-`models.moe.ExpertShard`. A repeated batch is answered from the transport's cache, never computed twice.
+`models.expert_shard.ExpertShard`. A repeated batch is answered from the transport's cache, never computed twice.
 
 A batch that names traced requests (`ExpertBatch.traced`) starts their traces here and records, per request,
 `expert.batch` (handler started -> answer ready; the router's `moe.call` and it share a flow id and make one
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from swarmd.daemon.compute import Compute
+from swarmd.inference.compute import Compute
 from swarmd.observe.spans import SpanRecorder, flow_id
 from swarmd.transport.transport import HandlerResult, Send
 from swarmd.wire.codec import WireTensor

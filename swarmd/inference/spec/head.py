@@ -24,8 +24,8 @@ import trio
 from models.sampling import SamplingParams
 from swarmd.inference.spec.draft_model import DraftModel, DraftRefused, ModelDrafter, load_draft_model
 from swarmd.inference.spec.drafting import EMPTY, Drafter, NgramSource
-from swarmd.inference.spec.settings import SpecError, SpecRequest, SpecSettings
 from swarmd.inference.spec.speculation import SpecStats, Speculation, verify_forward
+from swarmd.spec_settings import SpecError, SpecRequest, SpecSettings
 from swarmd.transport.transport import Send
 from swarmd.wire.messages import Speculate, Token, Verified
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from swarmd.inference.spec.adaptive import AdaptiveK
 from swarmd.inference.spec.drafting import Drafter, Proposal
-from swarmd.inference.spec.settings import SpecSettings
+from swarmd.spec_settings import SpecSettings
 from swarmd.wire.codec import WireTensor
 from swarmd.wire.messages import Draft, Forward, Verified
 
@@ -40,6 +40,7 @@ class SpecStats:
     rejections: int = 0  # passes that ended at a rejected draft (the others accepted every draft)
     buckets: list[int] = field(default_factory=lambda: [0] * len(ACCEPTED_BUCKETS))  # passes per upper bound
     over: int = 0  # passes with more accepted than the last bound
+    bounds: ClassVar[tuple[int, ...]] = ACCEPTED_BUCKETS  # the buckets' upper bounds
 
     def record_pass(self, drafted: int, accepted: int) -> None:
         self.passes += 1
