@@ -18,8 +18,8 @@ mode; a difference is reported (and fails the run).
 `--loopback-rounds` also measures at 0 ms delay (loopback: compute and the hops' own cost dominate), where drafts
 that fail cost their rows' compute: the chat set with ngram (adaptive k, and a fixed k without adaptation) against
 off. `--far-delay-ms 25` adds a round set at that delay with the draft model at several fixed k (a chain's budget of
-drafted tokens per pass). The measured acceptance per mode goes to stdout as JSON with --json (scale_kimi.py
---acceptance FILE takes it).
+drafted tokens per pass). The measured acceptance per mode goes to stdout as JSON with --json, or to a file with
+--json-out FILE besides the tables (scale_kimi.py --acceptance FILE takes it).
 """
 
 from __future__ import annotations
@@ -214,7 +214,9 @@ def main() -> int:
     p.add_argument("--far-delay-ms", type=float, default=0.0, help="also the draft model at fixed k at this delay")
     p.add_argument("--far-k", default="2,4,7", help="the fixed k of the --far-delay-ms rounds")
     p.add_argument("--context", type=int, default=512)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of the tables")
+    p.add_argument("--json-out", type=Path, metavar="FILE", help="also write the results as JSON to FILE (the "
+                   "acceptance scale_kimi.py --acceptance reads, e.g. docs/data/spec_acceptance.json)")
     args = p.parse_args()
     results: dict[str, Any] = {"command": " ".join(sys.argv[1:])}
     swarm, emu = start(args.daemons, args.context, args.draft_tokens, args.bandwidth_mbit)
@@ -250,6 +252,8 @@ def main() -> int:
     finally:
         swarm.stop()
         emu.stop()
+    if args.json_out:
+        args.json_out.write_text(json.dumps(results, indent=2) + "\n")
     if args.json:
         print(json.dumps(results, indent=2))
         return 1 if results["mismatches"] else 0

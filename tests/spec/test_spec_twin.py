@@ -17,8 +17,9 @@ pytestmark = pytest.mark.slow  # tinygrad compiles the tiny models' kernels
 
 CONTEXT = 128
 N_TOKENS = 24
-# byte prompts that repeat themselves (prompt lookup drafts from them: the random model mostly does not follow) and
-# one that does not
+# byte prompts that repeat themselves and one that does not. The random model's continuations repeat no pair of
+# tokens, so prompt lookup finds nothing to draft here: the draft models' heads are the ones that verify drafts
+# (tests/spec/test_daemons_spec.py has prompt lookup's drafts accepted on a real model)
 PROMPTS = ([40, 41, 42, 43, 40, 41, 42, 43, 40, 41], [7, 100, 7, 100, 9, 7, 100], [250, 3, 17])
 
 
@@ -63,7 +64,6 @@ async def test_drafting_heads_generate_token_for_token_what_swarmd_run_generates
             got = await twin.generate(head, ids, max_tokens=N_TOKENS)
             assert not got.error and list(got.tokens) == want, (head.name, ids, got)
     stats = [d.pipeline.head.speculation.stats for d in daemons]
-    assert stats[0].drafted > 0  # prompt lookup's drafts were verified (and, rejected, rolled back)
     assert stats[1].drafted > 0 and stats[1].accepted == stats[1].drafted  # the target drafting for itself
     assert stats[1].passes < 3 * N_TOKENS / 2  # several tokens a pass
     assert stats[2].drafted > 0 and all(s.passes for s in stats)
@@ -129,7 +129,7 @@ async def test_a_speculative_request_crosses_a_dead_stage_with_the_undisturbed_t
 
 async def test_a_moe_model_with_spread_experts_speculates_to_the_same_tokens(nursery, tmp_path_factory,
                                                                              autojump_clock):
-    from models.gguf.moe_writer import SYNTHETIC_MOE, write_synthetic_moe
+    from models.catalog.moe_writer import SYNTHETIC_MOE, write_synthetic_moe
 
     root = tmp_path_factory.mktemp("moe")
     moe = write_synthetic_moe(root / "moe.gguf", SYNTHETIC_MOE["tiny"], 3, vocab=300, byte_tokenizer=True,
