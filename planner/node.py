@@ -35,6 +35,7 @@ class NodeDescriptor:
     load: float = 0.0  # requests in flight
     incarnation: int = 0  # bumped on every restart, so a rejoin is told from a stale heartbeat
     standby: bool = False  # a spare (`swarmd join --standby`): holds a warm copy of a stage, serves when one is lost
+    slot: str = ""  # the plan file's slot this daemon claims (`swarmd join --plan FILE --slot NAME`)
 
     def rtt_to(self, other: str, default_ms: float = 1.0) -> float:
         return self.rtt_ms.get(other, default_ms)

@@ -271,6 +271,10 @@ class Planner:
                 if not chains or chains[-1][0] is None:
                     chains.append((self.chain(order, 0, self.n_blocks, mode, False),
                                    "not every node could hold a stage" if everyone else "one chain"))
+                elif mode == "spread":
+                    # Members too slow to be worth a stage still work: they hold experts only.
+                    chains.append((self.chain(order, 0, self.n_blocks, mode, False),
+                                   "the fastest chain, the others holding experts"))
                 if mode == "spread" and len(groups) > 1 and not everyone:
                     chains.append((self.quota_chain(groups, mode), "blocks split over groups by memory"))
                 for stages, how in chains:

@@ -46,6 +46,7 @@ from local_swarm import LocalSwarm, say  # noqa: E402
 MODEL = "smollm2-moe-8x2"
 DRAFT = "model:smollm2-135m"
 N_BLOCKS = 30
+N_EXPERTS = 8
 
 CODE_EDITING = (
     "Rename the variable x to value.\n\nBefore:\n```python\ndef scale(x, factor):\n    y = x * factor\n"
@@ -80,8 +81,10 @@ def start(n: int, context: int, draft_tokens: int, bandwidth_mbit: float) -> tup
         (base / f"daemon-{i}").mkdir(parents=True)
         peers.append(peer_id_of(load_or_create_identity(base / f"daemon-{i}")))
     bounds = [round(i * N_BLOCKS / n) for i in range(n + 1)]
+    # each stage's daemon holds its blocks' experts (every block of the model is a MoE block)
+    experts = {b: {e: (p,) for e in range(N_EXPERTS)} for i, p in enumerate(peers) for b in range(bounds[i], bounds[i + 1])}
     plan = Plan(1, ModelRef(MODEL), tuple(Stage(p, (bounds[i], bounds[i + 1]), (stage_actor(i),))
-                                          for i, p in enumerate(peers)))
+                                          for i, p in enumerate(peers)), experts=experts)
     (base / "plan.json").write_text(plan.dumps())
     listen, front = free_ports(n), free_ports(n)
     emu = Emulator({f"d{i}": (front[i], listen[i]) for i in range(n)}, bandwidth_mbit)

@@ -7,6 +7,7 @@ defined here or in planner/fleet.py, and documented in docs/SCALE.md.
     .venv/bin/python scripts/scale_kimi.py            # all tables (a few minutes on 2 cores)
     .venv/bin/python scripts/scale_kimi.py --quick    # fewer simulated tokens
     .venv/bin/python scripts/scale_kimi.py --acceptance docs/data/spec_acceptance.json
+    .venv/bin/python scripts/scale_kimi.py --hop-ms 0.25   # a measured per-message cost instead of 1.0 ms
 
 The speculative rows use the acceptance measured by scripts/bench_spec.py (`--json`, kept in
 docs/data/spec_acceptance.json): per mode, the drafts per pass and the chance a draft is accepted given the ones
@@ -108,7 +109,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--acceptance", metavar="FILE", help="scripts/bench_spec.py --json output: measured drafts "
                         "and acceptance in place of the assumed 70 %% / 85 %%")
+    parser.add_argument("--hop-ms", type=float, default=1.0,
+                        help="software cost per message, ms (default 1.0: py-libp2p; see docs/BENCHMARKS.md)")
     args = parser.parse_args()
+    hop = args.hop_ms
     speculation = measured_drafts(args.acceptance) if args.acceptance else [
         ("+ speculative decoding (3 drafts, 70 % accepted)", SPECULATIVE),
         ("... or with 4 drafts, 85 % accepted", STRONG_DRAFT)]
@@ -122,9 +126,11 @@ def main() -> None:
     for fleet in FLEETS:
         nodes = fleet.nodes()
         for policy in ("balanced", "min-latency"):
-            plan = make_plan(layout, nodes, policy=policy)
-            one = simulate(plan, layout, nodes, SimConfig(streams=1, prompt_tokens=32, decode_tokens=tokens))
-            many = simulate(plan, layout, nodes, SimConfig(streams=16, prompt_tokens=1, decode_tokens=tokens // 2))
+            plan = make_plan(layout, nodes, policy=policy, options=PlanOptions(hop_overhead_ms=hop))
+            one = simulate(plan, layout, nodes, SimConfig(streams=1, prompt_tokens=32, decode_tokens=tokens,
+                                                          hop_overhead_ms=hop))
+            many = simulate(plan, layout, nodes, SimConfig(streams=16, prompt_tokens=1, decode_tokens=tokens // 2,
+                                                           hop_overhead_ms=hop))
             parts = ", ".join(f"{k} {v:.0f}" for k, v in one.breakdown_ms.items() if v >= 0.5)
             busiest = many.bottleneck.split("busiest: ")[-1]
             print(f"| {fleet.name} | {len(nodes)} | {policy} | {len(plan.stages)} | {len(plan.peers())} | "
@@ -138,7 +144,8 @@ def main() -> None:
         fast = PlanOptions(hop_overhead_ms=FAST_HOP_MS)
         fast_cfg = SimConfig(hop_overhead_ms=FAST_HOP_MS)
         steps = [
-            ("as planned (py-libp2p, 1 ms per message)", fleet, layout, PlanOptions(), SimConfig()),
+            (f"as planned ({hop:g} ms per message)", fleet, layout, PlanOptions(hop_overhead_ms=hop),
+             SimConfig(hop_overhead_ms=hop)),
             (f"transport at {FAST_HOP_MS} ms per message", fleet, layout, fast, fast_cfg),
             ("+ 8-bit activations on the wire", fleet, fp8, fast, fast_cfg),
         ]

@@ -204,8 +204,17 @@ class DaemonConfig:
         None, "this daemon's upload bandwidth in Mbit/s, for the planner (default: the network interface's speed, "
               "else 1000)", metavar="MBPS", default_text="the interface's speed, else 1000")
     plan: Path | None = setting(
-        None, "founding daemon only: adopt this Plan (JSON, e.g. from `swarmd plan --json`) once the peers it names "
-              "have joined, instead of computing one", metavar="FILE", default_text="none: the leader plans")
+        None, "adopt this Plan instead of computing one: a plan file with slots (`swarmd plan --fleet ... --out FILE`) "
+              "on every daemon, each with its --slot; or a Plan naming peer ids (`swarmd plan --json`) on the "
+              "founding daemon only, adopted once the peers it names have joined", metavar="FILE",
+        default_text="none: the leader plans")
+    slot: str = setting(
+        "", "with --plan FILE: the slot of the plan file this daemon takes (its stage and experts); the leader binds "
+            "each slot to the first daemon claiming it and refuses a second claim", metavar="NAME",
+        default_text="none")
+    claim_timeout: float = setting(
+        120.0, "with --plan FILE: after this long the leader's status names the slots no daemon has claimed "
+               "(default 120)", metavar="SECONDS")
     standby: bool = setting(
         False, "be a spare: hold a warm copy of one stage's blocks and take that stage over at once if its daemon "
                "is lost (the planner gives this daemon no stage while the others suffice)")
@@ -239,12 +248,24 @@ class DaemonConfig:
     draft_tokens: int = setting(
         4, "the most tokens drafted per pass (default 4; the number adapts to the acceptance seen, and a request "
            "may ask for fewer with \"speculate\": {\"draft_tokens\": K})", metavar="K")
+    hot_lane: bool | None = setting(
+        None, "a token's messages (activations, sampled tokens, expert batches) travel on data-plane streams of "
+              "their own, read by a thread that runs a short decode step and sends its output on without waiting "
+              "for the event loop (needs the TLS data plane; --no-hot-lane: all through the actor transport, for "
+              "comparisons)", default_text="on")
     expert_placement: str = setting(
         "auto", "MoE models: keep each block's experts with its stage (local), spread them over the other daemons "
                 "(spread), or let the planner choose (auto, the default: spread under the balanced policy)",
         choices=EXPERT_PLACEMENTS)
     data_plane: str = setting("tls", "tensors over pinned TLS sockets (default) or over the libp2p streams themselves",
                               choices=DATA_PLANES)
+    data_plane_port: int = setting(
+        0, "TCP port of the TLS data plane (default: any free port), e.g. one a firewall lets through", metavar="PORT",
+        default_text="any free port")
+    dial_map: tuple[str, ...] = setting(
+        (), "advanced, repeatable: connect to the second address whenever this daemon dials the first (libp2p and "
+            "the data plane alike); `swarmd cluster up` routes traffic between regions through its link emulator "
+            "this way", metavar="HOST:PORT=HOST:PORT", default_text="none")
     swarm_key: Path | None = setting(
         None, "make the swarm private: only peers holding this key (from `swarmd keygen`) can connect", metavar="FILE",
         default_text="none: an open swarm")
@@ -282,6 +303,10 @@ class DaemonConfig:
             SpecSettings(self.speculate, self.draft_tokens)
         except SpecError as e:
             raise UserError(f"--speculate / --draft-tokens: {e}") from None
+        if not 0 <= self.data_plane_port < 65536:
+            raise UserError(f"data plane port {self.data_plane_port} is not a TCP port (0-65535)")
+        if self.claim_timeout <= 0:
+            raise UserError("claim_timeout must be above 0 seconds")
 
     def with_overrides(self, **changes: Any) -> DaemonConfig:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})

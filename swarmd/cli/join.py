@@ -111,8 +111,14 @@ def run(args: argparse.Namespace) -> int:
         parse_multiaddr(addr, "--listen")
     for addr in config.bootstrap:
         split_peer_addr(addr, "--bootstrap")
-    if config.plan is not None and config.bootstrap:
-        raise UserError("--plan is for the daemon that founds the swarm (one started without --bootstrap)")
+    if config.slot and config.plan is None:
+        raise UserError("--slot NAME claims a slot of a plan file: give --plan FILE too")
+    if config.plan is not None and config.bootstrap and not config.slot:
+        raise UserError("--plan with --bootstrap needs --slot NAME (a plan file's slot); a Plan naming peer ids is "
+                        "for the daemon that founds the swarm")
+    from swarmd.net.dial_map import DialMap
+
+    DialMap.parse(config.dial_map)  # a bad entry is a one-line error now, not at the first dial
     from swarmd.daemon.serving import run_pipeline
     from swarmd.net.access import check_access
 

@@ -1,17 +1,29 @@
-"""`swarmd models`: the models this machine can use without fetching anything."""
+"""`swarmd models`: the models this machine can use without fetching anything; with `--cache`, the graphs
+captured for them and kept on disk (`models.tinygrad_ext.graph_cache`), and `--cache --clear` to delete them."""
 
 from __future__ import annotations
 
 import argparse
+import time
+
+from swarmd.errors import UserError
 
 ORDER = 70
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "models", help="list the models in the local cache and the local Ollama store",
+        "models", help="list the models in the local cache and the local Ollama store (--cache: the graph cache)",
         description="List the models usable without fetching: known names already pulled into the local "
-                    "cache, and models found in the local Ollama store.")
+                    "cache, and models found in the local Ollama store. With --cache, list the graph cache "
+                    "instead: the computation graphs captured for the stages this machine ran, kept on disk "
+                    "so that a new process (swarmd run, a daemon's stage) starts without capturing them "
+                    "again ($SWARMD_GRAPH_CACHE, default ~/.cache/swarmd/graphs; bounded by "
+                    "$SWARMD_GRAPH_CACHE_MB, default 2048; the least recently used go first).")
+    p.add_argument("--cache", action="store_true", help="list the graph cache: what each graph is for, its "
+                   "size and when it was last used")
+    p.add_argument("--clear", action="store_true", help="with --cache: delete every graph in it (they are "
+                   "captured again when next needed)")
     p.set_defaults(func=list_models)
 
 
@@ -29,6 +41,11 @@ def _size(n: int) -> str:
 def list_models(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
+
+    if args.clear and not args.cache:
+        raise UserError("--clear deletes the graph cache: give it with --cache")
+    if args.cache:
+        return show_graph_cache(clear=args.clear)
 
     from models.catalog.names import cached_models, known_names
     from models.catalog.store import cache_dir
@@ -49,4 +66,49 @@ def list_models(args: argparse.Namespace) -> int:
     for m in found:
         table.add_row(m.name, _size(m.size), m.kind, str(m.path))
     console.print(table, highlight=False)
+    return 0
+
+
+def _ago(t: float) -> str:
+    s = max(0.0, time.time() - t)
+    for unit, n in (("d", 86400), ("h", 3600), ("min", 60)):
+        if s >= n:
+            return f"{s / n:.0f} {unit} ago"
+    return f"{s:.0f} s ago"
+
+
+def show_graph_cache(*, clear: bool) -> int:
+    """List the graph cache's entries, least recently used first, and its total against its bound (or clear it)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from models.tinygrad_ext.graph_cache import ENV_DIR, default_cache
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=4096)
+    cache = default_cache()
+    if cache is None:
+        console.print(f"the graph cache is off (${ENV_DIR} or tinygrad's JIT=0)", highlight=False)
+        return 0
+    if clear:
+        count, size = cache.clear()
+        console.print(f"deleted {count} graphs ({_size(size)}) from {cache.root}", highlight=False)
+        return 0
+    entries = cache.entries()
+    if not entries:
+        console.print(f"no graphs cached in {cache.root}; a stage stores its graphs there when it first runs them",
+                      highlight=False)
+        return 0
+    table = Table(box=None, pad_edge=False)
+    for name, justify in (("MODEL", "left"), ("PART", "left"), ("GRAPH", "left"), ("DEVICE", "left"),
+                          ("SIZE", "right"), ("LAST USED", "right")):
+        table.add_column(name, no_wrap=True, justify=justify)  # type: ignore[arg-type]
+    for e in entries:
+        label = e.label
+        table.add_row(str(label.get("model") or "?"), str(label.get("owner") or "?"), str(label.get("graph") or "?"),
+                      str(label.get("device") or "?"), _size(e.size), _ago(e.last_used))
+    console.print(table, highlight=False)
+    total = sum(e.size for e in entries)
+    console.print(f"{len(entries)} graphs, {_size(total)} of {_size(cache.max_bytes)} in {cache.root}", highlight=False)
     return 0

@@ -151,6 +151,8 @@ def render(doc: dict[str, Any]):
                          + (f", {counts['suspect']} suspect" if counts["suspect"] else "")
                          + (f", {counts['dead']} dead" if counts["dead"] else ""))
     top.add_row("plan", doc.get("coverage", "-") + (f"  [red]({doc['plan_error']})[/red]" if doc.get("plan_error") else ""))
+    if doc.get("slots"):
+        top.add_row("slots", slots_line(doc["slots"], leader == me["peer_id"]))
     top.add_row("requests", f"{doc.get('requests_in_flight', 0)} in flight")
     if doc.get("speculation"):
         top.add_row("speculation", speculation_line(doc["speculation"]))
@@ -194,6 +196,21 @@ def speculation_line(spec: dict[str, Any]) -> str:
         rate = f"{100 * spec['acceptance']:.0f} %" if spec.get("acceptance") is not None else "-"
         line += (f"  {spec['passes']} passes, {spec['drafted']} drafted, {spec['accepted']} accepted ({rate}), "
                  f"{spec['tokens_per_pass']:.2f} tokens a pass, {spec['draft_seconds']:.2f} s drafting")
+    return line
+
+
+def slots_line(slots: dict[str, Any], leading: bool) -> str:
+    """This daemon's slot of the plan file, and (as the leader binds them) how many are claimed and which not."""
+    bound = slots["bound"]
+    line = f"{slots['file']}" + (f", this daemon: {slots['slot']}" if slots.get("slot") else "")
+    if leading or any(bound.values()):
+        line += f"; {sum(1 for p in bound.values() if p)}/{len(bound)} claimed"
+    if slots.get("overdue"):
+        line += f"  [red](not claimed within {slots['claim_timeout_s']:.0f} s: {', '.join(slots['overdue'])})[/red]"
+    elif slots.get("unclaimed") and (leading or any(bound.values())):
+        line += f" (waiting for {', '.join(slots['unclaimed'])})"
+    if slots.get("refused"):
+        line += "; refused: " + ", ".join(f"{_short(p)} for {s}" for p, s in slots["refused"].items())
     return line
 
 

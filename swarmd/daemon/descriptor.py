@@ -216,6 +216,7 @@ class LocalDescriptor:
     addresses: Callable[[], list[str]]
     load: Callable[[], float] = field(default=lambda: 0.0)
     standby: bool = False
+    slot: str = ""
     memory_refresh_s: float = 5.0
     _memory: tuple[float, int, int] = (float("-inf"), 0, 0)
     _host_ram: int = 0  # read once: it does not change while the daemon runs
@@ -267,4 +268,5 @@ class LocalDescriptor:
             load=float(self.load()),
             incarnation=self.incarnation,
             standby=self.standby,
+            slot=self.slot,
         )

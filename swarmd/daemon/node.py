@@ -48,12 +48,14 @@ from swarmd.daemon.served_model import ServedModel, served_model
 from swarmd.errors import UserError
 from swarmd.inference.compute import Compute, ComputeThread
 from swarmd.net.access import Access, load_access
+from swarmd.net.dial_map import DialMap, install_dial_map
 from swarmd.net.identity import Signer, load_or_create_identity, peer_id_of, short_id
 from swarmd.net.seam import Network
 from swarmd.observe.metrics import CONTENT_TYPE, NodeMetrics
-from swarmd.swarm.fixed_plan import FixedPlan, load_plan_file
+from swarmd.swarm.fixed_plan import FixedPlan
 from swarmd.swarm.planning import MakePlan
 from swarmd.swarm.service import SwarmService, SwarmSettings
+from swarmd.swarm.slot_claim import SlotClaim, fixed_plan
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ def libp2p_network(key_pair: Any, cfg: DaemonConfig, access: Access) -> Network:
 
     return Libp2pNetwork(key_pair, cfg.listen, cfg.announce, timings=cfg.timings, mdns=cfg.mdns,
                          swarm_key=access.swarm_key, allow=access.allow,
-                         data_plane=DataPlaneConfig() if cfg.data_plane == "tls" else None)
+                         data_plane=DataPlaneConfig(bind_port=cfg.data_plane_port) if cfg.data_plane == "tls" else None)
 
 
 class Node:
@@ -103,6 +105,7 @@ class Node:
         self.metrics: NodeMetrics | None = None
         self.api_url: str | None = None
         self.fixed_plan: FixedPlan | None = None
+        self.claim: SlotClaim | None = None  # this daemon's side of a plan file's slots
         self.access: Access | None = None
         self._nursery: trio.Nursery | None = None
         self._add_routes()
@@ -133,10 +136,8 @@ class Node:
         self.peer_id = peer_id_of(key_pair)
         self.model = await self.compute.run(served_model, cfg.model)
         if cfg.plan is not None:
-            plan = load_plan_file(cfg.plan, self.model.layout)
-            self.fixed_plan = FixedPlan(plan, self.model.layout, cfg.plan.name, self.plan_options)
-            log.info("will adopt the plan in %s (epoch %d, %d stages) once its peers have joined", cfg.plan,
-                     plan.epoch, len(plan.stages))
+            self.fixed_plan = fixed_plan(cfg, self.model.layout, self.plan_options)
+        install_dial_map(DialMap.parse(cfg.dial_map))
         device = await self.compute.run(resolve_device, cfg.device)
         name = device_name(device)
         bench = await self.compute.run(load_or_measure, self.home, device, name)
@@ -150,7 +151,7 @@ class Node:
                 peer_id=self.peer_id, device=device, device_name=name, bench=bench, memory_limit=cfg.memory_limit,
                 label=cfg.device_label, model_name=self.model.name, model_digest=self.model.digest,
                 incarnation=incarnation, uplink=uplink_bps(cfg.uplink_mbps), addresses=network.addresses,
-                load=lambda: self.requests_in_flight, standby=cfg.standby)
+                load=lambda: self.requests_in_flight, standby=cfg.standby, slot=cfg.slot)
             self.assignment = Assignment(self.peer_id, self.model, device, self.compute,
                                          max_context=cfg.max_context, max_requests=cfg.max_requests,
                                          loader=self.loader, expert_loader=self.expert_loader,
@@ -158,13 +159,18 @@ class Node:
                                          reuse_blocks=not cfg.full_reload)
             await nursery.start(self.assignment.run)
             settings = SwarmSettings(cfg.swarm, cfg.timings, bootstrap)
-            self.swarm = SwarmService(network, Signer(key_pair), settings, describe_self=self.descriptor,
-                                      assignment_status=self.assignment.status, make_plan=self._make_plan,
-                                      on_plan=self.assignment.apply, blocking=self.blocking)
+            self.swarm = swarm = SwarmService(network, Signer(key_pair), settings, describe_self=self.descriptor,
+                                              assignment_status=self.assignment.status, make_plan=self._make_plan,
+                                              on_plan=self.assignment.apply, blocking=self.blocking)
+            if self.fixed_plan is not None and self.fixed_plan.file is not None:
+                self.claim = SlotClaim(self.fixed_plan, cfg.slot, self.peer_id, leading=lambda: swarm.election.is_leader,
+                                       live=swarm.membership.live)
+                swarm.slot_bindings, swarm.on_slots = self.claim.bindings, self.claim.on_slots
+                self.status_parts["slots"] = self.claim.status
+                nursery.start_soon(self.claim.watch)
             await nursery.start(self.swarm.run)
             if cfg.mdns:
                 nursery.start_soon(self._follow_mdns)
-            swarm = self.swarm
             self.metrics = NodeMetrics(self.status, lambda: {**swarm.stats, **self.security_counters(),
                                                              "compute_busy_seconds": self.compute.busy_seconds})
             for ext in self.extensions:
@@ -271,7 +277,8 @@ class Node:
             "members": snap["members"],
             "refused": snap["refused"],
             "plan": snap["plan"],
-            "plan_error": snap["plan_error"],
+            "plan_error": self.claim.plan_error(snap["plan_error"], snap["plan"] is not None) if self.claim
+            else snap["plan_error"],
             "coverage": coverage(snap["plan"], snap["members"], self.model.layout),
             "assignment": self.assignment.status().to_json(),
             "requests_in_flight": self.requests_in_flight,

@@ -38,7 +38,7 @@ def served_model(spec: str) -> ServedModel:
 
     seeded = parse_seeded_name(spec)
     if seeded is not None:
-        layout = layout_from_arch(seeded.arch, LAYOUT_DTYPE, digest=seeded.digest, name=seeded.name)
+        layout = layout_from_arch(seeded.arch, seeded.layout_dtype, digest=seeded.digest, name=seeded.name)
         return ServedModel(seeded.name, seeded.digest, None, layout, seeded)
     try:
         source = resolve_model(spec)

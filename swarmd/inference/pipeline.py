@@ -1,7 +1,8 @@
 """Pipeline inference on a daemon: the stage, head and MoE actors on the actor transport.
 
-`Pipeline(node, transport)` builds the actors and `install()` routes the transport's messages to them
-(`swarmd.daemon.serving` starts it all, with its HTTP routes):
+`Pipeline(node, transport, lane)` builds the actors and `install()` routes the transport's messages to them,
+and the hot lane's (a stage's short decode steps on its reader threads) (`swarmd.daemon.serving` starts it all,
+with its HTTP routes):
 
     Forward          -> stage      (checked against this daemon's stage: hop, hidden size, dtype, vocabulary)
     Token hop 0      -> stage      (stage 0: the next step's input)
@@ -43,6 +44,7 @@ from swarmd.observe.spans import SpanRecorder
 from swarmd.observe.trace_collect import TraceCollector
 from swarmd.spec_settings import SpecSettings
 from swarmd.swarm.membership import State, StateChanged
+from swarmd.transport.lane import DECLINE, HotLane
 from swarmd.transport.transport import HandlerResult, Send, TransportConfig
 from swarmd.wire.codec import FLOAT_DTYPES, WireError
 from swarmd.wire.expect import (
@@ -78,9 +80,10 @@ def transport_config(max_requests: int, send_timeout: float = TransportConfig.se
 
 
 class Pipeline:
-    def __init__(self, node: Any, transport: Any) -> None:
+    def __init__(self, node: Any, transport: Any, lane: HotLane | None = None) -> None:
         self.node = node
         self.transport = transport
+        self.lane = lane
         cfg = node.config
         self._registry: Registry = EMPTY
         self._plan_key: Any = None
@@ -91,7 +94,8 @@ class Pipeline:
         self.stage = StageActor(self.loaded, compute=node.compute, max_context=cfg.max_context,
                                 wire_dtype=wire_dtype, idle_timeout=cfg.timings.request_idle_timeout,
                                 experts=self.router.call, local_experts=local, plan_epoch=lambda: self.registry().epoch,
-                                inline_step_s=cfg.inline_step_ms / 1e3, post_all=transport.post_all)
+                                inline_step_s=cfg.inline_step_ms / 1e3,
+                                post_all=lane.post_all if lane is not None else transport.post_all)
         speculation = SpecHead(node.peer_id, SpecSettings(cfg.speculate, cfg.draft_tokens), compute=node.compute,
                                max_requests=cfg.max_requests)
         self.head = HeadService(node.peer_id, transport, chain=self.chain, registry=self.registry,
@@ -100,6 +104,10 @@ class Pipeline:
                                 blocking=getattr(node, "blocking", trio.to_thread.run_sync), speculation=speculation)
         self._observe()
         transport.on_link_lost = self.router.link_lost  # batches with a replica leave a broken link at once
+        transport.on_given_up = self.router.given_up  # a hot fan-out's batch the transport gave up is asked again
+        if lane is not None:  # a hot step fans its MoE layers out from its own thread, on the lane
+            self.router.lane = lane
+            self.stage.experts_hot, self.stage.experts_done = self.router.fan_out, self.router.finished_hot
         swarm = getattr(node, "swarm", None)
         if swarm is not None:  # batches waiting on a node end as soon as membership says it died
             swarm.state_listeners.append(self._member_state)
@@ -213,10 +221,11 @@ class Pipeline:
         install_actor_routes(self.transport, self.stage, self.head, peer_id=self.node.peer_id,
                              expect_forward=self._expect_forward, expect_token=self._expect_token,
                              router=self.router)
+        if self.lane is not None:
+            install_lane_routes(self.lane, self.stage, self.expert, self.router)
         served = self.node.model
         self.transport.route(Verified, self.head.on_verified,
                              expect=ExpectVerified(served.layout.vocab_size) if served is not None else None)
-        served = self.node.model
         moe = [b.moe for b in served.layout.blocks if b.moe is not None] if served is not None else []
         if moe:
             hidden = served.layout.hidden_size
@@ -258,6 +267,7 @@ class Pipeline:
             "moe": {"router": self.router.status(), "expert": self.expert.status()},
             "chain": {"ready": chain.ready, "detail": chain.detail},
             "transport": {k: v for k, v in vars(self.transport.stats).items()},
+            "lane": self.lane.status() if self.lane is not None else None,
             "links": self.transport.link_state(),
             "clock_offsets": self.tracing.clocks.to_json(),  # NTP-style, from probes and trace queries
         }
@@ -293,6 +303,19 @@ class Pipeline:
                      for b, by in sorted(plan.experts.items())} if plan is not None else {}
         return {"placement": placement, "routed": router["layers"], "replica_latency_ms": router["latency_ms"],
                 "computed_here": expert}
+
+
+def install_lane_routes(lane: HotLane, stage: StageActor, expert: ExpertActor, router: MoERouter) -> None:
+    """What runs on the hot lane's reader threads: a stage's short decode steps, the expert batches its MoE
+    layers fan out and their answers (the rest is declined to the transport's routes)."""
+
+    def on_token(peer: str, msg: Token, reply: Any) -> Any:
+        return stage.take_hot(peer, msg, reply) if msg.hop == 0 else DECLINE
+
+    lane.route(Forward, stage.take_hot)
+    lane.route(Token, on_token)
+    lane.route(ExpertBatch, expert.take_hot)
+    lane.route(ExpertResult, router.take_hot_result)
 
 
 def install_actor_routes(transport: Any, stage: StageActor, head: HeadService, *, peer_id: str,

@@ -7,6 +7,9 @@ daemon makes a throw-away self-signed certificate at start. A dialer asks for a 
 listens, its certificate (which the dialer pins) and a one-time token. The first frame on the TLS connection
 must be that token, which tells the listener which libp2p peer is on the other end and which protocol the
 stream speaks; the listener answers `ok` and hands the stream to that protocol's handler.
+
+Each stream is a `swarmd.net.tls_stream.TlsStream`: read and written by the event loop, or detached from it
+(`detach()`) and driven by a thread of its own.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from cryptography.x509.oid import NameOID
 
 from swarmd.errors import RemoteProtocolError
 from swarmd.net.seam import PeerUnreachable, Stream
-from swarmd.net.streams import TrioStream, close_quietly, read_frame, write_frame
+from swarmd.net.streams import close_quietly, read_frame, write_frame
+from swarmd.net.tls_stream import TlsStream, socket_of
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +142,7 @@ class DataPlane:
         self._server_ctx = server_context(self.cert_der, key_pem)
         self._client_ctx: dict[bytes, ssl.SSLContext] = {}
         self._tokens: dict[bytes, tuple[str, str, float]] = {}  # token -> (peer, protocol, expiry)
-        self._inbound: dict[str, set[trio.SocketStream]] = {}  # attached connections by peer
+        self._inbound: dict[str, set[TlsStream]] = {}  # attached connections by peer
         self._handshakes = trio.Semaphore(self.config.max_handshakes)
         self.port = 0
 
@@ -172,25 +176,22 @@ class DataPlane:
         if ctx is None:
             ctx = self._client_ctx[offer.cert] = pinned_client_context(offer.cert)
         with trio.fail_after(self.config.handshake_timeout):
-            tcp = await trio.open_tcp_stream(host, offer.port)
-            tls = trio.SSLStream(tcp, ctx)
-            stream = TrioStream(tls)
+            stream = TlsStream(socket_of(await trio.open_tcp_stream(host, offer.port)), ctx, server_side=False)
             try:
-                await tls.do_handshake()
-                if tls.getpeercert(binary_form=True) != offer.cert:
+                await stream.handshake()
+                if stream.getpeercert(binary_form=True) != offer.cert:
                     raise PeerUnreachable("the TLS peer's certificate is not the one pinned over libp2p")
                 await write_frame(stream, offer.token)
                 if await read_frame(stream, len(ATTACHED)) != ATTACHED:
                     raise PeerUnreachable("the data plane refused the token")
             except BaseException:
                 with trio.CancelScope(shield=True), trio.move_on_after(1):
-                    await tcp.aclose()
+                    await stream.reset()
                 raise
         return stream
 
     async def _serve_connection(self, tcp: trio.SocketStream) -> None:
-        tls = trio.SSLStream(tcp, self._server_ctx, server_side=True)
-        stream = TrioStream(tls)
+        stream = TlsStream(socket_of(tcp), self._server_ctx, server_side=True)
         attached: tuple[str, str] | None = None
         try:
             self._handshakes.acquire_nowait()
@@ -199,7 +200,7 @@ class DataPlane:
         else:
             try:
                 with trio.fail_after(self.config.handshake_timeout):
-                    await tls.do_handshake()
+                    await stream.handshake()
                     attached = self._redeem(await read_frame(stream, TOKEN_BYTES))
                     if attached is not None:
                         await write_frame(stream, ATTACHED)
@@ -210,15 +211,15 @@ class DataPlane:
                 self._handshakes.release()
         if attached is None:
             with trio.CancelScope(shield=True), trio.move_on_after(1):
-                await tcp.aclose()
+                await stream.reset()
             return
         peer, protocol = attached
         conns = self._inbound.setdefault(peer, set())
-        conns.add(tcp)
+        conns.add(stream)
         try:
             await self._accept(peer, protocol, stream)
         finally:
-            conns.discard(tcp)
+            conns.discard(stream)
             if not conns:
                 self._inbound.pop(peer, None)
             await close_quietly(stream)
@@ -229,9 +230,9 @@ class DataPlane:
 
     async def drop(self, peer: str) -> None:
         """Cut `peer`'s data-plane connections at the TCP level (a penalised peer, or a test's fault)."""
-        for tcp in list(self._inbound.get(peer, ())):
+        for stream in list(self._inbound.get(peer, ())):
             with trio.CancelScope(shield=True), trio.move_on_after(1):
-                await tcp.aclose()
+                await stream.reset()
 
     def _redeem(self, token: bytes) -> tuple[str, str] | None:
         entry = self._tokens.pop(token, None)

@@ -155,11 +155,12 @@ class SwarmTwin:
 
     # --- daemons ----------------------------------------------------------------------------------------------
     async def start(self, nursery: trio.Nursery, index: int, *, via: TwinDaemon | None = None,
-                    **settings: Any) -> TwinDaemon:
-        """Start daemon `index` (founding the swarm, or joining through `via`); returns once it is up."""
+                    bench: dict[str, float] | None = None, **settings: Any) -> TwinDaemon:
+        """Start daemon `index` (founding the swarm, or joining through `via`); returns once it is up. `bench`
+        overrides what its device measures (`BENCH`: a slower device, say)."""
         home = self.root / f"d{index}"
         _write_identity(home, index)
-        (home / "device-bench.json").write_text(json.dumps(_bench()))
+        (home / "device-bench.json").write_text(json.dumps({**_bench(), **(bench or {})}))
         bootstrap = () if via is None else (f"/memory/{via.peer_id}/p2p/{via.peer_id}",)
         config = DaemonConfig(home=home, model=self.model, timings=self.timings, bootstrap=bootstrap,
                               **{**self.settings, **settings})

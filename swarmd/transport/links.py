@@ -25,7 +25,7 @@ HELLO_LIMIT = 4096
 HELLO_TIMEOUT = 10.0
 
 
-async def _read_hello(stream: Stream) -> Hello:
+async def read_hello(stream: Stream) -> Hello:
     msg = decode(await read_frame(stream, HELLO_LIMIT)).msg
     if not isinstance(msg, Hello):
         raise LinkError(f"expected hello, got {msg.TAG}")
@@ -40,7 +40,7 @@ def link_opener(network: Network, config: TransportConfig):
         try:
             with trio.fail_after(HELLO_TIMEOUT):
                 await stream.write(encode(Hello(config.max_frame)))
-                await _read_hello(stream)
+                await read_hello(stream)
             return stream
         except BaseException:
             await close_quietly(stream)
@@ -56,7 +56,7 @@ def serve_links(network: Network, transport: ActorTransport) -> None:
         if network.gate.is_penalised(peer, trio.current_time()):
             return
         with trio.fail_after(HELLO_TIMEOUT):
-            await _read_hello(stream)
+            await read_hello(stream)
             await stream.write(encode(Hello(transport.config.max_frame)))
         await transport.serve(peer, stream)
 

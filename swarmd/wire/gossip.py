@@ -123,6 +123,7 @@ class Heartbeat:
     view: tuple[str, ...] = ()  # members the sender counts as not dead
     admitted: bool = False
     assignment: AssignmentStatus = field(default_factory=AssignmentStatus)
+    slots: dict[str, str] = field(default_factory=dict)  # a leader adopting a plan file's slots: slot -> peer id
 
     @property
     def peer_id(self) -> str:
@@ -170,6 +171,7 @@ def _body(msg: GossipMessage) -> tuple[str, dict[str, Any]]:
             "view": list(msg.view),
             "admitted": msg.admitted,
             "assignment": msg.assignment.to_json(),
+            "slots": dict(msg.slots),
         }
     if isinstance(msg, PlanAnnouncement):
         return "plan", {"term": msg.term, "plan": msg.plan.to_json()}
@@ -257,8 +259,8 @@ def _decode(data: bytes, swarm: str, origin: str | None) -> _Passed:
 
 
 def _decode_heartbeat(sender: str, body: Any) -> Heartbeat:
-    _expect_keys(body, {"descriptor", "seq", "term", "leader", "plan_epoch", "view", "admitted", "assignment"},
-                 "heartbeat")
+    _expect_keys(body, {"descriptor", "seq", "term", "leader", "plan_epoch", "view", "admitted", "assignment",
+                        "slots"}, "heartbeat")
     try:
         descriptor = NodeDescriptor.from_json(body["descriptor"])
     except PlanSchemaError as e:
@@ -270,6 +272,9 @@ def _decode_heartbeat(sender: str, body: Any) -> Heartbeat:
         raise RemoteProtocolError("heartbeat 'leader' must be a peer id or null")
     if not isinstance(view, list) or not all(isinstance(p, str) for p in view):
         raise RemoteProtocolError("heartbeat 'view' must be a list of peer ids")
+    slots = body["slots"]
+    if not isinstance(slots, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in slots.items()):
+        raise RemoteProtocolError("heartbeat 'slots' must map slot names to peer ids")
     return Heartbeat(
         descriptor=descriptor,
         seq=_int(body["seq"], "seq"),
@@ -279,6 +284,7 @@ def _decode_heartbeat(sender: str, body: Any) -> Heartbeat:
         view=tuple(view),
         admitted=bool(body["admitted"]),
         assignment=AssignmentStatus.from_json(body["assignment"]),
+        slots=slots,
     )
 
 

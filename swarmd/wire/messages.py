@@ -564,12 +564,12 @@ class ExpertBatch(Message):
 @wire("expert_result")
 @dataclass(frozen=True, slots=True)
 class ExpertResult(Message):
-    """The gated sum of a node's experts for each row of an `ExpertBatch`."""
+    """A node's expert outputs for an `ExpertBatch`: one row per selection it holds, in row-major order."""
 
     batch_id: str
     step: int
     block: int
-    hidden: WireTensor  # [m, hidden_size]
+    hidden: WireTensor  # [selections, hidden_size]
 
     @property
     def request_id(self) -> str:
