@@ -34,15 +34,18 @@ def reference() -> dict[str, list[int]]:
     """Greedy tokens of the whole model in this process (computed before any daemon starts: its compile would
     starve them)."""
     from models.catalog.names import resolve_model
+    from models.config import config_from_header
     from models.generate import generate
+    from models.gguf.header import read_header
     from models.sampling import SamplingParams
-    from models.stage import SERVING_NUMERICS, StageModel
+    from models.stage import StageModel, serving_numerics
     from models.text.chat import ChatTemplate
     from models.text.tokenizer import Tokenizer
 
     path = resolve_model(MODEL).path
     tok = Tokenizer.from_gguf(path)
-    model = StageModel.from_gguf(path, max_context=CONTEXT, max_requests=1, numerics=SERVING_NUMERICS)
+    model = StageModel.from_gguf(path, max_context=CONTEXT, max_requests=1,
+                                 numerics=serving_numerics(config_from_header(read_header(path))))
     texts = {p: p for p in PROMPTS} | {CHAT: ChatTemplate.for_tokenizer(tok).render([{"role": "user",
                                                                                       "content": CHAT}])}
     out = {}

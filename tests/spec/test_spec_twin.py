@@ -33,13 +33,16 @@ def models(tmp_path_factory):
 
 
 def whole_model_tokens(path, prompts, n_tokens: int = N_TOKENS) -> list[list[int]]:
+    from models.config import config_from_header
     from models.generate import generate
+    from models.gguf.header import read_header
     from models.sampling import SamplingParams
-    from models.stage import SERVING_NUMERICS, StageModel
+    from models.stage import StageModel, serving_numerics
     from models.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(path)
-    whole = StageModel.from_gguf(path, max_context=CONTEXT, max_requests=1, numerics=SERVING_NUMERICS)
+    whole = StageModel.from_gguf(path, max_context=CONTEXT, max_requests=1,
+                                 numerics=serving_numerics(config_from_header(read_header(path))))
     out = []
     for ids in prompts:
         gen = generate(whole, tok, ids, SamplingParams(max_tokens=n_tokens))
