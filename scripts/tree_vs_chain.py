@@ -37,11 +37,14 @@ FANOUT = 4  # children considered per expanded node
 
 def load(name: str, context: int):
     from models.catalog.names import resolve_model
-    from models.stage import SERVING_NUMERICS, StageModel
+    from models.config import config_from_header
+    from models.gguf.header import read_header
+    from models.stage import StageModel, serving_numerics
     from models.text.tokenizer import Tokenizer
 
     path = resolve_model(name).path
-    return StageModel.from_gguf(path, max_context=context, max_requests=2, numerics=SERVING_NUMERICS), \
+    numerics = serving_numerics(config_from_header(read_header(path)))  # as the served stages compute
+    return StageModel.from_gguf(path, max_context=context, max_requests=2, numerics=numerics), \
         Tokenizer.from_gguf(path)
 
 
