@@ -1,7 +1,8 @@
 """Acceptance: speculative decoding through 4 real `swarmd join` processes serving smollm2-moe-8x2.
 
 One swarm serves every test of the module: daemon 0 heads its requests with `--speculate ngram`, daemon 1 with
-`--speculate model:smollm2-135m` (the dense model drafting for its MoE split), daemons 2 and 3 without speculation.
+`--speculate model:smollm2-135m` (the dense model drafting for its MoE split), daemons 2 and 3 without speculation;
+the planner spreads the experts over the four daemons.
 Each prompt's greedy tokens through the speculating heads are exactly those through a head that does not
 speculate, and those of the model run whole in this process (`models.generate`, the loop behind `swarmd run`).
 """
@@ -15,7 +16,7 @@ import sys
 import httpx
 import pytest
 
-from tests.pipeline.daemon_swarm import DaemonSwarm
+from tests.moe.moe_swarm import MoESwarm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -59,8 +60,9 @@ def reference() -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory, bench_file, reference):
-    swarm = DaemonSwarm(tmp_path_factory.mktemp("spec"), bench_file, 4, model=MODEL,
-                        extra=("--max-context", str(CONTEXT), "--timings", "local-test"))
+    swarm = MoESwarm(tmp_path_factory.mktemp("spec"), bench_file, 4, MODEL, max_context=CONTEXT)  # experts spread
+    for d in swarm.daemons:
+        d.extra += ("--timings", "local-test")
     swarm.daemons[0].extra += ("--speculate", "ngram", "--draft-tokens", "6")
     swarm.daemons[1].extra += ("--speculate", f"model:{DRAFT}", "--draft-tokens", "4")
     try:
