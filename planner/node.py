@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from planner.errors import PlanSchemaError
+from planner.holdings import parse_holdings
 
 
 @dataclass(frozen=True)
@@ -37,12 +38,15 @@ class NodeDescriptor:
     standby: bool = False  # a spare (`swarmd join --standby`): holds a warm copy of a stage, serves when one is lost
     slot: str = ""  # the plan file's slot this daemon claims (`swarmd join --plan FILE --slot NAME`)
 
+    holds: tuple[str, ...] = ()  # the weights on its disk (`planner.holdings`); ("*",): all of them
+
     def rtt_to(self, other: str, default_ms: float = 1.0) -> float:
         return self.rtt_ms.get(other, default_ms)
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
         doc["addresses"] = list(self.addresses)
+        doc["holds"] = list(self.holds)
         return doc
 
     @staticmethod
@@ -54,8 +58,9 @@ class NodeDescriptor:
         if unknown:
             raise PlanSchemaError(f"unknown NodeDescriptor fields: {', '.join(sorted(unknown))}")
         d = dict(doc)
-        if "addresses" in d and isinstance(d["addresses"], list):
-            d["addresses"] = tuple(d["addresses"])
+        for key in ("addresses", "holds"):
+            if key in d and isinstance(d[key], list):
+                d[key] = tuple(d[key])
         for f in fields(NodeDescriptor):  # descriptors come from peers: every field has the type it says
             if f.name in d and not _has_type(d[f.name], str(f.type)):
                 raise PlanSchemaError(f"NodeDescriptor field {f.name!r} must be {f.type}, not {type(d[f.name]).__name__}")
@@ -66,6 +71,7 @@ class NodeDescriptor:
             raise PlanSchemaError(f"bad NodeDescriptor: {e}") from e
         if not node.peer_id or node.memory_total < 0 or node.memory_free < 0:
             raise PlanSchemaError("a NodeDescriptor needs a peer_id and non-negative memory")
+        parse_holdings(node.holds)  # PlanSchemaError if a peer sent something else
         return node
 
 

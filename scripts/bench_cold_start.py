@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Cold start with the graph cache (`models.cached_graphs`), side by side with the code of another revision.
 
-    .venv/bin/python scripts/bench_cold_start.py --before REV --rounds 3
+    .venv/bin/python scripts/bench_cold_start.py --before REV --rounds 3 [--replan] [--daemon [--no-run]]
 
 * `swarmd run --max-tokens 64` on SmolLM2-135M with a 17-token raw prompt, each run a fresh process: the
   time to the first token (what `swarmd run` reports as prefill: the prompt's forward and the first sample),
@@ -13,6 +13,9 @@
   daemon does after a neighbour is lost (`reuse`); the time to ready (the load, and with the graph cache the
   replay of its cached graphs that makes it warm) and to its first replayed request (a 16-token prefill and a
   decode step), for each variant.
+* a daemon's start (`--daemon`): one `swarmd join` serving SmolLM2 alone (local-test timings), from its start
+  to its stage reporting ready, and to the first and last token of a 16-token request through its API. The
+  warm graph cache is the one a previous daemon filled in the background once it was ready.
 
 Variants take turns within each round; the tables give medians over the rounds. Every run uses the same
 tinygrad kernel cache (warm after the first round). Prints markdown tables and, last, one JSON line.
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,7 +35,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
+
 ROOT = Path(__file__).resolve().parents[1]
+BENCH_FILE = "device-bench.json"  # swarmd.daemon.descriptor.BENCH_FILE: the device benchmark a home keeps
 PROMPT = "Once upon a time, in a small village, there lived an old clockmaker who"  # 17 tokens
 VARIANTS = ("before", "cold", "warm")
 
@@ -127,6 +134,64 @@ def script(tree: Path, graphs: Path | None, code: str, *args: str) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+def daemon(tree: Path, graphs: Path | None, home: Path, *, fill: bool = False,
+           model: str = "smollm2-135m") -> dict[str, float]:
+    """One fresh `swarmd join` serving SmolLM2 alone: seconds from its start to its stage ready, then to the
+    first and last token of a request. With `fill`, it waits for its graph cache fill and asks nothing."""
+    home.mkdir(parents=True, exist_ok=True)
+    log = home / "daemon.log"
+    cmd = [sys.executable, "-m", "swarmd", "join", "--home", str(home), "--listen", "/ip4/127.0.0.1/tcp/0",
+           "--api", "127.0.0.1:0", "--swarm", f"bench-cold-{os.getpid()}", "--model", model,
+           "--timings", "local-test"]
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=tree, env=env_for(tree, graphs), stdout=subprocess.PIPE,
+                            stderr=open(log, "w"), text=True)
+    try:
+        assert proc.stdout is not None
+        api = ""
+        for line in proc.stdout:
+            if line.startswith("API server listening on "):
+                api = line.removeprefix("API server listening on ").strip()
+                break
+        if not api:
+            raise RuntimeError(f"the daemon exited ({proc.wait()}):\n{log.read_text()[-2000:]}")
+        deadline = started + 600
+        while time.perf_counter() < deadline:
+            state = httpx.get(f"{api}/api/v0/status", timeout=10).json().get("assignment") or {}
+            if state.get("state") == "ready":
+                break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError(f"the daemon's stage was not ready in 600 s:\n{log.read_text()[-2000:]}")
+        ready = time.perf_counter() - started
+        if fill:
+            while "graph cache filled" not in log.read_text():
+                if time.perf_counter() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"the graph cache was not filled:\n{log.read_text()[-2000:]}")
+                time.sleep(0.2)
+            return {"ready_s": ready}
+        first = 0.0
+        body = {"prompt": PROMPT, "max_tokens": 16}
+        with httpx.stream("POST", f"{api}/api/v0/generate", json=body, timeout=600) as r:
+            for line in r.iter_lines():
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                if event["event"] == "token" and not first:
+                    first = time.perf_counter() - started
+                elif event["event"] == "error":
+                    raise RuntimeError(f"the request failed: {event}")
+        return {"ready_s": ready, "first_token_s": first, "done_s": time.perf_counter() - started,
+                "from_cache": float("graphs from the graph cache" in log.read_text())}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def checkout(rev: str, into: Path) -> Path:
     """The tree of `rev`, copied out of the repository with git archive (the repository is not touched); a
     directory given instead is taken as that tree."""
@@ -148,6 +213,8 @@ def main() -> int:
                    help="the revision to compare with (e.g. main), or a directory holding its tree")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--replan", action="store_true", help="also the re-plan that grows a stage")
+    p.add_argument("--daemon", action="store_true", help="also a daemon's start to ready and first token")
+    p.add_argument("--no-run", action="store_true", help="leave out the swarmd run variants")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="swarmd-cold-start-") as tmp:
         base = Path(tmp)
@@ -155,14 +222,28 @@ def main() -> int:
         trees = {"before": before, "cold": ROOT, "warm": ROOT}
         warm_cache = base / "warm-graphs"
         say("filling the warm graph cache (untimed)")
-        swarmd_run(ROOT, warm_cache)
+        if not args.no_run:
+            swarmd_run(ROOT, warm_cache)
         if args.replan:
             script(ROOT, warm_cache, REPLAN)
+        homes = base / "homes"
+        if args.daemon:  # the first start measures the device; every later one reads that from its home
+            say(f"a daemon fills the warm graph cache in the background: {daemon(ROOT, warm_cache, homes / 'fill', fill=True)}")
         runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
         replans: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+        starts: dict[str, list[dict]] = {v: [] for v in VARIANTS}
         steady: list[float] = []
         for r in range(args.rounds):
             for v in VARIANTS:
+                if args.daemon:
+                    home = homes / f"{v}-{r}"
+                    home.mkdir(parents=True)
+                    shutil.copy(homes / "fill" / BENCH_FILE, home / BENCH_FILE)
+                    graphs = warm_cache if v == "warm" else (base / f"cold-daemon-{r}" if v == "cold" else None)
+                    starts[v].append(daemon(trees[v], graphs, home))
+                    say(f"round {r + 1} {v} daemon: " + json.dumps({k: round(x, 2) for k, x in starts[v][-1].items()}))
+                if args.no_run:
+                    continue
                 graphs = warm_cache if v == "warm" else (base / f"cold-{r}" if v == "cold" else None)
                 runs[v].append(swarmd_run(trees[v], graphs))
                 say(f"round {r + 1} {v}: " + json.dumps({k: round(x, 2) for k, x in runs[v][-1].items()
@@ -171,8 +252,20 @@ def main() -> int:
                     graphs = warm_cache if v == "warm" else (base / f"cold-replan-{r}" if v == "cold" else None)
                     replans[v].append(script(trees[v], graphs, REPLAN))
                     say(f"round {r + 1} {v} re-plan: {json.dumps(replans[v][-1])}")
-            steady.append(script(ROOT, warm_cache, STEADY, PROMPT)["steady_tok_s"])
-            say(f"round {r + 1} steady: {steady[-1]:.1f} tok/s")
+            if not args.no_run:
+                steady.append(script(ROOT, warm_cache, STEADY, PROMPT)["steady_tok_s"])
+                say(f"round {r + 1} steady: {steady[-1]:.1f} tok/s")
+    if args.daemon:
+        print("| swarmd join, medians (s from start) | stage ready | first token | 16 tokens | ready from the cache |")
+        print("| --- | --- | --- | --- | --- |")
+        for v in VARIANTS:
+            rs = starts[v]
+            print(f"| {v} | {median(rs, 'ready_s'):.2f} | {median(rs, 'first_token_s'):.2f} | "
+                  f"{median(rs, 'done_s'):.2f} | {sum(r['from_cache'] for r in rs):.0f}/{len(rs)} |")
+        print()
+    if args.no_run:
+        print(json.dumps({"command": " ".join(sys.argv), "daemons": starts}))
+        return 0
     rate = statistics.median(steady)
     print(f"steady decode rate (this code, warm graphs, the second of two 64-token completions): {rate:.1f} tok/s\n")
     print("| swarmd run, medians | first token (s) | decode tok/s, 64 tokens | x steady | load (s) "
@@ -194,7 +287,7 @@ def main() -> int:
                   f"{median(rs, 'first_step_s'):.2f} | {sum(r['warmed'] for r in rs)}/{len(rs)} |")
     print(json.dumps({"command": " ".join(sys.argv), "steady_tok_s": steady, "same_text": same,
                       "runs": {v: [{k: x for k, x in r.items() if k != "text"} for r in rs] for v, rs in runs.items()},
-                      "replans": replans}))
+                      "replans": replans, "daemons": starts}))
     return 0
 
 

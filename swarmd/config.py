@@ -190,7 +190,9 @@ class DaemonConfig:
         (), "a member to join through, ending in /p2p/<peer id>; repeatable (also SWARMD_BOOTSTRAP)",
         metavar="MULTIADDR", env="SWARMD_BOOTSTRAP", default_text="none: found a swarm")
     model: str = setting(
-        DEFAULT_MODEL, "model to serve: a known name, a .gguf path or an Ollama name (default: smollm2-135m)")
+        DEFAULT_MODEL, "model to serve: a known name, a .gguf path, an Ollama name, or manifest:HASH (default: "
+                       "smollm2-135m). Not on this machine: fetched from the members named by --bootstrap (only "
+                       "the tensors the plan assigns), else downloaded or written here")
     api: str = setting(DEFAULT_API, "local HTTP API address (default: 127.0.0.1:8765)", metavar="HOST:PORT")
     home: Path = setting(help="state directory (default: $SWARMD_HOME or ~/.swarmd)", default_factory=default_home,
                          default_text="$SWARMD_HOME or ~/.swarmd")
@@ -266,6 +268,13 @@ class DaemonConfig:
         (), "advanced, repeatable: connect to the second address whenever this daemon dials the first (libp2p and "
             "the data plane alike); `swarmd cluster up` routes traffic between regions through its link emulator "
             "this way", metavar="HOST:PORT=HOST:PORT", default_text="none")
+
+    weights_serve_mbps: float = setting(
+        200.0, "serve weights to members that fetch them at most this fast, in Mbit/s (default 200; 0: no limit)",
+        metavar="MBITS")
+    weights_busy_mbps: float = setting(
+        40.0, "the same while requests run through this daemon, so activations keep priority (default 40)",
+        metavar="MBITS")
     swarm_key: Path | None = setting(
         None, "make the swarm private: only peers holding this key (from `swarmd keygen`) can connect", metavar="FILE",
         default_text="none: an open swarm")
@@ -295,6 +304,8 @@ class DaemonConfig:
             raise UserError(f"data plane {self.data_plane!r} is not one of {', '.join(DATA_PLANES)}")
         if self.log_level not in LOG_LEVELS:
             raise UserError(f"log level {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+        if self.weights_serve_mbps < 0 or self.weights_busy_mbps < 0:
+            raise UserError("weights_serve_mbps and weights_busy_mbps must be 0 (no limit) or more")
         if self.inline_step_ms < 0:
             raise UserError("inline_step_ms must be 0 (off) or more")
         if self.max_requests < 1 or self.max_context < 2:

@@ -82,13 +82,17 @@ def test_bad_arguments(args, message):
     assert message in one_error_line(swarmd("run", *args))
 
 
-def test_pull_prints_the_path_and_models_lists_it(smollm2_gguf):
+def test_pull_prints_the_path_and_models_lists_it_with_its_identity(smollm2_gguf):
+    from models.catalog.chunk_store import whole_file
+
+    identity = whole_file(smollm2_gguf).digest
     pulled = swarmd("pull", "smollm2-135m")
     assert pulled.returncode == 0 and pulled.stdout.strip() == str(smollm2_gguf)
+    assert f"manifest {identity}" in pulled.stderr
     listed = swarmd("models")
     assert listed.returncode == 0
     row = next(line for line in listed.stdout.splitlines() if line.startswith("smollm2-135m"))
-    assert row.split() == ["smollm2-135m", "93.8", "MiB", "wheel", str(smollm2_gguf)]
+    assert row.split() == ["smollm2-135m", "93.8", "MiB", "wheel", identity[:16], str(smollm2_gguf)]
 
 
 def test_run_help_explains_the_streams():

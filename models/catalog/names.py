@@ -38,7 +38,7 @@ class ModelSource:
     kind: str  # "wheel", "file", "ollama", or the kind a registered resolver gives
 
 
-# A resolver turns a registered name into a source; `fetch=False` must not download anything.
+# A resolver turns a registered name into a source; `fetch=False` must not download or write anything.
 Resolver = Callable[[str, bool], ModelSource]
 KNOWN_MODELS: dict[str, Resolver] = {}
 
@@ -76,6 +76,8 @@ def _derived_resolver(make: Callable[[Path, bool], Path]) -> Resolver:
     def resolve(name: str, fetch: bool) -> ModelSource:
         path = cache_dir() / "derived" / f"{name}.gguf"
         if not path.is_file():
+            if not fetch:
+                raise ModelError(f"model '{name}' is not in the cache yet: run `swarmd pull {name}`")
             path.parent.mkdir(parents=True, exist_ok=True)
             _progress(f"writing {name} into the model cache (once)")
             make(path, fetch)
@@ -202,5 +204,9 @@ def cached_models() -> list[CachedModel]:
         path = cached_path(model)
         if path.is_file():
             out.append(CachedModel(model.name, path, path.stat().st_size, "wheel"))
+    for name in sorted(set(KNOWN_MODELS) - set(WHEEL_MODELS)):
+        path = cache_dir() / "derived" / f"{name}.gguf"
+        if path.is_file():
+            out.append(CachedModel(name, path, path.stat().st_size, "derived"))
     out += [CachedModel(m.name, m.blob, m.size, "ollama") for m in ollama.list_models()]
     return out

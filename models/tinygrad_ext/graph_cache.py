@@ -28,6 +28,7 @@ Unpickling runs code named in the file: the directory must be as trusted as tiny
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import hashlib
 import io
@@ -56,6 +57,7 @@ DEFAULT_MAX_BYTES = 2 << 30
 ENV_DIR = "SWARMD_GRAPH_CACHE"  # a directory, or "off"
 ENV_MAX_MB = "SWARMD_GRAPH_CACHE_MB"
 OFF = ("off", "0", "none", "false", "no")
+_switched_off: contextvars.ContextVar[bool] = contextvars.ContextVar("graph cache switched off", default=False)
 
 
 class Uncacheable(Exception):
@@ -81,13 +83,25 @@ def default_directory() -> Path:
     return base / "swarmd" / "graphs"
 
 
+@contextlib.contextmanager
+def switched_off() -> Iterator[None]:
+    """Inside (this thread and context), `default_cache()` is None: owners made here capture every graph
+    and keep none. For runs that must not depend on what earlier processes left on disk (a simulation's)."""
+    token = _switched_off.set(True)
+    try:
+        yield
+    finally:
+        _switched_off.reset(token)
+
+
 def default_cache() -> GraphCache | None:
     """The cache `$SWARMD_GRAPH_CACHE` names (default `~/.cache/swarmd/graphs`; "off": none), bounded by
-    `$SWARMD_GRAPH_CACHE_MB` (default 2048). None also when tinygrad's JIT is off (nothing is captured)."""
+    `$SWARMD_GRAPH_CACHE_MB` (default 2048). None also when tinygrad's JIT is off (nothing is captured), and
+    inside `switched_off()`."""
     from tinygrad.helpers import JIT
 
     setting = os.environ.get(ENV_DIR, "").strip()
-    if setting.lower() in OFF or not JIT.value:
+    if setting.lower() in OFF or not JIT.value or _switched_off.get():
         return None
     try:
         max_bytes = int(float(os.environ.get(ENV_MAX_MB, "")) * 2**20)

@@ -28,9 +28,9 @@ Everything lives under $SWARMD_HOME/cluster: each slot's home and daemon.log (a 
 run to run), the emulator's log, and the state `swarmd cluster down` reads.
 
 examples:
-  swarmd plan --model synthetic-moe-small --fleet 2x4090,2x3090,2x3060 --regions 2 --rtt-ms 1,60 --out moe.json
-  swarmd cluster up --plan moe.json --prompt "The capital of France is" --max-tokens 24
-  swarmd cluster up --plan moe.json --keep && swarmd submit-prompt --api URL "Hello" && swarmd cluster down
+  swarmd plan --model kimi-k2-mini --fleet 2x4090,2x3090,2x3060 --regions 2 --rtt-ms 1,60 --out kimi.json
+  swarmd cluster up --plan kimi.json --prompt "The capital of France is" --max-tokens 24
+  swarmd cluster up --plan kimi.json --keep && swarmd submit-prompt --api URL "Hello" && swarmd cluster down
 """
 
 

@@ -15,10 +15,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "models", help="list the models in the local cache and the local Ollama store (--cache: the graph cache)",
         description="List the models usable without fetching: known names already pulled into the local "
-                    "cache, and models found in the local Ollama store. With --cache, list the graph cache "
-                    "instead: the computation graphs captured for the stages this machine ran, kept on disk "
-                    "so that a new process (swarmd run, a daemon's stage) starts without capturing them "
-                    "again ($SWARMD_GRAPH_CACHE, default ~/.cache/swarmd/graphs; bounded by "
+                    "cache, models found in the local Ollama store, and models fetched from a swarm (whole or "
+                    "partial). MANIFEST is the model's identity, the hash of its manifest (what members are "
+                    "matched on; `swarmd join --model manifest:HASH` names a model by it). With --cache, list "
+                    "the graph cache instead: the computation graphs captured for the stages this machine ran, "
+                    "kept on disk so that a new process (swarmd run, a daemon's stage) starts without capturing "
+                    "them again ($SWARMD_GRAPH_CACHE, default ~/.cache/swarmd/graphs; bounded by "
                     "$SWARMD_GRAPH_CACHE_MB, default 2048; the least recently used go first).")
     p.add_argument("--cache", action="store_true", help="list the graph cache: what each graph is for, its "
                    "size and when it was last used")
@@ -47,6 +49,7 @@ def list_models(args: argparse.Namespace) -> int:
     if args.cache:
         return show_graph_cache(clear=args.clear)
 
+    from models.catalog.chunk_store import partial_models
     from models.catalog.names import cached_models, known_names
     from models.catalog.store import cache_dir
 
@@ -54,7 +57,8 @@ def list_models(args: argparse.Namespace) -> int:
     if not console.is_terminal:  # piped: whole paths on one line each, for scripts
         console = Console(width=4096)
     found = cached_models()
-    if not found:
+    partial = partial_models()
+    if not found and not partial:
         console.print(f"no models cached in {cache_dir()}; fetch one with `swarmd pull "
                       f"{known_names()[0] if known_names() else 'NAME'}`", highlight=False)
         return 0
@@ -62,9 +66,15 @@ def list_models(args: argparse.Namespace) -> int:
     table.add_column("NAME", no_wrap=True)
     table.add_column("SIZE", no_wrap=True, justify="right")
     table.add_column("SOURCE", no_wrap=True)
+    table.add_column("MANIFEST", no_wrap=True)
     table.add_column("PATH", overflow="fold")
     for m in found:
-        table.add_row(m.name, _size(m.size), m.kind, str(m.path))
+        table.add_row(m.name, _size(m.size), m.kind, _digest(m.path, m.size), str(m.path))
+    for p in partial:
+        held, total = p.held_bytes(), p.manifest.tensor_bytes
+        size = _size(held) if held == total else f"{_size(held)} of {_size(total)}"
+        table.add_row(", ".join(p.names) or "-", size, "swarm" if held == total else "swarm (partial)",
+                      p.digest[:16], str(p.path))
     console.print(table, highlight=False)
     return 0
 
@@ -112,3 +122,19 @@ def show_graph_cache(*, clear: bool) -> int:
     total = sum(e.size for e in entries)
     console.print(f"{len(entries)} graphs, {_size(total)} of {_size(cache.max_bytes)} in {cache.root}", highlight=False)
     return 0
+
+
+HASH_ON_LISTING = 512 << 20  # larger files show their identity once `swarmd pull` (or a daemon) has hashed them
+
+
+def _digest(path, size: int) -> str:
+    from models.catalog.chunk_store import remembered_digest, whole_file
+    from models.errors import ModelError
+
+    known = remembered_digest(path)
+    if known is None and size <= HASH_ON_LISTING:
+        try:
+            known = whole_file(path).digest
+        except (ModelError, OSError):
+            return "(not a GGUF)"
+    return known[:16] if known else "(run swarmd pull)"

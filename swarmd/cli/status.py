@@ -112,7 +112,32 @@ def _assignment(a: dict[str, Any]) -> tuple[str, str]:
     state = a.get("state", "idle")
     if state == "failed":
         state = f"failed: {a.get('error', '')}"
+    fetch = a.get("fetch") or {}
+    if fetch.get("total"):
+        state += f" ({fetch_line(fetch['bytes'], fetch['total'], fetch.get('rate', 0.0))})"
     return what, state
+
+
+def fetch_line(done: int, total: int, rate: float) -> str:
+    """'fetching 12.0 of 39.3 MiB, 3.1 MiB/s, 9 s left' (the time left only once a rate is known)."""
+    line = f"fetching {done / 2**20:.1f} of {total / 2**20:.1f} MiB"
+    if rate > 0:
+        line += f", {rate / 2**20:.1f} MiB/s, {(total - done) / rate:.0f} s left"
+    return line
+
+
+def weights_line(w: dict[str, Any]) -> str:
+    """What this daemon holds of the model, fetches and serves, in one line."""
+    line = f"{_bytes(w.get('held_bytes'))} of {_bytes(w.get('model_bytes'))} held here"
+    line += " (a partial model: the rest is fetched from members as the plan assigns it)" if w.get("partial") else ""
+    fetch = w.get("fetch") or {}
+    if fetch.get("active"):
+        line += f"; {fetch_line(fetch['bytes'], fetch['total'], fetch.get('rate_bytes_per_s', 0.0))}"
+        line += f" from {fetch.get('sources', 0)} peer(s)" + (f"; waiting: {fetch['waiting']}" if fetch.get("waiting") else "")
+    served = (w.get("served") or {}).get("bytes_served", 0)
+    if served:
+        line += f"; served {_bytes(served)} to others"
+    return line
 
 
 def access_line(swarm: dict[str, Any]) -> str:
@@ -138,7 +163,8 @@ def render(doc: dict[str, Any]):
     top = Table.grid(padding=(0, 2))
     top.add_column(style="bold")
     top.add_column()
-    top.add_row("self", f"{me['peer_id']}  ({me.get('label') or me.get('device')}, {me['model']['name']})")
+    top.add_row("self", f"{me['peer_id']}  ({me.get('label') or me.get('device')}, {me['model']['name']}, "
+                        f"manifest {me['model'].get('digest', '')[:12] or '-'})")
     top.add_row("api", str(me.get("api")))
     leader = doc.get("leader")
     lead = _short(leader) + (" (this node)" if leader == me["peer_id"] else "") if leader else "none"
@@ -156,6 +182,8 @@ def render(doc: dict[str, Any]):
     top.add_row("requests", f"{doc.get('requests_in_flight', 0)} in flight")
     if doc.get("speculation"):
         top.add_row("speculation", speculation_line(doc["speculation"]))
+    if (doc.get("weights") or {}).get("model_bytes"):
+        top.add_row("weights", weights_line(doc["weights"]))
     top.add_row("access", access_line(swarm))
 
     table = Table(title="members", title_justify="left", expand=False)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 StageLoader = Callable[..., Any]
 # (model, {block: experts}, device) -> a loaded ExpertShard
 ExpertLoader = Callable[[ServedModel, dict[int, tuple[int, ...]], str], Any]
+# (layers, {block: experts}) -> returns once their weights are on this machine (`swarmd.weights` fetches them)
+Prepare = Callable[[tuple[int, int] | None, dict[int, tuple[int, ...]]], Awaitable[None]]
 
 
 def load_stage(model: ServedModel, start: int, end: int, device: str, max_context: int, max_requests: int, *,
@@ -96,8 +98,11 @@ def load_experts(model: ServedModel, experts: dict[int, tuple[int, ...]], device
 class Assignment:
     def __init__(self, peer_id: str, model: ServedModel, device: str, compute: Compute, *,
                  max_context: int = 2048, max_requests: int = 4, loader: StageLoader = load_stage,
-                 expert_loader: ExpertLoader = load_experts, warmup: bool = False, reuse_blocks: bool = True) -> None:
+                 expert_loader: ExpertLoader = load_experts, warmup: bool = False, reuse_blocks: bool = True,
+                 prepare: Prepare | None = None) -> None:
         self.peer_id = peer_id
+        self.prepare = prepare  # fetches the weights an assignment lacks before it loads (cancelled if the plan moves)
+        self._preparing: trio.CancelScope | None = None
         self.reuse_blocks = reuse_blocks  # a new range takes the loaded stage's blocks over (off: reload all)
         self.warmup = warmup  # capture every graph before a stage is ready (`swarmd join --warmup`)
         self.compute = compute
@@ -132,6 +137,8 @@ class Assignment:
         layers = mine[0] if mine else None
         copy = plan.standbys.get(self.peer_id) if layers is None else None
         experts = {b: tuple(es) for b, es in plan.experts_on(self.peer_id).items()}
+        if self._preparing is not None and self._wanted[1:] != (layers, experts, copy):
+            self._preparing.cancel()  # a fetch for an assignment the plan no longer gives
         self._wanted = (plan.epoch, layers, experts, copy)
         if ((layers or copy) == self.loaded_layers and experts == self.loaded_experts
                 and self._status.state in (AssignmentState.READY, AssignmentState.IDLE, AssignmentState.STANDBY)):
@@ -182,6 +189,8 @@ class Assignment:
             return True
         count = sum(len(es) for es in experts.values())
         self._fire(AssignmentEvent.LOAD_STARTED, AssignmentStatus(epoch, layers, experts))
+        if not await self._prepared(None, experts, epoch, layers):
+            return False
         try:
             shard = await self.compute.run(self.expert_loader, self.model, experts, self.device)
         except Exception as e:
@@ -204,6 +213,8 @@ class Assignment:
         self.load_started = trio.current_time()
         what = "a standby copy of blocks" if warm else "blocks"
         log.info("loading %s %d-%d of %s (plan epoch %d)", what, a, b - 1, self.model.name, epoch)
+        if not await self._prepared(layers, {}, epoch, layers):
+            return
         try:
             # a daemon told to stop does not wait for a load to finish: run() returns when cancelled
             stage = await self.compute.run(self._build, a, b, previous or [])
@@ -255,6 +266,26 @@ class Assignment:
                 log.info("graph cache filled for this stage in %.1f s", trio.current_time() - started)
         except Exception as e:  # a failed capture here fails the first request too, which reports it
             log.warning("filling the graph cache failed: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+    async def _prepared(self, layers: tuple[int, int] | None, experts: dict[int, tuple[int, ...]], epoch: int,
+                        shown: tuple[int, int] | None) -> bool:
+        """Have `prepare` fetch what blocks `layers` and `experts` lack; False if the plan moved on meanwhile (its
+        wake event is set) or the fetch failed (the status says why)."""
+        if self.prepare is None:
+            return True
+        with trio.CancelScope() as scope:
+            self._preparing = scope
+            try:
+                await self.prepare(layers, experts)
+            except Exception as e:
+                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+                self._fire(AssignmentEvent.LOAD_FAILED,
+                           AssignmentStatus(epoch, shown, self._wanted[2], error=f"weights: {reason}"))
+                log.warning("getting the weights of %s failed: %s", f"blocks {layers}" if layers else "experts", reason)
+                return False
+            finally:
+                self._preparing = None
+        return not scope.cancelled_caught
 
     def _release(self) -> None:
         self.stage, self.loaded_layers = None, None

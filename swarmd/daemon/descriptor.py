@@ -215,6 +215,7 @@ class LocalDescriptor:
     uplink: float
     addresses: Callable[[], list[str]]
     load: Callable[[], float] = field(default=lambda: 0.0)
+    holds: Callable[[], tuple[str, ...]] = field(default=lambda: ())  # the weights on disk (planner.holdings)
     standby: bool = False
     slot: str = ""
     memory_refresh_s: float = 5.0
@@ -269,4 +270,6 @@ class LocalDescriptor:
             incarnation=self.incarnation,
             standby=self.standby,
             slot=self.slot,
+
+            holds=self.holds(),
         )

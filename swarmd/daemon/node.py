@@ -22,6 +22,7 @@ import json
 import logging
 import os
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,8 @@ from swarmd.daemon.descriptor import (
     resolve_device,
     uplink_bps,
 )
-from swarmd.daemon.served_model import ServedModel, served_model
+from swarmd.daemon.model_source import resolve_served
+from swarmd.daemon.served_model import ServedModel
 from swarmd.errors import UserError
 from swarmd.inference.compute import Compute, ComputeThread
 from swarmd.net.access import Access, load_access
@@ -56,6 +58,9 @@ from swarmd.swarm.fixed_plan import FixedPlan
 from swarmd.swarm.planning import MakePlan
 from swarmd.swarm.service import SwarmService, SwarmSettings
 from swarmd.swarm.slot_claim import SlotClaim, fixed_plan
+from swarmd.weights.metrics import WeightsCollector
+from swarmd.weights.service import Activity, WeightsService, weight_holders
+from swarmd.wire.gossip import AssignmentStatus
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +106,7 @@ class Node:
         self.network: Network | None = None
         self.swarm: SwarmService | None = None
         self.assignment: Assignment | None = None
+        self.weights: WeightsService | None = None
         self.descriptor: LocalDescriptor | None = None
         self.metrics: NodeMetrics | None = None
         self.api_url: str | None = None
@@ -134,9 +140,6 @@ class Node:
         self.home.mkdir(parents=True, exist_ok=True)
         key_pair = load_or_create_identity(self.home)
         self.peer_id = peer_id_of(key_pair)
-        self.model = await self.compute.run(served_model, cfg.model)
-        if cfg.plan is not None:
-            self.fixed_plan = fixed_plan(cfg, self.model.layout, self.plan_options)
         install_dial_map(DialMap.parse(cfg.dial_map))
         device = await self.compute.run(resolve_device, cfg.device)
         name = device_name(device)
@@ -147,20 +150,30 @@ class Node:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self.network = await nursery.start(network.run)
+            # the model: on this machine, else (partly) fetched from the members named by --bootstrap
+            self.model = await resolve_served(cfg.model, network, bootstrap, blocking=self.compute.run)
+            if cfg.plan is not None:
+                self.fixed_plan = fixed_plan(cfg, self.model.layout, self.plan_options)
+            self.weights = weights = WeightsService(
+                network, self.model, members=lambda: weight_holders(self.swarm),
+                serve_bytes_per_s=cfg.weights_serve_mbps * 1e6 / 8, busy_bytes_per_s=cfg.weights_busy_mbps * 1e6 / 8,
+                busy=Activity(lambda: (self.requests_in_flight, self.compute.busy_seconds)), blocking=self.blocking)
+            await nursery.start(weights.run)
+            self.status_parts["weights"] = weights.status
             self.descriptor = LocalDescriptor(
                 peer_id=self.peer_id, device=device, device_name=name, bench=bench, memory_limit=cfg.memory_limit,
                 label=cfg.device_label, model_name=self.model.name, model_digest=self.model.digest,
                 incarnation=incarnation, uplink=uplink_bps(cfg.uplink_mbps), addresses=network.addresses,
-                load=lambda: self.requests_in_flight, standby=cfg.standby, slot=cfg.slot)
+                load=lambda: self.requests_in_flight, standby=cfg.standby, slot=cfg.slot, holds=weights.holds)
             self.assignment = Assignment(self.peer_id, self.model, device, self.compute,
                                          max_context=cfg.max_context, max_requests=cfg.max_requests,
                                          loader=self.loader, expert_loader=self.expert_loader,
                                          warmup=warms_up(cfg.warmup, device),
-                                         reuse_blocks=not cfg.full_reload)
+                                         reuse_blocks=not cfg.full_reload, prepare=weights.ensure)
             await nursery.start(self.assignment.run)
             settings = SwarmSettings(cfg.swarm, cfg.timings, bootstrap)
             self.swarm = swarm = SwarmService(network, Signer(key_pair), settings, describe_self=self.descriptor,
-                                              assignment_status=self.assignment.status, make_plan=self._make_plan,
+                                              assignment_status=self._assignment_status, make_plan=self._make_plan,
                                               on_plan=self.assignment.apply, blocking=self.blocking)
             if self.fixed_plan is not None and self.fixed_plan.file is not None:
                 self.claim = SlotClaim(self.fixed_plan, cfg.slot, self.peer_id, leading=lambda: swarm.election.is_leader,
@@ -172,7 +185,9 @@ class Node:
             if cfg.mdns:
                 nursery.start_soon(self._follow_mdns)
             self.metrics = NodeMetrics(self.status, lambda: {**swarm.stats, **self.security_counters(),
+                                                             **weights.counters(),
                                                              "compute_busy_seconds": self.compute.busy_seconds})
+            self.metrics.registry.register(WeightsCollector(weights))
             for ext in self.extensions:
                 self.extension_results[getattr(ext, "__name__", repr(ext))] = await nursery.start(ext, self)
             if self._serve_api:
@@ -185,6 +200,11 @@ class Node:
             finally:
                 self._remove_api_file()
                 self.compute.close()
+
+    def _assignment_status(self) -> AssignmentStatus:
+        """The assignment's state, with the weights it is fetching (bytes, rate) for every member's status."""
+        assert self.assignment is not None and self.weights is not None
+        return replace(self.assignment.status(), fetch=self.weights.fetch_status())
 
     def security_counters(self) -> dict[str, float]:
         """Refusals, strikes and penalties of the peer gate, and the API's refusals, for /metrics."""
@@ -228,7 +248,8 @@ class Node:
     def plan_options(self) -> PlanOptions:
         """What the planner budgets per node: the KV cache this daemon's stages really allocate."""
         return PlanOptions(context_length=self.config.max_context, concurrency=self.config.max_requests,
-                           expert_placement=self.config.expert_placement)
+                           expert_placement=self.config.expert_placement,
+                           fetch_bytes_per_s=max(1.0, self.config.weights_serve_mbps * 1e6 / 8))
 
     async def _follow_mdns(self) -> None:
         assert self.network is not None and self.swarm is not None

@@ -27,7 +27,7 @@ from trio._socket import _SocketType
 
 from swarmd.errors import UserError
 
-log = logging.getLogger("swarmd.net")
+log = logging.getLogger(__name__)
 
 Address = tuple[str, int]
 

@@ -295,6 +295,9 @@ class Libp2pNetwork:
     def connected_peers(self) -> list[str]:
         return [p.to_base58() for p, conns in self.host.get_network().connections.items() if conns]
 
+    def is_relayed(self, peer_id: str) -> bool:
+        return any(_through_relay(c) for c in self.host.get_network().connections.get(self._id(peer_id), ()))
+
     async def open_stream(self, peer_id: str, protocol: str, *, bulk: bool = False) -> Stream:
         if bulk and self.data_plane is not None:
             stream = await self._open_on_data_plane(peer_id, protocol)
@@ -478,6 +481,26 @@ def gossip_streams_on_closed_connections(pubsub_peers: dict[Any, Any], network: 
     return [peer for peer, stream in list(pubsub_peers.items())
             if closed(getattr(stream, "muxed_conn", None))
             and any(not closed(c) for c in network.get_connections(peer))]
+
+
+def _through_relay(conn: Any) -> bool:
+    """Whether a libp2p connection runs over a circuit relay: its addresses name /p2p-circuit, or its raw
+    connection is the relay transport's."""
+    from libp2p.relay.circuit_v2.transport import TrackedRawConnection
+
+    with contextlib.suppress(Exception):
+        if any("p2p-circuit" in str(a) for a in conn.get_transport_addresses()):
+            return True
+    # swarm connection -> muxer -> secure session -> message reader -> raw connection
+    todo, seen = [conn], 0
+    while todo and seen < 16:
+        layer = todo.pop()
+        seen += 1
+        if isinstance(layer, TrackedRawConnection):
+            return True
+        todo += [x for a in ("muxed_conn", "secured_conn", "conn", "read_writer", "read_write_closer")
+                 if (x := getattr(layer, a, None)) is not None and x is not layer]
+    return False
 
 
 def _host_of(ma: Any) -> str:

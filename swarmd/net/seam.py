@@ -127,6 +127,10 @@ class Network(Protocol):
 
     def connected_peers(self) -> list[str]: ...
 
+    def is_relayed(self, peer_id: str) -> bool:
+        """Whether a stream to `peer_id` may go through a circuit relay (a connection to it is relayed)."""
+        ...
+
     def bound_addresses(self) -> list[str]:
         """Where this endpoint listens, ports as bound (what `swarmd join` prints)."""
         ...

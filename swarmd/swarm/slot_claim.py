@@ -21,7 +21,7 @@ from swarmd.config import DaemonConfig
 from swarmd.errors import UserError
 from swarmd.swarm.fixed_plan import FixedPlan, load_plan_file
 
-log = logging.getLogger("swarmd.plan")
+log = logging.getLogger(__name__)
 
 
 def fixed_plan(cfg: DaemonConfig, layout: ModelLayout, options: PlanOptions) -> FixedPlan:

@@ -500,6 +500,10 @@ class MemoryNetwork:
     def connected_peers(self) -> list[str]:
         return sorted(self.connections)
 
+    def is_relayed(self, peer_id: str) -> bool:
+        conn = self.hub.connections.get(pair(self._peer_id, peer_id))
+        return conn is not None and bool(conn.relay)
+
     def on_connected(self) -> None:
         return None
 

@@ -71,6 +71,7 @@ class AssignmentStatus:
     state: AssignmentState = AssignmentState.IDLE
     progress: float = 0.0  # 0..1 while loading
     error: str = ""
+    fetch: tuple[int, int, float] = (0, 0, 0.0)  # weights being fetched: bytes so far, bytes in all, bytes/s
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state", AssignmentState(self.state))
@@ -83,12 +84,17 @@ class AssignmentStatus:
             "state": self.state.value,
             "progress": round(self.progress, 4),
             "error": self.error,
+            "fetch": {"bytes": self.fetch[0], "total": self.fetch[1], "rate": round(self.fetch[2], 1)},
         }
 
     @staticmethod
     def from_json(doc: Any) -> AssignmentStatus:
-        _expect_keys(doc, {"epoch", "layers", "experts", "state", "progress", "error"}, "assignment")
+        _expect_keys(doc, {"epoch", "layers", "experts", "state", "progress", "error", "fetch"}, "assignment")
         layers, experts, progress = doc["layers"], doc["experts"], doc["progress"]
+        _expect_keys(doc["fetch"], {"bytes", "total", "rate"}, "assignment.fetch")
+        rate = doc["fetch"]["rate"]
+        if not isinstance(rate, int | float) or isinstance(rate, bool) or not 0.0 <= rate < 1e15:
+            raise RemoteProtocolError("assignment.fetch.rate must be a non-negative number")
         if layers is not None and not (isinstance(layers, list) and len(layers) == 2):
             raise RemoteProtocolError("assignment.layers must be [start, end] or null")
         if doc["state"] not in ASSIGNMENT_STATES:
@@ -108,6 +114,8 @@ class AssignmentStatus:
             state=AssignmentState(doc["state"]),
             progress=float(progress),
             error=doc["error"][:300],
+            fetch=(_int(doc["fetch"]["bytes"], "assignment.fetch.bytes"), _int(doc["fetch"]["total"],
+                                                                              "assignment.fetch.total"), float(rate)),
         )
 
 

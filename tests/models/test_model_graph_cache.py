@@ -18,7 +18,7 @@ from models.cached_graphs import held_tensors, warm_from_cache
 from models.expert_shard import ExpertShard
 from models.moe import ExpertCall, MoEConfig
 from models.stage import StageInput, StageModel
-from models.tinygrad_ext.graph_cache import GraphCache, named_buffers
+from models.tinygrad_ext.graph_cache import GraphCache, named_buffers, switched_off
 
 # compiles and runs tinygrad kernels (seconds each on a cold kernel cache)
 pytestmark = pytest.mark.slow
@@ -204,6 +204,17 @@ def test_warming_from_the_cache_happens_only_when_it_holds_every_graph_needed(gr
     assert warm_from_cache(warm)
     assert sorted(warm.graphs.loaded) == ["decode, batch 1 (blocks 0-2)", "prefill (blocks 0-2)"]
     assert warm.graphs.stored == [] and len(warm.slots) == 0
+
+
+def test_a_stage_made_with_the_cache_switched_off_neither_replays_nor_keeps_graphs(graphs_dir):
+    serve(stage())  # the cache now holds this stage's graphs
+    files = sorted(graphs_dir.iterdir())
+    with switched_off():
+        off = stage()
+    assert not warm_from_cache(off)
+    serve(off)  # captured, as without a cache
+    assert off.graphs.loaded == [] and off.graphs.stored == [] and sorted(graphs_dir.iterdir()) == files
+    assert stage().graphs.enabled  # outside, the cache is on again
 
 
 def test_an_expert_shard_replays_its_stored_graphs(graphs_dir):

@@ -71,7 +71,8 @@ async def test_the_assigned_blocks_are_loaded_then_released_when_the_plan_moves_
             stage = await a.wait_ready()
             assert (stage.start, stage.end, stage.is_last) == (5, 8, True)
             assert a.status().to_json() == {"epoch": 1, "layers": [5, 8], "experts": {}, "state": "ready",
-                                            "progress": 1.0, "error": ""}
+                                            "progress": 1.0, "error": "", "fetch": {"bytes": 0, "total": 0,
+                                                                                      "rate": 0.0}}
             a.apply(announce(2, Stage(OTHER, (0, 5)), Stage(ME, (5, 8))))
             await trio.sleep(0.1)
             assert a.stage is stage and a.status().epoch == 2  # same blocks: nothing reloads

@@ -92,8 +92,8 @@ class ExpertActor:
             return DECLINE
         started = time.perf_counter()
         try:
-            answer = shard.compute(ExpertCall(msg.block, msg.hidden.to_array("float32"), sel,
-                                              msg.gates.to_array("float32")))
+            answer = shard.expert_outputs(ExpertCall(msg.block, msg.hidden.to_array("float32"), sel,
+                                                     msg.gates.to_array("float32")))
         finally:
             self.compute.release()
         self._count(msg.block, sel, time.perf_counter() - started)

@@ -1,8 +1,10 @@
 """One MoE layer's expert call made from a lane's reader thread (a hot step): its answer, gathered from anywhere.
 
 `MoERouter.fan_out` sends one `ExpertBatch` per remote node at once (on the hot lane), then the stage's thread
-computes the experts this daemon holds while those are in flight. Each answer is added into one buffer made
-for the call (the batches' answers are read straight from their frames into it). The last part in completes
+computes the experts this daemon holds while those are in flight. Each part's answer (one output per selected
+pair of its rows) is put in its place in one buffer made for the call, and `out` makes each row's gate-weighted
+sum in the order of its selections (`models.expert_shard.gated_sum`), as the router's `call` does, so the sum
+does not depend on which node answered which expert or in what order. The last part in completes
 the call, whichever thread brings it: a lane's reader (an `ExpertResult` on the lane), the event loop (one the
 transport carried, or the router's own asking again of a part whose node failed), or the stage's thread itself
 when the answers were in before it finished its own part. `then(fan_out)` is called once, by that thread.
@@ -11,7 +13,7 @@ when the answers were in before it finished its own part. `then(fan_out)` is cal
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +23,7 @@ import numpy as np
 @dataclass(eq=False)
 class FanOut:
     call: Any  # the layer's models.moe.ExpertCall
-    out: np.ndarray  # (rows, dim) float32: the answers summed so far
+    per: np.ndarray  # (rows, k, dim) float32: each selection's expert output, as the parts come in
     left: int  # parts not in yet
     lock: threading.Lock = field(default_factory=threading.Lock)
     error: Exception | None = None  # the call cannot be answered: the step fails with it
@@ -33,14 +35,19 @@ class FanOut:
 
     @classmethod
     def of(cls, call: Any, parts: int) -> FanOut:
-        return cls(call, np.zeros(call.rows.shape, np.float32), parts)
+        n, k = call.sel.shape
+        return cls(call, np.zeros((n, k, call.rows.shape[1]), np.float32), parts)
 
-    def add(self, rows: np.ndarray, answer: np.ndarray) -> None:
-        """A part's answer for `rows` of the call (any thread)."""
+    def add(self, answers: Iterable[tuple[Any, np.ndarray]]) -> None:
+        """One part's answer (any thread): (a `dispatch.NodePart` of the call, its experts' outputs, one per
+        selected pair in row-major order) for each node that answered it."""
         with self.lock:
             if self.done or self.error is not None:
                 return
-            self.out[rows] += answer
+            for part, answer in answers:
+                mine = np.zeros(self.call.sel.shape, bool)
+                mine[part.rows] = part.call.sel >= 0
+                self.per[mine] = answer
             self.left -= 1
             fire = self._due()
         if fire:
@@ -64,6 +71,13 @@ class FanOut:
                 return False
             self.then = then
         return True
+
+    @property
+    def out(self) -> np.ndarray:
+        """(rows, dim): each row's gate-weighted sum of its selections' outputs, in the order of its selections."""
+        from models.expert_shard import gated_sum
+
+        return gated_sum(self.call, self.per[self.call.sel >= 0])
 
     @property
     def complete(self) -> bool:

@@ -55,13 +55,14 @@ class LocalExperts:
         return out
 
     def part(self, call: Any) -> np.ndarray | None:
-        """On the thread that holds tinygrad: the gate-weighted sum for the part of a layer's call that the router
-        gave this daemon (a hot step's fan-out; counted by the router), or None if the shard cannot."""
+        """On the thread that holds tinygrad: the expert outputs (one per selected pair, row-major) for the part of
+        a layer's call that the router gave this daemon (a hot step's fan-out; counted by the router), or None if
+        the shard cannot."""
         shard = self._shard()
         if shard is None or not holds_every_selected(shard.holds(call.layer), call.sel):
             return None
         try:
-            return shard(call)
+            return shard.expert_outputs(call)
         except Exception:  # the router asks again and reports what went wrong
             return None
 

@@ -136,6 +136,11 @@ class MoERouter:
     async def call(self, call: Any, traced: Mapping[str, int] | None = None) -> np.ndarray:
         """The gate-weighted expert sum for every row of `call` (a models.moe.ExpertCall); `traced`: the
         traced requests among its rows and their steps, whose spans are recorded here and on the experts."""
+        return combine(call, await self._gather(call, traced))
+
+    async def _gather(self, call: Any, traced: Mapping[str, int] | None = None) -> list[tuple[NodePart, np.ndarray]]:
+        """Every selected pair's expert output for `call`, as (the node's part, its outputs) per node that
+        answered."""
         started = time.perf_counter()
         traced = dict(traced or {}) if self.recorder is not None else {}
         span_start = self.recorder.clock() if traced and self.recorder is not None else 0.0
@@ -170,7 +175,7 @@ class MoERouter:
         span_end = self.recorder.clock() if traced and self.recorder is not None else 0.0
         self._record_call(call, time.perf_counter() - started, traced, span_start, span_end, messages=messages,
                           nodes=len({p.peer for p, _ in answers}))
-        return combine(call, answers)
+        return answers
 
     def record_local(self, answer: LocalAnswer, traced: Mapping[str, int]) -> None:
         """Count a call the stage had this daemon's own shard answer on the compute thread
@@ -318,7 +323,7 @@ class MoERouter:
                 if answer is None:  # the shard is not loaded yet, say: its expert actor waits for it
                     self._send_hot(fan, part)
                 else:
-                    fan.add(part.rows, answer)
+                    fan.add([(part, answer)])
         fan.messages, fan.nodes = len(remote), len(parts)
         return fan
 
@@ -369,11 +374,12 @@ class MoERouter:
 
     def _hot_answer(self, peer: str, entry: _HotPart, msg: ExpertResult) -> None:
         answer = msg.hidden.to_array("float32")
-        if answer.shape != (len(entry.part.rows), entry.fan.call.rows.shape[1]):
-            self.lane.to_loop(self._ask_again, entry, f"answered {list(answer.shape)} for {len(entry.part.rows)} rows")
+        pairs = int((entry.part.call.sel >= 0).sum())
+        if answer.shape != (pairs, entry.fan.call.rows.shape[1]):
+            self.lane.to_loop(self._ask_again, entry, f"answered {list(answer.shape)} for {pairs} selections")
             return
         self.chooser.finished(peer, time.perf_counter() - entry.started)
-        entry.fan.add(entry.part.rows, answer)
+        entry.fan.add([(entry.part, answer)])
 
     def _hot_failed(self, batch_id: str, reason: str) -> None:
         """On the event loop: a hot fan-out's batch got no answer; its experts are asked again by `call`."""
@@ -394,14 +400,14 @@ class MoERouter:
     async def _answer_again(self, entry: _HotPart) -> None:
         fan, part = entry.fan, entry.part
         try:
-            answer = await self.call(_restrict(fan.call, set(part.experts)))
+            answers = await self._gather(_restrict(fan.call, set(part.experts)))
         except ExpertsUnavailable as e:
             fan.fail(e)
         except Exception as e:  # the step fails for its requests; the daemon goes on
             log.exception("asking again for experts %s of block %d failed", list(part.experts), part.call.layer)
             fan.fail(ExpertsUnavailable(f"{type(e).__name__}: {e}"))
         else:
-            fan.add(np.arange(len(fan.call.rows)), answer)
+            fan.add(answers)
 
     def given_up(self, peer: str, msg: Any, reason: str) -> None:
         """The transport gave up a message: a hot fan-out's batch among them is asked again."""

@@ -214,6 +214,24 @@ class StageActor:
         with self._lock:
             if self.book is not None and self.book.cancel(msg.request_id):
                 self._free(self._model, msg.request_id)
+            batch = self._inflight
+            if batch is not None and self._all_cancelled(batch):
+                self._stop_waiting(batch)
+
+    def _all_cancelled(self, batch: Batch) -> bool:
+        """Whether every request of `batch` is cancelled or gone (under `_lock`)."""
+        book = self.book
+        return book is not None and all(
+            (st := book.requests.get(j.work.request_id)) is None or st.cancelled for j in batch.jobs)
+
+    @staticmethod
+    def _stop_waiting(batch: Batch) -> None:
+        """Nobody wants `batch`'s outputs: its wait for remote experts ends now, failing the step (which frees
+        what it holds), rather than holding the stage until the experts answer or time out."""
+        if batch.asking is not None:
+            batch.asking.cancel()
+        if batch.fan is not None:
+            batch.fan.fail(ExpertsFailed("every request of the step was cancelled"))
 
     # --- the hot lane: a step on the reader thread of the stream its input came on --------------------------
 
@@ -249,6 +267,7 @@ class StageActor:
                     job.reply = reply
                     self._to_loop(self._hot_continues, batch, call)
                     return LATER
+                batch.fan = fan
                 if fan.wait_then(partial(self._hot_resume, batch, job, reply)):
                     return LATER
                 done, call = self._resume_with(batch, fan)
@@ -644,10 +663,17 @@ class StageActor:
             if self.experts is None:
                 error = ExpertsFailed("this stage's experts live elsewhere and the daemon has no MoE router")
             else:
-                try:
-                    answer = await self.experts(call, traced) if traced else await self.experts(call)
-                except Exception as e:  # the step fails for these requests (see run_batch), the daemon goes on
-                    error = ExpertsFailed(f"{type(e).__name__}: {e}")
+                with trio.CancelScope() as batch.asking:
+                    with self._lock:
+                        if self._all_cancelled(batch):
+                            batch.asking.cancel()
+                    try:
+                        answer = await self.experts(call, traced) if traced else await self.experts(call)
+                    except Exception as e:  # the step fails for these requests (see run_batch), the daemon goes on
+                        error = ExpertsFailed(f"{type(e).__name__}: {e}")
+                if batch.asking.cancelled_caught:
+                    error = ExpertsFailed("every request of the step was cancelled")
+                batch.asking = None
             done, call = await self.compute.run(advance_here, batch.steps, answer, error, self.local_experts)
             self._count_local_answers(batch)
 

@@ -59,3 +59,5 @@ class Batch:
     hot: bool = False  # started by a lane's reader thread (`StageActor.take_hot`), which records it
     resume: tuple[Any, BaseException | None] | None = None  # a hot step's expert answer (or error) the worker
     # resumes it with
+    asking: trio.CancelScope | None = None  # the worker's wait for the step's remote experts
+    fan: Any = None  # the hot fan-out (moe.fan_out.FanOut) the step waits on
