@@ -83,6 +83,9 @@ class StageInput:
     start_pos: int  # position of data[0]; KV rows [start_pos, start_pos+T) are (over)written
     data: np.ndarray  # first stage: int token ids (T,); other stages: float32 hidden (T, hidden)
     all_logits: bool = False  # last stage only: (T, vocab) logits instead of the last position's (vocab,)
+    # speculative verification: each row runs as a one-position decode step (the same kernels and reduction
+    # order), all in the decode batch; the last stage returns (T, vocab) logits
+    verify: bool = False
 
 
 def rope_table(config, rows: int, freq_factors: np.ndarray | None = None) -> np.ndarray:
@@ -410,6 +413,14 @@ class StageModel:
         whose blocks stay here computes only the positions after them (`swarmd.inference.head.hop_local`)."""
         self.slots.adopt(old_id, new_id, keep)
 
+    def rollback(self, request_id: str, length: int) -> None:
+        """Drop the cache's positions from `length` on (a verify step's rejected drafts): rows past a request's
+        length are never read, and the next step writes over them."""
+        have = self.position(request_id)
+        if not 0 <= length <= have:
+            raise ModelError(f"request {request_id!r}: cannot roll back to {length} tokens; the cache holds {have}")
+        self.slots.set_length(request_id, length)
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self.slots
 
@@ -473,9 +484,9 @@ class StageModel:
         for it in items:
             self._check(it)
         out: list[np.ndarray | None] = [None] * len(items)
-        decodes = [i for i, it in enumerate(items) if len(it.data) == 1]
+        decodes = [i for i, it in enumerate(items) if len(it.data) == 1 or it.verify]
         for i, it in enumerate(items):
-            if len(it.data) > 1:
+            if len(it.data) > 1 and not it.verify:
                 out[i] = yield from self._prefill(it)
         if decodes:
             results = yield from self._decode([items[i] for i in decodes])
@@ -542,11 +553,14 @@ class StageModel:
     def _decode(self, items: list[StageInput]) -> Generator[ExpertCall, np.ndarray, list[np.ndarray]]:
         from tinygrad import UOp
 
-        batch = self._bucket(len(items))
-        pad = batch - len(items)
-        rows = np.stack([it.data[0] for it in items] + [np.zeros_like(items[0].data[0])] * pad)
-        slots = [self.slots.slot(it.request_id) for it in items] + [self.kv.scratch_slot] * pad
-        starts = [it.start_pos for it in items] + [0] * pad
+        # one batch row per position: a verify item's rows share its slot, at consecutive positions (each row
+        # stores its K/V before any row reads the cache, so a row sees the rows before it, as in decode steps)
+        real = [(it, j) for it in items for j in range(len(it.data))]
+        batch = self._bucket(len(real))
+        pad = batch - len(real)
+        rows = np.stack([it.data[j] for it, j in real] + [np.zeros_like(items[0].data[0])] * pad)
+        slots = [self.slots.slot(it.request_id) for it, _ in real] + [self.kv.scratch_slot] * pad
+        starts = [it.start_pos + j for it, j in real] + [0] * pad
         svars = [UOp.variable(f"slot{b}", 0, self.kv.scratch_slot).bind(s) for b, s in enumerate(slots)]
         pvars = [UOp.variable(f"pos{b}", 0, self.max_context - 1).bind(p) for b, p in enumerate(starts)]
         tile = self.attention_tile
@@ -559,13 +573,21 @@ class StageModel:
                                                                   functools.partial(self._decode_step, seg))
             return self._decode_jits[(batch, seg)]
 
-        res = yield from self._run_segments(rows, len(items), jit_of, [*svars, *pvars, *tvars])
-        # the last stage gives each request's logits (vocab,); the others its hidden state (1, hidden)
-        return [res[b].copy() if self.is_last else res[b:b + 1].copy() for b in range(len(items))]
+        res = yield from self._run_segments(rows, len(real), jit_of, [*svars, *pvars, *tvars])
+        # the last stage gives each request's logits (vocab,), or (T, vocab) when verifying; the others its
+        # hidden states (T, hidden)
+        out, b = [], 0
+        for it in items:
+            n = len(it.data)
+            out.append(res[b].copy() if self.is_last and not it.verify else res[b:b + n].copy())
+            b += n
+        return out
 
     def _bucket(self, n: int) -> int:
-        """Decode batches are padded to a power of two (capped at max_requests): few shapes to compile."""
-        return min(1 << (n - 1).bit_length(), self.max_requests)
+        """Decode batches are padded to a power of two (capped at max_requests, unless verify rows make more):
+        few shapes to compile."""
+        size = 1 << (n - 1).bit_length()
+        return min(size, self.max_requests) if n <= self.max_requests else size
 
     def _prefill(self, it: StageInput) -> Generator[ExpertCall, np.ndarray, np.ndarray]:
         from tinygrad import UOp

@@ -25,6 +25,7 @@ from typing import Any, get_type_hints
 from urllib.parse import urlsplit
 
 from swarmd.errors import UserError
+from swarmd.spec_settings import SpecError, SpecSettings
 
 
 @dataclass(frozen=True)
@@ -247,6 +248,14 @@ class DaemonConfig:
         50.0, "a decode step seen to take at most this long runs on the event loop's own thread when the compute "
               "thread is idle, which saves two thread hand-overs per step; the daemon answers nothing else "
               "meanwhile (default 50; 0: every step on the compute thread)", metavar="MS")
+    speculate: str = setting(
+        "off", "speculative decoding for the requests this daemon heads: off (the default), ngram (drafts from the "
+               "request's own context: prompt lookup, strong on code and editing) or model:NAME (a small draft "
+               "model with the served model's vocabulary, run here, e.g. model:smollm2-135m); each pass through "
+               "the chain then verifies several tokens, with the same output", metavar="MODE")
+    draft_tokens: int = setting(
+        4, "the most tokens drafted per pass (default 4; the number adapts to the acceptance seen, and a request "
+           "may ask for fewer with \"speculate\": {\"draft_tokens\": K})", metavar="K")
     hot_lane: bool | None = setting(
         None, "a token's messages (activations, sampled tokens, expert batches) travel on data-plane streams of "
               "their own, read by a thread that runs a short decode step and sends its output on without waiting "
@@ -307,6 +316,10 @@ class DaemonConfig:
             raise UserError("inline_step_ms must be 0 (off) or more")
         if self.max_requests < 1 or self.max_context < 2:
             raise UserError("max_requests must be at least 1 and max_context at least 2")
+        try:
+            SpecSettings(self.speculate, self.draft_tokens)
+        except SpecError as e:
+            raise UserError(f"--speculate / --draft-tokens: {e}") from None
         if not 0 <= self.data_plane_port < 65536:
             raise UserError(f"data plane port {self.data_plane_port} is not a TCP port (0-65535)")
         if self.claim_timeout <= 0:

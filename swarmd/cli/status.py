@@ -197,6 +197,8 @@ def render(doc: dict[str, Any]):
     if doc.get("slots"):
         top.add_row("slots", slots_line(doc["slots"], leader == me["peer_id"]))
     top.add_row("requests", requests_line(doc))
+    if doc.get("speculation"):
+        top.add_row("speculation", speculation_line(doc["speculation"]))
     if (doc.get("weights") or {}).get("model_bytes"):
         top.add_row("weights", weights_line(doc["weights"]))
     top.add_row("access", access_line(swarm))
@@ -231,6 +233,16 @@ def render(doc: dict[str, Any]):
             refused.add_row(_short(r["peer_id"]), r["reason"])
         parts.append(refused)
     return Group(*parts)
+
+
+def speculation_line(spec: dict[str, Any]) -> str:
+    """The speculative requests this daemon headed, in one line."""
+    line = f"{spec['mode']}" + (f" (up to {spec['draft_tokens']} drafts a pass)" if spec["mode"] != "off" else "")
+    if spec.get("passes"):
+        rate = f"{100 * spec['acceptance']:.0f} %" if spec.get("acceptance") is not None else "-"
+        line += (f"  {spec['passes']} passes, {spec['drafted']} drafted, {spec['accepted']} accepted ({rate}), "
+                 f"{spec['tokens_per_pass']:.2f} tokens a pass, {spec['draft_seconds']:.2f} s drafting")
+    return line
 
 
 def slots_line(slots: dict[str, Any], leading: bool) -> str:

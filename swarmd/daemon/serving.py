@@ -24,6 +24,7 @@ async def run_pipeline(node: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED
                                                 transport_config(cfg.max_requests, cfg.timings.send_timeout))
         lane = await nursery.start(HotLane(node.network, transport).run) if cfg.hot_lane is not False else None
         pipeline = Pipeline(node, transport, lane)
+        await pipeline.check_draft_model()
         pipeline.install()
         await nursery.start(pipeline.stage.run)
         await nursery.start(pipeline.router.run)
@@ -33,5 +34,6 @@ async def run_pipeline(node: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED
         if node.model is not None and node.model.layout.is_moe:
             node.status_parts["moe"] = pipeline.moe_status
         node.status_parts["queue"] = pipeline.head.admission.status
+        node.status_parts["speculation"] = pipeline.speculation_status
         task_status.started(pipeline)
         await trio.sleep_forever()

@@ -6,8 +6,8 @@ one of these layouts, whose first byte is a kind below 0x20 (a CBOR small intege
     kind u8 | version u8 | seq u64 | fields                                     (little-endian throughout)
     ack            -
     forward        request_id str | head str | step u64 | hop u32 | start_pos u64 | epoch u64 | tensor
-                   (a decode or plain prefill step: no sampling settings, targets, log-probs or resume;
-                   a Forward with any of those travels as CBOR)
+                   (a decode or plain prefill step: no sampling settings, targets, log-probs, resume or
+                   speculative draft; a Forward with any of those travels as CBOR)
     token          request_id str | step u64 | token u64 | hop u32 | finish u8 | logprob f64 (NaN: none) |
                    k u16 | top_ids i64[k] | top_logprobs f64[k]
     expert_batch   batch_id str | step u64 | block u32 | hidden tensor | expert_ids tensor | gates tensor |
@@ -78,7 +78,8 @@ def ack_frame(seq: int) -> bytes:
 def encode_body(msg: Message, seq: int) -> bytes | None:
     """`msg` in its binary layout (checked as `encode` checks it), or None when it has none."""
     if isinstance(msg, Forward):
-        if msg.sampling is not None or msg.targets is not None or msg.all_logits or msg.resume_of:
+        if (msg.sampling is not None or msg.targets is not None or msg.all_logits or msg.resume_of
+                or msg.draft is not None or msg.chain):
             return None
         tensor = msg.tokens if msg.tokens is not None else msg.hidden
         assert tensor is not None

@@ -48,7 +48,7 @@ from swarmd.observe.spans import SpanRecorder, record_stage_step
 from swarmd.transport.lane import DECLINE, LATER, run_safely
 from swarmd.transport.transport import HandlerResult, Posted, Send, as_sends
 from swarmd.wire.codec import WireError
-from swarmd.wire.messages import Cancel, Error, Forward, Token
+from swarmd.wire.messages import Cancel, Error, Forward, Speculate, Token
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class StageActor:
         # A decode batch whose last run of the same size took at most this long runs on the event loop's thread
         # when the compute thread is idle (`ComputeThread.run_inline`); 0: never.
         self.inline_step_s = inline_step_s
-        self._decode_s: dict[int, float] = {}  # batch size -> the current model's last decode step of it, s
+        self._decode_s: dict[int, float] = {}  # rows -> the current model's last decode batch of them, s
         self._post_all = post_all  # the lane's or the transport's: a batch's outputs leave together
         self._lock = threading.RLock()  # the book, the queue and the batch in flight, with a lane's reader
         self._loop_thread = threading.get_ident()
@@ -184,6 +184,9 @@ class StageActor:
                 received = time.perf_counter()
             with self._lock:
                 loaded, book = self._book()
+                state = book.requests.get(msg.request_id)
+                if book.is_first and state is not None and not state.busy and msg.sampling is None:
+                    self.periods.append(trio.current_time() - state.last_active)  # a speculative step came round
                 work = book.on_forward(msg, trio.current_time())
                 if msg.resume_of:  # the attempt it continues is over here: adopted by `work`, or (busy) dropped
                     self.stats.record_resume(work)
@@ -206,6 +209,12 @@ class StageActor:
                 head = self.book.head_of(msg.request_id) if self.book else None
                 return _refusal(head or peer, msg.request_id, msg.step + 1, 0, e)
         return await self._run(loaded, book, work, received)
+
+    async def on_speculate(self, peer: str, msg: Speculate) -> None:
+        """A speculative request's head takes the loop back from the chain (the last stage sends it the next step)."""
+        with self._lock:
+            if self.book is not None:
+                self.book.drive(msg.request_id)
 
     def _token_work(self, book: StageBook, msg: Token, now: float) -> Work:
         state = book.requests.get(msg.request_id)
@@ -647,9 +656,9 @@ class StageActor:
         """With `_lock` held: a decode batch's time, for `_inlines` and `take_hot` (a MoE stage's includes the
         wait for its experts: it is never done in one segment)."""
         jobs = batch.jobs
-        if (jobs and jobs[0].ended and jobs[0].model is self._model and all(j.work.rows == 1 for j in jobs)
+        if (jobs and jobs[0].ended and jobs[0].model is self._model and all(_decodes(j.work) for j in jobs)
                 and all(j.error is None for j in jobs)):
-            self._decode_s[len(jobs)] = jobs[0].ended - jobs[0].started
+            self._decode_s[_rows(jobs)] = jobs[0].ended - jobs[0].started
 
     def _answer_hot_replies(self, batch: Batch) -> None:
         """A hot step the worker finished (its MoE experts asked by the router): its outputs go out, the lane
@@ -702,9 +711,9 @@ class StageActor:
         chain: docs/BENCHMARKS.md, "A short decode step on the event loop's own thread")."""
         book = self.book
         if (not jobs or self.inline_step_s <= 0 or book is None or len(jobs) < len(book.requests)
-                or any(j.work.rows != 1 for j in jobs)):
+                or not all(_decodes(j.work) for j in jobs)):
             return False
-        took = self._decode_s.get(len(jobs)) if jobs[0].model is self._model else None
+        took = self._decode_s.get(_rows(jobs)) if jobs[0].model is self._model else None
         return took is not None and took <= self.inline_step_s
 
     def _segment_done(self, batch: Batch, answer: tuple[bool, Any] | None, error: BaseException | None) -> None:
@@ -712,8 +721,8 @@ class StageActor:
         self._count_local_answers(batch)
         with self._lock:
             if (jobs and answer is not None and answer[0] and jobs[0].ended and jobs[0].model is self._model
-                    and all(j.work.rows == 1 for j in jobs)):
-                self._decode_s[len(jobs)] = jobs[0].ended - jobs[0].started
+                    and all(_decodes(j.work) for j in jobs)):
+                self._decode_s[_rows(jobs)] = jobs[0].ended - jobs[0].started
             self._first_segment_done(batch, answer, error)
             if self._idle and batch is self._inflight and error is None and batch.answer[0]:
                 # A batch a handler launched while the worker slept, done in one segment (the usual decode step):
@@ -782,7 +791,7 @@ class StageActor:
     def _must_wait(self) -> bool:
         """Whether `_gather` would wait for other requests' decode steps now."""
         book = self.book
-        if book is None or not self._jobs or any(j.work.rows != 1 for j in self._jobs):
+        if book is None or not self._jobs or not all(_decodes(j.work) for j in self._jobs):
             return False
         with self._lock:
             return any(book.elsewhere(st) for st in book.requests.values())
@@ -820,7 +829,17 @@ def _decode_shaped(msg: Any) -> bool:
     if isinstance(msg, Token):
         return msg.hop == 0
     return (isinstance(msg, Forward) and msg.rows == 1 and msg.step > 0 and msg.sampling is None
-            and msg.targets is None and not msg.all_logits and not msg.resume_of)
+            and msg.targets is None and not msg.all_logits and not msg.resume_of and msg.draft is None
+            and not msg.chain)
+
+
+def _decodes(work: Work) -> bool:
+    """Whether `work` runs in the decode batch: one position, or a verify step's positions one per row."""
+    return work.rows == 1 or work.verify
+
+
+def _rows(jobs: Sequence[Job]) -> int:
+    return sum(j.work.rows for j in jobs)
 
 
 def _feeds_the_chain(msg: Any) -> bool:
