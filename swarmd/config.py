@@ -101,6 +101,10 @@ class DaemonConfig:
     inline_step_ms: float = 50.0  # a decode step seen to take at most this long runs on the event loop's thread
     expert_placement: str = "auto"  # MoE: the planner's choice, or "spread" / "local" (PlanOptions.expert_placement)
     data_plane: str = "tls"  # tls (pinned TLS sockets for tensors) or libp2p (everything on libp2p streams)
+    data_plane_port: int = 0  # the TLS data plane's TCP port (0: any free one); forward it with the libp2p one
+    relay_service: bool = True  # serve circuit relay v2 to the swarm (used when this daemon is reachable)
+    relays: tuple[str, ...] = ()  # relays to keep a reservation on when not reachable, besides members
+    hole_punching: bool = True  # DCUtR with members reached only through a relay
     swarm_key: Path | None = None  # a private swarm: only peers holding this key can connect
     allow_peers: tuple[str, ...] = ()  # if any: only these peer ids may connect (besides the key)
     allow_peers_file: Path | None = None  # more allowed peer ids, one per line
@@ -125,6 +129,8 @@ class DaemonConfig:
             raise UserError("inline_step_ms must be 0 (off) or more")
         if self.max_requests < 1 or self.max_context < 2:
             raise UserError("max_requests must be at least 1 and max_context at least 2")
+        if not 0 <= self.data_plane_port < 65536:
+            raise UserError(f"data-plane port {self.data_plane_port} is not a TCP port (0 picks a free one)")
 
     def with_overrides(self, **changes: Any) -> DaemonConfig:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -179,7 +185,7 @@ def _preset(name: str) -> Timings:
         raise UserError(f"unknown timings preset {name!r} (known: {', '.join(PRESETS)})") from None
 
 
-_LIST_KEYS = {"listen", "announce", "bootstrap", "allow_peers"}
+_LIST_KEYS = {"listen", "announce", "bootstrap", "allow_peers", "relay"}
 _STR_KEYS = {"swarm", "model", "api", "device", "device_label", "log_level", "wire_dtype", "data_plane",
              "api_token", "expert_placement"}
 EXPERT_PLACEMENTS = ("auto", "spread", "local")
@@ -206,18 +212,18 @@ def config_changes(doc: dict[str, Any], source: str = "config") -> dict[str, Any
             items = [value] if isinstance(value, str) else value
             if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
                 raise UserError(f"{source}: '{raw_key}' must be a string or a list of strings")
-            out[key] = tuple(items)
+            out["relays" if key == "relay" else key] = tuple(items)
         elif key in _STR_KEYS:
             out[key] = str(value)
         elif key in ("home", "plan", "swarm_key", "allow_peers_file"):
             out[key] = Path(str(value)).expanduser()
         elif key == "memory_limit":
             out[key] = parse_size(value)
-        elif key in ("mdns", "standby", "full_replay", "full_reload", "warmup"):
+        elif key in ("mdns", "standby", "full_replay", "full_reload", "warmup", "relay_service", "hole_punching"):
             out[key] = bool(value)
         elif key in ("uplink_mbps", "inline_step_ms"):
             out[key] = float(value)
-        elif key in ("max_context", "max_requests", "api_max_tokens"):
+        elif key in ("max_context", "max_requests", "api_max_tokens", "data_plane_port"):
             out[key] = int(value)
         elif key == "api_max_request_bytes":
             out[key] = parse_size(value)

@@ -66,6 +66,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "balanced policy)")
     p.add_argument("--data-plane", choices=["tls", "libp2p"],
                    help="tensors over pinned TLS sockets (default) or over the libp2p streams themselves")
+    p.add_argument("--data-plane-port", type=int, metavar="PORT",
+                   help="TCP port of the TLS data plane (default: any free one); behind a NAT with forwarded "
+                        "ports, forward this one too (it listens on the --listen address)")
+    p.add_argument("--no-relay-service", dest="relay_service", action="store_false", default=None,
+                   help="do not serve as a circuit relay for members that cannot be reached directly (by "
+                        "default a daemon serves relaying, within limits; only a reachable one is useful)")
+    p.add_argument("--relay", action="append", metavar="MULTIADDR",
+                   help="a relay (ending in /p2p/<peer id>) to keep a reservation on when this daemon cannot be "
+                        "reached directly, besides the members that serve relaying; repeatable")
+    p.add_argument("--no-hole-punching", dest="hole_punching", action="store_false", default=None,
+                   help="do not try hole punching (DCUtR) with members reached only through a relay")
     p.add_argument("--swarm-key", type=Path, metavar="FILE",
                    help="make the swarm private: only peers holding this key (from `swarmd keygen`) can connect")
     p.add_argument("--allow-peer", action="append", metavar="PEER_ID",
@@ -125,6 +136,10 @@ def build_config(args: argparse.Namespace):
         inline_step_ms=args.inline_step_ms,
         expert_placement=args.expert_placement,
         data_plane=args.data_plane,
+        data_plane_port=args.data_plane_port,
+        relay_service=args.relay_service,
+        relays=tuple(args.relay) if args.relay else None,
+        hole_punching=args.hole_punching,
         swarm_key=args.swarm_key.expanduser() if args.swarm_key else None,
         allow_peers=tuple(args.allow_peer) if args.allow_peer else None,
         allow_peers_file=args.allow_peers_file.expanduser() if args.allow_peers_file else None,
@@ -136,7 +151,11 @@ def build_config(args: argparse.Namespace):
 # py-libp2p logs these as errors on every failed dial; to a daemon they are routine (a member died or left,
 # and membership says so in its own words)
 ROUTINE_LIBP2P = ("Failed to open TCP stream", "MultiselectClient handshake: read failed",
-                  "failed to upgrade security for peer")
+                  "failed to upgrade security for peer", "fail to upgrade mux for peer",
+                  # a dial-back that stops after the handshake, a hole-punch dial that lost, a circuit that ended
+                  "Unexpected error opening TCP stream", "Error reading from hop stream", "Error relaying data",
+                  "Unexpected error reading from stream", "Error sending status message",
+                  "Unexpected error handling hop stream", "Error handling stop stream")
 
 
 class Libp2pNoise(logging.Filter):
@@ -185,6 +204,8 @@ def run(args: argparse.Namespace) -> int:
         parse_multiaddr(addr, "--listen")
     for addr in config.bootstrap:
         split_peer_addr(addr, "--bootstrap")
+    for addr in config.relays:
+        split_peer_addr(addr, "--relay")
     if config.plan is not None and config.bootstrap:
         raise UserError("--plan is for the daemon that founds the swarm (one started without --bootstrap)")
     from swarmd.inference.pipeline import run_pipeline

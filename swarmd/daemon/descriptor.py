@@ -221,6 +221,7 @@ class LocalDescriptor:
     _host_ram: int = 0  # read once: it does not change while the daemon runs
     addresses_refresh_s: float = 1.0
     _addresses: tuple[float, tuple[str, ...]] = (float("-inf"), ())
+    links: Callable[[], dict[str, str]] = field(default=dict)  # peer -> "data-plane" | "direct" | "relayed"
 
     def memory(self) -> tuple[int, int]:
         now = time.monotonic()
@@ -267,4 +268,5 @@ class LocalDescriptor:
             load=float(self.load()),
             incarnation=self.incarnation,
             standby=self.standby,
+            links=dict(self.links()),
         )

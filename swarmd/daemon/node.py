@@ -44,10 +44,12 @@ from swarmd.daemon.descriptor import (
 )
 from swarmd.daemon.served_model import ServedModel, served_model
 from swarmd.net.access import Access, load_access
+from swarmd.net.connectivity import ConnectivityConfig
 from swarmd.net.identity import Signer, load_or_create_identity, peer_id_of, short_id
 from swarmd.net.libp2p_network import Libp2pNetwork, split_peer_addr
 from swarmd.observe.metrics import CONTENT_TYPE, NodeMetrics
 from swarmd.swarm.fixed_plan import FixedPlan, load_plan_file
+from swarmd.swarm.membership import State
 from swarmd.swarm.planning import MakePlan
 from swarmd.swarm.service import SwarmService, SwarmSettings
 
@@ -119,7 +121,9 @@ class Node:
         bench = await self.compute.run(load_or_measure, self.home, device, name)
         incarnation = next_incarnation(self.home)
         network = Libp2pNetwork(key_pair, cfg.listen, cfg.announce, timings=cfg.timings, mdns=cfg.mdns,
-                                swarm_key=access.swarm_key, allow=access.allow)
+                                swarm_key=access.swarm_key, allow=access.allow,
+                                connectivity=ConnectivityConfig(relay_service=cfg.relay_service, relays=cfg.relays,
+                                                                hole_punching=cfg.hole_punching))
         (log.info if access.private else log.warning)(access.describe())
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -128,7 +132,8 @@ class Node:
                 peer_id=self.peer_id, device=device, device_name=name, bench=bench, memory_limit=cfg.memory_limit,
                 label=cfg.device_label, model_name=self.model.name, model_digest=self.model.digest,
                 incarnation=incarnation, uplink=uplink_bps(cfg.uplink_mbps), addresses=network.addresses,
-                load=lambda: self.requests_in_flight, standby=cfg.standby)
+                load=lambda: self.requests_in_flight, standby=cfg.standby,
+                links=network.connectivity.link_kinds if network.connectivity else dict)
             self.assignment = Assignment(self.peer_id, self.model, device, self.compute,
                                          max_context=cfg.max_context, max_requests=cfg.max_requests,
                                          loader=self.loader, warmup=warms_up(cfg.warmup, device),
@@ -139,6 +144,11 @@ class Node:
                                       assignment_status=self.assignment.status, make_plan=self._make_plan,
                                       on_plan=self.assignment.apply)
             await nursery.start(self.swarm.run)
+            if network.connectivity is not None:  # links, reachability, relays, hole punching: status and doctor
+                connectivity, members = network.connectivity, self.swarm.membership.members
+                connectivity.members = lambda: {p: m.descriptor.addresses for p, m in list(members.items())
+                                                if m.state != State.DEAD}
+                self.status_parts.update(links=connectivity.links, connectivity=connectivity.status)
             if cfg.mdns:
                 nursery.start_soon(self._follow_mdns)
             swarm = self.swarm

@@ -37,6 +37,8 @@ from swarmd.inference.moe.local import LocalExperts
 from swarmd.inference.moe.router import MoERouter
 from swarmd.inference.registry import EMPTY, ChainStatus, Registry, chain_status
 from swarmd.inference.stage.actor import Loaded, StageActor
+from swarmd.inference.undeliverable import ReportUndeliverable
+from swarmd.net.connectivity import attach_links, data_plane_config
 from swarmd.observe.clock import ClockOffsets
 from swarmd.observe.hop_timer import HopTimer
 from swarmd.observe.pipeline_metrics import register_pipeline_metrics
@@ -296,10 +298,14 @@ async def run_pipeline(node: Any, *, task_status=trio.TASK_STATUS_IGNORED) -> No
     """The Node extension: serve pipeline requests until the node stops."""
     cfg = node.config
     plane = Plane.TLS if cfg.data_plane == "tls" else Plane.LIBP2P
+    undeliverable = ReportUndeliverable()  # a stuck request's head hears of it at once
     async with trio.open_nursery() as nursery:
-        transport, links = await start_actor_transport(node.network.host, nursery, transport_config(cfg.max_requests),
-                                                       plane=plane)
+        transport, links = await start_actor_transport(
+            node.network.host, nursery, transport_config(cfg.max_requests), plane=plane, on_undeliverable=undeliverable,
+            data_plane=data_plane_config(cfg.listen, cfg.announce, cfg.data_plane_port))  # where libp2p listens
+        attach_links(getattr(node.network, "connectivity", None), links)
         pipeline = Pipeline(node, transport, links)
+        undeliverable.install(transport, pipeline.stage, node.peer_id, nursery)
         pipeline.install()
         await nursery.start(pipeline.stage.run)
         await nursery.start(pipeline.head.run)

@@ -37,6 +37,7 @@ from swarmd.net.stream_guard import StreamGuard
 if TYPE_CHECKING:
     from libp2p.abc import INotifee
 
+    from swarmd.net.connectivity import Connectivity, ConnectivityConfig
     from swarmd.net.swarm_key import SwarmKey
 
 log = logging.getLogger("swarmd.host")
@@ -131,7 +132,8 @@ class Libp2pNetwork:
 
     def __init__(self, key_pair, listen: Sequence[str], announce: Sequence[str] = (), *,
                  timings: Timings = LAN, mdns: bool = False, swarm_key: SwarmKey | None = None,
-                 allow: frozenset[str] | None = None, limits: GuardLimits | None = None) -> None:
+                 allow: frozenset[str] | None = None, limits: GuardLimits | None = None,
+                 connectivity: ConnectivityConfig | None = None) -> None:
         from swarmd.net.identity import peer_id_of
 
         self._key_pair = key_pair
@@ -155,6 +157,8 @@ class Libp2pNetwork:
         self._gated: Any = None
         self.pubsub: Any = None
         self._nursery: trio.Nursery | None = None
+        self._connectivity_config = connectivity
+        self.connectivity: Connectivity | None = None  # NAT traversal, reachability, relays (net.connectivity)
 
     # --- lifecycle ------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -164,11 +168,12 @@ class Libp2pNetwork:
         from libp2p.pubsub.pubsub import Pubsub
         from libp2p.tools.anyio_service import background_trio_service
 
+        from swarmd.net.connectivity import Connectivity, ConnectivityConfig
+
         t = self._timings
         host = new_host(
             key_pair=self._key_pair,
             listen_addrs=self._listen,
-            announce_addrs=self._announce or None,
             connection_config=ConnectionConfig(max_connections_per_peer=1, dial_timeout=t.dial_timeout,
                                                inbound_upgrade_timeout=max(t.dial_timeout, 2.0)),
             enable_mDNS=self._mdns,
@@ -186,6 +191,11 @@ class Libp2pNetwork:
                               heartbeat_interval=1, adaptive_gossip_enabled=False, spam_protection_enabled=False)
         pubsub = Pubsub(host, gossipsub)
         self.host, self.pubsub = host, pubsub
+        self.connectivity = Connectivity(
+            host, self._peer_id, listen=[str(a) for a in self._listen], announce=[str(a) for a in self._announce],
+            config=self._connectivity_config or ConnectivityConfig(), dial_timeout=t.dial_timeout, serve=self.serve,
+            psk=self.swarm_key.hex if self.swarm_key is not None else None)
+        host._addrs_factory = self.connectivity.addrs_factory  # what identify and relays tell peers
         async with host.run(listen_addrs=self._listen), trio.open_nursery() as nursery:
             if not host.get_network().listeners:
                 wanted = ", ".join(str(a) for a in self._listen)
@@ -196,6 +206,7 @@ class Libp2pNetwork:
                 self._nursery = nursery
                 nursery.start_soon(self._release_penalties)
                 nursery.start_soon(self._mend_gossip_streams)
+                await nursery.start(self.connectivity.run)
                 if self._mdns:
                     self._watch_mdns()
                 task_status.started(self)
@@ -219,6 +230,8 @@ class Libp2pNetwork:
         return [f"{a}/p2p/{self._peer_id}" for a in self.host.get_transport_addrs()]
 
     def addresses(self) -> list[str]:
+        if self.connectivity is not None:
+            return self.connectivity.advertised()
         if self._announce:
             return [f"{a}/p2p/{self._peer_id}" if "/p2p/" not in str(a) else str(a) for a in self._announce]
         out: list[str] = []
@@ -259,6 +272,9 @@ class Libp2pNetwork:
         from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
         pid = self._id(peer_id)
+        if self.connectivity is not None:  # direct addresses worth a dial, then through relays
+            await self.connectivity.connect(peer_id, addresses)
+            return
         addrs = []
         for a in addresses:
             try:
@@ -288,6 +304,8 @@ class Libp2pNetwork:
             self.host.get_network().unblock_peer(pid)
         try:
             with trio.fail_after(self._timings.dial_timeout):
+                if self.connectivity is not None:  # py-libp2p would not dial a peer's relay addresses
+                    await self.connectivity.ensure_connected(peer_id)
                 return await self.host.new_stream(pid, [protocol])
         except trio.TooSlowError:
             raise PeerUnreachable(f"opening {protocol} took over {self._timings.dial_timeout:g} s") from None

@@ -38,6 +38,7 @@ class DataPlaneConfig:
     announce_host: str = ""  # where dialers should connect; "" = the address they reached us at over libp2p
     token_ttl: float = 30.0  # a token not used within this long is void
     handshake_timeout: float = 10.0
+    connect_timeout: float = 3.0  # a dial the network swallows falls back to libp2p this soon
     max_pending_tokens: int = 4096
     max_handshakes: int = 64  # connections still in TLS set-up at once; more are closed at once
 
@@ -132,7 +133,8 @@ class DataPlane:
         if ctx is None:
             ctx = self._client_ctx[hello.tls_cert] = pinned_client_context(hello.tls_cert)
         with trio.fail_after(self.config.handshake_timeout):
-            tcp = await trio.open_tcp_stream(host, hello.tls_port)
+            with trio.fail_after(self.config.connect_timeout):
+                tcp = await trio.open_tcp_stream(host, hello.tls_port)
             tls = trio.SSLStream(tcp, ctx)
             stream = TrioStream(tls)
             try:

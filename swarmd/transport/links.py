@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -81,6 +82,11 @@ class P2PLinks:
         self.data_plane: DataPlane | None = None
         self._transport: ActorTransport | None = None
         self.tls_fallbacks = 0  # links that wanted TLS and stayed on libp2p
+        self.paths: dict[str, tuple[str, str]] = {}  # peer -> ("data-plane" | "libp2p", why) of our link to it
+        # set by the daemon (swarmd.net.connectivity): dial a peer first where libp2p would not (relays), and
+        # offer the data plane only to peers whose dial can arrive (not through a NAT that drops it)
+        self.ensure_connected: Callable[[str], Awaitable[None]] | None = None
+        self.may_offer: Callable[[str, Any], tuple[bool, str]] | None = None
 
     @property
     def transport(self) -> ActorTransport:
@@ -104,6 +110,8 @@ class P2PLinks:
         # The first failed dial puts a peer on a 60 s blacklist; every open after that is a deliberate retry.
         self.host.get_network().unblock_peer(peer_id)
         try:
+            if self.ensure_connected is not None:
+                await self.ensure_connected(peer)
             raw = await self.host.new_stream(peer_id, [PROTOCOL])
         except Exception as e:
             raise LinkError(f"cannot open {PROTOCOL} to {peer[:16]}: {type(e).__name__}: {e}") from e
@@ -122,9 +130,14 @@ class P2PLinks:
                     self.tls_fallbacks += 1
                     log.warning("TLS data plane to %s failed (%s: %s); staying on libp2p", peer[:16],
                                 type(e).__name__, e)
+                    self.paths[peer] = ("libp2p", f"its data plane did not answer ({type(e).__name__}: {e})"[:200])
                 else:
                     await close_quietly(stream)
+                    self.paths[peer] = ("data-plane", f"{hello.tls_host or _remote_host(raw)}:{hello.tls_port}")
                     return tls
+            else:
+                self.paths[peer] = ("libp2p", "libp2p streams only (--data-plane libp2p)" if self.plane is Plane.LIBP2P
+                                    else "it did not offer its data plane to this daemon")
             return stream
         except BaseException:
             await close_quietly(stream)
@@ -157,6 +170,8 @@ class P2PLinks:
                     log.info("%s opened a link without hello", peer[:16])
                     return
                 offer_tls = env.msg.want_tls and self.data_plane is not None and self.data_plane.port
+                if offer_tls and self.may_offer is not None:
+                    offer_tls = self.may_offer(peer, raw)[0]
                 max_frame = self.transport.config.max_frame
                 answer = self.data_plane.offer(peer, max_frame) if offer_tls and self.data_plane else Hello(max_frame)
                 await stream.write(encode(answer))
@@ -174,10 +189,12 @@ async def start_actor_transport(
     *,
     plane: Plane = Plane.TLS,
     data_plane: DataPlaneConfig | None = None,
+    on_undeliverable: Callable[[str, Any, str], None] | None = None,
 ) -> tuple[ActorTransport, P2PLinks]:
     """An ActorTransport serving and dialing `/swarmd/act/1.0.0` on a running libp2p host, its tasks in `nursery`."""
     links = P2PLinks(host, plane=plane, data_plane=data_plane)
-    transport = ActorTransport(links.open, config, local_peer=str(host.get_id()), on_penalise=links.disconnect)
+    transport = ActorTransport(links.open, config, local_peer=str(host.get_id()), on_penalise=links.disconnect,
+                               on_undeliverable=on_undeliverable)
     await nursery.start(transport.run)
     await links.start(transport, nursery)
     return transport, links
