@@ -33,6 +33,7 @@ log = logging.getLogger("swarmd.relay")
 
 HOP = "/libp2p/circuit/relay/0.2.0/hop"
 ROTATE_AT = 0.75  # of a circuit's byte budget or lifetime: open the next one before the relay cuts this one
+HARD_STOP = 0.95  # of its byte budget: a circuit is closed rather than carry a write past this
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,15 @@ def _protocol_class() -> type:
     class SwarmdRelayProtocol(CircuitV2Protocol):  # type: ignore[misc, valid-type]
         served = 0
 
+        async def _handle_hop_stream(self, stream: Any) -> None:
+            """Upstream's handler, then the stream closed: it returns on a bad or missing message (and after a
+            circuit, which it runs inside) without closing it, leaving the peer waiting for an end."""
+            try:
+                await super()._handle_hop_stream(stream)
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(2):
+                    await self._close_stream(stream)
+
         async def _relay_data(self, src: Any, dst: Any, peer_id: Any, deadline: float | None = None,
                               circuit_data_limit: list[int] | None = None) -> None:
             self.served += 1 if peer_id is not None else 0
@@ -108,19 +118,37 @@ def _counting_raw_class() -> type:
     from libp2p.network.connection.raw_connection import RawConnection
 
     class CountingRaw(RawConnection):  # type: ignore[misc, valid-type]
-        """A relayed stream as a raw connection, counting what crosses the relay."""
+        """A relayed stream as a raw connection, counting what crosses the relay. Past `ROTATE_AT` of `budget`
+        it calls `worn` (a fresh circuit is opened); a write that would take the circuit past `HARD_STOP` of it
+        closes the circuit instead of being sent (the relay would cut it there, mid-frame)."""
 
         bytes_in = 0
         bytes_out = 0
+        budget = 0
+        worn: Any = None
 
         async def read(self, n: int | None = None) -> bytes:
             data = await super().read(n)
             self.bytes_in += len(data)
+            self._check()
             return data
 
         async def write(self, data: bytes) -> None:
+            used = self.bytes_in + self.bytes_out
+            if self.budget and used + len(data) > HARD_STOP * self.budget:
+                from libp2p.network.connection.exceptions import RawConnError
+
+                with contextlib.suppress(Exception):
+                    await super().close()
+                raise RawConnError(f"the circuit's byte budget at the relay is spent ({used} of {self.budget})")
             await super().write(data)
             self.bytes_out += len(data)
+            self._check()
+
+        def _check(self) -> None:
+            if self.budget and self.worn is not None and self.bytes_in + self.bytes_out >= ROTATE_AT * self.budget:
+                worn, self.worn = self.worn, None
+                worn()
 
     return CountingRaw
 
@@ -140,6 +168,7 @@ class RelayClient:
         self.stats: dict[str, int] = {"circuits_opened": 0, "circuits_rotated": 0, "reservations_made": 0}
         self._lock: dict[str, trio.Lock] = {}
         self._nursery: trio.Nursery | None = None
+        self._wake = trio.Event()  # a circuit passed ROTATE_AT of its bytes: replace it now, not at the next tick
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         from libp2p.tools.anyio_service import background_trio_service
@@ -151,7 +180,9 @@ class RelayClient:
             await self.protocol.event_started.wait()
             task_status.started()
             while True:
-                await trio.sleep(1.0)
+                with trio.move_on_after(1.0):
+                    await self._wake.wait()
+                self._wake = trio.Event()
                 await self._rotate_worn()
 
     # --- reservations ---------------------------------------------------------------------------------------------
@@ -238,6 +269,8 @@ class RelayClient:
                 ma = Multiaddr(f"/p2p/{relay}/p2p-circuit/p2p/{peer}")
                 raw = _counting_raw_class()(stream=stream, initiator=True, connection_type=ConnectionType.RELAYED,
                                             addresses=[ma])
+                raw.budget = limit_bytes
+                raw.worn = lambda: self._wake.set()
                 wire = new_protected_conn(raw, self.psk) if self.psk else raw
                 conn = await self.host.upgrade_outbound_connection(wire, peer_pid)
             except BaseException:
