@@ -122,7 +122,7 @@ async def test_a_connected_peer_dials_back_on_a_new_connection_so_a_closed_port_
         assert answer.ip == "127.0.0.1"
         assert answer.results == {f"/ip4/127.0.0.1/tcp/{listening}": OK, f"/ip4/127.0.0.1/tcp/{shut}": REFUSED}
         with trio.fail_after(20):  # and the daemon's own check comes to the same conclusion by itself
-            while a.connectivity.verdict.status == "unknown":
+            while a.connectivity.verdict.status == "unknown":  # noqa: ASYNC110 - polled: set by its own task
                 await trio.sleep(0.2)
         assert a.connectivity.verdict.reachable
         nursery.cancel_scope.cancel()
