@@ -17,6 +17,19 @@ if ! command -v clang >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq clang >&2
 fi
 
+# The network tests build network namespaces with NAT routers (tests/netns): they need root, iproute2 and
+# nftables. As root, install what is missing; otherwise those tests skip and say why.
+if [ "$(id -u)" = 0 ]; then
+  missing=""
+  command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
+  command -v nft >/dev/null 2>&1 || missing="$missing nftables"
+  if [ -n "$missing" ]; then
+    echo "installing$missing (the network namespace tests need them)..." >&2
+    apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >&2
+  fi
+fi
+
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
