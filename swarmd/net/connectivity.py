@@ -241,9 +241,13 @@ class Connectivity:
             wanted = ASK_AT_ONCE if self.verdict.status == "unknown" else ASK_AT_ONCE - len(fresh)
             pick = [p for p in due if p not in self.reports][:max(0, wanted)]
             pick += [p for p in due if p in self.reports and now - self.reports[p].at >= stale]
+            dp = self.data_plane_port()
+            if dp and not any(r.dp for r in self.reports.values()):  # the data plane came up after the last check
+                pick += [p for p in self.reports if p in self._direct_peers() and
+                         now - self._asked_at.get(p, -1e9) >= self.config.reach_retry]
             if pick:
                 async with trio.open_nursery() as nursery:
-                    for peer in pick[:ASK_AT_ONCE]:
+                    for peer in list(dict.fromkeys(pick))[:ASK_AT_ONCE]:
                         nursery.start_soon(self._ask, peer)
                 self._update_verdict()
             await trio.sleep(self.config.reach_retry)
