@@ -232,7 +232,14 @@ class Connectivity:
         await self.server.serve(peer, stream, remote_of(stream))
 
     async def _check_loop(self) -> None:
-        """Keep answers from up to `ASK_AT_ONCE` peers no older than `reach_interval`; ask new peers soon."""
+        """Keep answers from up to `ASK_AT_ONCE` peers no older than `reach_interval`; ask new peers soon. A
+        daemon that listens on loopback only asks no one: only this machine can reach it, and it can."""
+        listen = [str(a) for a in self.host.get_transport_addrs()] or list(self.listen)
+        concrete = [ip for raw in listen for a in _expand(raw, self._own_ips) if (ip := ip_of(a))]
+        if concrete and all(scope_of(ip) is Scope.LOOPBACK for ip in concrete):
+            self.verdict = Verdict("reachable", "loopback only: reachable from this machine alone",
+                                   tuple(strip_peer(a) for a in listen), concrete[0])
+            return
         while True:
             now, stale = trio.current_time(), self.config.reach_interval
             fresh = [p for p, r in self.reports.items() if now - r.at < stale]
@@ -421,9 +428,13 @@ def _peer_of(addr: str) -> str:
 
 
 def _concrete(listen: str, own_ips: Sequence[str]) -> list[str]:
+    return [a for a in _expand(listen, own_ips) if (ip := ip_of(a)) and scope_of(ip) > Scope.LOOPBACK]
+
+
+def _expand(listen: str, own_ips: Sequence[str]) -> list[str]:
     from swarmd.net.addresses import expand
 
-    return [a for a in expand(listen, own_ips) if (ip := ip_of(a)) and scope_of(ip) > Scope.LOOPBACK]
+    return expand(listen, own_ips)
 
 
 def _dial_error(e: BaseException) -> str:
