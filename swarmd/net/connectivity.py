@@ -156,8 +156,8 @@ class Connectivity:
         v = self.verdict
         if v.status != "behind-nat" or not v.observed_ip:
             return []
-        ports = {tcp_port_of(str(a)) for a in self.host.get_transport_addrs()} - {None}
-        return [tcp_address(v.observed_ip, p) for p in sorted(ports)]  # type: ignore[arg-type]
+        ports = sorted({p for a in self.host.get_transport_addrs() if (p := tcp_port_of(str(a)))})
+        return [tcp_address(v.observed_ip, p) for p in ports]
 
     # --- dialling -------------------------------------------------------------------------------------------------
     async def connect(self, peer: str, addresses: Sequence[str]) -> None:

@@ -195,7 +195,7 @@ class Libp2pNetwork:
             host, self._peer_id, listen=[str(a) for a in self._listen], announce=[str(a) for a in self._announce],
             config=self._connectivity_config or ConnectivityConfig(), dial_timeout=t.dial_timeout, serve=self.serve,
             psk=self.swarm_key.hex if self.swarm_key is not None else None)
-        host._addrs_factory = self.connectivity.addrs_factory  # what identify and relays tell peers
+        host._addrs_factory = self.connectivity.addrs_factory  # type: ignore[attr-defined] # told by identify, relays
         async with host.run(listen_addrs=self._listen), trio.open_nursery() as nursery:
             if not host.get_network().listeners:
                 wanted = ", ".join(str(a) for a in self._listen)

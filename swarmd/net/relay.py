@@ -105,7 +105,7 @@ def _protocol_class() -> type:
                               circuit_data_limit: list[int] | None = None) -> None:
             self.served += 1 if peer_id is not None else 0
             try:  # peer None: upstream's clean-up by peer id (which may be another circuit's) finds nothing
-                await super()._relay_data(src, dst, None, deadline, circuit_data_limit)
+                await super()._relay_data(src, dst, None, deadline, circuit_data_limit)  # type: ignore[arg-type]
             finally:
                 with trio.CancelScope(shield=True):
                     await self._close_stream(src)
