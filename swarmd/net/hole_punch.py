@@ -68,7 +68,8 @@ class Punch:
     backoff: float = 0.0
     last_error: str = ""
     since: float = 0.0  # when the current state began
-    took_s: float | None = None  # how long the successful attempt took
+    took_s: float | None = None  # from relayed-only (or the successful attempt's start) to direct
+    first_relayed: float = 0.0  # when the peer was last seen with relayed connections only
 
     def to_json(self, now: float) -> dict[str, Any]:
         return {"state": self.state.value, "attempts": self.attempts, "failures": self.failures,
@@ -99,15 +100,20 @@ class PunchBook:
         punch = self.punches.get(peer)
         if punch is None:
             delay = self.initial_delay * (1 if self.self_id < peer else 3)
-            self.punches[peer] = Punch(next_at=now + delay, since=now)
+            self.punches[peer] = Punch(next_at=now + delay, since=now, first_relayed=now)
             return
         if punch.state is D:
             self._apply(peer, PunchEvent.RELAYED_ONLY, now)
             punch.attempts, punch.backoff, punch.next_at = 0, 0.0, now + self.initial_delay
+            punch.first_relayed = now
 
     def direct(self, peer: str, now: float) -> None:
-        """`peer` has a direct connection (however it came)."""
-        if peer in self.punches:
+        """`peer` has a direct connection (however it came: the peer's hole punch counts as one of ours)."""
+        punch = self.punches.get(peer)
+        if punch is not None and punch.state is not D:
+            punch.successes += 1
+            punch.took_s = round(now - punch.first_relayed, 3)
+            punch.attempts, punch.backoff, punch.last_error = 0, 0.0, ""
             self._apply(peer, PunchEvent.DIRECT_SEEN, now)
 
     def forget(self, peer: str) -> None:
@@ -213,7 +219,8 @@ class HolePuncher:
                 was = self.book.punches.get(peer)
                 if was is not None and was.state is not D:
                     log.info("direct connection to %s (its own hole punch, or a direct dial)", short_id(peer))
-                self.book.direct(peer, now)
+                    self.book.direct(peer, now)
+                    self.on_direct(peer)
             elif "relayed" in kinds:
                 self.book.relayed_only(peer, now)
         for peer in [p for p in self.book.punches if not self._connected(p)]:

@@ -36,7 +36,9 @@ def test_a_direct_connection_however_it_came_ends_the_attempts_and_losing_it_sta
     book = PunchBook("A", initial_delay=1.0)
     book.relayed_only("B", 0.0)
     book.direct("B", 0.5)
-    assert book.punches["B"].state is PunchState.DIRECT and book.due(100.0) == []
+    punch = book.punches["B"]
+    assert punch.state is PunchState.DIRECT and punch.successes == 1 and punch.took_s == 0.5
+    assert book.due(100.0) == []
     book.relayed_only("B", 200.0)
     assert book.punches["B"].state is PunchState.WAITING and book.due(201.0) == ["B"]
     book.forget("B")
