@@ -408,8 +408,8 @@ class HeadService:
             while True:
                 if handle.attempt >= MAX_MOVES:
                     self._nursery.start_soon(self._cancel_chain, handle.wire_id, handle.registry, "moved")
-                    raise HeadError("unreachable", f"moved {MAX_MOVES} times and the chain still does not hold it",
-                                    503)
+                    raise HeadError("unreachable", f"moved {MAX_MOVES} times and the chain still does not hold it "
+                                                   f"(last: {reason})", 503)
                 registry = await self.wait_ready(give_up_when_too_small=True, on_wait=recovery.wait_says)
                 if handle.session.ended or handle.closed:
                     return  # leaving `open` cancels the attempt on its chain
