@@ -405,7 +405,7 @@ class Connectivity:
         adv = self._advertised()
         return {
             "listen": [str(a) for a in self.host.get_transport_addrs()],
-            "advertised": list(adv.addresses),
+            "advertised": [with_peer(a, self.peer_id) for a in adv.addresses],
             "advertised_because": adv.reason,
             "announce": list(self.announce),
             "reachability": self.verdict.to_json(),
