@@ -362,21 +362,12 @@ class Connectivity:
     # --- the data plane ---------------------------------------------------------------------------------------------
     def may_offer_data_plane(self, peer: str, raw_stream: Any) -> tuple[bool, str]:
         """Whether to hand `peer` (on this libp2p stream) a data-plane token: only where its dial can arrive."""
-        remote = remote_of(raw_stream)
-        if remote is None:
-            why = "its only connection goes through a relay"
+        why = data_plane_refusal(remote_of(raw_stream), self.verdict, self._networks)
+        if why:
+            self.offers[peer] = why
         else:
-            ip = remote[0]
-            if scope_of(ip) is Scope.LOOPBACK or on_link(ip, self._networks) or self.verdict.data_plane:
-                self.offers.pop(peer, None)
-                return True, ""
-            if self.verdict.reachable and self.verdict.data_plane is None:
-                self.offers.pop(peer, None)
-                return True, ""
-            why = ("this daemon's data-plane port is not reachable from outside its network"
-                   + (" (behind NAT)" if self.verdict.status == "behind-nat" else ""))
-        self.offers[peer] = why
-        return False, why
+            self.offers.pop(peer, None)
+        return not why, why
 
     # --- status -----------------------------------------------------------------------------------------------------
     def link_facts(self, peer: str) -> LinkFacts:
@@ -451,6 +442,21 @@ def _dial_error(e: BaseException) -> str:
     if cause is not e and str(cause):
         line += f" ({type(cause).__name__}: {str(cause).strip().splitlines()[0]})"
     return line[:300]
+
+
+def data_plane_refusal(remote: tuple[str, int] | None, verdict: Verdict, networks: Sequence[Any]) -> str:
+    """Why a peer at `remote` (None: it reaches us through a relay only) should not be offered our data plane, or ''
+    to offer it: it must be able to dial our data-plane port — from this machine or our LAN, or because peers
+    outside dialled it back (or the daemon is reachable and the port was not checked yet)."""
+    if remote is None:
+        return "its only connection goes through a relay"
+    ip = remote[0]
+    if scope_of(ip) is Scope.LOOPBACK or on_link(ip, networks) or verdict.data_plane:
+        return ""
+    if verdict.reachable and verdict.data_plane is None:
+        return ""
+    return ("this daemon's data-plane port is not reachable from outside its network"
+            + (" (behind NAT)" if verdict.status == "behind-nat" else ""))
 
 
 def data_plane_config(listen: Sequence[str], announce: Sequence[str], port: int = 0) -> Any:

@@ -90,3 +90,20 @@ def test_the_data_plane_listens_where_libp2p_listens_and_names_the_announced_hos
     fixed = data_plane_config(["/ip4/10.0.0.2/tcp/4001"], ["/ip4/198.18.0.9/tcp/4001"], port=4002)
     assert (fixed.bind_host, fixed.bind_port, fixed.announce_host) == ("10.0.0.2", 4002, "198.18.0.9")
     assert data_plane_config(["/ip4/127.0.0.1/tcp/0"], ()).bind_host == "127.0.0.1"
+
+
+def test_the_data_plane_is_offered_only_where_a_peers_dial_can_arrive():
+    from swarmd.net.connectivity import data_plane_refusal
+    from swarmd.net.reachability import UNKNOWN, Verdict
+
+    lan = [ipaddress.ip_network("10.99.1.0/24")]
+    nat = Verdict("behind-nat", "behind NAT", data_plane=False)
+    public = Verdict("reachable", "public", data_plane=True)
+    unchecked = Verdict("reachable", "public", data_plane=None)
+    assert data_plane_refusal(("127.0.0.1", 5), nat, lan) == ""  # this machine
+    assert data_plane_refusal(("10.99.1.7", 5), nat, lan) == ""  # its LAN
+    assert "behind NAT" in data_plane_refusal(("198.18.0.3", 5), nat, lan)  # a peer outside: the NAT eats its SYN
+    assert data_plane_refusal(("198.18.0.3", 5), public, lan) == ""
+    assert data_plane_refusal(("198.18.0.3", 5), unchecked, lan) == ""  # reachable; its port not checked yet
+    assert data_plane_refusal(("198.18.0.3", 5), UNKNOWN, lan) != ""
+    assert "relay" in data_plane_refusal(None, public, lan)
