@@ -24,8 +24,9 @@ def tune_cpu_renderer(device: str) -> None:
 
     The clang backend devectorises arithmetic and relies on the compiler's SLP vectoriser, which gives
     up on the lane extracts of folded vector loads: a float16 matvec then runs one scalar conversion
-    and FMA per weight. With scalar loads clang emits 8-wide conversions and FMAs (measured: the
-    SmolLM2 decode step ~2x faster). This setting is per device, for the whole process."""
+    and FMA per weight. With scalar loads clang emits 8-wide conversions and FMAs (the decode step's
+    gain: docs/BENCHMARKS.md, "The levers, each measured"). This setting is per device, for the whole
+    process."""
     from tinygrad import Device
 
     if device.split(":")[0] == "CPU":

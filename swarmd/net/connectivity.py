@@ -64,7 +64,8 @@ from swarmd.net.reachability import (
     verdict,
 )
 from swarmd.net.relay import RelayClient, RelayLimits
-from swarmd.net.seam import PeerUnreachable, Stream
+from swarmd.net.seam import LinkInfo, LinkPath, PeerUnreachable
+from swarmd.net.streams import Libp2pStream
 
 log = logging.getLogger("swarmd.connectivity")
 
@@ -102,8 +103,11 @@ class Connectivity:
                                  psk=psk)
         self.puncher = HolePuncher(host, peer_id, predicted=self._predicted, on_direct=self._moved_direct) \
             if self.config.hole_punching else None
-        self.data_plane_port: Callable[[], int] = lambda: 0  # the pipeline sets it once its data plane listens
-        self.links_source: Any = None  # swarmd.transport.links.P2PLinks, once the pipeline runs
+        # the network's data plane (Libp2pNetwork sets these): its port, and per peer the path our bulk streams
+        # took and how many of its data-plane connections we hold
+        self.data_plane_port: Callable[[], int] = lambda: 0
+        self.plane_out: Callable[[str], LinkInfo | None] = lambda peer: None
+        self.plane_in: Callable[[str], int] = lambda peer: 0
         # the swarm's members and the addresses their descriptors advertise (set by the node)
         self.members: Callable[[], dict[str, tuple[str, ...]]] = dict
         self.known: dict[str, tuple[str, ...]] = {}  # addresses a peer was dialled at
@@ -275,10 +279,11 @@ class Connectivity:
                         for a in _concrete(raw, self._own_ips)})
         request = Request(tuple(ports[:4]), tuple(addrs[:4]), self.data_plane_port() or 0)
         try:
-            stream: Stream = await self.host.new_stream(ID.from_base58(peer), [PROTOCOL])
+            raw = await self.host.new_stream(ID.from_base58(peer), [PROTOCOL])
         except Exception as e:
             log.debug("cannot ask %s for a dial-back: %s", short_id(peer), _dial_error(e))
             return
+        stream = Libp2pStream(raw)
         try:
             with trio.fail_after(self.config.reach_timeout * 2 + 5):
                 answer = await ask(stream, request)
@@ -288,7 +293,7 @@ class Connectivity:
         finally:
             with contextlib.suppress(Exception):
                 await stream.close()
-        conn = getattr(stream, "muxed_conn", None)
+        conn = getattr(raw, "muxed_conn", None)
         we_dialled = bool(getattr(conn, "is_initiator_value", False))
         local = local_port_of(conn) if we_dialled else 0
         self.reports[peer] = Report(peer, answer.ip, answer.port, local, answer.results, answer.dp,
@@ -375,9 +380,10 @@ class Connectivity:
 
         conns = list(self.host.get_network().connections.get(ID.from_base58(peer), []) or [])
         kinds = connection_kinds(conns)
-        links = self.links_source
-        plane_out = links.paths.get(peer) if links is not None else None
-        plane_in = links.data_plane.connections(peer) if links is not None and links.data_plane else 0
+        info = self.plane_out(peer)
+        plane_out = None if info is None else ("data-plane" if info.path is LinkPath.DATA_PLANE else "libp2p",
+                                               info.reason)
+        plane_in = self.plane_in(peer)
         punch = self.puncher.status().get(peer) if self.puncher is not None else None
         return LinkFacts(peer, frozenset(kinds), relay_of_connection(conns), plane_out, plane_in,
                          self.offers.get(peer, ""), punch, self.dial_errors.get(peer, ""))
@@ -391,6 +397,10 @@ class Connectivity:
 
     def link_kinds(self) -> dict[str, str]:
         return kinds_for_descriptor(self.links())
+
+    def link_paths(self) -> dict[str, LinkInfo]:
+        """`Network.link_paths`: the connected peers' entries of `links`."""
+        return {e["peer_id"]: LinkInfo(LinkPath(e["path"]), e["reason"]) for e in self.links() if e["path"] != "none"}
 
     def status(self) -> dict[str, Any]:
         adv = self._advertised()
@@ -476,14 +486,3 @@ def data_plane_config(listen: Sequence[str], announce: Sequence[str], port: int 
             host = ip
             break
     return DataPlaneConfig(bind_host=bind, bind_port=port, announce_host=host)
-
-
-def attach_links(connectivity: Connectivity | None, links: Any) -> None:
-    """Let the actor links dial through relays and offer the data plane only where it can be reached; read
-    their paths for `links` in status."""
-    if connectivity is None:
-        return
-    connectivity.links_source = links
-    links.ensure_connected = connectivity.ensure_connected
-    links.may_offer = connectivity.may_offer_data_plane
-    connectivity.data_plane_port = lambda: links.data_plane.port if links.data_plane is not None else 0

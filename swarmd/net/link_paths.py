@@ -13,11 +13,12 @@ a relay; `none` when there is no connection at all. `kind_of` reads a py-libp2p 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from swarmd.net.identity import short_id
+from swarmd.net.seam import LinkInfo
 
 PATHS = ("data-plane", "direct", "relayed", "none")
 
@@ -105,3 +106,13 @@ def _entry(f: LinkFacts, path: str, reason: str) -> dict[str, str]:
 def kinds_for_descriptor(links: Iterable[dict[str, str]]) -> dict[str, str]:
     """peer -> path, for the descriptor the planner reads (peers with no connection left out)."""
     return {link["peer_id"]: link["path"] for link in links if link["path"] != "none"}
+
+
+def links_document(paths: Mapping[str, LinkInfo], members: Iterable[str], self_id: str) -> list[dict[str, str]]:
+    """`links` from any network's `link_paths()`: one entry per connected peer and per member (`none` when there is
+    no connection to it)."""
+    out = {peer: {"peer_id": peer, "path": info.path.value, "reason": info.reason} for peer, info in paths.items()}
+    for peer in members:
+        out.setdefault(peer, {"peer_id": peer, "path": "none", "reason": "not connected"})
+    out.pop(self_id, None)
+    return [out[p] for p in sorted(out)]

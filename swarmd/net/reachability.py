@@ -31,7 +31,8 @@ import trio
 
 from swarmd.errors import RemoteProtocolError
 from swarmd.net.addresses import Scope, ip_of, scope_of, tcp_address, tcp_port_of
-from swarmd.net.seam import BadFrame, Stream, read_frame, write_frame
+from swarmd.net.seam import BadFrame, Stream
+from swarmd.net.streams import read_frame, write_frame
 
 log = logging.getLogger("swarmd.reach")
 
@@ -312,9 +313,15 @@ async def tcp_probe(ip: str, port: int) -> None:
 
 
 def remote_of(raw_stream: Any) -> tuple[str, int] | None:
-    """(ip, port) of the far end of a libp2p stream's connection (under the guard's wrapper, if any); None for a
-    relayed one."""
-    raw_stream = getattr(raw_stream, "_stream", raw_stream)
+    """(ip, port) of the far end of a libp2p stream's connection (under wrappers, if any); None for a relayed one
+    or where it cannot be told."""
+    for _ in range(4):  # under the guard's and the seam's wrappers
+        if hasattr(raw_stream, "muxed_conn"):
+            break
+        inner = getattr(raw_stream, "_stream", None) or getattr(raw_stream, "stream", None)
+        if inner is None:
+            break
+        raw_stream = inner
     conn = getattr(raw_stream, "muxed_conn", None)
     with contextlib.suppress(Exception):
         for a in conn.get_transport_addresses():  # type: ignore[union-attr]

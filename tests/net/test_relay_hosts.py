@@ -11,7 +11,7 @@ from swarmd.net.identity import load_or_create_identity
 from swarmd.net.libp2p_network import Libp2pNetwork
 from swarmd.net.link_paths import connection_kinds
 from swarmd.net.relay import RelayLimits
-from swarmd.net.seam import read_frame, write_frame
+from swarmd.net.streams import read_frame, write_frame
 
 ECHO = "/test/echo/1.0.0"
 LOOP = ["/ip4/127.0.0.1/tcp/0"]

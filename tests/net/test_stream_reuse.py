@@ -9,7 +9,7 @@ import trio
 from swarmd.config import LOCAL_TEST
 from swarmd.net.identity import load_or_create_identity
 from swarmd.net.libp2p_network import Libp2pNetwork
-from swarmd.net.seam import read_frame, write_frame
+from swarmd.net.streams import read_frame, write_frame
 
 ECHO = "/test/echo/1.0.0"
 
