@@ -197,6 +197,8 @@ class RequestHandle:
             said += f"; moving for {time.perf_counter() - move.noticed:.0f} s ({move.reason})"
             if move.waiting and not move.ready:
                 said += f", waiting: {move.waiting}"
+        elif self.recoveries:  # it moved, and the new chain said nothing since: why it moved is likely why
+            said += f"; moved after: {self.recoveries[-1].reason}"
         return said
 
     def record(self, name: str, start: float, end: float, **args: Any) -> None:
