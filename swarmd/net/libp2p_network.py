@@ -407,7 +407,9 @@ class Libp2pNetwork:
             if not answer:
                 self._paths[peer_id] = LinkInfo(LinkPath.DIRECT, "the peer offers no data plane for " + protocol)
                 return None
-            stream = await self.data_plane.dial(Offer.decode(answer), fallback_host=plane.remote_address())
+            offer = Offer.decode(answer)
+            where = f"{offer.host or plane.remote_address()}:{offer.port}"
+            stream = await self.data_plane.dial(offer, fallback_host=plane.remote_address())
         except Exception as e:
             reason = f"the data plane failed ({one_line(e)}): staying on libp2p"
             log.warning("%s to %s: %s", protocol, short_id(peer_id), reason)
@@ -415,7 +417,7 @@ class Libp2pNetwork:
             return None
         finally:
             await close_quietly(plane)
-        self._paths[peer_id] = LinkInfo(LinkPath.DATA_PLANE, "both ends run a data plane")
+        self._paths[peer_id] = LinkInfo(LinkPath.DATA_PLANE, f"both ends run one; its listens at {where}")
         return stream
 
     def strike(self, peer_id: str, reason: str) -> None:
