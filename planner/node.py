@@ -37,8 +37,13 @@ class NodeDescriptor:
     incarnation: int = 0  # bumped on every restart, so a rejoin is told from a stale heartbeat
     standby: bool = False  # a spare (`swarmd join --standby`): holds a warm copy of a stage, serves when one is lost
     slot: str = ""  # the plan file's slot this daemon claims (`swarmd join --plan FILE --slot NAME`)
-
     holds: tuple[str, ...] = ()  # the weights on its disk (`planner.holdings`); ("*",): all of them
+    # peer id -> how activations reach it: "data-plane", "direct" or "relayed" (through a third daemon: the planner
+    # prices such a hop as two)
+    links: dict[str, str] = field(default_factory=dict)
+
+    def relayed_to(self, other: str) -> bool:
+        return self.links.get(other) == "relayed"
 
     def rtt_to(self, other: str, default_ms: float = 1.0) -> float:
         return self.rtt_ms.get(other, default_ms)
@@ -47,6 +52,8 @@ class NodeDescriptor:
         doc = asdict(self)
         doc["addresses"] = list(self.addresses)
         doc["holds"] = list(self.holds)
+        if not self.links:  # left out when empty: descriptors of daemons without it read the same
+            doc.pop("links")
         return doc
 
     @staticmethod
@@ -92,4 +99,6 @@ def _has_type(value: Any, annotation: str) -> bool:
         return isinstance(value, tuple) and all(isinstance(v, str) for v in value)
     if annotation == "dict[str, float]":
         return isinstance(value, dict) and all(isinstance(k, str) and _number(v) for k, v in value.items())
+    if annotation == "dict[str, str]":
+        return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
     raise TypeError(f"no check for NodeDescriptor fields of type {annotation}")  # a new field needs one

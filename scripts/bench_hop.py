@@ -20,6 +20,11 @@ generated tokens are compared with the lossless run.
 
     .venv/bin/python scripts/bench_hop.py latency --rounds 5 --batch 40
     .venv/bin/python scripts/bench_hop.py wire-dtype
+
+Across hosts (network namespaces, e.g. two hosts of a bridge): `--host` is the receiver's address, `--bind` the
+sender's, and `--receiver-ns` runs the receiving process in another namespace (`ip netns exec`):
+
+    ip netns exec H1 .venv/bin/python scripts/bench_hop.py latency --host 10.71.0.3 --bind 10.71.0.2 --receiver-ns H2
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import struct
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -95,7 +101,8 @@ async def serve_main(args: argparse.Namespace) -> None:
     from swarmd.wire import Forward, Token
 
     quiet_logs()
-    network = Libp2pNetwork(create_new_key_pair(b"\x07" * 32), [f"/ip4/{LOOP}/tcp/0"], data_plane=DataPlaneConfig())
+    network = Libp2pNetwork(create_new_key_pair(b"\x07" * 32), [f"/ip4/{args.host}/tcp/0"],
+                             data_plane=DataPlaneConfig())
     cert, key = make_certificate("bench")
     tls_ctx = server_context(cert, key)
 
@@ -115,8 +122,8 @@ async def serve_main(args: argparse.Namespace) -> None:
         transport.route(Forward, accept)
         lane = await nursery.start(HotLane(network, transport).run)
         lane.route(Forward, hot)
-        raw = await nursery.start(trio.serve_tcp, raw_ack_server, 0)
-        tls = await nursery.start(trio.serve_tcp, raw_tls_server, 0)
+        raw = await nursery.start(partial(trio.serve_tcp, raw_ack_server, 0, host=args.host))
+        tls = await nursery.start(partial(trio.serve_tcp, raw_tls_server, 0, host=args.host))
         info = {
             "pid": os.getpid(),
             "raw_port": raw[0].socket.getsockname()[1],
@@ -137,8 +144,10 @@ async def serve_main(args: argparse.Namespace) -> None:
 class Receiver:
     """The receiving process, started as a child and stopped by its PID."""
 
-    def __init__(self, lifetime: float) -> None:
-        cmd = [sys.executable, os.path.abspath(__file__), "serve", "--lifetime", str(lifetime)]
+    def __init__(self, lifetime: float, host: str = LOOP, namespace: str = "") -> None:
+        cmd = [sys.executable, os.path.abspath(__file__), "serve", "--lifetime", str(lifetime), "--host", host]
+        if namespace:
+            cmd = ["ip", "netns", "exec", namespace, *cmd]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         ready, _, _ = select.select([self.proc.stdout], [], [], 60)
         if not ready:
@@ -177,7 +186,7 @@ async def latency_main(args: argparse.Namespace) -> dict:
 
     quiet_logs()
     sizes = [int(s) for s in args.sizes.split(",")]
-    receiver = Receiver(lifetime=args.budget + 120)
+    receiver = Receiver(lifetime=args.budget + 120, host=args.host, namespace=args.receiver_ns)
     info = receiver.info
     samples: dict[str, dict[int, list[float]]] = {s: {n: [] for n in sizes} for s in STACKS}
     cpu: dict[str, dict[int, list[float]]] = {s: {n: [] for n in sizes} for s in STACKS}
@@ -185,7 +194,7 @@ async def latency_main(args: argparse.Namespace) -> dict:
         async with trio.open_nursery() as nursery:
             transports, networks = {}, {}
             for seed, stack in ((1, "libp2p"), (2, "tls")):
-                network = Libp2pNetwork(create_new_key_pair(bytes([seed]) * 32), [f"/ip4/{LOOP}/tcp/0"],
+                network = Libp2pNetwork(create_new_key_pair(bytes([seed]) * 32), [f"/ip4/{args.bind}/tcp/0"],
                                         data_plane=DataPlaneConfig() if stack == "tls" else None)
                 await nursery.start(network.run)
                 network.host.get_peerstore().add_addrs(ID.from_base58(info["peer"]),
@@ -210,8 +219,8 @@ async def latency_main(args: argparse.Namespace) -> dict:
 
             transports["tls"].route(Token, on_token)
             lane.route(Token, on_token_hot)
-            raw_tcp = await trio.open_tcp_stream(LOOP, info["raw_port"])
-            tls_tcp = await trio.open_tcp_stream(LOOP, info["tls_port"])
+            raw_tcp = await trio.open_tcp_stream(args.host, info["raw_port"])
+            tls_tcp = await trio.open_tcp_stream(args.host, info["tls_port"])
             raw_tls = trio.SSLStream(tls_tcp, pinned_client_context(bytes.fromhex(info["tls_cert"])))
             await raw_tls.do_handshake()
 
@@ -409,6 +418,10 @@ def main() -> None:
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--budget", type=float, default=300.0, help="stop starting rounds after this many seconds")
     ap.add_argument("--lifetime", type=float, default=600.0)
+    ap.add_argument("--host", default=LOOP, help="latency: the receiver's address (default 127.0.0.1)")
+    ap.add_argument("--bind", default=LOOP, help="latency: the sender's address (default 127.0.0.1)")
+    ap.add_argument("--receiver-ns", default="", metavar="NETNS",
+                    help="latency: run the receiving process in this network namespace (needs root)")
     ap.add_argument("--split", type=int, default=15)
     ap.add_argument("--decode-steps", type=int, default=24)
     ap.add_argument("--prompt", default="The capital of France is Paris. The capital of Germany is Berlin, and the "

@@ -268,12 +268,23 @@ class DaemonConfig:
     data_plane: str = setting("tls", "tensors over pinned TLS sockets (default) or over the libp2p streams themselves",
                               choices=DATA_PLANES)
     data_plane_port: int = setting(
-        0, "TCP port of the TLS data plane (default: any free port), e.g. one a firewall lets through", metavar="PORT",
-        default_text="any free port")
+        0, "TCP port of the TLS data plane (default: any free one); behind a NAT with forwarded ports, forward this "
+           "one too (it listens on the --listen address)", metavar="PORT", default_text="any free port")
     dial_map: tuple[str, ...] = setting(
         (), "advanced, repeatable: connect to the second address whenever this daemon dials the first (libp2p and "
             "the data plane alike); `swarmd cluster up` routes traffic between regions through its link emulator "
             "this way", metavar="HOST:PORT=HOST:PORT", default_text="none")
+    relay_service: bool | None = setting(
+        None, "serve as a circuit relay (v2, within limits on circuits, bytes and time) for members that cannot be "
+              "reached directly; only a reachable daemon is any use as one (default: on; --no-relay-service to "
+              "opt out)", default_text="on")
+    relays: tuple[str, ...] = setting(
+        (), "a relay (ending in /p2p/<peer id>) to keep a reservation on when this daemon cannot be reached "
+            "directly, besides the members that serve relaying; repeatable", metavar="MULTIADDR", option="--relay",
+        default_text="none: members that serve relaying")
+    hole_punching: bool | None = setting(
+        None, "try hole punching (DCUtR) with members reached only through a relay (default: on; "
+              "--no-hole-punching to opt out)", default_text="on")
 
     weights_serve_mbps: float = setting(
         200.0, "serve weights to members that fetch them at most this fast, in Mbit/s (default 200; 0: no limit)",
@@ -321,7 +332,7 @@ class DaemonConfig:
         except SpecError as e:
             raise UserError(f"--speculate / --draft-tokens: {e}") from None
         if not 0 <= self.data_plane_port < 65536:
-            raise UserError(f"data plane port {self.data_plane_port} is not a TCP port (0-65535)")
+            raise UserError(f"data-plane port {self.data_plane_port} is not a TCP port (0 picks a free one)")
         if self.claim_timeout <= 0:
             raise UserError("claim_timeout must be above 0 seconds")
         if self.max_queued < 0:

@@ -202,6 +202,9 @@ def render(doc: dict[str, Any]):
     if (doc.get("weights") or {}).get("model_bytes"):
         top.add_row("weights", weights_line(doc["weights"]))
     top.add_row("access", access_line(swarm))
+    reach = (doc.get("connectivity") or {}).get("reachability")
+    if reach:
+        top.add_row("network", f"{reach['summary']}  (details: swarmd doctor)")
 
     table = Table(title="members", title_justify="left", expand=False)
     for col in ("peer", "state", "last seen", "rtt", "device", "memory free", "layers", "stage", "kv slots"):
@@ -216,6 +219,15 @@ def render(doc: dict[str, Any]):
                       m.get("label") or m.get("device") or "-", _bytes(m.get("memory_free")), layers, stage,
                       _slots(m["assignment"]))
     parts: list[Any] = [top, table]
+    if doc.get("links"):
+        links = Table(title="links (how activations reach each peer)", title_justify="left")
+        for col in ("peer", "path", "why"):
+            links.add_column(col)
+        colour = {"data-plane": "green", "direct": "green", "relayed": "yellow", "none": "red"}
+        for link in doc["links"]:
+            links.add_row(_short(link["peer_id"]), Text(link["path"], style=colour.get(link["path"], "")),
+                          link["reason"])
+        parts.append(links)
     if doc.get("moe", {}).get("placement"):
         parts.append(experts_table(doc["moe"]))
     if swarm.get("penalised"):

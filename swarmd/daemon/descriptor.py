@@ -223,6 +223,7 @@ class LocalDescriptor:
     _host_ram: int = 0  # read once: it does not change while the daemon runs
     addresses_refresh_s: float = 1.0
     _addresses: tuple[float, tuple[str, ...]] = (float("-inf"), ())
+    links: Callable[[], dict[str, str]] = field(default=dict)  # peer -> "data-plane" | "direct" | "relayed"
 
     def memory(self) -> tuple[int, int]:
         now = time.monotonic()
@@ -270,6 +271,6 @@ class LocalDescriptor:
             incarnation=self.incarnation,
             standby=self.standby,
             slot=self.slot,
-
             holds=self.holds(),
+            links=dict(self.links()),
         )

@@ -52,9 +52,11 @@ from swarmd.inference.compute import Compute, ComputeThread
 from swarmd.net.access import Access, load_access
 from swarmd.net.dial_map import DialMap, install_dial_map
 from swarmd.net.identity import Signer, load_or_create_identity, peer_id_of, short_id
+from swarmd.net.link_paths import links_document
 from swarmd.net.seam import Network
 from swarmd.observe.metrics import CONTENT_TYPE, NodeMetrics
 from swarmd.swarm.fixed_plan import FixedPlan
+from swarmd.swarm.membership import State
 from swarmd.swarm.planning import MakePlan
 from swarmd.swarm.service import SwarmService, SwarmSettings
 from swarmd.swarm.slot_claim import SlotClaim, fixed_plan
@@ -70,13 +72,17 @@ NetworkFactory = Callable[[Any, DaemonConfig, Access], Network]  # (key pair, co
 
 
 def libp2p_network(key_pair: Any, cfg: DaemonConfig, access: Access) -> Network:
-    """The daemon's real network: a py-libp2p host, with the TLS data plane unless --data-plane libp2p."""
+    """The daemon's real network: a py-libp2p host, with the TLS data plane unless --data-plane libp2p, and what
+    takes it across NATs (reachability, relays, hole punching)."""
+    from swarmd.net.connectivity import ConnectivityConfig
     from swarmd.net.libp2p_network import Libp2pNetwork
     from swarmd.net.tls_plane import DataPlaneConfig
 
     return Libp2pNetwork(key_pair, cfg.listen, cfg.announce, timings=cfg.timings, mdns=cfg.mdns,
                          swarm_key=access.swarm_key, allow=access.allow,
-                         data_plane=DataPlaneConfig(bind_port=cfg.data_plane_port) if cfg.data_plane == "tls" else None)
+                         data_plane=DataPlaneConfig(bind_port=cfg.data_plane_port) if cfg.data_plane == "tls" else None,
+                         connectivity=ConnectivityConfig(relay_service=cfg.relay_service is not False,
+                                                         relays=cfg.relays, hole_punching=cfg.hole_punching is not False))
 
 
 class Node:
@@ -165,7 +171,8 @@ class Node:
                 peer_id=self.peer_id, device=device, device_name=name, bench=bench, memory_limit=cfg.memory_limit,
                 label=cfg.device_label, model_name=self.model.name, model_digest=self.model.digest,
                 incarnation=incarnation, uplink=uplink_bps(cfg.uplink_mbps), addresses=network.addresses,
-                load=lambda: self.requests_in_flight, standby=cfg.standby, slot=cfg.slot, holds=weights.holds)
+                load=lambda: self.requests_in_flight, standby=cfg.standby, slot=cfg.slot, holds=weights.holds,
+                links=lambda: {peer: info.path.value for peer, info in network.link_paths().items()})
             self.assignment = Assignment(self.peer_id, self.model, device, self.compute,
                                          max_context=cfg.max_context, max_requests=cfg.max_requests,
                                          loader=self.loader, expert_loader=self.expert_loader,
@@ -185,6 +192,7 @@ class Node:
                 self.status_parts["slots"] = self.claim.status
                 nursery.start_soon(self.claim.watch)
             await nursery.start(self.swarm.run)
+            self._show_links(network)
             if cfg.mdns:
                 nursery.start_soon(self._follow_mdns)
             self.metrics = NodeMetrics(self.status, lambda: {**swarm.stats, **self.security_counters(),
@@ -308,6 +316,22 @@ class Node:
             "requests_in_flight": self.requests_in_flight,
             **{name: part() for name, part in self.status_parts.items()},
         }
+
+    def _show_links(self, network: Network) -> None:
+        """`links` in status: how activations reach each member, and why; on a real network also `connectivity`
+        (addresses, reachability, relays, hole punching: what `swarmd doctor` reads)."""
+        assert self.swarm is not None
+        members = self.swarm.membership.members
+
+        def live() -> dict[str, tuple[str, ...]]:
+            return {p: m.descriptor.addresses for p, m in list(members.items()) if m.state != State.DEAD}
+
+        connectivity = getattr(network, "connectivity", None)
+        if connectivity is not None:
+            connectivity.members = live
+            self.status_parts.update(links=connectivity.links, connectivity=connectivity.status)
+        else:
+            self.status_parts["links"] = lambda: links_document(network.link_paths(), live(), self.peer_id)
 
     def _add_routes(self) -> None:
         async def status(request: Request) -> JSONResponse:

@@ -49,11 +49,12 @@ Accept = Callable[[str, str, Stream], Awaitable[None]]  # (peer, protocol, strea
 
 @dataclass(frozen=True)
 class DataPlaneConfig:
-    bind_host: str = "127.0.0.1"  # the interface the daemon's libp2p listener binds (Libp2pNetwork sets it)
+    bind_host: str = ""  # "": where the daemon's libp2p listener binds (Libp2pNetwork sets it), else loopback
     bind_port: int = 0
     announce_host: str = ""  # where dialers should connect; "" = the address they reached us at over libp2p
     token_ttl: float = 30.0  # a token not used within this long is void
     handshake_timeout: float = 10.0
+    connect_timeout: float = 3.0  # a dial the network swallows falls back to libp2p this soon
     max_pending_tokens: int = 4096
     max_handshakes: int = 64  # connections still in TLS set-up at once; more are closed at once
 
@@ -147,7 +148,7 @@ class DataPlane:
         self.port = 0
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(self.config.bind_port, host=self.config.bind_host)
+        listeners = await trio.open_tcp_listeners(self.config.bind_port, host=self.config.bind_host or "127.0.0.1")
         self.port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
             await nursery.start(trio.serve_listeners, self._serve_connection, listeners)
@@ -176,7 +177,9 @@ class DataPlane:
         if ctx is None:
             ctx = self._client_ctx[offer.cert] = pinned_client_context(offer.cert)
         with trio.fail_after(self.config.handshake_timeout):
-            stream = TlsStream(socket_of(await trio.open_tcp_stream(host, offer.port)), ctx, server_side=False)
+            with trio.fail_after(self.config.connect_timeout):
+                tcp = await trio.open_tcp_stream(host, offer.port)
+            stream = TlsStream(socket_of(tcp), ctx, server_side=False)
             try:
                 await stream.handshake()
                 if stream.getpeercert(binary_form=True) != offer.cert:

@@ -589,7 +589,9 @@ class ActorTransport:
             with trio.fail_after(max(0.0, deadline - trio.current_time())):
                 stream = await self._open(link.peer)
         except Exception as e:  # whatever a dial raises, it is a failed attempt to retry
-            link.last_error = f"cannot open a stream: {type(e).__name__}: {e}"[:300]
+            why = f"{type(e).__name__}: {e}" if str(e) else ("no answer" if isinstance(e, trio.TooSlowError)
+                                                             else type(e).__name__)
+            link.last_error = f"cannot open a stream: {why}"[:300]
             self.stats.connect_failures += 1
             log.debug("link to %s: %s", short_id(link.peer), link.last_error)
             self._link_lost(link.peer)

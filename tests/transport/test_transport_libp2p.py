@@ -86,6 +86,7 @@ async def test_a_connection_reset_mid_transfer_is_retried_and_delivered_exactly_
     b.transport.route(Forward, got)
 
     async def reset_connections():
+        await got.wait_for(1)  # mid-transfer: the link is up (its first open may take a while on a busy machine)
         for _ in range(3):
             await trio.sleep(0.15)
             await b.network._disconnect(a.peer)  # closes the libp2p connection and any data-plane socket

@@ -220,6 +220,8 @@ class RequestHandle:
             said += f"; moving for {time.perf_counter() - move.noticed:.0f} s ({move.reason})"
             if move.waiting and not move.ready:
                 said += f", waiting: {move.waiting}"
+        elif self.recoveries:  # it moved, and the new chain said nothing since: why it moved is likely why
+            said += f"; moved after: {self.recoveries[-1].reason}"
         return said
 
     def record(self, name: str, start: float, end: float, **args: Any) -> None:
@@ -494,8 +496,8 @@ class HeadService:
             while True:
                 if handle.moves >= MAX_MOVES:
                     self._spawn(self._cancel_chain, handle.wire_id, handle.registry, "moved")
-                    raise HeadError("unreachable", f"moved {MAX_MOVES} times and the chain still does not hold it",
-                                    503)
+                    raise HeadError("unreachable", f"moved {MAX_MOVES} times and the chain still does not hold it "
+                                                   f"(last: {reason})", 503)
                 registry = await self.wait_ready(give_up_when_too_small=True, on_wait=recovery.wait_says)
                 if handle.session.ended or handle.closed:
                     return  # leaving `open` cancels the attempt on its chain
