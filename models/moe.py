@@ -74,16 +74,17 @@ def gating_of(config: TransformerConfig) -> str:
     return gating
 
 
-def route(blk, x: Tensor, config: TransformerConfig) -> tuple[Tensor, Tensor]:
+def route(blk, x: Tensor, config: TransformerConfig, logits: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Gates (..., k) float32 and selected experts (..., k) int32 of x (B, T, dim).
 
     Scores are softmax or sigmoid of the router logits; a selection bias (DeepSeek-V3's
     `exp_probs_b`) is added only to choose the top k (within the best groups, when the config has
     groups); the chosen scores are normalised to sum to 1
-    when `norm_topk_prob`, then multiplied by `routed_scaling_factor`."""
+    when `norm_topk_prob`, then multiplied by `routed_scaling_factor`. `logits`: the router's, when the
+    caller computed them."""
     from tinygrad.llm.model import pairwise_topk
 
-    logits = x.float() @ blk.ffn_gate_inp.weight.float().T
+    logits = (x.float() @ blk.ffn_gate_inp.weight.float().T if logits is None else logits).float()
     scores = logits.sigmoid() if gating_of(config) == "sigmoid" else logits.softmax(-1)
     choose = scores + blk.exp_probs_b["bias"].float() if hasattr(blk, "exp_probs_b") else scores
     if getattr(config, "expert_groups", 0) > 1:

@@ -75,6 +75,8 @@ def gathered_matvec(x: Tensor, w, idx: Tensor, *, ggml: bool = False) -> Tensor:
     if ggml and quantized and in_features % 32 == 0:
         values, err = ggml_numerics.q8_activations(x.reshape(slots * rows, in_features))
         x = values.reshape(slots, rows, in_features)
+    if quantized and x.device.split(":")[0] in GPU_DEVICES and err is None:
+        return block_matvec(x, w, idx)
     mats = w.gathered(idx) if quantized else w[idx].cast(dtypes.float32)
     out_features = mats.shape[1]
     # as in matvec: a dense matrix's reduction axes merge in the kernel, a dequantised block's stay apart
@@ -94,6 +96,49 @@ def gathered_matvec(x: Tensor, w, idx: Tensor, *, ggml: bool = False) -> Tensor:
         m = w.m.reshape(w.shape[0], out_features, -1)[idx].cast(dtypes.float32)  # (slots, out, in/32)
         y = y + (err.reshape(slots, rows, 1, -1) * m.reshape(slots, 1, out_features, -1)).sum(-1)
     return y
+
+
+def block_matvec(x: Tensor, blocks, idx: Tensor | None = None) -> Tensor:
+    """x (slots, rows, in) times GGML-block matrices -> (slots, rows, out), as one GPU kernel whose reduction
+    (over blocks of 32 and the 16 bytes of a block's codes, both nibbles at once) is split over a thread group:
+    with `idx`, slot s multiplies matrix idx[s] of the stack `blocks` (gathered by index inside the kernel,
+    reading only those matrices' codes); without, the one matrix (slots = 1)."""
+    from tinygrad import dtypes, function
+    from tinygrad.codegen.opt import Opt, OptOps
+
+    slots, rows, in_features = x.shape
+    n, out_features = (blocks.shape[0], blocks.shape[1]) if blocks.shape else (1, blocks.rows)
+    nb, per = in_features // 32, (16 if blocks.packed else 32)
+    group = next((g for g in (32, 16, 8, 4, 2) if nb % g == 0), 1)
+    opts = (Opt(OptOps.GROUP, 0, group),) if group > 1 else ()
+    gathered, has_m, off = idx is not None, blocks.m is not None, blocks.code_offset
+
+    @function
+    def kernel(x: Tensor, q: Tensor, d: Tensor, *rest: Tensor) -> Tensor:
+        pick_idx = rest[-1] if gathered else None
+
+        def pick(t: Tensor) -> Tensor:
+            t = t.reshape(n, out_features, t.shape[-1])
+            return t[pick_idx] if pick_idx is not None else t
+
+        codes = pick(q).reshape(slots, out_features, 1, nb, per)
+        scale = pick(d).cast(dtypes.float32).reshape(slots, out_features, 1, nb, 1)
+        xs = x.reshape(slots, 1, rows, nb, 2, 16) if blocks.packed else x.reshape(slots, 1, rows, nb, 32)
+        if blocks.packed:
+            lo, hi = codes.bitwise_and(15).cast(dtypes.float32), codes.rshift(4).cast(dtypes.float32)
+            if off:
+                lo, hi = lo - off, hi - off
+            terms = (lo * xs[..., 0, :] + hi * xs[..., 1, :]) * scale
+            if has_m:  # Q4_1: w = q * d + m
+                m = pick(rest[0]).cast(dtypes.float32).reshape(slots, out_features, 1, nb, 1)
+                terms = terms + m * (xs[..., 0, :] + xs[..., 1, :])
+        else:
+            terms = codes.cast(dtypes.float32) * xs * scale
+        y = terms.sum((-2, -1))  # one reduction (slots, out, rows): a thread group splits its blocks
+        return y.contiguous(arg=opts) if opts else y.contiguous()
+
+    args = [x.contiguous(), blocks.q, blocks.d, *([blocks.m] if has_m else []), *([idx] if gathered else [])]
+    return kernel(*args).permute(0, 2, 1)
 
 
 # Options of the gathered matvec on GPUs (axis 0: output features; reduce axis 0: the inner dimension); empty:

@@ -137,3 +137,12 @@ def test_a_stage_reads_only_its_own_tensors(files):
     assert not any("_exps" in n for n in names)
     legacy = stage_tensor_names(read_header(files["kv_b"]), 0, 1, SPEC.n_blocks)
     assert "blk.0.attn_kv_b.weight" in legacy and "token_embd.weight" in legacy and "output.weight" not in legacy
+
+
+def test_experts_in_the_stages_own_graph_compute_what_its_shard_computes(files):
+    """The GPU path (routed experts gathered inside the stage's graph, no host round trip) against the shard."""
+    path = files["q4_0"]
+    fast = StageModel.from_gguf(path, max_context=64, max_requests=1, dtype="quantized", experts_in_graph=True)
+    assert len(fast.segments) == 1
+    exact = StageModel.from_gguf(path, max_context=64, max_requests=1, dtype="quantized")
+    np.testing.assert_allclose(run(fast), run(exact), atol=1e-4, rtol=0)
