@@ -55,6 +55,10 @@ class SlotTable:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._slots
 
+    def request_ids(self) -> list[str]:
+        """The requests holding a slot now."""
+        return list(self._slots)
+
     def __len__(self) -> int:
         return len(self._slots)
 

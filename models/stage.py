@@ -7,8 +7,8 @@ of a per-layer KV pool, so requests at different positions share a stage, and de
 several requests run as one batch through one jitted step (one jit per padded batch size; slots and
 positions are bound symbolic variables, so nothing recompiles as positions move). Prefill runs in
 chunks with a symbolic start and token count, as `tinygrad.llm`'s `generate` does (the chunk's
-row count is fixed and padded). Projections go
-through `models.kernels.matvec` (fused Q/K/V and gate/up matrices, one pass each).
+row count is fixed and padded). Projections go through `models.kernels.matvec` (fused Q/K/V and
+gate/up matrices, one pass each).
 
 Mixture-of-experts blocks (`models.moe`) run their router and routed experts inside the same jitted
 graph when the stage holds the experts (`local_experts=True`). When the experts live elsewhere, the
@@ -38,16 +38,17 @@ from models import deepseek2
 from models.catalog.synthetic import random_weights
 from models.deepseek2 import is_mla
 from models.errors import ModelError
+from models.expert_shard import ExpertShard
 from models.gguf.loader import StageParts
 from models.kernels import ggml_numerics
-from models.kernels.matvec import GPU_DEVICES, block_matvec, gpu_reduce, matvec, tune_cpu_renderer
+from models.kernels.gathered import block_matvec
+from models.kernels.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_renderer
 from models.kernels.quant import BlockQuantized
 from models.kv_cache import KVCacheFull, KVPool, LatentPool, SlotTable
 from models.moe import (
     ROUTED_WEIGHTS,
     ExpertCall,
     ExpertFn,
-    ExpertShard,
     block_config,
     is_moe_block,
     route,

@@ -23,8 +23,8 @@ class PlanOptions:
     concurrency: int = 4  # requests whose KV must fit at once; also the load the prediction assumes
     runtime_overhead_bytes: int = 256 * MiB  # per node: runtime, compiled kernels, activation buffers
     # --- network ------------------------------------------------------------------------
-    # Software cost of one message (framing, encryption, Python). py-libp2p 0.8.1 on loopback
-    # measured 1.2-1.4 ms for an 8 KiB activation hop (shared notes, py-libp2p.md, section 2).
+    # Software cost of one message (framing, encryption, Python): py-libp2p 0.8.1's on loopback is in
+    # docs/BENCHMARKS.md, "Per-hop latency" (the transport on libp2p).
     hop_overhead_ms: float = 1.0
     default_rtt_ms: float = 1.0  # a pair with no measurement in either direction
     # Nodes closer than this form one low-latency group (or closer than 1.5 x the median

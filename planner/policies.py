@@ -34,6 +34,7 @@ from planner.node import NodeDescriptor
 from planner.options import GiB, PlanOptions
 from planner.plan import ModelRef, Plan, Stage, router_actor, stage_actor
 from planner.standby import choose_standbys
+from planner.sticky import repair
 from planner.topology import build_topology
 
 POLICIES = ("balanced", "min-latency")
@@ -324,8 +325,6 @@ class Planner:
         best_eval, best = min(near, key=lambda ed: _key(ed[0].score(self.policy)[::-1]))
         reasons = [f"policy {self.policy}: {len(drafts)} candidate plans; best: {self._describe(best)}"]
         if self.previous is not None:
-            from planner.sticky import repair
-
             kept = repair(self, self.previous)
             if kept is not None:
                 kept_eval = self.cm.evaluate(kept)

@@ -58,7 +58,7 @@ class SimConfig:
     batching: bool = True
     max_batch: int = 64
     # Software cost of one message, as in PlanOptions.hop_overhead_ms (py-libp2p 0.8.1 on loopback:
-    # 1.2-1.4 ms for an 8 KiB hop; shared notes, py-libp2p.md).
+    # docs/BENCHMARKS.md, "Per-hop latency").
     hop_overhead_ms: float = 1.0
     default_rtt_ms: float = 1.0
     seed: int = 0

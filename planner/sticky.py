@@ -10,20 +10,36 @@ node of the stage's group, else to the emptiest node anywhere.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-from planner.cost import Draft
+from planner.cost import CostModel, Draft
+from planner.layout import ModelLayout
+from planner.node import NodeDescriptor
 from planner.plan import Plan
-
-if TYPE_CHECKING:
-    from planner.policies import Planner
+from planner.topology import Topology
 
 Stage3 = list[int]  # [node, start, end]
 
 
-def repair(p: Planner, previous: Plan) -> Draft | None:
+class PlanningRun(Protocol):
+    """What a repair reads of one planning run (`planner.policies.Planner`): nodes by index, their room and costs."""
+
+    layout: ModelLayout
+    nodes: list[NodeDescriptor]
+    index: dict[str, int]  # peer id -> node index
+    order: list[int]  # ready nodes in the topology's order
+    spares: list[int]  # standby nodes without a stage
+    capacity: np.ndarray  # bytes each node can give the plan
+    free: np.ndarray  # the same, 0 for spares
+    need: dict[str, np.ndarray]  # "dense": bytes of blocks [a, b)
+    n_blocks: int
+    cm: CostModel
+    topo: Topology
+
+
+def repair(p: PlanningRun, previous: Plan) -> Draft | None:
     """The previous plan over the current nodes, or None when it cannot be repaired in memory."""
     def alive(peer: str) -> int | None:
         i = p.index.get(peer)
@@ -87,7 +103,7 @@ def repair(p: Planner, previous: Plan) -> Draft | None:
     return draft
 
 
-def _fill_gaps(p: Planner, survivors: list[Stage3], use: np.ndarray, newcomers: list[int],
+def _fill_gaps(p: PlanningRun, survivors: list[Stage3], use: np.ndarray, newcomers: list[int],
                free: np.ndarray) -> list[Stage3] | None:
     need, nb = p.need["dense"], p.n_blocks
     out: list[Stage3] = []
@@ -118,7 +134,7 @@ def _fill_gaps(p: Planner, survivors: list[Stage3], use: np.ndarray, newcomers: 
     return out
 
 
-def _best_fill(p: Planner, before: Stage3 | None, after: Stage3 | None, lo: int, hi: int,
+def _best_fill(p: PlanningRun, before: Stage3 | None, after: Stage3 | None, lo: int, hi: int,
                use: np.ndarray, newcomers: list[int], free: np.ndarray) -> tuple[str, int] | None:
     """The option for blocks [lo, hi) that fits and keeps the busiest involved node least busy."""
     need, ms = p.need["dense"], p.cm.block_ms
@@ -152,7 +168,7 @@ def _best_fill(p: Planner, before: Stage3 | None, after: Stage3 | None, lo: int,
     return min(options, key=lambda o: o[0])[1]
 
 
-def _place_orphans(p: Planner, stages: list[Stage3], experts: dict[int, list[list[int]]], use: np.ndarray) -> bool:
+def _place_orphans(p: PlanningRun, stages: list[Stage3], experts: dict[int, list[list[int]]], use: np.ndarray) -> bool:
     stage_of = {blk: n for n, a, b in stages for blk in range(a, b)}
     topo = p.topo
     for blk, hs in experts.items():

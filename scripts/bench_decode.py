@@ -123,8 +123,8 @@ def run_tinygrad_llm(path: str, batch: int, steps: int) -> dict:
 
 
 def run_numpy(path: str, batch: int, steps: int) -> dict:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from reference.np_llama import NpLlama, load_gguf
+    sys.path.insert(0, str(ROOT))
+    from tests.reference.np_llama import NpLlama, load_gguf
 
     t0 = time.perf_counter()
     config, weights = load_gguf(path)

@@ -35,7 +35,7 @@ from bench_pipeline import PROMPTS, aggregate, decode_rate, generate, step_break
 from bench_trace import request  # noqa: E402
 from local_swarm import LocalSwarm, say  # noqa: E402
 
-from models.gguf.moe_writer import SYNTHETIC_MOE, write_synthetic_moe  # noqa: E402
+from models.catalog.moe_writer import SYNTHETIC_MOE, write_synthetic_moe  # noqa: E402
 from planner.layout import ModelLayout  # noqa: E402
 from swarmd.observe.trace_summary import breakdown  # noqa: E402
 

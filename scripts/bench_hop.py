@@ -79,19 +79,15 @@ async def raw_ack_server(stream: trio.abc.Stream) -> None:
 
 
 async def serve_main(args: argparse.Namespace) -> None:
-    import multiaddr
-    from libp2p import new_host
     from libp2p.crypto.ed25519 import create_new_key_pair
-    from libp2p.network.config import ConnectionConfig
 
-    from swarmd.net.tls_plane import make_certificate, server_context
-    from swarmd.transport.links import Plane, start_actor_transport
+    from swarmd.net.libp2p_network import Libp2pNetwork
+    from swarmd.net.tls_plane import DataPlaneConfig, make_certificate, server_context
+    from swarmd.transport.links import start_actor_transport
     from swarmd.wire import Forward
 
     quiet_logs()
-    listen = [multiaddr.Multiaddr(f"/ip4/{LOOP}/tcp/0")]
-    host = new_host(key_pair=create_new_key_pair(b"\x07" * 32), listen_addrs=listen,
-                    connection_config=ConnectionConfig(max_connections_per_peer=1))
+    network = Libp2pNetwork(create_new_key_pair(b"\x07" * 32), [f"/ip4/{LOOP}/tcp/0"], data_plane=DataPlaneConfig())
     cert, key = make_certificate("bench")
     tls_ctx = server_context(cert, key)
 
@@ -101,8 +97,10 @@ async def serve_main(args: argparse.Namespace) -> None:
     async def accept(peer, msg):
         return None
 
-    async with host.run(listen_addrs=listen), trio.open_nursery() as nursery:
-        transport, _ = await start_actor_transport(host, nursery, plane=Plane.TLS)  # offers TLS to who asks
+    async with trio.open_nursery() as nursery:
+        await nursery.start(network.run)
+        host = network.host
+        transport = await start_actor_transport(network, nursery)  # offers its data plane to who asks
         transport.route(Forward, accept)
         raw = await nursery.start(trio.serve_tcp, raw_ack_server, 0)
         tls = await nursery.start(trio.serve_tcp, raw_tls_server, 0)
@@ -154,13 +152,13 @@ class Receiver:
 
 async def latency_main(args: argparse.Namespace) -> dict:
     import multiaddr
-    from libp2p import new_host
     from libp2p.crypto.ed25519 import create_new_key_pair
-    from libp2p.network.config import ConnectionConfig
     from libp2p.peer.id import ID
 
-    from swarmd.net.tls_plane import pinned_client_context
-    from swarmd.transport.links import Plane, start_actor_transport
+    from swarmd.net.libp2p_network import Libp2pNetwork
+    from swarmd.net.seam import LinkPath
+    from swarmd.net.tls_plane import DataPlaneConfig, pinned_client_context
+    from swarmd.transport.links import start_actor_transport
 
     quiet_logs()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -170,15 +168,15 @@ async def latency_main(args: argparse.Namespace) -> dict:
     cpu: dict[str, dict[int, list[float]]] = {s: {n: [] for n in sizes} for s in STACKS}
     try:
         async with trio.open_nursery() as nursery:
-            transports = {}
-            for seed, plane in ((1, Plane.LIBP2P), (2, Plane.TLS)):
-                listen = [multiaddr.Multiaddr(f"/ip4/{LOOP}/tcp/0")]
-                host = new_host(key_pair=create_new_key_pair(bytes([seed]) * 32), listen_addrs=listen,
-                                connection_config=ConnectionConfig(max_connections_per_peer=1))
-                await nursery.start(_run_host, host, listen)
-                host.get_peerstore().add_addrs(ID.from_base58(info["peer"]),
-                                               [multiaddr.Multiaddr(a) for a in info["addrs"]], 3600)
-                transports[plane.value] = await start_actor_transport(host, nursery, plane=plane)
+            transports, networks = {}, {}
+            for seed, stack in ((1, "libp2p"), (2, "tls")):
+                network = Libp2pNetwork(create_new_key_pair(bytes([seed]) * 32), [f"/ip4/{LOOP}/tcp/0"],
+                                        data_plane=DataPlaneConfig() if stack == "tls" else None)
+                await nursery.start(network.run)
+                network.host.get_peerstore().add_addrs(ID.from_base58(info["peer"]),
+                                                       [multiaddr.Multiaddr(a) for a in info["addrs"]], 3600)
+                networks[stack] = network
+                transports[stack] = await start_actor_transport(network, nursery)
 
             raw_tcp = await trio.open_tcp_stream(LOOP, info["raw_port"])
             tls_tcp = await trio.open_tcp_stream(LOOP, info["tls_port"])
@@ -198,7 +196,7 @@ async def latency_main(args: argparse.Namespace) -> dict:
                     msg = messages[n]
                     from dataclasses import replace
 
-                    await transports[stack][0].send(info["peer"], replace(msg, step=step), within=30)
+                    await transports[stack].send(info["peer"], replace(msg, step=step), within=30)
                 return time.perf_counter() - t0
 
             step = 0
@@ -222,17 +220,12 @@ async def latency_main(args: argparse.Namespace) -> dict:
                 if time.monotonic() > deadline:
                     print("time budget reached", file=sys.stderr)
                     break
-            fallbacks = transports["tls"][1].tls_fallbacks
+            paths = networks["tls"].link_paths()
+            fallbacks = sum(info.path is not LinkPath.DATA_PLANE for info in paths.values())
             nursery.cancel_scope.cancel()
     finally:
         receiver.stop()
     return summarise(samples, cpu, sizes, fallbacks)
-
-
-async def _run_host(host, listen, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    async with host.run(listen_addrs=listen):
-        task_status.started()
-        await trio.sleep_forever()
 
 
 def summarise(samples, cpu, sizes, fallbacks) -> dict:

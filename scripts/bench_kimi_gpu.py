@@ -72,8 +72,8 @@ def search_gathered_opts(config, device: str, timeout_s: float) -> tuple[list, l
     from tinygrad import Device, Tensor, TinyJit
 
     from models.catalog.seeded_quantized import expert_weights
-    from models.kernels.matvec import gathered_matvec
-    from models.moe import _stack_gate_up
+    from models.expert_shard import _stack_gate_up
+    from models.kernels.gathered import gathered_matvec
 
     w = expert_weights(config, 0, {1: range(config.num_experts)}, device)
     gate_up = _stack_gate_up(w["blk.1.ffn_gate_exps.weight"], w["blk.1.ffn_up_exps.weight"], device)

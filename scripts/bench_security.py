@@ -49,16 +49,15 @@ def quiet_logs() -> None:
     logging.getLogger().setLevel(logging.CRITICAL)
 
 
-def make_host(seed: int, psk: str | None):
-    import multiaddr
-    from libp2p import new_host
+def make_network(seed: int, psk: str | None):
+    """The daemon's libp2p network (bulk streams on libp2p itself), private when `psk` is given."""
     from libp2p.crypto.ed25519 import create_new_key_pair
-    from libp2p.network.config import ConnectionConfig
 
-    listen = [multiaddr.Multiaddr(f"/ip4/{LOOP}/tcp/0")]
-    host = new_host(key_pair=create_new_key_pair(bytes([seed]) * 32), listen_addrs=listen, psk=psk,
-                    connection_config=ConnectionConfig(max_connections_per_peer=1))
-    return host, listen
+    from swarmd.net.libp2p_network import Libp2pNetwork
+    from swarmd.net.swarm_key import SwarmKey
+
+    key = SwarmKey(bytes.fromhex(psk)) if psk else None
+    return Libp2pNetwork(create_new_key_pair(bytes([seed]) * 32), [f"/ip4/{LOOP}/tcp/0"], swarm_key=key)
 
 
 async def read_exactly(stream, n: int) -> bytes:
@@ -81,17 +80,11 @@ async def ack_handler(stream) -> None:
         return
 
 
-async def run_host(host, listen, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    async with host.run(listen_addrs=listen):
-        task_status.started()
-        await trio.sleep_forever()
-
-
 # --- the receiving process ---------------------------------------------------------------------------------------
 
 
 async def serve_main(args: argparse.Namespace) -> None:
-    from swarmd.transport.links import Plane, start_actor_transport
+    from swarmd.transport.links import start_actor_transport
     from swarmd.wire import Forward
 
     quiet_logs()
@@ -102,10 +95,11 @@ async def serve_main(args: argparse.Namespace) -> None:
     info = {"pid": os.getpid()}
     async with trio.open_nursery() as nursery:
         for seed, stack, psk in ((11, "open", None), (12, "private", args.psk)):
-            host, listen = make_host(seed, psk)
-            await nursery.start(run_host, host, listen)
+            network = make_network(seed, psk)
+            await nursery.start(network.run)
+            host = network.host
             host.set_stream_handler(ACK_PROTOCOL, ack_handler)
-            transport, _ = await start_actor_transport(host, nursery, plane=Plane.LIBP2P)
+            transport = await start_actor_transport(network, nursery)
             transport.route(Forward, accept)
             info[stack] = {"peer": str(host.get_id()), "addrs": [str(a) for a in host.get_addrs()]}
         print(json.dumps(info), flush=True)
@@ -151,7 +145,7 @@ async def measure(args: argparse.Namespace) -> dict:
     from libp2p.peer.peerinfo import PeerInfo
 
     from swarmd.net.swarm_key import SwarmKey
-    from swarmd.transport.links import Plane, start_actor_transport
+    from swarmd.transport.links import start_actor_transport
     from swarmd.wire import Forward, WireTensor
 
     quiet_logs()
@@ -166,14 +160,15 @@ async def measure(args: argparse.Namespace) -> dict:
         async with trio.open_nursery() as nursery:
             hosts, streams, transports, targets = {}, {}, {}, {}
             for seed, stack, key in ((21, "open", None), (22, "private", psk)):
-                host, listen = make_host(seed, key)
-                await nursery.start(run_host, host, listen)
+                network = make_network(seed, key)
+                await nursery.start(network.run)
+                host = network.host
                 target = ID.from_base58(receiver.info[stack]["peer"])
                 addrs = [multiaddr.Multiaddr(a) for a in receiver.info[stack]["addrs"]]
                 host.get_peerstore().add_addrs(target, addrs, 3600)
                 hosts[stack], targets[stack] = host, (target, addrs)
                 streams[stack] = await host.new_stream(target, [ACK_PROTOCOL])
-                transports[stack] = (await start_actor_transport(host, nursery, plane=Plane.LIBP2P))[0]
+                transports[stack] = await start_actor_transport(network, nursery)
 
             payloads = {n: os.urandom(n) for n in sizes}
             hidden = {n: WireTensor.from_array(np.random.default_rng(n).standard_normal((1, n // 4), dtype=np.float32))

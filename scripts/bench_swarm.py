@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "swarm"))  # the real-daemon harness the acceptance tests use
+sys.path.insert(0, str(ROOT))  # the real-daemon harness the acceptance tests use (tests.swarm.daemons)
 
-from daemons import Daemon, view, wait_until  # noqa: E402
+from tests.swarm.daemons import Daemon, view, wait_until  # noqa: E402
 
 POLL = 0.05
 

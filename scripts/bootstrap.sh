@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything swarmd needs on a fresh machine: clang (tinygrad's CPU backend compiles
-# kernels with it), a virtualenv in .venv and the package with its dev extra. Idempotent.
+# kernels with it), chromium for the web page's browser test (as root), a virtualenv in .venv and the
+# package with its dev extra. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,6 +16,15 @@ if ! command -v clang >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq >&2
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq clang >&2
+fi
+
+# The web page's acceptance test drives Debian's chromium headless (tests/web/test_web_browser.py); where it
+# cannot be installed that test is skipped and says so.
+if ! [ -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "installing chromium (the web page's browser test drives it headless)..." >&2
+  if ! { apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >&2; }; then
+    echo "could not install chromium: the browser test will be skipped" >&2
+  fi
 fi
 
 if [ ! -x .venv/bin/python ]; then

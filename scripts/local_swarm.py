@@ -31,6 +31,8 @@ from typing import Any
 
 import httpx
 
+from swarmd.daemon.descriptor import BENCH_FILE
+
 DEFAULT_CHAT = "Give me three reasons to learn Python."
 
 
@@ -120,6 +122,10 @@ class LocalSwarm:
         i = len(self.daemons)
         home = self.base / f"daemon-{i}"
         home.mkdir(parents=True, exist_ok=True)
+        if self.daemons:  # they share this machine: the first daemon's device benchmark describes every one
+            bench = self.daemons[0].home / BENCH_FILE
+            if bench.exists() and not (home / BENCH_FILE).exists():
+                shutil.copy(bench, home / BENCH_FILE)
         cmd = [sys.executable, "-m", "swarmd", "join", "--home", str(home), "--listen", self.listen_of(i),
                "--api", "127.0.0.1:0", "--swarm", self.swarm, "--model", self.model, "--timings", self.timings,
                *self.extra, *self.extra_of(i)]
@@ -219,7 +225,8 @@ def main() -> int:
         say("swarmd status:")
         swarmd("status", "--api", swarm.api)
         if args.keep:
-            say(f"the swarm stays up; OpenAI-compatible API at {swarm.api}/v1 (Ctrl-C stops it)")
+            say(f"the swarm stays up; its web page at {swarm.api}/, OpenAI-compatible API at {swarm.api}/v1 "
+                "(Ctrl-C stops it)")
             try:
                 while all(d.proc.poll() is None for d in swarm.daemons):
                     time.sleep(1)

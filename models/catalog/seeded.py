@@ -107,6 +107,17 @@ def byte_level_tokenizer_kv(vocab: int) -> dict[str, Any]:
             "tokenizer.ggml.add_bos_token": False}
 
 
+def write_byte_level_tokenizer(writer: Any, vocab: int) -> None:
+    """Put `byte_level_tokenizer_kv(vocab)` into a `gguf.GGUFWriter` (a seeded model's tokenizer in a file)."""
+    kv = byte_level_tokenizer_kv(vocab)
+    writer.add_tokenizer_model(kv["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(kv["tokenizer.ggml.pre"])
+    writer.add_token_list(kv["tokenizer.ggml.tokens"])
+    writer.add_token_types(kv["tokenizer.ggml.token_type"])
+    writer.add_eos_token_id(kv["tokenizer.ggml.eos_token_id"])
+    writer.add_add_bos_token(kv["tokenizer.ggml.add_bos_token"])
+
+
 def byte_level_vocab(size: int) -> list[str]:
     """`size` distinct byte-level tokens: the 256 single bytes, then pairs and triples of them, then END_OF_TEXT."""
     from models.text.tokenizer import byte_decoder

@@ -24,8 +24,9 @@ def tune_cpu_renderer(device: str) -> None:
 
     The clang backend devectorises arithmetic and relies on the compiler's SLP vectoriser, which gives
     up on the lane extracts of folded vector loads: a float16 matvec then runs one scalar conversion
-    and FMA per weight. With scalar loads clang emits 8-wide conversions and FMAs (measured: the
-    SmolLM2 decode step ~2x faster). This setting is per device, for the whole process."""
+    and FMA per weight. With scalar loads clang emits 8-wide conversions and FMAs (the decode step's
+    gain: docs/BENCHMARKS.md, "The levers, each measured"). This setting is per device, for the whole
+    process."""
     from tinygrad import Device
 
     if device.split(":")[0] == "CPU":
@@ -54,111 +55,6 @@ def matvec(x: Tensor, w: Tensor) -> Tensor:
     else:
         view = next(((in_features // s, s) for s in (16, 8, 4) if in_features % s == 0), (in_features, 1))
     return _split_matvec(x, w, view=view, opts=cpu_matvec_opts(x.device, out_features, len(view)))
-
-
-def gathered_matvec(x: Tensor, w, idx: Tensor, *, ggml: bool = False) -> Tensor:
-    """x (slots, rows, in) times, per slot, matrix idx[slot] of a stack w (n, out, in) -> (slots, rows, out).
-
-    `w` is a float tensor or a `models.kernels.quant.BlockQuantized` stack; either way the gather by index
-    folds into the kernel's loads, so only the chosen matrices are read (dequantised in the kernel). The
-    reduction is laid out and split as `matvec`'s, with pinned options (`GATHERED_OPTS` on GPUs): each
-    output's sum runs in the same order whatever the slots and rows around it. With `ggml`, activations are
-    quantised to 8 bits per block first (`models.kernels.ggml_numerics`), as llama.cpp does."""
-    from tinygrad import dtypes, function
-
-    from models.kernels import ggml_numerics
-    from models.kernels.quant import BlockQuantized
-
-    slots, rows, in_features = x.shape
-    quantized = isinstance(w, BlockQuantized)
-    err = None
-    if ggml and quantized and in_features % 32 == 0:
-        values, err = ggml_numerics.q8_activations(x.reshape(slots * rows, in_features))
-        x = values.reshape(slots, rows, in_features)
-    if quantized and x.device.split(":")[0] in GPU_DEVICES and err is None:
-        return block_matvec(x, w, idx)
-    mats = w.gathered(idx) if quantized else w[idx].cast(dtypes.float32)
-    out_features = mats.shape[1]
-    # as in matvec: a dense matrix's reduction axes merge in the kernel, a dequantised block's stay apart
-    view: tuple[int, ...] = (in_features // 32, 2, 16) if quantized and in_features % 32 == 0 else \
-        next(((in_features // s, s) for s in (16, 8, 4) if in_features % s == 0), (in_features, 1))
-    view = tuple(d for d in view[:-1] if d > 1) + view[-1:]  # an axis of one would vanish from the kernel
-    opts = gathered_opts(x.device, out_features, len(view))
-
-    @function
-    def kernel(x: Tensor, mats: Tensor) -> Tensor:
-        parts = mats.permute(1, 0, 2).reshape(out_features, slots, 1, *view) * x.reshape(1, slots, rows, *view)
-        y = parts.sum(tuple(range(3, 2 + len(view)))).sum(-1)  # (out, slots, rows)
-        return y.contiguous(arg=opts) if opts else y.contiguous()
-
-    y = kernel(x.contiguous(), mats).permute(1, 2, 0)
-    if err is not None and w.q8_1 and w.m is not None:  # Q4_1 offsets meet Q8_1's rounded block sums
-        m = w.m.reshape(w.shape[0], out_features, -1)[idx].cast(dtypes.float32)  # (slots, out, in/32)
-        y = y + (err.reshape(slots, rows, 1, -1) * m.reshape(slots, 1, out_features, -1)).sum(-1)
-    return y
-
-
-def block_matvec(x: Tensor, blocks, idx: Tensor | None = None) -> Tensor:
-    """x (slots, rows, in) times GGML-block matrices -> (slots, rows, out), as one GPU kernel whose reduction
-    (over blocks of 32 and the 16 bytes of a block's codes, both nibbles at once) is split over a thread group:
-    with `idx`, slot s multiplies matrix idx[s] of the stack `blocks` (gathered by index inside the kernel,
-    reading only those matrices' codes); without, the one matrix (slots = 1)."""
-    from tinygrad import dtypes, function
-    from tinygrad.codegen.opt import Opt, OptOps
-
-    slots, rows, in_features = x.shape
-    n, out_features = (blocks.shape[0], blocks.shape[1]) if blocks.shape else (1, blocks.rows)
-    nb, per = in_features // 32, (16 if blocks.packed else 32)
-    group = next((g for g in (32, 16, 8, 4, 2) if nb % g == 0), 1)
-    opts = (Opt(OptOps.GROUP, 0, group),) if group > 1 else ()
-    gathered, has_m, off = idx is not None, blocks.m is not None, blocks.code_offset
-
-    @function
-    def kernel(x: Tensor, q: Tensor, d: Tensor, *rest: Tensor) -> Tensor:
-        pick_idx = rest[-1] if gathered else None
-
-        def pick(t: Tensor) -> Tensor:
-            t = t.reshape(n, out_features, t.shape[-1])
-            return t[pick_idx] if pick_idx is not None else t
-
-        codes = pick(q).reshape(slots, out_features, 1, nb, per)
-        scale = pick(d).cast(dtypes.float32).reshape(slots, out_features, 1, nb, 1)
-        xs = x.reshape(slots, 1, rows, nb, 2, 16) if blocks.packed else x.reshape(slots, 1, rows, nb, 32)
-        if blocks.packed:
-            lo, hi = codes.bitwise_and(15).cast(dtypes.float32), codes.rshift(4).cast(dtypes.float32)
-            if off:
-                lo, hi = lo - off, hi - off
-            terms = (lo * xs[..., 0, :] + hi * xs[..., 1, :]) * scale
-            if has_m:  # Q4_1: w = q * d + m
-                m = pick(rest[0]).cast(dtypes.float32).reshape(slots, out_features, 1, nb, 1)
-                terms = terms + m * (xs[..., 0, :] + xs[..., 1, :])
-        else:
-            terms = codes.cast(dtypes.float32) * xs * scale
-        y = terms.sum((-2, -1))  # one reduction (slots, out, rows): a thread group splits its blocks
-        return y.contiguous(arg=opts) if opts else y.contiguous()
-
-    args = [x.contiguous(), blocks.q, blocks.d, *([blocks.m] if has_m else []), *([idx] if gathered else [])]
-    return kernel(*args).permute(0, 2, 1)
-
-
-# Options of the gathered matvec on GPUs (axis 0: output features; reduce axis 0: the inner dimension); empty:
-# tinygrad's heuristics. Options that split the reduction must not depend on the slots and rows.
-GATHERED_GPU_OPTS: tuple[tuple[str, int, int], ...] = (('UNROLL', 0, 4), ('GROUP', 0, 32))
-
-
-def gathered_opts(device: str, out_features: int, n_reduce: int) -> tuple | None:
-    """Pinned options of `gathered_matvec`: matvec's on the CPU, `GATHERED_GPU_OPTS` on GPUs
-    (`SWARMD_GATHERED_OPTS`, a JSON list of [op, axis, amount], overrides them, for searches)."""
-    import json
-    import os
-
-    from tinygrad.codegen.opt import Opt, OptOps
-
-    if device.split(":")[0] not in GPU_DEVICES:
-        return cpu_matvec_opts(device, out_features, n_reduce)
-    table = json.loads(os.environ["SWARMD_GATHERED_OPTS"]) if os.environ.get("SWARMD_GATHERED_OPTS") \
-        else GATHERED_GPU_OPTS
-    return tuple(Opt(OptOps[op], axis, arg) for op, axis, arg in table) or None
 
 
 def cpu_matvec_opts(device: str, out_features: int, n_reduce: int) -> tuple | None:

@@ -14,30 +14,16 @@ import logging
 import socket
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 import trio
 from starlette.applications import Starlette
 from starlette.routing import BaseRoute, Route
 
 from swarmd.api.auth import ApiGuard
-from swarmd.config import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
+from swarmd.config import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, parse_api_address
 from swarmd.errors import UserError
 
-log = logging.getLogger("swarmd.api")
-
-
-def parse_api_address(text: str) -> tuple[str, int]:
-    """'HOST:PORT', '[::1]:PORT' or 'http://HOST:PORT' -> (host, port)."""
-    raw = text if "://" in text else f"http://{text}"
-    try:
-        parts = urlsplit(raw)
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        host, port = None, None
-    if not host or port is None:
-        raise UserError(f"--api {text!r} is not HOST:PORT (for example 127.0.0.1:8765)")
-    return host, port
+log = logging.getLogger(__name__)
 
 
 def api_url(host: str, port: int) -> str:
@@ -66,6 +52,10 @@ class Api:
                   name: str | None = None) -> None:
         """Serve `endpoint` (a Starlette request handler, sync or async) at `path`."""
         self.app.router.routes.append(Route(path, endpoint, methods=list(methods), name=name))
+
+    def open_page(self, paths: frozenset[str], prefix: str | None = None) -> None:
+        """Serve `paths` and everything under `prefix` without the API token (a page that holds no data)."""
+        self.guard.open(paths, prefix)
 
     def add_routes(self, routes: Sequence[BaseRoute]) -> None:
         self.app.router.routes.extend(routes)

@@ -1,7 +1,7 @@
 """What every HTTP request must pass before a route sees it: the bearer token and the size limits.
 
 A pure ASGI middleware around the daemon's Starlette app:
-- with a token configured, every route except the open ones (`/health`) wants `Authorization: Bearer
+- with a token configured, every route except the open ones (`/health`, the web page) wants `Authorization: Bearer
   <token>`, compared in constant time; otherwise 401;
 - a request body over `max_request_bytes` is refused with 413, by its Content-Length before it is read,
   or as soon as a chunked body goes over;
@@ -26,7 +26,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health"})  # and what `open` adds (the web page, which holds no data)
 UNBOUNDED_BY_DEFAULT = frozenset({"/v1/chat/completions"})  # the other routes default to a few tokens
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -41,6 +41,7 @@ class ApiGuard:
         self.max_request_bytes = max_request_bytes
         self.max_tokens = max_tokens
         self.open_paths = open_paths
+        self.open_prefixes: tuple[str, ...] = ()
         self.stats: Counter[str] = Counter()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -48,7 +49,7 @@ class ApiGuard:
             await self.app(scope, receive, send)
             return
         headers = _headers(scope)
-        if self.token and scope["path"] not in self.open_paths and not self._authorised(headers):
+        if self.token and not self._open(scope["path"]) and not self._authorised(headers):
             self.stats["unauthorised"] += 1
             await _error(send, 401, "this API wants an API token: send 'Authorization: Bearer <token>' "
                                     "(swarmd clients: --api-token or SWARMD_API_TOKEN)",
@@ -86,6 +87,16 @@ class ApiGuard:
             scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
                      + [(b"content-length", str(len(body)).encode())]}
         await self.app(scope, _replay(bytes(body), receive), send)
+
+    def open(self, paths: frozenset[str], prefix: str | None = None) -> None:
+        """Serve `paths` (and every path under `prefix`) without a token."""
+        self.open_paths = self.open_paths | paths
+        if prefix:
+            self.open_prefixes = (*self.open_prefixes, prefix)
+
+    def _open(self, path: str) -> bool:
+        return path in self.open_paths or any(path.startswith(p) and "/" not in path[len(p):]
+                                              for p in self.open_prefixes)
 
     def _authorised(self, headers: dict[bytes, bytes]) -> bool:
         scheme, _, credentials = headers.get(b"authorization", b"").partition(b" ")

@@ -1,4 +1,5 @@
-"""OpenAI's request and response shapes, as pure functions: JSON in -> `HeadRequest`, head events -> JSON out.
+"""OpenAI's request and response shapes: JSON in -> `HeadRequest`, head events -> JSON out. No I/O, but not pure:
+a response's id is random (`new_id`) and its `created` time is now unless given.
 
 Covers `/v1/completions` (prompt as text or token ids, `echo`, `logprobs` in the legacy shape: `tokens`,
 `token_logprobs`, `top_logprobs` keyed by decoded token text, `text_offset`) and `/v1/chat/completions`

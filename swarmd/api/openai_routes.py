@@ -3,7 +3,8 @@
 Each request is headed by this daemon (`swarmd.inference.head.service`): parsed and checked (`swarmd.api.openai_format`), the
 prompt tokenized, the chain waited for (a 503 in OpenAI's error shape if it is not ready in time), then
 generated, streamed as server-sent events ending in `data: [DONE]` or answered as one JSON object. A client
-that disconnects cancels its request along the chain.
+that disconnects cancels its request along the chain. With the header `X-Swarmd-Trace: 1` the request is traced:
+its merged trace is kept for `GET /api/v0/traces/{id}` before the answer ends (`data: [DONE]`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from swarmd.inference.head.service import (
 )
 from swarmd.inference.head.session import Failed, Finished, PromptScores, TokenOut
 
-log = logging.getLogger("swarmd.openai")
+log = logging.getLogger(__name__)
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -94,7 +95,7 @@ class OpenAIRoutes:
             model = await self.head.model()
             call = parse_completion(await _json(request), model.name)
             ids = call.prompt_ids if call.prompt_ids is not None else tuple(model.tokenizer.encode(call.prompt_text))
-            req = call.head_request(ids)
+            req = call.head_request(ids, trace=traced(request))
             await self._check_and_wait(req, model)
         except ApiError as e:
             return error_response(e)
@@ -125,6 +126,7 @@ class OpenAIRoutes:
                 elif isinstance(ev, Finished):
                     parts.append(ev.text)
                     finish = ev.reason
+                    await self.head.trace(handle)
         return completion_body(new_id("cmpl"), call.model, "".join(parts), finish, handle.usage(),
                                logprobs.to_json() if logprobs is not None else None)
 
@@ -161,6 +163,7 @@ class OpenAIRoutes:
                             await chunk(ev.text)
                     elif isinstance(ev, Finished):
                         await chunk(ev.text, ev.reason)
+                        await self.head.trace(handle)
             if call.include_usage:
                 await write(sse(usage_chunk(call_id, call.model, created, handle.usage(), chat=False)))
             await write(sse("[DONE]"))
@@ -175,7 +178,7 @@ class OpenAIRoutes:
             model = await self.head.model()
             call = parse_chat(await _json(request), model.name)
             ids = tuple(model.tokenizer.encode(render_chat(model, call.messages)))
-            req = call.head_request(ids, model.max_context)
+            req = call.head_request(ids, model.max_context, trace=traced(request))
             await self._check_and_wait(req, model)
         except ApiError as e:
             return error_response(e)
@@ -198,6 +201,7 @@ class OpenAIRoutes:
                 elif isinstance(ev, Finished):
                     parts.append(ev.text)
                     finish = ev.reason
+                    await self.head.trace(handle)
         return chat_body(new_id("chatcmpl"), call.model, "".join(parts), finish, handle.usage(), entries)
 
     async def _stream_chat(self, write: Write, call: ChatCall, req: HeadRequest, model: ModelInfo) -> None:
@@ -217,6 +221,7 @@ class OpenAIRoutes:
                         if ev.text:
                             await write(sse(chat_chunk(call_id, call.model, created, {"content": ev.text})))
                         await write(sse(chat_chunk(call_id, call.model, created, {}, ev.reason)))
+                        await self.head.trace(handle)
             if call.include_usage:
                 await write(sse(usage_chunk(call_id, call.model, created, handle.usage(), chat=True)))
             await write(sse("[DONE]"))
@@ -243,6 +248,11 @@ class OpenAIRoutes:
         if body is None:  # the client went away; the request was cancelled
             return Response(status_code=499)
         return JSONResponse(body)
+
+
+def traced(request: Request) -> bool:
+    """Whether the client asked for a trace of this request (`X-Swarmd-Trace: 1`)."""
+    return request.headers.get("x-swarmd-trace", "").strip().lower() in ("1", "true", "yes")
 
 
 def guarded(route: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:

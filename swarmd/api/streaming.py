@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-log = logging.getLogger("swarmd.api")
+log = logging.getLogger(__name__)
 Write = Callable[[bytes], Awaitable[None]]
 T = TypeVar("T")
 

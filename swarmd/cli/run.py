@@ -107,9 +107,9 @@ def run(args: argparse.Namespace) -> int:
     model = StageModel.from_gguf(source.path, max_context=config.max_context, max_requests=1, numerics=SERVING_NUMERICS)
     _say(f"loaded in {time.perf_counter() - started:.1f} s; generating (a first run also compiles kernels)")
 
-    from swarmd.daemon.compute import collect_if_due
+    from swarmd.inference.compute import collect_if_due
 
-    gc.disable()  # collected between tokens on this thread, never on tinygrad's worker (see swarmd.daemon.compute)
+    gc.disable()  # collected between tokens on this thread, never on tinygrad's worker (see swarmd.inference.compute)
     generation = generate(model, tokenizer, prompt_ids, params)
     out = sys.stdout
     try:

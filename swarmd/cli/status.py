@@ -10,6 +10,7 @@ from typing import Any
 
 from swarmd.cli.client import add_token_option, auth_headers, check_authorised
 from swarmd.errors import UserError
+from swarmd.swarm.election import term_round
 
 ORDER = 20
 
@@ -29,8 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def daemon_url(api: str | None, home: Path | None) -> str:
     """The API base URL: --api, else the URL the daemon wrote to its home."""
-    from swarmd.api.app import api_url, parse_api_address
-    from swarmd.config import default_home
+    from swarmd.api.app import api_url
+    from swarmd.config import default_home, parse_api_address
 
     if api:
         if api.startswith(("http://", "https://")):
@@ -145,7 +146,7 @@ def render(doc: dict[str, Any]):
         lead += "  (not admitted yet: waiting for a member to accept this node)"
     counts = {s: sum(1 for m in doc["members"] if m["state"] == s) for s in ("alive", "suspect", "dead")}
     swarm = doc["swarm"] if isinstance(doc["swarm"], dict) else {"name": doc["swarm"]}
-    top.add_row("swarm", f"{swarm['name']}  leader {lead}  term {doc['term']}  "
+    top.add_row("swarm", f"{swarm['name']}  leader {lead}  term {term_round(doc['term'] or 0)}  "
                          f"plan epoch {plan['epoch'] if plan else '-'}  members {counts['alive']} alive"
                          + (f", {counts['suspect']} suspect" if counts["suspect"] else "")
                          + (f", {counts['dead']} dead" if counts["dead"] else ""))

@@ -1,17 +1,18 @@
 """What the plan gives this daemon, loaded: a `models.stage.StageModel` for its block range, and a
-`models.moe.ExpertShard` for the routed experts of MoE blocks the plan puts here.
+`models.expert_shard.ExpertShard` for the routed experts of MoE blocks the plan puts here.
 
 The node calls `Assignment.apply(announcement)` whenever it accepts a plan; `run()` loads the
 stage on the node's compute thread (a load never blocks heartbeats), releasing the old one first so memory
 follows the plan, and reports idle -> loading -> ready (or failed, with the reason) through
-`status()`, which goes into every heartbeat and into `swarmd status`. Other parts of the daemon
+`status()`, which goes into every heartbeat and into `swarmd status`; the states and their one table of
+transitions are in `swarmd.daemon.assignment_machine`. Other parts of the daemon
 get the loaded stage from `stage` once `await wait_ready()` returns, and the experts from `experts`.
 A stage of a MoE model loads no routed expert: they are served by the expert actors wherever the
 plan put them (this daemon's included).
 
 A spare (`Plan.standbys`) loads its copy of a stage's blocks the same way, warms it (the jitted graphs a
-takeover needs first are captured) and reports "standby" with those layers; when a repaired plan gives it that very stage, it
-is ready at once: nothing loads, nothing compiles.
+takeover needs first are captured) and reports "standby" with those layers; when a repaired plan gives it
+that very stage, it is ready at once: nothing loads, nothing compiles.
 
 When the new block range overlaps the one loaded (a survivor whose range grows after a stage was lost with
 no spare, or shrinks when a node comes back), the old stage is handed to the loader instead of released:
@@ -30,11 +31,12 @@ from typing import Any
 
 import trio
 
-from swarmd.daemon.compute import ComputeThread
+from swarmd.daemon.assignment_machine import AssignmentEvent, held, next_state
 from swarmd.daemon.served_model import ServedModel
-from swarmd.wire.gossip import AssignmentStatus, PlanAnnouncement
+from swarmd.inference.compute import Compute
+from swarmd.wire.gossip import AssignmentState, AssignmentStatus, PlanAnnouncement
 
-log = logging.getLogger("swarmd.assignment")
+log = logging.getLogger(__name__)
 
 # (model, start, end, device, max_context, max_requests, reuse=an overlapping loaded stage or None) -> a stage
 StageLoader = Callable[..., Any]
@@ -71,8 +73,8 @@ def load_experts(model: ServedModel, experts: dict[int, tuple[int, ...]], device
     """The routed experts `experts` of the model's GGUF, as an ExpertShard on `device` (blocking)."""
     from models.config import config_from_header
     from models.errors import ModelError
+    from models.expert_shard import ExpertShard
     from models.gguf.header import read_header
-    from models.moe import ExpertShard
     from models.stage import serving_numerics
 
     if model.seeded is not None and model.seeded.mla:
@@ -87,7 +89,7 @@ def load_experts(model: ServedModel, experts: dict[int, tuple[int, ...]], device
 
 
 class Assignment:
-    def __init__(self, peer_id: str, model: ServedModel, device: str, compute: ComputeThread, *,
+    def __init__(self, peer_id: str, model: ServedModel, device: str, compute: Compute, *,
                  max_context: int = 2048, max_requests: int = 4, loader: StageLoader = load_stage,
                  expert_loader: ExpertLoader = load_experts, warmup: bool = False, reuse_blocks: bool = True) -> None:
         self.peer_id = peer_id
@@ -126,18 +128,18 @@ class Assignment:
         experts = {b: tuple(es) for b, es in plan.experts_on(self.peer_id).items()}
         self._wanted = (plan.epoch, layers, experts, copy)
         if ((layers or copy) == self.loaded_layers and experts == self.loaded_experts
-                and self._status.state in ("ready", "idle", "standby")):
+                and self._status.state in (AssignmentState.READY, AssignmentState.IDLE, AssignmentState.STANDBY)):
             # Already loaded (a spare promoted to the stage it holds a copy of, or a survivor keeping its
             # blocks): say so now, so that the next heartbeat shows the chain ready.
-            self._set(replace(self._status, epoch=plan.epoch, experts=experts, state=_state(layers, copy, experts),
-                              progress=1.0 if layers or copy else 0.0))
+            self._fire(held(layers, copy, experts), replace(self._status, epoch=plan.epoch, experts=experts,
+                                                            progress=1.0 if layers or copy else 0.0))
         self._wake.set()
 
     async def wait_ready(self) -> Any:
         """The loaded stage, once the current assignment is ready."""
-        while self._status.state != "ready" or self.stage is None:
+        while self._status.state != AssignmentState.READY or self.stage is None:
             await self._ready.wait()
-            if self._status.state != "ready":
+            if self._status.state != AssignmentState.READY:
                 self._ready = trio.Event()
         return self.stage
 
@@ -151,12 +153,12 @@ class Assignment:
                 continue
             target = layers or copy
             if target == self.loaded_layers:
-                self._set(AssignmentStatus(epoch, target, experts, _state(layers, copy, experts),
-                                           1.0 if target or experts else 0.0))
+                self._fire(held(layers, copy, experts),
+                           AssignmentStatus(epoch, target, experts, progress=1.0 if target or experts else 0.0))
                 continue
             previous = self._hand_over(target)
             if target is None:
-                self._set(AssignmentStatus(epoch, None, experts, "ready" if experts else "idle"))
+                self._fire(held(None, None, experts), AssignmentStatus(epoch, None, experts))
                 log.info("plan epoch %d: no blocks for this node; released the stage", epoch)
                 continue
             await self._load(epoch, target, experts, warm=layers is None, previous=previous)
@@ -168,12 +170,12 @@ class Assignment:
         if not experts:
             return True
         count = sum(len(es) for es in experts.values())
-        self._set(AssignmentStatus(epoch, layers, experts, "loading", 0.0))
+        self._fire(AssignmentEvent.LOAD_STARTED, AssignmentStatus(epoch, layers, experts))
         try:
             shard = await self.compute.run(self.expert_loader, self.model, experts, self.device)
         except Exception as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            self._set(AssignmentStatus(epoch, layers, experts, "failed", 0.0, f"experts: {reason}"))
+            self._fire(AssignmentEvent.LOAD_FAILED, AssignmentStatus(epoch, layers, experts, error=f"experts: {reason}"))
             log.warning("loading %d experts failed: %s", count, reason)
             return False
         if self._wanted[2] != experts:
@@ -187,7 +189,7 @@ class Assignment:
         """Load blocks `layers`; `warm` (a standby copy) also captures every jitted graph before it is ready.
         `previous`: the old stage (in a list the compute thread empties), whose blocks the new one takes over."""
         a, b = layers
-        self._set(AssignmentStatus(epoch, layers, experts, "loading", 0.0))
+        self._fire(AssignmentEvent.LOAD_STARTED, AssignmentStatus(epoch, layers, experts))
         self.load_started = trio.current_time()
         what = "a standby copy of blocks" if warm else "blocks"
         log.info("loading %s %d-%d of %s (plan epoch %d)", what, a, b - 1, self.model.name, epoch)
@@ -203,7 +205,7 @@ class Assignment:
                 await self.compute.run(functools.partial(stage.warmup, most_requests=1, prompt_scores=False))
         except Exception as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            self._set(AssignmentStatus(epoch, layers, experts, "failed", 0.0, reason))
+            self._fire(AssignmentEvent.LOAD_FAILED, AssignmentStatus(epoch, layers, experts, error=reason))
             log.warning("loading blocks %d-%d failed: %s", a, b - 1, reason)
             return
         took = trio.current_time() - self.load_started
@@ -212,9 +214,8 @@ class Assignment:
             log.info("blocks %d-%d loaded in %.1f s but the plan moved on; loading again", a, b - 1, took)
             return  # the wake event is already set by apply()
         self.stage, self.loaded_layers = stage, layers
-        state = _state(wanted, copy, experts)
-        self._set(AssignmentStatus(epoch, layers, experts, state, 1.0))
-        if state == "standby":
+        self._fire(held(wanted, copy, experts), AssignmentStatus(epoch, layers, experts, progress=1.0))
+        if self._status.state == AssignmentState.STANDBY:
             log.info("standby: a copy of blocks %d-%d loaded and warmed in %.1f s", a, b - 1, took)
         else:
             kept = sorted(getattr(getattr(stage, "reused", None), "blocks", ()))
@@ -244,16 +245,10 @@ class Assignment:
         finally:
             del old
 
-    def _set(self, status: AssignmentStatus) -> None:
-        self._status = status
-        if status.state == "ready":
+    def _fire(self, event: AssignmentEvent, status: AssignmentStatus) -> None:
+        """Report `status` in the state the transition table gives for `event` from the current one."""
+        self._status = replace(status, state=next_state(self._status.state, event))
+        if self._status.state == AssignmentState.READY:
             self._ready.set()
         elif self._ready.is_set():
             self._ready = trio.Event()
-
-
-def _state(layers: tuple[int, int] | None, copy: tuple[int, int] | None, experts: dict[int, tuple[int, ...]]) -> str:
-    """What a loaded assignment reports: a stage or experts are "ready", a spare's copy "standby"."""
-    if layers or experts:
-        return "ready"
-    return "standby" if copy else "idle"

@@ -25,7 +25,7 @@ from planner.node import NodeDescriptor
 from swarmd import WIRE_VERSION, __version__
 from swarmd.errors import UserError
 
-log = logging.getLogger("swarmd.descriptor")
+log = logging.getLogger(__name__)
 
 BENCH_FILE = "device-bench.json"
 INCARNATION_FILE = "incarnation"

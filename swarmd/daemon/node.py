@@ -1,7 +1,7 @@
 """One daemon: a Node owns one trio nursery and starts its parts in dependency order.
 
     identity, model, device  (blocking work on the compute thread)
-    network                  the libp2p host + gossipsub          await nursery.start(network.run)
+    network                  the Network (libp2p + gossipsub)     await nursery.start(network.run)
     assignment               loads the stage the plan gives us    await nursery.start(assignment.run)
     swarm                    membership, election, planning       await nursery.start(swarm.run)
     extensions               actors added by other modules        await nursery.start(fn, node)
@@ -9,8 +9,10 @@
 
 Other parts of the daemon extend it before `run`: `node.add_extension(fn)` for a service that
 needs the swarm (fn(node, task_status=...) is started after the swarm, before the API), and
-`node.api.add_route(...)` for HTTP routes. Streams to peers go through `node.network`
-(`open_stream(peer_id, protocol)`, `serve(protocol, handler)`).
+`node.api.add_route(...)` for HTTP routes. Every byte to peers goes through `node.network`, a
+`swarmd.net.seam.Network`: libp2p by default, or what `Node(config, network=factory)` makes (the in-memory
+twin in `swarmd.testing`). `compute=` and `blocking=` likewise take twins of the compute thread and of the
+worker threads, and `serve_api=False` leaves the HTTP API out (a daemon driven in-process).
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from planner import PlanOptions, make_plan
 from planner.plan import Plan
 from swarmd import WIRE_VERSION, __version__
 from swarmd.api.app import Api
+from swarmd.api.page import install_page
 from swarmd.config import DaemonConfig, warms_up
-from swarmd.daemon.assignment import Assignment, StageLoader, load_stage
-from swarmd.daemon.compute import ComputeThread
+from swarmd.daemon.assignment import Assignment, ExpertLoader, StageLoader, load_experts, load_stage
 from swarmd.daemon.descriptor import (
     LocalDescriptor,
     device_name,
@@ -43,37 +45,58 @@ from swarmd.daemon.descriptor import (
     uplink_bps,
 )
 from swarmd.daemon.served_model import ServedModel, served_model
+from swarmd.errors import UserError
+from swarmd.inference.compute import Compute, ComputeThread
 from swarmd.net.access import Access, load_access
 from swarmd.net.identity import Signer, load_or_create_identity, peer_id_of, short_id
-from swarmd.net.libp2p_network import Libp2pNetwork, split_peer_addr
+from swarmd.net.seam import Network
 from swarmd.observe.metrics import CONTENT_TYPE, NodeMetrics
 from swarmd.swarm.fixed_plan import FixedPlan, load_plan_file
 from swarmd.swarm.planning import MakePlan
 from swarmd.swarm.service import SwarmService, SwarmSettings
 
-log = logging.getLogger("swarmd.node")
+log = logging.getLogger(__name__)
 
 API_FILE = "api"
 Extension = Callable[..., Awaitable[Any]]  # async fn(node, *, task_status)
+NetworkFactory = Callable[[Any, DaemonConfig, Access], Network]  # (key pair, config, access) -> an endpoint
+
+
+def libp2p_network(key_pair: Any, cfg: DaemonConfig, access: Access) -> Network:
+    """The daemon's real network: a py-libp2p host, with the TLS data plane unless --data-plane libp2p."""
+    from swarmd.net.libp2p_network import Libp2pNetwork
+    from swarmd.net.tls_plane import DataPlaneConfig
+
+    return Libp2pNetwork(key_pair, cfg.listen, cfg.announce, timings=cfg.timings, mdns=cfg.mdns,
+                         swarm_key=access.swarm_key, allow=access.allow,
+                         data_plane=DataPlaneConfig() if cfg.data_plane == "tls" else None)
 
 
 class Node:
-    def __init__(self, config: DaemonConfig, *, loader: StageLoader = load_stage) -> None:
+    def __init__(self, config: DaemonConfig, *, network: NetworkFactory = libp2p_network,
+                 compute: Compute | None = None, blocking: Callable[..., Awaitable[Any]] | None = None,
+                 loader: StageLoader = load_stage, expert_loader: ExpertLoader = load_experts,
+                 serve_api: bool = True) -> None:
         self.config = config
+        self.blocking = blocking or trio.to_thread.run_sync  # other blocking work: planning, tokenizer loads
+        self._make_network = network
+        self._serve_api = serve_api
         self.home = Path(config.home)
         self.loader = loader
+        self.expert_loader = expert_loader
+        self.extension_results: dict[str, Any] = {}  # what each extension's start handed back, by its name
         self.api = Api(token=config.api_token, max_request_bytes=config.api_max_request_bytes,
                        max_tokens=config.api_max_tokens)
         self.extensions: list[Extension] = []
         self.requests_in_flight = 0  # the pipeline raises and lowers it; gossiped as the node's load
         self.leaving = False  # draining: new requests are refused, those in flight finish first
         self.status_parts: dict[str, Callable[[], Any]] = {}  # extensions' sections of the status document
-        self.compute = ComputeThread()  # every tinygrad call of this daemon runs on it
+        self.compute: Compute = compute or ComputeThread()  # every tinygrad call of this daemon runs on it
         self.ready = trio.Event()
         # set while running
         self.peer_id = ""
         self.model: ServedModel | None = None
-        self.network: Libp2pNetwork | None = None
+        self.network: Network | None = None
         self.swarm: SwarmService | None = None
         self.assignment: Assignment | None = None
         self.descriptor: LocalDescriptor | None = None
@@ -100,7 +123,7 @@ class Node:
     # --- lifecycle ------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
-        bootstrap = tuple((split_peer_addr(a, "--bootstrap")[0], a) for a in cfg.bootstrap)
+        bootstrap = tuple((_peer_of(a), a) for a in cfg.bootstrap)
         self.access = access = load_access(cfg)
         for peer, _ in bootstrap:
             if access.allow is not None and peer not in access.allow:
@@ -108,7 +131,7 @@ class Node:
         self.home.mkdir(parents=True, exist_ok=True)
         key_pair = load_or_create_identity(self.home)
         self.peer_id = peer_id_of(key_pair)
-        self.model = await trio.to_thread.run_sync(served_model, cfg.model)
+        self.model = await self.compute.run(served_model, cfg.model)
         if cfg.plan is not None:
             plan = load_plan_file(cfg.plan, self.model.layout)
             self.fixed_plan = FixedPlan(plan, self.model.layout, cfg.plan.name, self.plan_options)
@@ -118,8 +141,7 @@ class Node:
         name = device_name(device)
         bench = await self.compute.run(load_or_measure, self.home, device, name)
         incarnation = next_incarnation(self.home)
-        network = Libp2pNetwork(key_pair, cfg.listen, cfg.announce, timings=cfg.timings, mdns=cfg.mdns,
-                                swarm_key=access.swarm_key, allow=access.allow)
+        network = self._make_network(key_pair, cfg, access)
         (log.info if access.private else log.warning)(access.describe())
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -131,13 +153,14 @@ class Node:
                 load=lambda: self.requests_in_flight, standby=cfg.standby)
             self.assignment = Assignment(self.peer_id, self.model, device, self.compute,
                                          max_context=cfg.max_context, max_requests=cfg.max_requests,
-                                         loader=self.loader, warmup=warms_up(cfg.warmup, device),
+                                         loader=self.loader, expert_loader=self.expert_loader,
+                                         warmup=warms_up(cfg.warmup, device),
                                          reuse_blocks=not cfg.full_reload)
             await nursery.start(self.assignment.run)
             settings = SwarmSettings(cfg.swarm, cfg.timings, bootstrap)
             self.swarm = SwarmService(network, Signer(key_pair), settings, describe_self=self.descriptor,
                                       assignment_status=self.assignment.status, make_plan=self._make_plan,
-                                      on_plan=self.assignment.apply)
+                                      on_plan=self.assignment.apply, blocking=self.blocking)
             await nursery.start(self.swarm.run)
             if cfg.mdns:
                 nursery.start_soon(self._follow_mdns)
@@ -145,9 +168,10 @@ class Node:
             self.metrics = NodeMetrics(self.status, lambda: {**swarm.stats, **self.security_counters(),
                                                              "compute_busy_seconds": self.compute.busy_seconds})
             for ext in self.extensions:
-                await nursery.start(ext, self)
-            self.api_url = await nursery.start(self.api.serve, cfg.api)
-            self._write_api_file()
+                self.extension_results[getattr(ext, "__name__", repr(ext))] = await nursery.start(ext, self)
+            if self._serve_api:
+                self.api_url = await nursery.start(self.api.serve, cfg.api)
+                self._write_api_file()
             try:
                 self.ready.set()
                 task_status.started(self)
@@ -163,7 +187,7 @@ class Node:
             gate, guard = self.network.gate, self.network.guard
             out.update({f"peer_gate:{k}": v for k, v in gate.stats.items()})
             out.update({f"served_streams:{k}": v for k, v in guard.stats.items()})
-            out["peer_gate:connections_refused"] = self.network.connections_refused
+            out["peer_gate:connections_refused"] = getattr(self.network, "connections_refused", 0)
         out.update({f"api_refused:{k}": v for k, v in self.api.guard_stats.items()})
         return out
 
@@ -202,7 +226,7 @@ class Node:
 
     async def _follow_mdns(self) -> None:
         assert self.network is not None and self.swarm is not None
-        async for peer, addresses in self.network.discovered():
+        async for peer, addresses in self.network.discovered():  # type: ignore[attr-defined]
             if peer != self.peer_id:
                 self.swarm.add_discovered(peer, tuple(addresses))
 
@@ -279,6 +303,14 @@ class Node:
         self.api.add_route("/api/v0/leave", leave, methods=("POST",))
         self.api.add_route("/health", health)
         self.api.add_route("/metrics", metrics)
+        install_page(self)  # the web page at "/", its status stream and the status's `groups`
+
+
+def _peer_of(address: str) -> str:
+    """The peer id at the end of a bootstrap address ('/.../p2p/<id>'; `swarmd join` checks it is a multiaddr)."""
+    if "/p2p/" not in address:
+        raise UserError(f"--bootstrap {address!r} must end in /p2p/<peer id>")
+    return address.rsplit("/p2p/", 1)[1]
 
 
 def coverage(plan: dict[str, Any] | None, members: list[dict[str, Any]], layout: Any = None) -> str:

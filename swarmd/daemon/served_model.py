@@ -18,7 +18,7 @@ from models.catalog.seeded import SeededModel, parse_seeded_name
 from models.errors import ModelError
 from planner import BUILTIN_ARCHS, ModelLayout, layout_from_arch
 
-log = logging.getLogger("swarmd.model")
+log = logging.getLogger(__name__)
 
 LAYOUT_DTYPE = "f16"  # models.gguf.loader dequantises weights to float16
 

@@ -1,8 +1,7 @@
-"""Pipeline inference on a daemon: the actor transport, the stage and head actors, and their HTTP routes.
+"""Pipeline inference on a daemon: the stage, head and MoE actors on the actor transport.
 
-`run_pipeline` is a Node extension (`node.add_extension(run_pipeline)`; `swarmd join` adds it). It starts
-the actor transport on the node's libp2p host (tensors on the pinned TLS data plane unless `data_plane` is
-libp2p), and routes its messages:
+`Pipeline(node, transport)` builds the actors and `install()` routes the transport's messages to them
+(`swarmd.daemon.serving` starts it all, with its HTTP routes):
 
     Forward          -> stage      (checked against this daemon's stage: hop, hidden size, dtype, vocabulary)
     Token hop 0      -> stage      (stage 0: the next step's input)
@@ -14,8 +13,7 @@ libp2p), and routes its messages:
     Error            -> MoE router (about one of its batches), head, or passed on to the request's head
 
 The registry (actor -> peer) follows the node's current plan; the stage actor follows the node's loaded
-assignment. Routes: `/v1/*` (OpenAI-compatible), `/api/v0/generate` (for `swarmd submit-prompt`) and
-`/api/v0/pipeline` (this daemon's stage and head counters).
+assignment.
 """
 
 from __future__ import annotations
@@ -26,11 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 import trio
-from starlette.requests import Request
-from starlette.responses import JSONResponse
 
-from swarmd.api.generate_route import GenerateRoute
-from swarmd.api.openai_routes import OpenAIRoutes
 from swarmd.inference.head.service import HeadError, HeadService, ModelInfo
 from swarmd.inference.moe.expert import ExpertActor
 from swarmd.inference.moe.local import LocalExperts
@@ -40,10 +34,9 @@ from swarmd.inference.stage.actor import Loaded, StageActor
 from swarmd.observe.clock import ClockOffsets
 from swarmd.observe.hop_timer import HopTimer
 from swarmd.observe.pipeline_metrics import register_pipeline_metrics
-from swarmd.observe.spans import NodeSpans, SpanRecorder, chrome_trace
+from swarmd.observe.spans import SpanRecorder
 from swarmd.observe.trace_collect import TraceCollector
 from swarmd.swarm.membership import State, StateChanged
-from swarmd.transport.links import Plane, start_actor_transport
 from swarmd.transport.transport import HandlerResult, Send, TransportConfig
 from swarmd.wire.codec import FLOAT_DTYPES, WireError
 from swarmd.wire.expect import Expect, ExpectExpertBatch, ExpectExpertResult, ExpectForward, ExpectToken
@@ -60,20 +53,19 @@ from swarmd.wire.messages import (
     TraceSpans,
 )
 
-log = logging.getLogger("swarmd.pipeline")
+log = logging.getLogger(__name__)
 
 
-def transport_config(max_requests: int) -> TransportConfig:
+def transport_config(max_requests: int, send_timeout: float = TransportConfig.send_timeout) -> TransportConfig:
     """Windows and handler limits above the requests a stage can hold (below them the chain would deadlock)."""
     return TransportConfig(window=max(32, 4 * max_requests), max_handlers_per_peer=max(64, 8 * max_requests),
-                           max_handlers=max(256, 32 * max_requests))
+                           max_handlers=max(256, 32 * max_requests), send_timeout=send_timeout)
 
 
 class Pipeline:
-    def __init__(self, node: Any, transport: Any, links: Any) -> None:
+    def __init__(self, node: Any, transport: Any) -> None:
         self.node = node
         self.transport = transport
-        self.links = links
         cfg = node.config
         self._registry: Registry = EMPTY
         self._plan_key: Any = None
@@ -87,7 +79,8 @@ class Pipeline:
                                 inline_step_s=cfg.inline_step_ms / 1e3, post_all=transport.post_all)
         self.head = HeadService(node.peer_id, transport, chain=self.chain, registry=self.registry,
                                 timings=cfg.timings, load_model=self._load_model, in_flight=self._count,
-                                leaving=lambda: node.leaving, hop_local=not cfg.full_replay)
+                                leaving=lambda: node.leaving, hop_local=not cfg.full_replay,
+                                blocking=getattr(node, "blocking", trio.to_thread.run_sync))
         self._observe()
         transport.on_link_lost = self.router.link_lost  # batches with a replica leave a broken link at once
         swarm = getattr(node, "swarm", None)
@@ -290,41 +283,3 @@ def install_actor_routes(transport: Any, stage: StageActor, head: HeadService, *
     transport.route(Logprobs, head.on_logprobs)
     transport.route(Cancel, stage.on_cancel)
     transport.route(Error, on_error)
-
-
-async def run_pipeline(node: Any, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """The Node extension: serve pipeline requests until the node stops."""
-    cfg = node.config
-    plane = Plane.TLS if cfg.data_plane == "tls" else Plane.LIBP2P
-    async with trio.open_nursery() as nursery:
-        transport, links = await start_actor_transport(node.network.host, nursery, transport_config(cfg.max_requests),
-                                                       plane=plane)
-        pipeline = Pipeline(node, transport, links)
-        pipeline.install()
-        await nursery.start(pipeline.stage.run)
-        await nursery.start(pipeline.head.run)
-        nursery.start_soon(pipeline.forget_dead_heads)
-        OpenAIRoutes(pipeline.head).install(node.api)
-        GenerateRoute(pipeline.head).install(node.api)
-
-        async def status(request: Request) -> JSONResponse:
-            return JSONResponse(pipeline.status())
-
-        async def trace(request: Request) -> JSONResponse:
-            rid = request.path_params["request_id"]
-            events = pipeline.tracing.traces.get(rid)
-            if events is None:  # not headed here: this daemon's own spans of it, on its own clock
-                spans = pipeline.tracing.recorder.spans(rid)
-                if not spans:
-                    return JSONResponse({"error": {"message": f"no trace of {rid} on this daemon (traced requests "
-                                                              "only, the latest 32)", "code": "not_found"}},
-                                        status_code=404)
-                events = chrome_trace([NodeSpans(node.peer_id, "node", spans)], request_id=rid)
-            return JSONResponse({"traceEvents": events, "displayTimeUnit": "ms"})
-
-        node.api.add_route("/api/v0/pipeline", status)
-        node.api.add_route("/api/v0/trace/{request_id}", trace)
-        if node.model is not None and node.model.layout.is_moe:
-            node.status_parts["moe"] = pipeline.moe_status
-        task_status.started(pipeline)
-        await trio.sleep_forever()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from swarmd.config import DaemonConfig
+from swarmd.config import DaemonConfig, parse_api_address
 from swarmd.errors import UserError
 from swarmd.net.swarm_key import SwarmKey, load_swarm_key
 
@@ -62,8 +62,6 @@ def check_access(config: DaemonConfig) -> Access:
 
 def check_api_binding(bind: str, token: str) -> None:
     """The API may listen off loopback only with a bearer token, and a token must not be guessable."""
-    from swarmd.api.app import parse_api_address
-
     if token and len(token) < MIN_API_TOKEN:
         raise UserError(f"the API token is {len(token)} characters; use at least {MIN_API_TOKEN} "
                         "(for example the output of `openssl rand -hex 32`)")

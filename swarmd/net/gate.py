@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from swarmd.transport.delivery import StrikeCounter, TokenBucket
+from swarmd.net.rates import StrikeCounter, TokenBucket
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,9 @@
   peer the gate refuses — not on the allowlist, or penalised — is hung up on. Inbound and outbound
   connections both pass through it.
 - `guard_all_handlers` makes every stream handler the host ever registers (identify, ping, gossipsub, ours)
-  unable to take the host down: measured here, 21 bytes that are not a protobuf on `/meshsub/1.1.0` make
-  gossipsub's handler raise `DecodeError`, which ends `host.run()` and every connection with it. The
-  exception becomes a strike against the sender instead.
+  unable to take the host down: an exception in a handler (gossipsub's `DecodeError` on bytes that are not a
+  protobuf, docs/SECURITY.md) would end `host.run()` and every connection with it. It becomes a strike
+  against the sender instead.
 - `gossip_validator` is a gossipsub topic validator: a message whose origin the gate refuses, or that is over
   its origin's rate or the size limit, is dropped before it is delivered or forwarded to other peers.
 """
@@ -25,7 +25,7 @@ import trio
 from swarmd.net.gate import PeerGate
 from swarmd.net.identity import short_id
 
-log = logging.getLogger("swarmd.host")
+log = logging.getLogger(__name__)
 
 
 class GatedUpgrader:

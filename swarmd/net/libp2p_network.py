@@ -9,6 +9,9 @@ Settings come from the measured notes on py-libp2p 0.8.1:
 - `read(n)` is a short read: framing lives in `swarmd.net.seam`.
 The host serves identify and ping (libp2p's defaults), so other libp2p implementations can talk to it.
 
+Bulk streams (the actor transport's) move to the TLS data plane (`swarmd.net.tls_plane`) when both ends run
+one; `link_paths()` says per peer which path they took and why.
+
 A private swarm (`swarm_key`) uses py-libp2p's private network: every TCP connection is wrapped in a stream
 cipher keyed by the swarm key before multistream-select and noise, so a peer without the key cannot finish
 a handshake, let alone open a stream or read gossip (docs/SECURITY.md). The peer gate (`swarmd.net.gate`)
@@ -31,17 +34,20 @@ from swarmd.errors import UserError
 from swarmd.net.gate import GuardLimits, PeerGate
 from swarmd.net.identity import short_id
 from swarmd.net.libp2p_gate import gossip_validator, guard_all_handlers, install_gate
-from swarmd.net.seam import GossipMessage, PeerUnreachable, Stream, StreamHandler
+from swarmd.net.seam import GossipMessage, LinkInfo, LinkPath, PeerUnreachable, Stream, StreamHandler
 from swarmd.net.stream_guard import StreamGuard
+from swarmd.net.streams import Libp2pStream, close_quietly, read_frame, write_frame
+from swarmd.net.tls_plane import MAX_HANDSHAKE_FRAME, PLANE_PROTOCOL, DataPlane, DataPlaneConfig, Offer
 
 if TYPE_CHECKING:
     from libp2p.abc import INotifee
 
     from swarmd.net.swarm_key import SwarmKey
 
-log = logging.getLogger("swarmd.host")
+log = logging.getLogger(__name__)
 
 GOSSIP_DEGREE = (6, 4, 12)  # D, D_lo, D_hi
+HANG_UP_DELAY = 0.25  # lets a cut-off peer read why before its connections go (a reset drops unread data)
 GOSSIP_MEND_INTERVAL = 1.0  # s between looks for gossip streams left on closed connections
 MAX_GOSSIP_BYTES = 1 << 20  # gossipsub's own inbound limit
 # Transports py-libp2p's private network does not wrap (QUIC and the like bring their own handshake).
@@ -131,7 +137,8 @@ class Libp2pNetwork:
 
     def __init__(self, key_pair, listen: Sequence[str], announce: Sequence[str] = (), *,
                  timings: Timings = LAN, mdns: bool = False, swarm_key: SwarmKey | None = None,
-                 allow: frozenset[str] | None = None, limits: GuardLimits | None = None) -> None:
+                 allow: frozenset[str] | None = None, limits: GuardLimits | None = None,
+                 data_plane: DataPlaneConfig | None = None) -> None:
         from swarmd.net.identity import peer_id_of
 
         self._key_pair = key_pair
@@ -155,6 +162,10 @@ class Libp2pNetwork:
         self._gated: Any = None
         self.pubsub: Any = None
         self._nursery: trio.Nursery | None = None
+        self._plane_config = data_plane  # None: bulk streams stay on libp2p
+        self.data_plane: DataPlane | None = None
+        self._bulk_handlers: dict[str, StreamHandler] = {}
+        self._paths: dict[str, LinkInfo] = {}
 
     # --- lifecycle ------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -196,6 +207,8 @@ class Libp2pNetwork:
                 self._nursery = nursery
                 nursery.start_soon(self._release_penalties)
                 nursery.start_soon(self._mend_gossip_streams)
+                if self._plane_config is not None:
+                    await self._start_data_plane(nursery, self._plane_config)
                 if self._mdns:
                     self._watch_mdns()
                 task_status.started(self)
@@ -282,7 +295,16 @@ class Libp2pNetwork:
     def connected_peers(self) -> list[str]:
         return [p.to_base58() for p, conns in self.host.get_network().connections.items() if conns]
 
-    async def open_stream(self, peer_id: str, protocol: str) -> Stream:
+    async def open_stream(self, peer_id: str, protocol: str, *, bulk: bool = False) -> Stream:
+        if bulk and self.data_plane is not None:
+            stream = await self._open_on_data_plane(peer_id, protocol)
+            if stream is not None:
+                return stream
+        elif bulk:
+            self._paths[peer_id] = LinkInfo(LinkPath.DIRECT, "the data plane is off (--data-plane libp2p)")
+        return Libp2pStream(await self._new_stream(peer_id, protocol))
+
+    async def _new_stream(self, peer_id: str, protocol: str) -> Any:
         pid = self._id(peer_id)
         if not self.is_connected(peer_id):
             self.host.get_network().unblock_peer(pid)
@@ -294,18 +316,74 @@ class Libp2pNetwork:
         except Exception as e:
             raise PeerUnreachable(_dial_error(e)) from None
 
-    def serve(self, protocol: str, handler: StreamHandler) -> None:
-        """Serve `protocol` under the stream guard: refused peers, rates, read timeouts, strikes."""
-        guarded = self.guard.wrap(protocol, handler)
+    def serve(self, protocol: str, handler: StreamHandler, *, bulk: bool = False) -> None:
+        """Serve `protocol` under the stream guard: refused peers, rates, strikes, and (for streams that are not
+        `bulk`, which carry their own liveness checks) read timeouts and a cap on open streams per peer."""
+        guarded = self.guard.wrap(protocol, handler, long_lived=bulk)
+        if bulk:
+            self._bulk_handlers[protocol] = guarded
 
         async def adapter(stream) -> None:
+            wrapped = Libp2pStream(stream)
             try:
-                await guarded(stream.muxed_conn.peer_id.to_base58(), stream)
+                await guarded(wrapped.remote_peer, wrapped)
             finally:
-                with contextlib.suppress(Exception):
-                    await stream.close()
+                await close_quietly(wrapped)
 
         self.host.set_stream_handler(protocol, adapter)
+
+    def link_paths(self) -> dict[str, LinkInfo]:
+        return dict(self._paths)
+
+    # --- the data plane ----------------------------------------------------------------------
+    async def _start_data_plane(self, nursery: trio.Nursery, config: DataPlaneConfig) -> None:
+        """Listen where libp2p listens, announce what --announce says, and offer it on PLANE_PROTOCOL."""
+        from dataclasses import replace
+
+        config = replace(config, bind_host=config.bind_host or _host_of(self._listen[0]) or "127.0.0.1",
+                         announce_host=config.announce_host or (_host_of(self._announce[0]) if self._announce else ""))
+        self.data_plane = DataPlane(self._peer_id, self._accept_bulk, config)
+        await nursery.start(self.data_plane.run)
+        self.serve(PLANE_PROTOCOL, self._offer_data_plane)
+
+    async def _offer_data_plane(self, peer: str, stream: Stream) -> None:
+        protocol = (await read_frame(stream, MAX_HANDSHAKE_FRAME)).decode(errors="replace")
+        offer = self.data_plane.offer(peer, protocol) if self.data_plane and protocol in self._bulk_handlers else None
+        await write_frame(stream, offer.encode() if offer is not None else b"")
+
+    async def _accept_bulk(self, peer: str, protocol: str, stream: Stream) -> None:
+        handler = self._bulk_handlers.get(protocol)
+        if handler is not None:
+            await handler(peer, stream)
+
+    async def _open_on_data_plane(self, peer_id: str, protocol: str) -> Stream | None:
+        """A bulk stream on the peer's data plane, or None (the reason kept for `link_paths`)."""
+        assert self.data_plane is not None
+        try:
+            raw = await self._new_stream(peer_id, PLANE_PROTOCOL)
+        except PeerUnreachable as e:
+            if not self.is_connected(peer_id):
+                raise
+            self._paths[peer_id] = LinkInfo(LinkPath.DIRECT, f"the peer offers no data plane ({e})")
+            return None
+        plane = Libp2pStream(raw)
+        try:
+            with trio.fail_after(self.data_plane.config.handshake_timeout):
+                await write_frame(plane, protocol.encode())
+                answer = await read_frame(plane, MAX_HANDSHAKE_FRAME)
+            if not answer:
+                self._paths[peer_id] = LinkInfo(LinkPath.DIRECT, "the peer offers no data plane for " + protocol)
+                return None
+            stream = await self.data_plane.dial(Offer.decode(answer), fallback_host=plane.remote_address())
+        except Exception as e:
+            reason = f"the data plane failed ({one_line(e)}): staying on libp2p"
+            log.warning("%s to %s: %s", protocol, short_id(peer_id), reason)
+            self._paths[peer_id] = LinkInfo(LinkPath.DIRECT, reason)
+            return None
+        finally:
+            await close_quietly(plane)
+        self._paths[peer_id] = LinkInfo(LinkPath.DATA_PLANE, "both ends run a data plane")
+        return stream
 
     def strike(self, peer_id: str, reason: str) -> None:
         """`peer_id` sent something that failed its checks (enough strikes and it is cut off)."""
@@ -333,9 +411,12 @@ class Libp2pNetwork:
             with contextlib.suppress(Exception):
                 self.pubsub.add_to_blacklist(self._id(peer_id))
         if self._nursery is not None:
-            self._nursery.start_soon(self._disconnect, peer_id)
+            self._nursery.start_soon(self._disconnect, peer_id, HANG_UP_DELAY)
 
-    async def _disconnect(self, peer_id: str) -> None:
+    async def _disconnect(self, peer_id: str, delay: float = 0.0) -> None:
+        await trio.sleep(delay)
+        if self.data_plane is not None:
+            await self.data_plane.drop(peer_id)
         with trio.move_on_after(5.0):
             try:
                 await self.host.disconnect(self._id(peer_id))
@@ -397,6 +478,16 @@ def gossip_streams_on_closed_connections(pubsub_peers: dict[Any, Any], network: 
     return [peer for peer, stream in list(pubsub_peers.items())
             if closed(getattr(stream, "muxed_conn", None))
             and any(not closed(c) for c in network.get_connections(peer))]
+
+
+def _host_of(ma: Any) -> str:
+    """The IP address of a multiaddr ('' when it has none)."""
+    for proto in ("ip4", "ip6"):
+        try:
+            return str(ma.value_for_protocol(proto))
+        except Exception:
+            continue
+    return ""
 
 
 def _dial_error(e: BaseException) -> str:

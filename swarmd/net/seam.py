@@ -1,29 +1,35 @@
-"""The one network seam: gossip, dialing, streams to a peer, serving a protocol.
+"""The one network seam: every byte between daemons goes through a `Network`.
 
-`swarmd.net.libp2p_network.Libp2pNetwork` implements it over py-libp2p; `swarmd.testing.memory_network.MemoryHub` gives an
-in-memory twin so a whole swarm runs in one test process in virtual time. Everything above this
-file (membership, election, actors) talks only to `Network`.
+Gossip (publish / subscribe), connections, and streams to a peer speaking a protocol. Control protocols
+(probes, weights) open plain streams; the actor transport asks for `bulk` streams, which an implementation may
+carry on a faster path (the libp2p one moves them to its pinned TLS data plane). Both ends see a `Stream`
+either way, framed by `swarmd.net.framing`.
+
+`swarmd.net.libp2p_network.Libp2pNetwork` implements it over py-libp2p; `swarmd.testing.memory_network` is its
+in-memory twin, on which whole daemons run in one process in virtual time.
 """
 
 from __future__ import annotations
 
-import struct
+import enum
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
-from swarmd.errors import RemoteProtocolError
+from swarmd.net.errors import BadFrame, PeerUnreachable, StreamClosed
 
 if TYPE_CHECKING:
     from swarmd.net.gate import PeerGate
+    from swarmd.net.stream_guard import StreamGuard
 
 
 class Stream(Protocol):
-    """A bidirectional byte stream to one peer. `read(n)` returns at most n bytes (short reads)."""
+    """A bidirectional byte stream to one peer. `read(n)` returns at most n bytes (short reads) and b'' once
+    the peer has closed its side; a broken stream raises (StreamClosed, or the implementation's own error)."""
 
-    async def read(self, n: int = -1) -> bytes: ...
+    async def read(self, n: int) -> bytes: ...
 
     async def write(self, data: bytes) -> None: ...
 
@@ -33,19 +39,8 @@ class Stream(Protocol):
 
 
 StreamHandler = Callable[[str, Stream], Awaitable[None]]  # (remote peer id, stream)
-
-
-class PeerUnreachable(Exception):
-    """Dialing a peer or opening a stream to it failed; the message says why, in one line."""
-
-
-class StreamClosed(Exception):
-    """The other side closed or reset the stream, or the connection under it broke."""
-
-
-class BadFrame(StreamClosed, RemoteProtocolError):
-    """The peer sent a frame that breaks the protocol (too large, wrong shape): the stream is given up and
-    the peer gets a strike from the guard that serves it."""
+__all__ = ["BadFrame", "GossipMessage", "LinkInfo", "LinkPath", "Network", "PeerUnreachable", "Stream",
+           "StreamClosed", "StreamHandler"]
 
 
 @dataclass(frozen=True)
@@ -54,8 +49,28 @@ class GossipMessage:
     data: bytes
 
 
+class LinkPath(enum.Enum):
+    """How bulk streams to a peer travel."""
+
+    DATA_PLANE = "data-plane"  # a TLS connection of our own beside libp2p, pinned over libp2p
+    DIRECT = "direct"  # a libp2p stream on a direct connection
+    RELAYED = "relayed"  # a libp2p stream through a circuit relay
+    MEMORY = "memory"  # the in-memory twin
+
+
+@dataclass(frozen=True)
+class LinkInfo:
+    path: LinkPath
+    reason: str = ""  # why this path and not a faster one
+
+
 class Network(Protocol):
     gate: PeerGate  # the allowlist, rates and penalties this endpoint enforces
+    guard: StreamGuard  # runs served streams under the gate
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the endpoint until cancelled; `task_status.started(self)` once peers can reach it."""
+        ...
 
     @property
     def peer_id(self) -> str: ...
@@ -78,12 +93,22 @@ class Network(Protocol):
 
     def connected_peers(self) -> list[str]: ...
 
-    async def open_stream(self, peer_id: str, protocol: str) -> Stream:
-        """A new stream speaking `protocol`, dialing first if needed; raise PeerUnreachable."""
+    def bound_addresses(self) -> list[str]:
+        """Where this endpoint listens, ports as bound (what `swarmd join` prints)."""
         ...
 
-    def serve(self, protocol: str, handler: StreamHandler) -> None:
-        """Run `handler` for every inbound stream of `protocol`. Its exceptions are logged, never fatal."""
+    async def open_stream(self, peer_id: str, protocol: str, *, bulk: bool = False) -> Stream:
+        """A new stream speaking `protocol`, dialing first if needed; raise PeerUnreachable. A `bulk` stream
+        (activations) may travel on a faster path than the connection's own streams."""
+        ...
+
+    def serve(self, protocol: str, handler: StreamHandler, *, bulk: bool = False) -> None:
+        """Run `handler` for every inbound stream of `protocol` (with `bulk`, also those on the fast path).
+        Its exceptions are logged, never fatal."""
+        ...
+
+    def link_paths(self) -> dict[str, LinkInfo]:
+        """Per peer with bulk streams: the path they take and why."""
         ...
 
     def disconnects(self) -> trio.MemoryReceiveChannel[str]:
@@ -97,39 +122,3 @@ class Network(Protocol):
     def strike(self, peer_id: str, reason: str) -> None:
         """`peer_id` sent something that failed its checks; enough strikes cut it off for a while."""
         ...
-
-
-# --- framing: 4-byte big-endian length, then the payload ------------------------------------
-LENGTH = struct.Struct(">I")
-
-
-async def read_exact(stream: Stream, n: int) -> bytes:
-    """Exactly n bytes; streams return short reads (one noise frame at most per call)."""
-    buf = bytearray()
-    while len(buf) < n:
-        try:
-            chunk = await stream.read(n - len(buf))
-        except trio.Cancelled:
-            raise
-        except Exception as e:
-            raise StreamClosed(f"stream broke after {len(buf)} of {n} bytes: {type(e).__name__}") from None
-        if not chunk:
-            raise StreamClosed(f"stream ended after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
-
-
-async def read_frame(stream: Stream, max_bytes: int) -> bytes:
-    (n,) = LENGTH.unpack(await read_exact(stream, LENGTH.size))
-    if n > max_bytes:
-        raise BadFrame(f"frame of {n} bytes is over the {max_bytes} byte limit")
-    return await read_exact(stream, n)
-
-
-async def write_frame(stream: Stream, payload: bytes) -> None:
-    try:
-        await stream.write(LENGTH.pack(len(payload)) + payload)  # one write per frame
-    except trio.Cancelled:
-        raise
-    except Exception as e:
-        raise StreamClosed(f"write failed: {type(e).__name__}: {e}") from None

@@ -20,7 +20,7 @@ from swarmd.net.gate import PeerGate
 from swarmd.net.identity import short_id
 from swarmd.net.seam import Stream, StreamClosed, StreamHandler
 
-log = logging.getLogger("swarmd.guard")
+log = logging.getLogger(__name__)
 
 class ReadTimedOut(StreamClosed):
     """A served stream said nothing for `read_timeout` seconds."""
@@ -33,7 +33,7 @@ class TimedStream:
         self._stream = stream
         self._timeout = timeout
 
-    async def read(self, n: int = -1) -> bytes:
+    async def read(self, n: int) -> bytes:
         with trio.move_on_after(self._timeout):
             return await self._stream.read(n)
         raise ReadTimedOut(f"nothing read for {self._timeout:g} s")
@@ -59,14 +59,16 @@ class StreamGuard:
         self.open: Counter[tuple[str, str]] = Counter()  # (peer, protocol) -> streams being served
         self.stats: Counter[str] = Counter()
 
-    def wrap(self, protocol: str, handler: StreamHandler) -> StreamHandler:
+    def wrap(self, protocol: str, handler: StreamHandler, *, long_lived: bool = False) -> StreamHandler:
         async def guarded(peer: str, stream: Stream) -> None:
-            await self.run(protocol, handler, peer, stream)
+            await self.run(protocol, handler, peer, stream, long_lived=long_lived)
 
         return guarded
 
-    async def run(self, protocol: str, handler: StreamHandler, peer: str, stream: Stream) -> None:
-        """Serve one inbound stream of `protocol` from `peer`; never raises."""
+    async def run(self, protocol: str, handler: StreamHandler, peer: str, stream: Stream, *,
+                  long_lived: bool = False) -> None:
+        """Serve one inbound stream of `protocol` from `peer`; never raises. A `long_lived` stream (a transport
+        link, which checks liveness and limits its streams itself) has no read timeout and no cap here."""
         now = trio.current_time()
         gate, lim = self.gate, self.gate.limits
         refusal = gate.refusal(peer, now)
@@ -79,13 +81,13 @@ class StreamGuard:
             self.stats["streams_over_rate"] += 1
             await _reset(stream)
             return
-        if self.open[key] >= lim.streams_per_peer:
+        if not long_lived and self.open[key] >= lim.streams_per_peer:
             gate.strike(peer, now, f"more than {lim.streams_per_peer} open {protocol} streams")
             await _reset(stream)
             return
         self.open[key] += 1
         try:
-            await handler(peer, TimedStream(stream, lim.read_timeout))
+            await handler(peer, stream if long_lived else TimedStream(stream, lim.read_timeout))
         except ReadTimedOut as e:
             log.debug("%s stream from %s closed: %s", protocol, short_id(peer), e)
         except RemoteProtocolError as e:

@@ -1,11 +1,12 @@
-"""A TLS data plane for tensors beside libp2p, which stays the control plane and the fallback.
+"""The TLS data plane: bulk streams (activations) on plain TCP connections wrapped in TLS, beside libp2p.
 
-py-libp2p costs about 1 ms of CPU per small frame on each side (docs: ../shared notes, docs/BENCHMARKS.md),
-so frames can travel instead over a plain TCP connection wrapped in TLS (the standard `ssl` module through
-`trio.SSLStream`). Trust comes from libp2p: each daemon makes a throw-away self-signed certificate at start;
-a dialer receives it inside the listener's `Hello` on the authenticated libp2p stream and pins exactly that
-certificate. The listener, in the same `Hello`, hands the dialer a one-time token; the first frame on the
-TLS connection must be that token (`Attach`), which tells the listener which libp2p peer is on the other end.
+py-libp2p costs about a millisecond of CPU per small frame on each side (docs/BENCHMARKS.md), so
+`Libp2pNetwork` carries bulk streams here when both ends run a data plane. Trust comes from libp2p: each
+daemon makes a throw-away self-signed certificate at start. A dialer asks for a stream of a protocol on
+`/swarmd/plane/1.0.0`, an authenticated libp2p stream; the listener answers with an `Offer`: where its plane
+listens, its certificate (which the dialer pins) and a one-time token. The first frame on the TLS connection
+must be that token, which tells the listener which libp2p peer is on the other end and which protocol the
+stream speaks; the listener answers `ok` and hands the stream to that protocol's handler.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import logging
 import os
 import secrets
 import ssl
+import struct
 import tempfile
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,21 +28,58 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from swarmd.transport.transport import ActorTransport, ByteStream, LinkError, TrioStream, read_frame
-from swarmd.wire.messages import Ack, Attach, Hello, encode
+from swarmd.errors import RemoteProtocolError
+from swarmd.net.seam import PeerUnreachable, Stream
+from swarmd.net.streams import TrioStream, close_quietly, read_frame, write_frame
 
 log = logging.getLogger(__name__)
+
+PLANE_PROTOCOL = "/swarmd/plane/1.0.0"
+TOKEN_BYTES = 16
+ATTACHED = b"ok"
+MAX_HANDSHAKE_FRAME = 8192
+_OFFER = struct.Struct(">HBH")  # port, host length, certificate length; then host, certificate, token
+
+Accept = Callable[[str, str, Stream], Awaitable[None]]  # (peer, protocol, stream): serve an attached stream
 
 
 @dataclass(frozen=True)
 class DataPlaneConfig:
-    bind_host: str = "127.0.0.1"  # a daemon serving other machines binds the interface libp2p listens on
+    bind_host: str = "127.0.0.1"  # the interface the daemon's libp2p listener binds (Libp2pNetwork sets it)
     bind_port: int = 0
     announce_host: str = ""  # where dialers should connect; "" = the address they reached us at over libp2p
     token_ttl: float = 30.0  # a token not used within this long is void
     handshake_timeout: float = 10.0
     max_pending_tokens: int = 4096
     max_handshakes: int = 64  # connections still in TLS set-up at once; more are closed at once
+
+
+@dataclass(frozen=True)
+class Offer:
+    """The listener's answer on `/swarmd/plane/1.0.0`: dial `host:port`, pin `cert`, present `token`."""
+
+    host: str
+    port: int
+    cert: bytes
+    token: bytes
+
+    def encode(self) -> bytes:
+        host = self.host.encode()
+        return _OFFER.pack(self.port, len(host), len(self.cert)) + host + self.cert + self.token
+
+    @classmethod
+    def decode(cls, data: bytes) -> Offer:
+        try:
+            port, host_len, cert_len = _OFFER.unpack_from(data)
+            at = _OFFER.size
+            host = data[at : at + host_len].decode()
+            cert = data[at + host_len : at + host_len + cert_len]
+            token = data[at + host_len + cert_len :]
+        except (struct.error, UnicodeDecodeError) as e:
+            raise RemoteProtocolError(f"data-plane offer is malformed: {e}") from None
+        if len(cert) != cert_len or len(token) != TOKEN_BYTES or not 0 < port < 65536:
+            raise RemoteProtocolError("data-plane offer is malformed: wrong lengths or port")
+        return cls(host, port, cert, token)
 
 
 def make_certificate(common_name: str) -> tuple[bytes, bytes]:
@@ -89,15 +129,15 @@ def pinned_client_context(cert_der: bytes) -> ssl.SSLContext:
 
 
 class DataPlane:
-    """TLS listener handing verified connections to an `ActorTransport`, and the matching dialer."""
+    """The TLS listener handing attached streams to `accept`, and the matching dialer."""
 
-    def __init__(self, transport: ActorTransport, local_peer: str, config: DataPlaneConfig | None = None) -> None:
-        self.transport = transport
+    def __init__(self, local_peer: str, accept: Accept, config: DataPlaneConfig | None = None) -> None:
         self.config = config or DataPlaneConfig()
+        self._accept = accept
         self.cert_der, key_pem = make_certificate(local_peer)
         self._server_ctx = server_context(self.cert_der, key_pem)
         self._client_ctx: dict[bytes, ssl.SSLContext] = {}
-        self._tokens: dict[bytes, tuple[str, float]] = {}  # token -> (peer, expiry)
+        self._tokens: dict[bytes, tuple[str, str, float]] = {}  # token -> (peer, protocol, expiry)
         self._inbound: dict[str, set[trio.SocketStream]] = {}  # attached connections by peer
         self._handshakes = trio.Semaphore(self.config.max_handshakes)
         self.port = 0
@@ -109,40 +149,39 @@ class DataPlane:
             await nursery.start(trio.serve_listeners, self._serve_connection, listeners)
             task_status.started()
 
-    def offer(self, peer: str, max_frame: int) -> Hello:
-        """The `Hello` answer that lets `peer` (authenticated by libp2p) attach one TLS connection."""
+    def offer(self, peer: str, protocol: str) -> Offer | None:
+        """What lets `peer` (authenticated by libp2p) attach one TLS stream of `protocol`; None when too many
+        tokens are pending (the dialer then stays on libp2p)."""
         now = trio.current_time()
-        self._tokens = {t: v for t, v in self._tokens.items() if v[1] > now}
-        if len(self._tokens) >= self.config.max_pending_tokens:
-            return Hello(max_frame)  # too many unused tokens: offer no TLS, the link stays on libp2p
-        token = secrets.token_bytes(16)
-        self._tokens[token] = (peer, now + self.config.token_ttl)
-        return Hello(max_frame, tls_host=self.config.announce_host, tls_port=self.port, tls_cert=self.cert_der,
-                     tls_token=token)
+        self._tokens = {t: v for t, v in self._tokens.items() if v[2] > now}
+        if len(self._tokens) >= self.config.max_pending_tokens or not self.port:
+            return None
+        token = secrets.token_bytes(TOKEN_BYTES)
+        self._tokens[token] = (peer, protocol, now + self.config.token_ttl)
+        return Offer(self.config.announce_host, self.port, self.cert_der, token)
 
-    async def dial(self, hello: Hello, fallback_host: str = "") -> ByteStream:
-        """Open a TLS connection to the listener that sent `hello`, pinned to its certificate, and attach.
+    async def dial(self, offer: Offer, fallback_host: str = "") -> Stream:
+        """Open a TLS connection to the listener that made `offer`, pinned to its certificate, and attach.
 
-        `fallback_host` (the peer's address on the libp2p connection) is used when the hello names none.
+        `fallback_host` (the peer's address on the libp2p connection) is used when the offer names none.
         """
-        host = hello.tls_host or fallback_host
+        host = offer.host or fallback_host
         if not host:
-            raise LinkError("the data plane offer names no address and the libp2p one is unknown")
-        ctx = self._client_ctx.get(hello.tls_cert)
+            raise PeerUnreachable("the data-plane offer names no address and the libp2p one is unknown")
+        ctx = self._client_ctx.get(offer.cert)
         if ctx is None:
-            ctx = self._client_ctx[hello.tls_cert] = pinned_client_context(hello.tls_cert)
+            ctx = self._client_ctx[offer.cert] = pinned_client_context(offer.cert)
         with trio.fail_after(self.config.handshake_timeout):
-            tcp = await trio.open_tcp_stream(host, hello.tls_port)
+            tcp = await trio.open_tcp_stream(host, offer.port)
             tls = trio.SSLStream(tcp, ctx)
             stream = TrioStream(tls)
             try:
                 await tls.do_handshake()
-                if tls.getpeercert(binary_form=True) != hello.tls_cert:
-                    raise LinkError("the TLS peer's certificate is not the one pinned over libp2p")
-                await stream.write(encode(Attach(hello.tls_token)))
-                answer = await read_frame(stream, 4096)
-                if not isinstance(answer.msg, Ack):
-                    raise LinkError(f"data plane refused the token: {answer.msg}")
+                if tls.getpeercert(binary_form=True) != offer.cert:
+                    raise PeerUnreachable("the TLS peer's certificate is not the one pinned over libp2p")
+                await write_frame(stream, offer.token)
+                if await read_frame(stream, len(ATTACHED)) != ATTACHED:
+                    raise PeerUnreachable("the data plane refused the token")
             except BaseException:
                 with trio.CancelScope(shield=True), trio.move_on_after(1):
                     await tcp.aclose()
@@ -152,7 +191,7 @@ class DataPlane:
     async def _serve_connection(self, tcp: trio.SocketStream) -> None:
         tls = trio.SSLStream(tcp, self._server_ctx, server_side=True)
         stream = TrioStream(tls)
-        peer = None
+        attached: tuple[str, str] | None = None
         try:
             self._handshakes.acquire_nowait()
         except trio.WouldBlock:
@@ -161,27 +200,28 @@ class DataPlane:
             try:
                 with trio.fail_after(self.config.handshake_timeout):
                     await tls.do_handshake()
-                    env = await read_frame(stream, 4096)
-                    if isinstance(env.msg, Attach):
-                        peer = self._redeem(env.msg.token)
-                    if peer is not None:
-                        await stream.write(encode(Ack()))
+                    attached = self._redeem(await read_frame(stream, TOKEN_BYTES))
+                    if attached is not None:
+                        await write_frame(stream, ATTACHED)
             except Exception as e:
                 log.info("data-plane connection dropped during set-up: %s: %s", type(e).__name__, e)
+                attached = None
             finally:
                 self._handshakes.release()
-        if peer is None:
+        if attached is None:
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await tcp.aclose()
             return
+        peer, protocol = attached
         conns = self._inbound.setdefault(peer, set())
         conns.add(tcp)
         try:
-            await self.transport.serve(peer, stream)  # closes the stream; never raises
+            await self._accept(peer, protocol, stream)
         finally:
             conns.discard(tcp)
             if not conns:
                 self._inbound.pop(peer, None)
+            await close_quietly(stream)
 
     def connections(self, peer: str) -> int:
         """How many attached data-plane connections `peer` has with us."""
@@ -193,9 +233,9 @@ class DataPlane:
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await tcp.aclose()
 
-    def _redeem(self, token: bytes) -> str | None:
+    def _redeem(self, token: bytes) -> tuple[str, str] | None:
         entry = self._tokens.pop(token, None)
-        if entry is None or entry[1] <= trio.current_time():
+        if entry is None or entry[2] <= trio.current_time():
             log.info("data-plane connection with an unknown or expired token")
             return None
-        return entry[0]
+        return entry[0], entry[1]

@@ -1,8 +1,9 @@
-"""Spans of a request in Chrome trace-event JSON (opens in Perfetto and chrome://tracing).
+"""Chrome trace-event JSON (opens in Perfetto and chrome://tracing): the file `swarmd submit-prompt --trace` writes.
 
-A `Tracer` collects complete events (`ph: "X"`) and instants (`ph: "i"`) with microsecond timestamps on one
-clock. Tracing costs nothing when off: code holds `tracer: Tracer | None` and writes
-`with span(tracer, "stage.forward", step=3): ...`, which is a shared no-op context when the tracer is None.
+A `Tracer` holds complete events (`ph: "X"`) and instants (`ph: "i"`) with microsecond timestamps on one
+clock. The daemons do not trace with it directly: they record spans of traced requests only
+(`swarmd.observe.spans.SpanRecorder.add`), and the head turns them into these events
+(`swarmd.observe.spans.chrome_trace`).
 
     {"traceEvents": [{"name": "head.prefill", "ph": "X", "ts": 12.0, "dur": 830.5, "pid": 1, "tid": 1,
                       "args": {"request_id": "...", "step": 0}}, ...],
@@ -13,14 +14,10 @@ Events carry `pid` (one per daemon, named by a metadata event) and `tid` (one pe
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-_NOOP = contextlib.nullcontext()
 
 
 class Tracer:
@@ -51,21 +48,8 @@ class Tracer:
         self.events.append({"name": name, "ph": "i", "s": "t", "ts": round(self.now_us(), 1), "pid": self.pid,
                             "tid": self.thread_id(thread), "args": args})
 
-    @contextlib.contextmanager
-    def span(self, name: str, *, thread: str = "head", **args: Any) -> Iterator[None]:
-        start = self.now_us()
-        try:
-            yield
-        finally:
-            self.complete(name, start, self.now_us(), thread=thread, **args)
-
     def to_json(self) -> dict[str, Any]:
         return {"traceEvents": list(self.events), "displayTimeUnit": "ms"}
-
-
-def span(tracer: Tracer | None, name: str, **args: Any) -> contextlib.AbstractContextManager[None]:
-    """`tracer.span(...)`, or a no-op when tracing is off."""
-    return _NOOP if tracer is None else tracer.span(name, **args)
 
 
 def write_trace(path: str | Path, events: list[dict[str, Any]]) -> None:

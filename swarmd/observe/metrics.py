@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from swarmd.daemon.compute import COLLECTIONS
+from swarmd.observe.gc_collections import COLLECTIONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -63,7 +63,7 @@ class SwarmCollector(Collector):
 
 
 class CollectionsCollector(Collector):
-    """Python's cyclic collections on the compute thread (`swarmd.daemon.compute.COLLECTIONS`): each one holds the
+    """Python's cyclic collections on the compute thread (`swarmd.observe.gc_collections.COLLECTIONS`): each one holds the
     interpreter lock, so a step's output waits for it."""
 
     def collect(self) -> Iterator[Metric]:

@@ -9,13 +9,13 @@ Each stage answers from its `SpanRecorder` once its own frames of the request ar
 (the end of the peer id). The head shifts each node's readings by that node's clock offset: the best
 (least-delay) NTP-style sample from the swarm's probes, this very exchange, or the request's own frames and
 their acks (`swarmd.observe.spans.align`).
-The merged Chrome trace is kept for `GET /api/v0/trace/{request_id}` (the latest `keep` traces).
+The merged Chrome trace is kept in a `TraceStore` (the latest 20, bounded in size) for `GET /api/v0/traces`,
+`GET /api/v0/traces/{request_id}` and `GET /api/v0/trace/{request_id}`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,25 +32,24 @@ from swarmd.observe.spans import (
     expert_peers,
     role_of,
 )
+from swarmd.observe.trace_store import TraceStore
 from swarmd.transport.transport import ActorTransport, DeliveryFailed, Refused, Send
 from swarmd.wire.messages import TraceQuery, TraceSpans
 
-log = logging.getLogger("swarmd.trace")
+log = logging.getLogger(__name__)
 
 ANSWER_TIMEOUT = 5.0  # s the head waits for a stage's spans (a trace is best effort)
 SETTLE_TIMEOUT = 1.0  # s a stage waits for acks of the request's last frames, so that their hop.send is in
-KEEP_TRACES = 32
 
 
 class TraceCollector:
     def __init__(self, peer_id: str, transport: ActorTransport, recorder: SpanRecorder,
-                 clocks: ClockOffsets | None = None, *, keep: int = KEEP_TRACES) -> None:
+                 clocks: ClockOffsets | None = None, *, traces: TraceStore | None = None) -> None:
         self.peer_id = peer_id
         self.transport = transport
         self.recorder = recorder
         self.clocks = clocks if clocks is not None else ClockOffsets()
-        self.traces: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
-        self._keep = keep
+        self.traces = traces if traces is not None else TraceStore()
         self._waiting: dict[tuple[str, int], tuple[float, trio.Event, list[TraceSpans]]] = {}
         self._settled: dict[str, trio.Event] = {}
         recorder.on_settled = self._on_settled
@@ -121,7 +120,5 @@ class TraceCollector:
             nodes.append(NodeSpans(peer, role, remote.get(peer, []), best.offset if best else None,
                                    best.error if best else None))
         events = chrome_trace(align(nodes, self.peer_id), request_id=request_id)
-        self.traces[request_id] = events
-        while len(self.traces) > self._keep:
-            self.traces.popitem(last=False)
+        self.traces.put(request_id, events)
         return events

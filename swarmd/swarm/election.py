@@ -10,13 +10,31 @@ Rules, applied after every input:
 
 So the incumbent stays leader while it is alive (suspect still counts as alive), a new leader
 always has a higher term, and every node that sees the same members picks the same leader.
+
+A term is a ballot, as in Paxos: its round in the high bits and a tag of its leader's peer id in the low
+ones (`new_term`). Two sides of a partition that each elect a leader then pick different terms, so a term
+names one leader wherever it is seen; `term_round` is the part people read.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 from swarmd.net.identity import short_id
+
+TAG_BITS = 32
+
+
+def new_term(above: int, leader: str) -> int:
+    """The first term of the next round after `above`, led by `leader` (no other leader can pick it)."""
+    tag = int.from_bytes(hashlib.sha256(leader.encode()).digest()[:4], "big")
+    return ((term_round(above) + 1) << TAG_BITS) | tag
+
+
+def term_round(term: int) -> int:
+    """How many times a leader was elected before this term's (what status shows)."""
+    return term >> TAG_BITS
 
 
 @dataclass(frozen=True)
@@ -110,7 +128,7 @@ class Election:
                 return [LeaderChanged(self.term, self.leader, why)]
             return []
         old = self.leader
-        self.term = max(self.term, self.max_term_seen) + 1
         self.leader = min(self.live)
+        self.term = new_term(max(self.term, self.max_term_seen), self.leader)
         why = "no leader yet" if old is None else f"leader {short_id(old)} is dead"
         return [LeaderChanged(self.term, self.leader, f"elected lowest live peer id ({why})")]

@@ -21,7 +21,7 @@ from swarmd.errors import UserError
 from swarmd.net.identity import short_id
 from swarmd.swarm.planning import MakePlan
 
-log = logging.getLogger("swarmd.plan")
+log = logging.getLogger(__name__)
 
 
 class PlanNotAdopted(Exception):

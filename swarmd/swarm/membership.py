@@ -1,18 +1,23 @@
 """Who is in the swarm: a sans-IO state machine (heartbeats and probe results in, actions out).
 
-    (unknown) --compatible heartbeat--> alive
-    alive   --no heartbeat for the suspicion timeout, or a lost connection--> suspect
+Every change of a member's state is one row of `TRANSITIONS`, fired by `_fire`; anything else raises
+`LocalProtocolError`. In words:
+
+    (unknown) --compatible heartbeat (JOINED)--> alive
+    alive   --no heartbeat for the suspicion timeout (SILENT), a lost connection, a failed probe--> suspect
     suspect --heartbeat or probe answer--> alive   (the second probe answer in a row with no heartbeat
                                                  between: reconnect, its gossip path is broken)
-    suspect --direct probe failed (or no answer for another timeout)--> dead
-    suspect (its connection dropped) --redials refused for a heartbeat interval--> dead
-    dead    --higher incarnation (a restart), or a newer heartbeat confirmed by a probe--> alive
-    any     --leave--> dead;  dead --dead_retention--> forgotten
+    suspect --direct probe failed, or no answer for another timeout (SUSPICION_EXPIRED)--> dead
+    suspect (its connection dropped) --redials refused for a heartbeat interval (REDIALS_REFUSED)--> dead
+    dead    --a newer heartbeat confirmed by a probe (CONFIRMED_BACK)--> alive
+    any     --higher incarnation (REJOINED, a restart)--> alive;  any --LEFT--> dead
+    any     --incompatible heartbeat (REFUSED)--> (unknown);  dead --dead_retention (FORGOTTEN)--> (unknown)
 
 A member whose connection dropped is not dead at its first failed probe (a reset link fails the first
 redials while it comes back), but it need not be silent for a whole suspicion timeout either: when
-`REFUSALS_TO_DIE` redials in a row are refused (nothing listens at its address: a killed process) and no heartbeat came for a heartbeat interval, it is dead. A hung process keeps its
-connection and accepts dials, so only silence for the full timeout marks it.
+`REFUSALS_TO_DIE` redials in a row are refused (nothing listens at its address: a killed process) and no
+heartbeat came for a heartbeat interval, it is dead. A hung process keeps its connection and accepts
+dials, so only silence for the full timeout marks it.
 
 A member of another wire version or model is never admitted: it is listed as refused with the
 reason. A daemon that joins (has bootstrap peers) counts as admitted once an admitted, compatible
@@ -27,6 +32,7 @@ from dataclasses import dataclass, field
 
 from planner.node import NodeDescriptor
 from swarmd.config import Timings
+from swarmd.errors import LocalProtocolError
 from swarmd.net.identity import short_id
 from swarmd.wire.gossip import Heartbeat
 
@@ -44,6 +50,47 @@ class State(enum.StrEnum):
     ALIVE = "alive"
     SUSPECT = "suspect"
     DEAD = "dead"
+
+
+class Cause(enum.Enum):
+    """Why a member's state changes: the events of `TRANSITIONS`."""
+
+    JOINED = "joined"  # first compatible heartbeat
+    REJOINED = "rejoined"  # a heartbeat of a higher incarnation (the process restarted)
+    HEARTBEAT = "heartbeat"  # a heartbeat after silence
+    PROBE_ANSWERED = "probe answered"
+    CONFIRMED_BACK = "confirmed back"  # dead, then a newer heartbeat and a probe answer
+    SILENT = "silent"  # no heartbeat for the suspicion timeout
+    CONNECTION_LOST = "connection lost"
+    PROBE_FAILED = "probe failed"
+    REDIALS_REFUSED = "redials refused"  # its connection dropped and nothing listens at its address
+    SUSPICION_EXPIRED = "suspicion expired"
+    LEFT = "left"
+    REFUSED = "refused"  # an incompatible heartbeat (another wire version, model or weights)
+    FORGOTTEN = "forgotten"  # dead for `dead_retention`
+
+
+_ANY = (State.ALIVE, State.SUSPECT, State.DEAD)
+
+# (state, cause) -> new state; None: no longer a member (unknown). Every state change goes through this table.
+TRANSITIONS: dict[tuple[State | None, Cause], State | None] = {
+    (None, Cause.JOINED): State.ALIVE,
+    **{(s, Cause.REJOINED): State.ALIVE for s in _ANY},
+    (State.SUSPECT, Cause.HEARTBEAT): State.ALIVE,
+    (State.SUSPECT, Cause.PROBE_ANSWERED): State.ALIVE,
+    (State.DEAD, Cause.CONFIRMED_BACK): State.ALIVE,
+    (State.ALIVE, Cause.SILENT): State.SUSPECT,
+    (State.ALIVE, Cause.CONNECTION_LOST): State.SUSPECT,
+    (State.ALIVE, Cause.PROBE_FAILED): State.SUSPECT,
+    (State.SUSPECT, Cause.PROBE_FAILED): State.DEAD,
+    (State.SUSPECT, Cause.REDIALS_REFUSED): State.DEAD,
+    (State.SUSPECT, Cause.SUSPICION_EXPIRED): State.DEAD,
+    **{(s, Cause.LEFT): State.DEAD for s in _ANY},
+    **{(s, Cause.REFUSED): None for s in _ANY},
+    (State.DEAD, Cause.FORGOTTEN): None,
+}
+# Announced even when the state stays (a restart, a leave): the rest of the daemon acts on them.
+ANNOUNCED_WHEN_UNCHANGED = frozenset({Cause.REJOINED, Cause.LEFT})
 
 
 # --- inputs -----------------------------------------------------------------------------------
@@ -138,13 +185,11 @@ class Member:
     last_heard: float
     since: float  # when `state` was entered
     seq: int
-    left: bool = False
+    cause: Cause = Cause.JOINED  # of the last transition
     probe_sent: float | None = None  # when the outstanding probe went out
     last_probe: float = 0.0
     rtt_ms: float | None = None
     newer_while_dead: bool = False  # a fresh heartbeat arrived while dead: a probe decides
-    failed_probes: int = 0  # routine probes that failed while heartbeats still arrived
-    connection_lost: bool = False  # suspect because its connection dropped, not because it went silent
     refused_redials: int = 0  # probes in a row, since the connection dropped, whose dial was refused
     silent_but_reachable: int = 0  # times in a row it went silent and then answered the probe
     reason: str = ""
@@ -152,6 +197,16 @@ class Member:
     @property
     def incarnation(self) -> int:
         return self.heartbeat.incarnation
+
+    @property
+    def left(self) -> bool:
+        """Dead because it said it leaves (not because it went silent)."""
+        return self.cause is Cause.LEFT
+
+    @property
+    def connection_lost(self) -> bool:
+        """Suspect because its connection dropped, not because it went silent."""
+        return self.cause is Cause.CONNECTION_LOST
 
     @property
     def descriptor(self) -> NodeDescriptor:
@@ -211,8 +266,7 @@ class Membership:
         if isinstance(msg, ConnectionLost):
             m = self.members.get(msg.peer_id)
             if m and m.state == State.ALIVE:
-                m.connection_lost = True
-                return [*self._move(m, State.SUSPECT, now, "connection lost"), *self._probe(m, now)]
+                return [*self._fire(m, Cause.CONNECTION_LOST, now, "connection lost"), *self._probe(m, now)]
             return []
         if isinstance(msg, RefusedMessage):
             return self._refuse(msg.peer_id, msg.reason)
@@ -226,18 +280,17 @@ class Membership:
                 m.probe_sent = None  # its result was lost: allow another
             if m.state == State.ALIVE:
                 if now - m.last_heard > timeout:
-                    out += self._move(m, State.SUSPECT, now, f"no heartbeat for {now - m.last_heard:.1f} s")
+                    out += self._fire(m, Cause.SILENT, now, f"no heartbeat for {now - m.last_heard:.1f} s")
                     out += self._probe(m, now)
                 elif now - m.last_probe >= self.timings.probe_interval:
                     out += self._probe(m, now)
             elif m.state == State.SUSPECT:
                 if now - m.since > timeout:
-                    out += self._move(m, State.DEAD, now, "suspect for a whole timeout without an answer")
+                    out += self._fire(m, Cause.SUSPICION_EXPIRED, now, "suspect for a whole timeout without an answer")
                 elif m.probe_sent is None:
                     out += self._probe(m, now)
             elif m.state == State.DEAD and now - m.since > self.timings.dead_retention:
-                del self.members[m.peer_id]
-                out.append(Forgotten(m.peer_id))
+                out += self._fire(m, Cause.FORGOTTEN, now, "dead for the retention time")
         return out
 
     # --- transitions ----------------------------------------------------------------------
@@ -248,25 +301,22 @@ class Membership:
         reason = incompatibility(self.local, hb.descriptor)
         if reason:
             refusal = self._refuse(peer, reason)
-            gone = self.members.pop(peer, None)
+            gone = self.members.get(peer)
             if gone is not None:
-                refusal.append(StateChanged(peer, gone.state, State.DEAD, f"refused: {reason}"))
+                refusal += self._fire(gone, Cause.REFUSED, now, f"refused: {reason}")
             return refusal
         self.refused.pop(peer, None)
         out: list[MembershipAction] = []
         m = self.members.get(peer)
         if m is None:
-            m = Member(peer, State.ALIVE, hb, last_heard=now, since=now, seq=hb.seq, last_probe=now,
-                       reason="joined")
-            self.members[peer] = m
-            out.append(StateChanged(peer, None, State.ALIVE, "joined"))
+            m = Member(peer, State.ALIVE, hb, last_heard=now, since=now, seq=hb.seq, last_probe=now)
+            out += self._fire(m, Cause.JOINED, now, "joined", entering=True)
             out.append(Dial(peer, hb.descriptor.addresses))
         elif hb.incarnation > m.incarnation:
             addresses_changed = hb.descriptor.addresses != m.descriptor.addresses
             old = m.state
-            m.heartbeat, m.seq, m.last_heard, m.left, m.newer_while_dead = hb, hb.seq, now, False, False
-            m.state, m.since, m.reason = State.ALIVE, now, f"rejoined (incarnation {hb.incarnation})"
-            out.append(StateChanged(peer, old, State.ALIVE, m.reason))
+            m.heartbeat, m.seq, m.last_heard, m.newer_while_dead = hb, hb.seq, now, False
+            out += self._fire(m, Cause.REJOINED, now, f"rejoined (incarnation {hb.incarnation})")
             if addresses_changed or old == State.DEAD:
                 out.append(Dial(peer, hb.descriptor.addresses))
         elif hb.incarnation < m.incarnation or hb.seq <= m.seq:
@@ -281,7 +331,7 @@ class Membership:
             m.heartbeat, m.seq, m.last_heard = hb, hb.seq, now
             m.silent_but_reachable = 0
             if m.state == State.SUSPECT:
-                out += self._move(m, State.ALIVE, now, "heartbeat resumed")
+                out += self._fire(m, Cause.HEARTBEAT, now, "heartbeat resumed")
         if not self.admitted and hb.admitted and self.self_id in hb.view and m.state == State.ALIVE:
             self.admitted = True
             out.append(Admitted(peer))
@@ -291,8 +341,7 @@ class Membership:
         m = self.members.get(msg.peer_id)
         if m is None or msg.incarnation < m.incarnation or m.left:
             return []
-        m.left = True
-        return self._move(m, State.DEAD, now, "left the swarm", force=True)
+        return self._fire(m, Cause.LEFT, now, "left the swarm")
 
     def _on_probe_result(self, r: ProbeResult, now: float) -> list[MembershipAction]:
         m = self.members.get(r.peer_id)
@@ -305,7 +354,7 @@ class Membership:
             if m.state == State.SUSPECT:
                 silent = not m.connection_lost
                 m.last_heard = now
-                out = self._move(m, State.ALIVE, now, "answered a direct probe")
+                out = self._fire(m, Cause.PROBE_ANSWERED, now, "answered a direct probe")
                 if silent:
                     m.silent_but_reachable += 1
                     if m.silent_but_reachable >= SILENT_BUT_REACHABLE_TO_RECONNECT:
@@ -315,7 +364,7 @@ class Membership:
             if m.state == State.DEAD and m.newer_while_dead and not m.left:
                 m.newer_while_dead = False
                 m.last_heard = now
-                return self._move(m, State.ALIVE, now, "back: heartbeats again and answers probes")
+                return self._fire(m, Cause.CONFIRMED_BACK, now, "back: heartbeats again and answers probes")
             return []
         detail = f": {r.error}" if r.error else ""
         if m.state == State.SUSPECT:
@@ -323,31 +372,42 @@ class Membership:
                 # A reset link fails the first probes while it is dialled again: one failure proves nothing
                 # (tick probes again meanwhile). Refused redials in a row over a heartbeat interval of
                 # silence are a process that is gone; anything else waits for the whole suspicion timeout.
-                m.failed_probes += 1
                 m.refused_redials = m.refused_redials + 1 if r.refused else 0
                 if m.refused_redials >= REFUSALS_TO_DIE and now - m.since >= self.timings.heartbeat_interval:
-                    return self._move(m, State.DEAD, now, f"connection lost and {m.refused_redials} redials "
-                                                          f"refused{detail}")
+                    return self._fire(m, Cause.REDIALS_REFUSED, now, f"connection lost and {m.refused_redials} "
+                                                                     f"redials refused{detail}")
                 return []
-            return self._move(m, State.DEAD, now, f"direct probe failed{detail}")
+            return self._fire(m, Cause.PROBE_FAILED, now, f"direct probe failed{detail}")
         if m.state == State.ALIVE:
             # A routine probe (an RTT measurement) that fails while heartbeats still arrive says the
             # path is slow (a busy CPU), not that the member is gone: only silence makes it suspect.
             if now - m.last_heard <= self.suspicion_timeout():
-                m.failed_probes += 1
                 return []
-            return [*self._move(m, State.SUSPECT, now, f"no heartbeat and probe failed{detail}"),
+            return [*self._fire(m, Cause.PROBE_FAILED, now, f"no heartbeat and probe failed{detail}"),
                     *self._probe(m, now)]
         m.newer_while_dead = False
         return []
 
-    def _move(self, m: Member, new: State, now: float, reason: str, force: bool = False) -> list[MembershipAction]:
-        if m.state == new and not force:
+    def _fire(self, m: Member, cause: Cause, now: float, reason: str, *,
+              entering: bool = False) -> list[MembershipAction]:
+        """Apply `TRANSITIONS[(m's state, cause)]` (`entering`: m is not a member yet); a pair that is not in
+        the table is a bug here, not the peer's doing."""
+        old = None if entering else m.state
+        try:
+            new = TRANSITIONS[(old, cause)]
+        except KeyError:
+            raise LocalProtocolError(f"member {short_id(m.peer_id)}: {cause.value} in state {old}") from None
+        if new is None:  # no longer a member
+            del self.members[m.peer_id]
+            if cause is Cause.FORGOTTEN:
+                return [Forgotten(m.peer_id)]
+            return [StateChanged(m.peer_id, old, State.DEAD, reason)]  # the daemon counts it out
+        if new == old and cause not in ANNOUNCED_WHEN_UNCHANGED:
             return []
-        old, m.state, m.since, m.reason = m.state, new, now, reason
+        m.state, m.since, m.reason, m.cause = new, now, reason, cause
         m.refused_redials = 0
-        if new != State.SUSPECT:
-            m.connection_lost = False
+        if entering:
+            self.members[m.peer_id] = m
         return [StateChanged(m.peer_id, old, new, reason)]
 
     def _probe(self, m: Member, now: float) -> list[MembershipAction]:

@@ -9,11 +9,12 @@ the machines never see a half-applied update.
 from __future__ import annotations
 
 import logging
+import random
 import secrets
 import struct
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,19 +25,10 @@ from planner.plan import Plan
 from swarmd import WIRE_VERSION
 from swarmd.config import Timings
 from swarmd.errors import RemoteProtocolError
+from swarmd.net.framing import HEADER
 from swarmd.net.identity import Signer, short_id
-from swarmd.net.seam import (
-    LENGTH,
-    BadFrame,
-    GossipMessage,
-    Network,
-    PeerUnreachable,
-    Stream,
-    StreamClosed,
-    read_exact,
-    read_frame,
-    write_frame,
-)
+from swarmd.net.seam import BadFrame, GossipMessage, Network, PeerUnreachable, Stream, StreamClosed
+from swarmd.net.streams import close_quietly, read_exact, read_frame, write_frame
 from swarmd.observe.clock import ClockOffsets
 from swarmd.swarm.election import Claim, Election, LeaderChanged, MembersChanged
 from swarmd.swarm.membership import (
@@ -72,7 +64,9 @@ from swarmd.swarm.planning import (
     PlanRejected,
     PublishPlan,
 )
+from swarmd.transport.delivery import RetryPolicy
 from swarmd.wire.gossip import (
+    AssignmentState,
     AssignmentStatus,
     ForgedMessage,
     Heartbeat,
@@ -83,7 +77,7 @@ from swarmd.wire.gossip import (
     encode,
 )
 
-log = logging.getLogger("swarmd.swarm")
+log = logging.getLogger(__name__)
 
 PROBE_PROTOCOL = "/swarmd/probe/1.0.0"
 NONCE = struct.Struct(">Q")
@@ -122,8 +116,12 @@ class SwarmService:
         make_plan: PlanFunction,
         on_plan: Callable[[PlanAnnouncement], None] = lambda ann: None,
         clock: Callable[[], float] = time.perf_counter,
+        blocking: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync,
+        rng: random.Random | None = None,
     ) -> None:
         self.network = network
+        self.blocking = blocking  # runs the planner off the event loop (a worker thread; inline in simulations)
+        self._rng = rng or random.Random(random.getrandbits(64))  # the dials' backoff jitter (a simulation replays it)
         self.clock = clock  # the clock probes carry (the one trace spans are stamped with)
         self.clocks = ClockOffsets()
         self.signer = signer
@@ -144,7 +142,8 @@ class SwarmService:
         self.started_at = 0.0
         self.stats: Counter[str] = Counter()
         self._probe_streams: dict[str, Stream] = {}
-        self._next_dial: dict[str, tuple[float, float]] = {}  # peer -> (not before, current delay)
+        self._next_dial: dict[str, tuple[float, int]] = {}  # peer -> (not before, failed dials in a row)
+        self._dial_retry = RetryPolicy(initial=self.timings.dial_backoff_initial, maximum=self.timings.dial_backoff_max)
         self._dialing: set[str] = set()
         self._warned: dict[tuple[str, str], float] = {}
         self._nursery: trio.Nursery | None = None
@@ -185,7 +184,7 @@ class SwarmService:
                 action = MakePlan(tuple(others), max(c.max_epoch_seen, c.epoch) + 1, c.term,
                                   c.current.plan if c.current else None, basis)
                 try:
-                    plan = await trio.to_thread.run_sync(self.make_plan, action)
+                    plan = await self.blocking(self.make_plan, action)
                 except Exception as e:
                     log.warning("could not re-plan before leaving: %s", e)
                 else:
@@ -277,7 +276,7 @@ class SwarmService:
         self._on_election(changes, now)
         nodes = self._candidate_nodes()
         failed = frozenset((n.peer_id, n.incarnation) for n in nodes
-                           if self._assignment_of(n.peer_id).state == "failed")
+                           if self._assignment_of(n.peer_id).state == AssignmentState.FAILED)
         self._on_planning(self.coordinator.handle(Candidates(nodes, failed), now))
 
     def _candidate_nodes(self) -> tuple[NodeDescriptor, ...]:
@@ -449,7 +448,7 @@ class SwarmService:
             for peer, addresses, is_bootstrap in self._dial_targets():
                 if peer == self.peer_id or peer in self._dialing or self.network.is_connected(peer):
                     continue
-                if now < self._next_dial.get(peer, (0.0, 0.0))[0]:
+                if now < self._next_dial.get(peer, (0.0, 0))[0]:
                     continue
                 self._dialing.add(peer)
                 self._spawn(self._dial, peer, addresses, is_bootstrap)
@@ -485,9 +484,9 @@ class SwarmService:
         try:
             await self.network.connect(peer, addresses)
         except PeerUnreachable as e:
-            _, delay = self._next_dial.get(peer, (0.0, 0.0))
-            delay = min(self.timings.dial_backoff_max, max(self.timings.dial_backoff_initial, 2 * delay))
-            self._next_dial[peer] = (trio.current_time() + delay, delay)
+            _, failures = self._next_dial.get(peer, (0.0, 0))
+            delay = self._dial_retry.backoff(failures, self._rng)
+            self._next_dial[peer] = (trio.current_time() + delay, failures + 1)
             if is_bootstrap and not self.admitted:
                 log.warning("bootstrap peer %s unreachable (%s); retrying in %.1f s, not admitted yet",
                             short_id(peer), e, delay)
@@ -502,7 +501,7 @@ class SwarmService:
     async def _run_planner(self, action: MakePlan) -> None:
         now = trio.current_time()
         try:
-            plan = await trio.to_thread.run_sync(self.make_plan, action)
+            plan = await self.blocking(self.make_plan, action)
         except Exception as e:
             msg = PlanFailed(str(e).splitlines()[0] if str(e) else type(e).__name__, action.basis, action.term)
             self._on_planning(self.coordinator.handle(msg, now))
@@ -555,7 +554,7 @@ class SwarmService:
         gate = self.network.gate
         lim = gate.limits
         while True:
-            (n,) = LENGTH.unpack(await read_exact(stream, LENGTH.size))
+            (n,) = HEADER.unpack(await read_exact(stream, HEADER.size))
             if n != CLOCK_PROBE.size and n > NONCE.size:  # refused before reading it, as any oversized frame
                 raise BadFrame(f"frame of {n} bytes is over the {NONCE.size} byte limit")
             probe = await read_exact(stream, n)
@@ -571,7 +570,7 @@ class SwarmService:
     def _drop_probe_stream(self, peer: str) -> None:
         stream = self._probe_streams.pop(peer, None)
         if stream is not None:
-            self._spawn(_close_quietly, stream)
+            self._spawn(close_quietly, stream)
 
     def _warn_once(self, key: str, message: str, every: float = 30.0) -> None:
         """One line per distinct problem per `every` seconds, so a bad peer cannot flood the log."""
@@ -581,9 +580,3 @@ class SwarmService:
             self._warned[k] = now
             log.warning(message)
 
-
-async def _close_quietly(stream: Stream) -> None:
-    try:
-        await stream.reset()
-    except Exception:
-        return

@@ -6,21 +6,22 @@ code in `swarmd.transport.transport` drives these objects; tests drive them with
 Sender side, per destination: an `Outbox` numbers frames and keeps each until it is acked, refused or past
 its deadline; after a broken link every unacked frame is written again, in order, on the next one.
 `Liveness` decides when a link whose frames go unanswered gets a ping and when it is declared dead.
-`RetryPolicy` spaces reconnection attempts (exponential backoff with jitter).
+`RetryPolicy` spaces reconnection attempts (exponential backoff with jitter). `Link` is the state of the
+link to one destination (idle, connecting, connected, retired), changed only through `LINK_TRANSITIONS`.
 
 Receiver side: a `DedupeTable` remembers, per message key `(type, request_id, step, hop)`, whether it was
 delivered and what its handler produced, so a frame resent after a lost ack is acked again and its cached
-result replayed instead of being handled twice (a KV cache must never append twice). `StrikeCounter` and
-`TokenBucket` bound what one peer can make us do.
+result replayed instead of being handled twice (a KV cache must never append twice). The rates that bound
+what one peer can make us do are `swarmd.net.rates`'.
 """
 
 from __future__ import annotations
 
 import enum
 import random
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from swarmd.errors import LocalProtocolError
@@ -165,6 +166,79 @@ class Liveness:
         return max(oldest_unacked_sent_at, self.last_heard) + self.ack_timeout
 
 
+class LinkState(enum.Enum):
+    IDLE = "idle"  # no stream: nothing to carry, or waiting out a backoff before the next try
+    CONNECTING = "connecting"  # opening a stream
+    CONNECTED = "connected"  # a session runs on an open stream
+    RETIRED = "retired"  # idle too long: its task ended and a new link takes its place
+
+
+class LinkEvent(enum.Enum):
+    OPEN = "open"  # frames wait: open a stream
+    OPENED = "opened"
+    OPEN_FAILED = "open failed"
+    SESSION_ENDED = "session ended"  # its stream broke or was closed
+    IDLE_TIMEOUT = "idle timeout"  # nothing to carry for the idle timeout
+
+
+LINK_TRANSITIONS: dict[tuple[LinkState, LinkEvent], LinkState] = {
+    (LinkState.IDLE, LinkEvent.OPEN): LinkState.CONNECTING,
+    (LinkState.CONNECTING, LinkEvent.OPENED): LinkState.CONNECTED,
+    (LinkState.CONNECTING, LinkEvent.OPEN_FAILED): LinkState.IDLE,
+    (LinkState.CONNECTED, LinkEvent.SESSION_ENDED): LinkState.IDLE,
+    (LinkState.IDLE, LinkEvent.IDLE_TIMEOUT): LinkState.RETIRED,
+}
+
+
+@dataclass
+class Link:
+    """The link to one destination: its state, its sessions (one per stream opened: a frame last written on an
+    older session is written again) and the tries in a row that carried nothing (the backoff's attempt)."""
+
+    state: LinkState = LinkState.IDLE
+    session: int = 0
+    failures: int = 0
+
+    @property
+    def connected(self) -> bool:
+        return self.state is LinkState.CONNECTED
+
+    @property
+    def retired(self) -> bool:
+        return self.state is LinkState.RETIRED
+
+    def open(self) -> None:
+        self._fire(LinkEvent.OPEN)
+
+    def opened(self) -> int:
+        """The stream is open: a new session (its number)."""
+        self._fire(LinkEvent.OPENED)
+        self.session += 1
+        return self.session
+
+    def open_failed(self) -> None:
+        self._fire(LinkEvent.OPEN_FAILED)
+        self.failures += 1
+
+    def session_ended(self, carried: bool) -> None:
+        """The stream is gone; `carried`: some frame was acked on it (the link works: back off from the start)."""
+        self._fire(LinkEvent.SESSION_ENDED)
+        self.failures = 0 if carried else self.failures + 1
+
+    def retire(self) -> None:
+        self._fire(LinkEvent.IDLE_TIMEOUT)
+
+    def backoff(self, policy: RetryPolicy, rng: random.Random) -> float:
+        """How long to wait before the next try."""
+        return policy.backoff(max(self.failures - 1, 0), rng)
+
+    def _fire(self, event: LinkEvent) -> None:
+        try:
+            self.state = LINK_TRANSITIONS[(self.state, event)]
+        except KeyError:
+            raise LocalProtocolError(f"link: {event.value} while {self.state.value}") from None
+
+
 # --- receiver -------------------------------------------------------------------------------------------------
 
 
@@ -276,47 +350,3 @@ class DedupeTable:
                 self._result_bytes -= entry.nbytes
                 entry.result, entry.nbytes = None, 0
                 self.stats.results_dropped += 1
-
-
-@dataclass
-class StrikeCounter:
-    """True once more than `limit` strikes fall within `window` seconds."""
-
-    limit: int
-    window: float
-    _times: deque[float] = field(default_factory=deque)
-
-    def strike(self, now: float) -> bool:
-        self._times.append(now)
-        while self._times and self._times[0] <= now - self.window:
-            self._times.popleft()
-        return len(self._times) > self.limit
-
-
-@dataclass
-class TokenBucket:
-    """`rate` tokens per second, at most `burst` saved up; `take` says how long to wait for one."""
-
-    rate: float
-    burst: float
-    _tokens: float | None = None  # None until first used: it starts full; negative is a debt being waited off
-    _at: float = 0.0
-
-    def try_take(self, now: float) -> bool:
-        """Take a token only if one is there now."""
-        if self.take(now) == 0.0:
-            return True
-        self.give_back()
-        return False
-
-    def give_back(self) -> None:
-        assert self._tokens is not None
-        self._tokens += 1.0
-
-    def take(self, now: float) -> float:
-        if self._tokens is None:
-            self._tokens, self._at = self.burst, now
-        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
-        self._at = now
-        self._tokens -= 1.0
-        return 0.0 if self._tokens >= 0 else -self._tokens / self.rate

@@ -1,8 +1,7 @@
 """Actor transport: reliable, de-duplicated actor messages over one long-lived stream per neighbour.
 
-The transport sees streams only through `ByteStream` (read / write / close), so the same code runs over
-libp2p streams (`swarmd.transport.links`), the TLS data plane (`swarmd.net.tls_plane`) and trio's in-memory streams
-in unit tests. State that decides (sequence numbers, acks, retry, liveness, de-duplication, limits) lives in
+The transport sees streams only through the network seam's `Stream` (`swarmd.transport.links` opens them as
+bulk streams of a `Network`: libp2p, its TLS data plane, or the in-memory twin). State that decides (sequence numbers, acks, retry, liveness, de-duplication, limits) lives in
 `swarmd.transport.delivery`; this module only does the I/O around it.
 
 Sending: `await transport.send(peer, msg)` returns once the peer acked the frame (the peer decoded and
@@ -27,7 +26,7 @@ waits, otherwise by the link's dispatcher task — and its handler runs in a tas
 the frames of one read together once their handlers have begun, and reads on then (a stage's step is on its
 compute thread's queue before the ack is written). A frame whose key was seen is acked without a second
 delivery; if its handler has finished, its result is sent again. Bad frames get an `Error` reply; a peer with
-too many is cut off for a while (`on_penalise` drops its connections). Handler exceptions never escape: they
+too many is penalised in the peer gate (whose network drops its connections). Handler exceptions never escape: they
 become `Error` messages to the sender.
 
 What a handler returns is its result: `None`, a `Send(peer, msg)` or a list of them. The transport posts
@@ -42,12 +41,18 @@ import logging
 import math
 import random
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import trio
 
 from swarmd.errors import LocalProtocolError, RemoteProtocolError
+from swarmd.net.framing import DEFAULT_MAX_FRAME, FrameDecoder, FrameTooLarge
+from swarmd.net.gate import PeerGate
+from swarmd.net.identity import short_id
+from swarmd.net.rates import TokenBucket
+from swarmd.net.seam import Stream
+from swarmd.net.streams import close_quietly
 from swarmd.transport.delivery import (
     DedupeTable,
     Health,
@@ -57,10 +62,8 @@ from swarmd.transport.delivery import (
     Pending,
     RetryPolicy,
     Seen,
-    StrikeCounter,
-    TokenBucket,
 )
-from swarmd.wire.codec import DEFAULT_MAX_FRAME, HEADER, FrameDecoder, WireError, WireTensor
+from swarmd.wire.codec import WireError, WireTensor
 from swarmd.wire.expect import Expect
 from swarmd.wire.messages import (
     Ack,
@@ -77,21 +80,7 @@ from swarmd.wire.messages import (
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = "/swarmd/act/1.0.0"
-_HANG_UP_DELAY = 0.25  # lets a cut-off peer read why before its connection goes (a reset drops unread data)
-
-
-class ByteStream(Protocol):
-    """What the transport needs of a stream: short reads are fine; b'' means the peer closed it."""
-
-    async def read(self, max_bytes: int) -> bytes: ...
-
-    async def write(self, data: bytes) -> None: ...
-
-    async def close(self) -> None: ...
-
-
-Opener = Callable[[str], Awaitable[ByteStream]]
+Opener = Callable[[str], Awaitable[Stream]]
 
 
 class FrameObserver(Protocol):
@@ -117,7 +106,7 @@ class DeliveryFailed(Exception):
     """A frame was not acked before its deadline."""
 
     def __init__(self, peer: str, msg: Message, reason: str) -> None:
-        super().__init__(f"{msg.TAG} to {peer[:16]} not delivered: {reason}")
+        super().__init__(f"{msg.TAG} to {short_id(peer)} not delivered: {reason}")
         self.peer, self.msg, self.reason = peer, msg, reason
 
 
@@ -125,7 +114,7 @@ class Refused(RemoteProtocolError):
     """The receiver answered the frame with an Error (it will not be retried)."""
 
     def __init__(self, peer: str, error: Error) -> None:
-        super().__init__(f"{peer[:16]} refused the frame: {error.code}: {error.message}")
+        super().__init__(f"{short_id(peer)} refused the frame: {error.code}: {error.message}")
         self.peer, self.error = peer, error
 
 
@@ -148,9 +137,6 @@ class TransportConfig:
     max_handlers_per_peer: int = 64
     frames_per_second: float = 5000.0  # per peer, admitted; over it acks slow down
     frame_burst: int = 500
-    bad_frames: int = 5  # more than this many bad frames within `bad_frames_window` cut a peer off
-    bad_frames_window: float = 60.0
-    penalty: float = 60.0  # how long a cut-off peer is refused
     max_links_per_peer: int = 4
     dedupe_ttl: float = 120.0  # must outlast `send_timeout` (no duplicate can come after a sender gave up)
     dedupe_entries: int = 200_000
@@ -223,7 +209,7 @@ class _OutLink:
         self.bytes_freed = trio.Event()
         self.wakeup = trio.Event()
         self.session = 0
-        self.stream: ByteStream | None = None  # the open stream, while a session runs
+        self.stream: Stream | None = None  # the open stream, while a session runs
         self.session_scope: trio.CancelScope | None = None
         self.write_lock = trio.Lock()  # the link task and senders writing directly take turns
         self.writer_wake_at = math.inf  # when the link task will next look at the outbox by itself
@@ -244,7 +230,7 @@ class _OutLink:
 class _InLink:
     """Receiver side of one inbound stream."""
 
-    def __init__(self, peer: str, stream: ByteStream, bucket: TokenBucket, peer_slots: trio.Semaphore) -> None:
+    def __init__(self, peer: str, stream: Stream, bucket: TokenBucket, peer_slots: trio.Semaphore) -> None:
         self.peer = peer
         self.stream = stream
         self.write_lock = trio.Lock()
@@ -263,14 +249,14 @@ class ActorTransport:
         *,
         local_peer: str = "",
         rng: random.Random | None = None,
-        on_penalise: Callable[[str], Awaitable[None]] | None = None,
+        gate: PeerGate | None = None,
         on_undeliverable: Callable[[str, Message, str], None] | None = None,
     ) -> None:
         self.config = config or TransportConfig()
         self.local_peer = local_peer  # messages to this peer id are handed over in-process
         self._open = opener
-        self._rng = rng or random.Random()
-        self._on_penalise = on_penalise
+        self._rng = rng or random.Random(random.getrandbits(64))  # from the process RNG: a simulation replays it
+        self._gate = gate or PeerGate(self_id=local_peer)  # strikes and penalties, shared with the network
         self._on_undeliverable = on_undeliverable or _log_undeliverable
         self._routes: dict[type[Message], _Route] = {}
         self._out: dict[str, _OutLink] = {}
@@ -280,8 +266,6 @@ class ActorTransport:
         self._handlers = trio.Semaphore(cfg.max_handlers)
         self._peer_handlers: dict[str, trio.Semaphore] = {}
         self._buckets: dict[str, TokenBucket] = {}
-        self._strikes: dict[str, StrikeCounter] = {}
-        self._penalised_until: dict[str, float] = {}
         self._nursery: trio.Nursery | None = None
         self.stats = TransportStats()
         self.observer: FrameObserver | None = None
@@ -295,10 +279,6 @@ class ActorTransport:
         if msg_type.CONTROL:
             raise LocalProtocolError(f"{msg_type.TAG} is link control, not an actor message")
         self._routes[msg_type] = _Route(handler, expect)
-
-    def set_expect(self, msg_type: type[Message], expect: Expect | None) -> None:
-        """Change what is expected of `msg_type` (e.g. after a new Plan)."""
-        self._routes[msg_type] = replace(self._routes[msg_type], expect=expect)
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled: link tasks and handlers live in this nursery."""
@@ -321,6 +301,8 @@ class ActorTransport:
 
     async def send(self, peer: str, msg: Message, *, within: float | None = None) -> None:
         """Deliver `msg` to `peer` and wait for its ack (retrying over broken links until the deadline)."""
+        if self._nursery is None:
+            raise DeliveryFailed(peer, msg, "the transport has stopped (the daemon is stopping)")
         if peer == self.local_peer:
             await self._deliver_locally(msg)
             return
@@ -340,6 +322,9 @@ class ActorTransport:
 
     async def post(self, peer: str, msg: Message, *, within: float | None = None) -> None:
         """Queue `msg` for `peer` (waits only for window room); failures go to `on_undeliverable`."""
+        if self._nursery is None:
+            self._on_undeliverable(peer, msg, "the transport has stopped (the daemon is stopping)")
+            return
         if peer == self.local_peer:
             try:
                 await self._deliver_locally(msg)
@@ -357,6 +342,10 @@ class ActorTransport:
         them at once (a stage's batch stays one batch at the next stage). Messages to this daemon are handed
         over after the writes. A failure to queue one goes to `on_undeliverable`, like a post's."""
         queued: list[tuple[_OutLink, Pending]] = []
+        if self._nursery is None:
+            for out in sends:
+                self._on_undeliverable(out.peer, out.msg, "the transport has stopped (the daemon is stopping)")
+            return
         for out in sends:
             if out.peer == self.local_peer:
                 continue  # after the writes: the other peers need not wait for this daemon's own handling
@@ -569,7 +558,7 @@ class ActorTransport:
             if len(link.outbox):
                 await self._sleep_expiring(link, cfg.retry.backoff(max(failures - 1, 0), self._rng))
 
-    async def _connect(self, link: _OutLink) -> ByteStream | None:
+    async def _connect(self, link: _OutLink) -> Stream | None:
         deadline = min(trio.current_time() + self.config.connect_timeout, link.outbox.next_deadline() or math.inf)
         try:
             with trio.fail_after(max(0.0, deadline - trio.current_time())):
@@ -577,7 +566,7 @@ class ActorTransport:
         except Exception as e:  # whatever a dial raises, it is a failed attempt to retry
             link.last_error = f"cannot open a stream: {type(e).__name__}: {e}"[:300]
             self.stats.connect_failures += 1
-            log.debug("link to %s: %s", link.peer[:16], link.last_error)
+            log.debug("link to %s: %s", short_id(link.peer), link.last_error)
             self._link_lost(link.peer)
             self._expire(link)
             return None
@@ -593,7 +582,7 @@ class ActorTransport:
             await trio.sleep_until(min(until, link.outbox.next_deadline() or math.inf))
             self._expire(link)
 
-    async def _session(self, link: _OutLink, stream: ByteStream) -> None:
+    async def _session(self, link: _OutLink, stream: Stream) -> None:
         health = Liveness(self.config.ack_timeout, last_heard=trio.current_time())
         try:
             async with trio.open_nursery() as nursery:
@@ -604,7 +593,7 @@ class ActorTransport:
                         await fn(link, stream, health)
                     except Exception as e:  # stream errors of every kind (libp2p has its own) end the session
                         link.last_error = f"link broke: {type(e).__name__}: {e}"[:300]
-                        log.debug("link to %s: %s", link.peer[:16], link.last_error)
+                        log.debug("link to %s: %s", short_id(link.peer), link.last_error)
                         self._link_lost(link.peer)
                     nursery.cancel_scope.cancel()
 
@@ -613,7 +602,7 @@ class ActorTransport:
         finally:
             link.stream, link.session_scope = None, None
 
-    async def _write_frames(self, link: _OutLink, stream: ByteStream, health: Liveness) -> None:
+    async def _write_frames(self, link: _OutLink, stream: Stream, health: Liveness) -> None:
         cfg, session = self.config, link.session
         idle_since = trio.current_time()
         while True:
@@ -654,7 +643,7 @@ class ActorTransport:
             link.wakeup = trio.Event()
             self._expire(link)
 
-    async def _read_acks(self, link: _OutLink, stream: ByteStream, health: Liveness) -> None:
+    async def _read_acks(self, link: _OutLink, stream: Stream, health: Liveness) -> None:
         # Unbounded waits are safe here: the writer ends the session when the peer goes silent.
         decoder = FrameDecoder(self.config.max_frame)
         while True:
@@ -669,7 +658,7 @@ class ActorTransport:
                     self._settle(link, env.seq, Outcome.ACKED)
                 elif isinstance(env.msg, Error) and env.seq:
                     self._settle(link, env.seq, Outcome.REFUSED, env.msg)
-                    log.info("%s refused frame %d: %s: %s", link.peer[:16], env.seq, env.msg.code, env.msg.message)
+                    log.info("%s refused frame %d: %s: %s", short_id(link.peer), env.seq, env.msg.code, env.msg.message)
                 elif isinstance(env.msg, Error):  # not about one frame: the receiver is closing the link on us
                     raise _LinkBroken(f"{env.msg.code}: {env.msg.message}")
                 elif not isinstance(env.msg, Pong):
@@ -682,29 +671,16 @@ class ActorTransport:
             try:
                 self.on_link_lost(peer)
             except Exception:  # a listener's bug must not end the link task
-                log.exception("on_link_lost failed for %s", peer[:16])
+                log.exception("on_link_lost failed for %s", short_id(peer))
 
-    def penalised(self, peer: str) -> bool:
-        until = self._penalised_until.get(peer)
-        if until is None:
-            return False
-        if trio.current_time() >= until:
-            del self._penalised_until[peer]
-            return False
-        return True
-
-    def close_request(self, request_id: str) -> None:
-        """The request is over here: drop its cached results; later frames of it are acked and dropped."""
-        self._dedupe.close(request_id, trio.current_time())
-
-    async def serve(self, peer: str, stream: ByteStream) -> None:
+    async def serve(self, peer: str, stream: Stream) -> None:
         """Serve one inbound stream from `peer` until it closes. Never raises (a libp2p handler must not)."""
         try:
-            if self._nursery is None or self.penalised(peer):
+            if self._nursery is None or self._gate.refusal(peer, trio.current_time()) is not None:
                 return
             links = self._in.setdefault(peer, set())
             if len(links) >= self.config.max_links_per_peer:
-                log.info("refusing a stream from %s: %d already open", peer[:16], len(links))
+                log.info("refusing a stream from %s: %d already open", short_id(peer), len(links))
                 return
             cfg = self.config
             bucket = self._buckets.setdefault(peer, TokenBucket(cfg.frames_per_second, cfg.frame_burst))
@@ -719,7 +695,7 @@ class ActorTransport:
                 if not links:
                     self._in.pop(peer, None)
         except Exception:
-            log.exception("link from %s ended by an unexpected error", peer[:16])
+            log.exception("link from %s ended by an unexpected error", short_id(peer))
         finally:
             await close_quietly(stream)
 
@@ -731,9 +707,9 @@ class ActorTransport:
             try:
                 await self._read_frames(link, send)
             except (_LinkBroken, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                log.debug("link from %s: %s", link.peer[:16], e)
+                log.debug("link from %s: %s", short_id(link.peer), e)
             except Exception as e:  # a libp2p stream raises its own StreamError family
-                log.debug("link from %s: %s: %s", link.peer[:16], type(e).__name__, e)
+                log.debug("link from %s: %s: %s", short_id(link.peer), type(e).__name__, e)
             finally:
                 nursery.cancel_scope.cancel()
 
@@ -749,7 +725,7 @@ class ActorTransport:
             with trio.move_on_at(read_until) as timer:
                 data = await link.stream.read(cfg.read_chunk)
             if timer.cancelled_caught:
-                log.info("closing link from %s: %s", link.peer[:16], "a frame stalled" if decoder.mid_frame else "idle")
+                log.info("closing link from %s: %s", short_id(link.peer), "a frame stalled" if decoder.mid_frame else "idle")
                 return
             if not data:
                 return
@@ -759,8 +735,8 @@ class ActorTransport:
             while True:
                 try:
                     body = decoder.next_frame()
-                except WireError as e:  # an oversized length: the stream cannot be followed past it
-                    await self._bad_frame(link, e, seq=0, fatal=True)
+                except FrameTooLarge as e:  # the stream cannot be followed past an oversized length
+                    await self._bad_frame(link, WireError(e.code, str(e)), seq=0, fatal=True)
                     return
                 if body is None:
                     break
@@ -818,37 +794,21 @@ class ActorTransport:
                             seq=env.seq, request_id=request_id_of(env.msg)) from None
 
     async def _bad_frame(self, link: _InLink, err: WireError, *, seq: int, fatal: bool = False) -> None:
-        """Answer a bad frame with an Error; cut the peer off when it keeps sending them."""
-        cfg = self.config
+        """Answer a bad frame with an Error and strike the peer; enough strikes and the gate cuts it off."""
         self.stats.bad_frames += 1
-        log.info("bad frame from %s: %s", link.peer[:16], err)
-        counter = self._strikes.setdefault(link.peer, StrikeCounter(cfg.bad_frames, cfg.bad_frames_window))
+        log.info("bad frame from %s: %s", short_id(link.peer), err)
         await self._reply(link, Error(err.code, err.message, request_id=err.request_id), seq)
-        if counter.strike(trio.current_time()):
-            reason = f"more than {cfg.bad_frames} bad frames in {cfg.bad_frames_window:.0f} s"
+        if self._gate.strike(link.peer, trio.current_time(), f"actor transport: {err.code}: {err.message}"):
+            self.stats.penalised += 1
+            lim = self._gate.limits
+            reason = f"more than {lim.bad_frames} bad frames in {lim.bad_frames_window:.0f} s"
             with trio.move_on_after(1.0):
-                await self._reply(link, Error("penalised", f"{reason}; refused for {cfg.penalty:.0f} s"), 0)
-            self._penalise(link.peer, reason)
+                await self._reply(link, Error("penalised", f"{reason}; refused for {lim.penalty:.0f} s"), 0)
+            for other in self._in.get(link.peer, ()):
+                other.scope.cancel()
             raise _LinkBroken(reason)
         if fatal:
             raise _LinkBroken(err.message)
-
-    def _penalise(self, peer: str, reason: str) -> None:
-        self.stats.penalised += 1
-        self._penalised_until[peer] = trio.current_time() + self.config.penalty
-        log.warning("cutting off %s for %.0f s: %s", peer[:16], self.config.penalty, reason)
-        for link in self._in.get(peer, ()):
-            link.scope.cancel()
-        if self._on_penalise is not None and self._nursery is not None:
-            self._nursery.start_soon(self._call_on_penalise, peer)
-
-    async def _call_on_penalise(self, peer: str) -> None:
-        assert self._on_penalise is not None
-        await trio.sleep(_HANG_UP_DELAY)
-        try:
-            await self._on_penalise(peer)
-        except Exception:
-            log.exception("on_penalise(%s) failed", peer[:16])
 
     def _try_admit_now(self, link: _InLink, msg: Message) -> bool:
         """Admit without waiting when the rate and both handler limits allow it at once."""
@@ -902,7 +862,7 @@ class ActorTransport:
                 self._admit(peer, msg, slots)
                 await self._reply(link, Ack(), seq)
         except _LinkBroken as e:
-            log.debug("link from %s: %s", peer[:16], e)
+            log.debug("link from %s: %s", short_id(peer), e)
             link.scope.cancel()
 
     def _admit(self, peer: str, msg: Message, slots: tuple[trio.Semaphore, ...]) -> None:
@@ -970,11 +930,10 @@ async def _let_started_handlers_begin() -> None:
 
     The reader acks its frames and reads on after that, so a handler that starts work (a stage handing its
     step to the compute thread) does so first; the ack's encoding and TLS write and the next read's attempt
-    then overlap the compute thread's wake-up rather than come before it. (They still run before this thread
-    blocks and lets the compute thread take the interpreter lock; deferring them past that, by a sleep, was
-    measured to put their cost into the step instead.) trio runs the tasks of one scheduler batch in either
-    order, so one checkpoint is not enough: a task made ready before the first checkpoint runs in the batch
-    after it, which ends before the second checkpoint returns."""
+    then overlap the compute thread's wake-up rather than come before it, and are done before this thread
+    blocks (why not later: docs/BENCHMARKS.md, "Per-hop overhead against 1 ms"). trio runs the tasks of one
+    scheduler batch in either order, so one checkpoint is not enough: a task made ready before the first
+    checkpoint runs in the batch after it, which ends before the second checkpoint returns."""
     await trio.lowlevel.checkpoint()
     await trio.lowlevel.checkpoint()
 
@@ -1016,47 +975,4 @@ def _approx_size(msg: Message) -> int:
 
 
 def _log_undeliverable(peer: str, msg: Message, reason: str) -> None:
-    log.warning("%s for %s to %s not delivered: %s", msg.TAG, request_id_of(msg) or "-", peer[:16], reason)
-
-
-async def read_exactly(stream: ByteStream, n: int) -> bytes:
-    """Exactly `n` bytes (reads return at most what was asked, so nothing past them is consumed)."""
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = await stream.read(n - len(buf))
-        if not chunk:
-            raise LinkError(f"stream ended after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
-
-
-async def read_frame(stream: ByteStream, max_frame: int) -> Envelope:
-    """One whole frame, for handshakes before a link is served (callers bound it with a timeout)."""
-    (n,) = HEADER.unpack(await read_exactly(stream, HEADER.size))
-    if n > max_frame:
-        raise WireError("frame_too_large", f"handshake frame of {n} bytes is over {max_frame}")
-    return decode(await read_exactly(stream, n))
-
-
-async def close_quietly(stream: ByteStream) -> None:
-    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-        try:
-            await stream.close()
-        except Exception as e:
-            log.debug("closing a stream: %s: %s", type(e).__name__, e)
-
-
-class TrioStream:
-    """A `trio.abc.Stream` (TCP, TLS, in-memory) as a `ByteStream`."""
-
-    def __init__(self, stream: trio.abc.Stream) -> None:
-        self.stream = stream
-
-    async def read(self, max_bytes: int) -> bytes:
-        return await self.stream.receive_some(max_bytes)  # bytes or bytearray: both feed a FrameDecoder
-
-    async def write(self, data: bytes) -> None:
-        await self.stream.send_all(data)
-
-    async def close(self) -> None:
-        await self.stream.aclose()
+    log.warning("%s for %s to %s not delivered: %s", msg.TAG, request_id_of(msg) or "-", short_id(peer), reason)

@@ -1,9 +1,9 @@
 """The wire format: length-prefixed CBOR frames, tensors, and the messages actors exchange."""
 
-from swarmd.wire.codec import DEFAULT_MAX_FRAME, FrameDecoder, WireError, WireTensor
+from swarmd.net.framing import DEFAULT_MAX_FRAME, FrameDecoder
+from swarmd.wire.codec import WireError, WireTensor
 from swarmd.wire.messages import (
     Ack,
-    Attach,
     Cancel,
     Envelope,
     Error,
@@ -26,7 +26,7 @@ from swarmd.wire.messages import (
 __all__ = [
     "DEFAULT_MAX_FRAME",
     "Ack",
-    "Attach",
+
     "Cancel",
     "Envelope",
     "Error",

@@ -1,6 +1,6 @@
-"""Frames and tensors on the wire.
+"""CBOR bodies and tensors on the wire.
 
-A frame is a 4-byte big-endian length followed by that many bytes of one CBOR value. Decoding is strict:
+A frame (`swarmd.net.framing`) holds one CBOR value. Decoding is strict:
 no CBOR tags (cbor2 would otherwise build datetimes, regexes, shared references), no indefinite lengths,
 no duplicate map keys, bounded nesting, no trailing bytes. Anything else is a `WireError` with a short code
 that is sent back to the peer.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import math
-import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +22,6 @@ import numpy as np
 
 from swarmd.errors import LocalProtocolError, RemoteProtocolError
 
-HEADER = struct.Struct(">I")
-DEFAULT_MAX_FRAME = 64 << 20
 MAX_DEPTH = 8  # our messages nest at most 4 deep (envelope, body, tensor, shape)
 MAX_NDIM = 4
 
@@ -107,60 +104,6 @@ def encode_cbor(value: Any) -> bytes:
         return cbor2.dumps(value)
     except cbor2.CBOREncodeError as e:
         raise LocalProtocolError(f"cannot encode {type(value).__name__} as CBOR: {e}") from e
-
-
-def frame(body: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
-    """Length-prefix `body`; refuses bodies the receiver would refuse."""
-    if len(body) > max_frame:
-        raise LocalProtocolError(f"frame of {len(body)} bytes is over the {max_frame}-byte limit")
-    return HEADER.pack(len(body)) + body
-
-
-class FrameDecoder:
-    """Sans-IO splitter: feed it bytes as they arrive, take out whole frame bodies.
-
-    A length over `max_frame` raises WireError('frame_too_large') as soon as the 4-byte header is in, so a
-    hostile length never makes us buffer its body.
-    """
-
-    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
-        self.max_frame = max_frame
-        self._buf = bytearray()
-        self._need: int | None = None  # body length of the frame being read, once its header is in
-
-    def feed(self, data: bytes) -> None:
-        self._buf += data
-
-    @property
-    def buffered(self) -> int:
-        return len(self._buf)
-
-    @property
-    def frame_length(self) -> int:
-        """Body length of the frame being read (0 until its header is in)."""
-        return self._need or 0
-
-    @property
-    def mid_frame(self) -> bool:
-        """True while part of a frame has arrived (a slow rest is then a timeout, not idleness)."""
-        return bool(self._buf)
-
-    def next_frame(self) -> bytes | None:
-        if self._need is None:
-            if len(self._buf) < HEADER.size:
-                return None
-            (n,) = HEADER.unpack_from(self._buf)
-            if n > self.max_frame:
-                raise WireError("frame_too_large", f"frame of {n} bytes is over the {self.max_frame}-byte limit")
-            self._need = n
-        end = HEADER.size + self._need
-        if len(self._buf) < end:
-            return None
-        with memoryview(self._buf) as view:
-            body = bytes(view[HEADER.size : end])
-        del self._buf[:end]
-        self._need = None
-        return body
 
 
 # --- tensors --------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ types, unknown fields and bad schemas raise RemoteProtocolError with one line th
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,19 @@ from swarmd.wire.codec import WireError, decode_cbor
 
 MAX_MESSAGE_BYTES = 1 << 20  # gossipsub's own inbound limit
 MAX_DEPTH = 16  # a plan nests 7 deep (envelope, body, plan, stages, stage, experts, list)
-ASSIGNMENT_STATES = ("idle", "loading", "ready", "standby", "failed")
+
+
+class AssignmentState(enum.StrEnum):
+    """How far a daemon got with what the plan gives it (the transitions: `swarmd.daemon.assignment_machine`)."""
+
+    IDLE = "idle"  # nothing to hold
+    LOADING = "loading"
+    READY = "ready"  # its stage and experts are loaded
+    STANDBY = "standby"  # a spare's warm copy of `layers`
+    FAILED = "failed"  # loading failed (`error` says why)
+
+
+ASSIGNMENT_STATES = tuple(s.value for s in AssignmentState)
 
 
 class ForgedMessage(RemoteProtocolError):
@@ -55,16 +68,19 @@ class AssignmentStatus:
     epoch: int = 0
     layers: tuple[int, int] | None = None
     experts: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    state: str = "idle"  # idle | loading | ready | standby (a spare's warm copy of `layers`) | failed
+    state: AssignmentState = AssignmentState.IDLE
     progress: float = 0.0  # 0..1 while loading
     error: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", AssignmentState(self.state))
 
     def to_json(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,
             "layers": list(self.layers) if self.layers else None,
             "experts": {str(b): list(es) for b, es in self.experts.items()},
-            "state": self.state,
+            "state": self.state.value,
             "progress": round(self.progress, 4),
             "error": self.error,
         }
@@ -89,7 +105,7 @@ class AssignmentStatus:
             layers=(_int(layers[0], "assignment.layers"), _int(layers[1], "assignment.layers"))
             if layers is not None else None,
             experts={int(b): tuple(_int(e, "assignment.experts") for e in es) for b, es in experts.items()},
-            state=doc["state"],
+            state=AssignmentState(doc["state"]),
             progress=float(progress),
             error=doc["error"][:300],
         )
@@ -176,7 +192,33 @@ def encode(msg: GossipMessage, signer: Signer, swarm: str) -> bytes:
 def decode(data: bytes, swarm: str, origin: str | None = None) -> GossipMessage:
     """Check size, envelope, signature, version and schema, in that order.
 
-    `origin` is the peer id the gossip layer authenticated as the publisher, when it knows one."""
+    `origin` is the peer id the gossip layer authenticated as the publisher, when it knows one. The last
+    messages that passed are remembered by their bytes: where many members share a process (the in-memory
+    twin), the same message is checked once for all of them."""
+    key = (data, swarm)
+    known = _PASSED.get(key)
+    if known is None:
+        known = _PASSED[key] = _decode(data, swarm, origin)
+        while len(_PASSED) > PASSED_KEPT:
+            del _PASSED[next(iter(_PASSED))]
+    if origin is not None and origin != known.sender:
+        raise ForgedMessage(f"a message signed by {short_id(known.sender)} was published by {short_id(origin)}",
+                            known.tag, "replayed")
+    return known.message
+
+
+@dataclass(frozen=True)
+class _Passed:
+    sender: str
+    tag: str
+    message: GossipMessage
+
+
+PASSED_KEPT = 512
+_PASSED: dict[tuple[bytes, str], _Passed] = {}
+
+
+def _decode(data: bytes, swarm: str, origin: str | None) -> _Passed:
     if len(data) > MAX_MESSAGE_BYTES:
         raise RemoteProtocolError(f"gossip message of {len(data)} bytes is over the {MAX_MESSAGE_BYTES} limit")
     try:  # strict: no tags, no indefinite lengths, no duplicate keys, bounded nesting
@@ -200,17 +242,17 @@ def decode(data: bytes, swarm: str, origin: str | None = None) -> GossipMessage:
         raise RemoteProtocolError(f"{short_id(sender)} belongs to swarm {env['swarm']!r}, not {swarm!r}")
     tag, body = env["t"], env["body"]
     if tag == "hb":
-        return _decode_heartbeat(sender, body)
+        return _Passed(sender, tag, _decode_heartbeat(sender, body))
     if tag == "plan":
         _expect_keys(body, {"term", "plan"}, "plan message")
         try:
             plan = Plan.from_json(body["plan"])
         except PlanSchemaError as e:
             raise RemoteProtocolError(f"plan from {short_id(sender)} fails its schema: {e}") from None
-        return PlanAnnouncement(leader=sender, term=_int(body["term"], "term"), plan=plan)
+        return _Passed(sender, tag, PlanAnnouncement(leader=sender, term=_int(body["term"], "term"), plan=plan))
     if tag == "leave":
         _expect_keys(body, {"incarnation"}, "leave message")
-        return Leave(peer_id=sender, incarnation=_int(body["incarnation"], "incarnation"))
+        return _Passed(sender, tag, Leave(peer_id=sender, incarnation=_int(body["incarnation"], "incarnation")))
     raise RemoteProtocolError(f"unknown gossip message type {tag!r} from {short_id(sender)}")
 
 

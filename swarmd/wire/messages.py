@@ -23,13 +23,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from swarmd.errors import LocalProtocolError
+from swarmd.net.framing import DEFAULT_MAX_FRAME, frame
 from swarmd.wire.codec import (
-    DEFAULT_MAX_FRAME,
     WireError,
     WireTensor,
     decode_cbor,
     encode_cbor,
-    frame,
 )
 
 MAX_STR = 1024
@@ -204,7 +203,10 @@ def encode(msg: Message, seq: int = 0, *, max_frame: int = DEFAULT_MAX_FRAME) ->
     except WireError as e:
         raise LocalProtocolError(f"refusing to send an invalid {msg.TAG}: {e}") from e
     body = {"t": msg.TAG, "v": msg.VERSION, "seq": seq, "body": _to_cbor(msg)}
-    return frame(encode_cbor(body), max_frame)
+    try:
+        return frame(encode_cbor(body), max_frame)
+    except ValueError as e:
+        raise LocalProtocolError(f"refusing to send {msg.TAG}: {e}") from None
 
 
 def decode(body: bytes) -> Envelope:
@@ -538,37 +540,15 @@ class Pong(Message):
     """Answer to `Ping`, sent by the receiver's reader at once, even while its handlers are busy."""
 
 
-@wire("hello", control=True)
+@wire("hello", control=True, version=2)
 @dataclass(frozen=True, slots=True)
 class Hello(Message):
-    """First frame each way on a new libp2p stream.
-
-    The dialer says whether it wants the TLS data plane; the listener answers with its limits and, if it
-    offers one, the data plane's address, its certificate (pinned by the dialer) and a one-time token that
-    binds the TLS connection to the dialer's libp2p peer id.
-    """
+    """First frame each way on a new actor link: the sender's frame limit."""
 
     max_frame: int
-    want_tls: bool = False
-    tls_host: str = ""
-    tls_port: int = 0
-    tls_cert: bytes = b""
-    tls_token: bytes = b""
 
     def check(self) -> None:
         need(self.max_frame > 0, "max_frame must be > 0")
-        need(0 <= self.tls_port < 65536, "tls_port out of range")
-
-
-@wire("attach", control=True)
-@dataclass(frozen=True, slots=True)
-class Attach(Message):
-    """First frame on a TLS data-plane connection: the token the listener handed out in its `Hello`."""
-
-    token: bytes
-
-    def check(self) -> None:
-        need(0 < len(self.token) <= 64, "token must be 1 to 64 bytes")
 
 
 ACTOR_MESSAGES: tuple[type[Message], ...] = tuple(c for c in REGISTRY.values() if not c.CONTROL)

@@ -1,22 +1,23 @@
-"""Fixtures for model tests: tiny GGUF models written in the test, the numpy reference importable."""
+"""Fixtures for model tests: tiny GGUF models written in the test."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-# tests/reference/ holds the numpy reference forward; it is test code, not part of any package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tiny_gguf import TinySpec, tiny_weights, write_gguf
+from tests.models.tiny_gguf import TinySpec, tiny_weights, write_gguf
 
 # Tensors stored quantised in the tiny model, so the loader's dequantisation path is exercised too.
 TINY_QUANT = {"blk.1.ffn_up.weight": "Q8_0", "blk.2.attn_q.weight": "Q4_1", "blk.3.attn_k.weight": "Q4_0"}
 # Every matrix quantised, matrices that are fused together (Q/K/V, gate/up) of one kind.
 BLOCK_KINDS = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q4_0", "ffn_gate": "Q8_0",
                "ffn_up": "Q8_0", "ffn_down": "Q4_1"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tinygrad_here(tinygrad_in_process) -> None:
+    """Every model test runs tinygrad in this process."""
 
 
 @pytest.fixture(scope="session")

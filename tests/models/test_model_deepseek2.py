@@ -13,9 +13,9 @@ import pytest
 from reference import np_deepseek2 as ref
 from tiny_deepseek2 import TinyDeepSeek2, joined_kv_b, tiny_deepseek2_weights, write_deepseek2_gguf
 
+from models.expert_shard import ExpertShard
 from models.gguf.header import read_header
 from models.gguf.loader import stage_tensor_names
-from models.moe import ExpertShard
 from models.stage import StageInput, StageModel
 
 pytestmark = pytest.mark.slow  # compiles kernels
@@ -116,7 +116,7 @@ def test_stages_and_spread_experts_give_the_single_process_bits(files):
     holders = {e: (name,) for name, es in zip("abc", spread, strict=True) for e in es}
 
     def experts(call):
-        parts = split_by_node(call, holders, ReplicaChooser().choose)
+        parts = split_by_node(call, holders, ReplicaChooser(lambda: 0.0).choose)
         return combine(call, [(p, shards[p.peer].expert_outputs(p.call)) for p in parts])
 
     out = []

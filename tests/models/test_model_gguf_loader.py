@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiny_gguf import tiny_weights, write_gguf
 
 from models.config import config_from_header
 from models.errors import ModelError
@@ -12,6 +11,7 @@ from models.gguf.header import read_header
 from models.gguf.loader import interleaved_to_half_split, load_stage_weights, read_tensor, stage_tensor_names
 from models.layout import layout_from_gguf
 from tests.models.conftest import TINY_QUANT
+from tests.models.tiny_gguf import tiny_weights, write_gguf
 
 
 def test_config_comes_from_the_gguf_metadata(tiny_gguf, tiny_spec):

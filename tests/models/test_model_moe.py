@@ -7,17 +7,18 @@ import itertools
 
 import numpy as np
 import pytest
-from reference.np_llama import NpLlama, load_gguf
-from tiny_gguf import TinyMoE, TinySpec, tiny_moe_weights, write_moe_gguf
 
+from models.catalog.moe_writer import SYNTHETIC_MOE, write_synthetic_moe
 from models.config import config_from_header
+from models.expert_shard import ExpertShard
 from models.gguf.header import read_header
 from models.gguf.loader import stage_tensor_names
-from models.gguf.moe_writer import SYNTHETIC_MOE, write_synthetic_moe
 from models.layout import layout_from_gguf
-from models.moe import ExpertCall, ExpertShard
+from models.moe import ExpertCall
 from models.stage import StageInput, StageModel
 from models.text.tokenizer import Tokenizer
+from tests.models.tiny_gguf import TinyMoE, TinySpec, tiny_moe_weights, write_moe_gguf
+from tests.reference.np_llama import NpLlama, load_gguf
 
 # compiles and runs tinygrad kernels (seconds each on a cold kernel cache)
 pytestmark = pytest.mark.slow
@@ -189,7 +190,7 @@ def test_a_synthetic_moe_gguf_can_carry_a_byte_level_tokenizer_and_needs_no_othe
 
 
 def test_synthetic_presets_span_tiny_to_about_a_billion_parameters():
-    from models.gguf.moe_writer import SyntheticMoE
+    from models.catalog.moe_writer import SyntheticMoE
     from planner.arch import ArchSpec
 
     def params(a: SyntheticMoE) -> int:

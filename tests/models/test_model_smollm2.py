@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from reference.np_llama import NpLlama, load_gguf
 
 from models.stage import SERVING_NUMERICS, StageInput, StageModel
+from tests.reference.np_llama import NpLlama, load_gguf
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from models.catalog.names import resolve_model
+from models.expert_shard import ExpertShard
 from models.layout import layout_from_gguf
-from models.moe import ExpertCall, ExpertShard
+from models.moe import ExpertCall
 from models.stage import StageInput, StageModel
 
 # loads two blocks of SmolLM2 twice and compiles their kernels

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from reference.np_llama import NpLlama, load_gguf
 
 from models.stage import StageInput, StageModel
+from tests.reference.np_llama import NpLlama, load_gguf
 
 # compiles and runs tinygrad kernels (seconds each on a cold kernel cache)
 pytestmark = pytest.mark.slow
@@ -70,7 +70,7 @@ def test_greedy_decoding_follows_the_reference(model, reference):
 
 def test_llama3_rope_frequency_factors_are_applied(tmp_path, tiny_spec):
     """Llama 3 GGUFs carry `rope_freqs.weight`: each RoPE frequency is divided by its factor."""
-    from tiny_gguf import tiny_weights, write_gguf
+    from tests.models.tiny_gguf import tiny_weights, write_gguf
 
     weights = tiny_weights(tiny_spec, seed=2)
     weights["rope_freqs.weight"] = np.linspace(1.0, 8.0, tiny_spec.head_dim // 2).astype(np.float32)

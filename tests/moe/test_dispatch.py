@@ -27,7 +27,7 @@ HOLDERS = {0: ("a",), 1: ("b",), 2: ("a",), 3: ("c", "b")}
 
 def test_each_node_gets_one_part_with_only_the_rows_that_select_its_experts():
     c = call([[0, 1], [2, 0], [3, 2]])
-    parts = split_by_node(c, HOLDERS, ReplicaChooser().choose)
+    parts = split_by_node(c, HOLDERS, ReplicaChooser(lambda: 0.0).choose)
     assert [(p.peer, p.experts, p.rows.tolist()) for p in parts] == [
         ("a", (0, 2), [0, 1, 2]), ("b", (1,), [0]), ("c", (3,), [2])]
     a = parts[0].call
@@ -37,7 +37,7 @@ def test_each_node_gets_one_part_with_only_the_rows_that_select_its_experts():
 
 def test_combine_makes_each_rows_gated_sum_of_the_nodes_expert_outputs():
     c = call([[0, 1], [2, 0], [3, 2]])
-    parts = split_by_node(c, HOLDERS, ReplicaChooser().choose)
+    parts = split_by_node(c, HOLDERS, ReplicaChooser(lambda: 0.0).choose)
     # node i answers 10 * (i + 1) + the expert's index for each selection it holds
     answers = [(p, np.repeat((10 * (i + 1) + p.call.sel[p.call.sel >= 0])[:, None], 4, axis=1).astype(np.float32))
                for i, p in enumerate(parts)]
@@ -58,13 +58,13 @@ def test_a_rows_sum_is_the_same_bits_however_its_experts_are_spread():
     sums = []
     for holders in ({e: ("a",) for e in range(4)}, {0: ("a",), 1: ("b",), 2: ("c",), 3: ("b",)},
                     {0: ("c",), 1: ("a",), 2: ("a",), 3: ("b",)}):
-        parts = split_by_node(c, holders, ReplicaChooser().choose)
+        parts = split_by_node(c, holders, ReplicaChooser(lambda: 0.0).choose)
         sums.append(combine(c, [(p, answer(p)) for p in parts]))
     assert all(np.array_equal(s, sums[0]) for s in sums[1:])
 
 
 def test_a_replica_is_chosen_by_latency_times_load_and_ties_follow_the_plan_order():
-    chooser = ReplicaChooser()
+    chooser = ReplicaChooser(lambda: 0.0)
     assert chooser.choose(("c", "b")) == "c"  # nothing measured: the Plan's nearest first
     chooser.finished("c", 0.050)
     chooser.finished("b", 0.002)
@@ -77,7 +77,7 @@ def test_a_replica_is_chosen_by_latency_times_load_and_ties_follow_the_plan_orde
 
 
 def test_a_failed_replica_is_avoided_until_it_answers_fast_again():
-    chooser = ReplicaChooser()
+    chooser = ReplicaChooser(lambda: 0.0)
     chooser.finished("b", 0.200)  # slow, but it answers
     chooser.finished("c", None)
     assert chooser.choose(("c", "b")) == "b"
@@ -88,7 +88,7 @@ def test_a_failed_replica_is_avoided_until_it_answers_fast_again():
 
 def test_an_estimate_no_call_refreshes_relaxes_so_a_holder_shunned_once_is_tried_again():
     now = [0.0]
-    chooser = ReplicaChooser(clock=lambda: now[0])
+    chooser = ReplicaChooser(lambda: now[0])
     chooser.finished("c", 0.400)  # its first batch compiled kernels
     chooser.finished("b", 0.010)
     assert chooser.choose(("c", "b")) == "b"

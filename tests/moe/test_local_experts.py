@@ -4,24 +4,20 @@ calls that hit one node and sent no message. A call that needs an expert the sha
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-
-from tiny_gguf import TinyMoE, TinySpec, tiny_moe_weights, write_moe_gguf
-
-from models.moe import ExpertCall, ExpertShard
+from models.expert_shard import ExpertShard
+from models.moe import ExpertCall
 from models.stage import StageInput, StageModel
-from swarmd.daemon.compute import use_a_kernel_cache_connection_per_thread
+from swarmd.inference.compute import use_a_kernel_cache_connection_per_thread
 from swarmd.inference.moe.local import LocalExperts, holds_every_selected
 from swarmd.inference.moe.router import MoERouter
 from swarmd.inference.stage.batch import advance_here
 from swarmd.observe.spans import SpanRecorder
+from tests.models.tiny_gguf import TinyMoE, TinySpec, tiny_moe_weights, write_moe_gguf
 
 # compiles and runs tinygrad kernels (seconds on a cold kernel cache)
 pytestmark = pytest.mark.slow

@@ -5,26 +5,20 @@ re-places them."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "transport"))
-
-from memnet import MemoryNet
-from tiny_gguf import TinyMoE, TinySpec, tiny_moe_weights, write_moe_gguf
-
-from models.moe import ExpertCall, ExpertShard
-from swarmd.daemon.compute import ComputeThread, use_a_kernel_cache_connection_per_thread
+from models.expert_shard import ExpertShard
+from models.moe import ExpertCall
+from swarmd.inference.compute import ComputeThread, use_a_kernel_cache_connection_per_thread
 from swarmd.inference.moe.expert import ExpertActor
 from swarmd.inference.moe.router import ExpertsUnavailable, MoERouter
 from swarmd.observe.spans import SpanRecorder
 from swarmd.transport.transport import TransportConfig
 from swarmd.wire.messages import Error, ExpertBatch, ExpertResult
+from tests.models.tiny_gguf import TinyMoE, TinySpec, tiny_moe_weights, write_moe_gguf
+from tests.transport.memnet import MemoryNet
 
 SPEC = TinySpec(n_blocks=2)
 MOE = TinyMoE(n_experts=6, top_k=2)

@@ -7,10 +7,10 @@ import multiaddr
 import numpy as np
 import trio
 
-from swarmd.transport.links import Libp2pStream
-from swarmd.transport.transport import PROTOCOL, read_frame
-from swarmd.wire import Forward, Hello, WireTensor, encode
-from swarmd.wire.codec import HEADER
+from swarmd.net.framing import HEADER
+from swarmd.net.streams import Libp2pStream, read_frame
+from swarmd.transport.links import PROTOCOL
+from swarmd.wire import Forward, Hello, WireTensor, decode, encode
 
 HIDDEN = 576  # SmolLM2
 
@@ -50,9 +50,9 @@ async def bad_frame_replies(address: str, peer_id: str) -> dict[str, str]:
             await host.connect(info_from_p2p_addr(multiaddr.Multiaddr(address)))
             stream = Libp2pStream(await host.new_stream(ID.from_base58(peer_id), [PROTOCOL]))
             await stream.write(encode(Hello(1 << 20)))
-            assert isinstance((await read_frame(stream, 4096)).msg, Hello)
+            assert isinstance(decode(await read_frame(stream, 4096)).msg, Hello)
             for name, data in bad_frames().items():
                 await stream.write(data)
-                replies[name] = (await read_frame(stream, 1 << 20)).msg.code
+                replies[name] = decode(await read_frame(stream, 1 << 20)).msg.code
             await stream.close()
     return replies

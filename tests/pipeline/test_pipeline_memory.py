@@ -18,7 +18,7 @@ from models.sampling import SamplingParams
 from models.stage import StageInput, StageModel
 from models.text.tokenizer import Tokenizer
 from swarmd.config import Timings
-from swarmd.daemon.compute import ComputeThread
+from swarmd.inference.compute import ComputeThread
 from swarmd.inference.head.service import HeadError, HeadRequest, HeadService, ModelInfo
 from swarmd.inference.head.session import Failed, Finished, PromptScores, TokenOut
 from swarmd.inference.pipeline import install_actor_routes

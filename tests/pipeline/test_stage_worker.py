@@ -9,9 +9,10 @@ from types import SimpleNamespace
 import numpy as np
 import trio
 
-from swarmd.daemon.compute import ComputeThread
-from swarmd.inference.stage.actor import Batch, Job, StageActor
+from swarmd.inference.compute import ComputeThread
+from swarmd.inference.stage.actor import StageActor
 from swarmd.inference.stage.book import Work
+from swarmd.inference.stage.job import Batch, Job
 
 
 async def nothing_to_post(sends) -> None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from planner_strategies import GiB, node, toy_layout
 
 from planner import BUILTIN_ARCHS, MoESpec, PlanOptions, PlanSchemaError, layout_from_arch, make_plan
 from planner.check import check_plan_against, missing_peers
 from planner.fleet import GPU_PROFILES, make_fleet, parse_fleet, profile
+from tests.planner.planner_strategies import GiB, node, toy_layout
 
 PLAIN = PlanOptions(runtime_overhead_bytes=0)
 

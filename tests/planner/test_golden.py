@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from planner_strategies import GiB, node, toy_layout
 
 from planner import InfeasiblePlan, MoESpec, PlanOptions, make_plan
 from planner.policies import Planner, sorted_nodes
+from tests.planner.planner_strategies import GiB, node, toy_layout
 
 # No KV, no overhead, free network: only compute and memory decide.
 PLAIN = PlanOptions(runtime_overhead_bytes=0, hop_overhead_ms=0.0, default_rtt_ms=0.0)

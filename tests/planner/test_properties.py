@@ -6,11 +6,11 @@ import random
 
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
-from planner_strategies import fleets, layouts
 
 from planner import InfeasiblePlan, Plan, PlanOptions, make_plan
 from planner.memory import node_memory_use, stage_need_matrix
 from planner.plan import validate_chain
+from tests.planner.planner_strategies import fleets, layouts
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 OPTS = PlanOptions(runtime_overhead_bytes=64 * 2**20, context_length=256, concurrency=2)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from planner_strategies import GiB, node, toy_layout
 
 from planner import MoESpec, Plan, PlanOptions, make_plan
 from planner.plan import ModelRef, Stage
 from planner.simulate import SimConfig, simulate
+from tests.planner.planner_strategies import GiB, node, toy_layout
 
 PLAIN = PlanOptions(runtime_overhead_bytes=0)
 

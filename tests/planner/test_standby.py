@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from planner_strategies import node, toy_layout
-
 from planner import Plan, make_plan
 from planner.memory import stage_bytes
 from planner.options import PlanOptions
 from planner.report import node_rows
 from planner.standby import choose_standbys
+from tests.planner.planner_strategies import node, toy_layout
 
 LAYOUT = toy_layout(12, ends_bytes=2**28)  # the first and last stage carry the embedding and the head
 

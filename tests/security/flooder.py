@@ -2,7 +2,7 @@
 daemon for a bounded time — gossip messages as fast as it can publish them, probes as fast as it can send
 them, and reconnects as fast as it can dial once it is cut off. Prints what it managed as one JSON line.
 
-    python tests/security/flooder.py KEY_FILE TARGET_MULTIADDR SWARM SECONDS
+    python -m tests.security.flooder KEY_FILE TARGET_MULTIADDR SWARM SECONDS   (from the repository's root)
 """
 
 from __future__ import annotations
@@ -16,9 +16,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import trio
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 import trio.lowlevel
 
 from swarmd.net.identity import Signer

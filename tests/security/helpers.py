@@ -17,6 +17,7 @@ from swarmd.net.gate import GuardLimits
 from swarmd.net.identity import Signer, load_or_create_identity
 from swarmd.net.libp2p_network import Libp2pNetwork
 from swarmd.net.swarm_key import SwarmKey
+from swarmd.net.tls_plane import DataPlaneConfig
 from swarmd.swarm.planning import MakePlan
 from swarmd.swarm.service import SwarmService, SwarmSettings
 from swarmd.wire import Forward, WireTensor
@@ -50,10 +51,11 @@ class Member:
 
 async def start_member(nursery: trio.Nursery, home: Path, *, key: SwarmKey | None = None,
                        bootstrap: tuple[Member, ...] = (), allow: frozenset[str] | None = None,
-                       limits: GuardLimits | None = None, timings=TIMINGS) -> Member:
+                       limits: GuardLimits | None = None, timings=TIMINGS, tls: bool = False) -> Member:
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     kp = load_or_create_identity(home)
-    net = Libp2pNetwork(kp, ["/ip4/127.0.0.1/tcp/0"], timings=timings, swarm_key=key, allow=allow, limits=limits)
+    net = Libp2pNetwork(kp, ["/ip4/127.0.0.1/tcp/0"], timings=timings, swarm_key=key, allow=allow, limits=limits,
+                        data_plane=DataPlaneConfig() if tls else None)
     await nursery.start(net.run)
     desc = descriptor(net.peer_id)
 

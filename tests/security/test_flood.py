@@ -13,12 +13,12 @@ import pytest
 import trio
 
 from swarmd.net.swarm_key import SwarmKey, write_swarm_key
-from swarmd.transport.links import Plane, start_actor_transport
+from swarmd.transport.links import start_actor_transport
 from swarmd.wire import Forward
 from tests.security.helpers import SWARM, TIMINGS, eventually, forward, start_member
 
 pytestmark = pytest.mark.slow  # about 20 s
-FLOODER = Path(__file__).with_name("flooder.py")
+ROOT = Path(__file__).resolve().parents[2]
 FLOOD_SECONDS = 6.0
 
 
@@ -29,8 +29,8 @@ async def test_a_flood_from_one_member_does_not_stop_the_others(tmp_path):
         async with trio.open_nursery() as nursery:
             victim = await start_member(nursery, tmp_path / "victim", key=key)
             honest = await start_member(nursery, tmp_path / "honest", key=key, bootstrap=(victim,))
-            v_transport, _ = await start_actor_transport(victim.net.host, nursery, plane=Plane.LIBP2P)
-            h_transport, _ = await start_actor_transport(honest.net.host, nursery, plane=Plane.LIBP2P)
+            v_transport = await start_actor_transport(victim.net, nursery)
+            h_transport = await start_actor_transport(honest.net, nursery)
             got: list[Forward] = []
 
             async def stage(peer, msg):
@@ -43,8 +43,8 @@ async def test_a_flood_from_one_member_does_not_stop_the_others(tmp_path):
             victim.swarm.state_listeners.append(changes.append)
 
             flooder = await trio.lowlevel.open_process(
-                [sys.executable, str(FLOODER), str(tmp_path / "swarm.key"), victim.address, SWARM, str(FLOOD_SECONDS)],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                [sys.executable, "-m", "tests.security.flooder", str(tmp_path / "swarm.key"), victim.address, SWARM,
+                 str(FLOOD_SECONDS)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
             try:
                 gaps, sent, slowest, step = [], 0, 0.0, 0
                 end = trio.current_time() + FLOOD_SECONDS + 3

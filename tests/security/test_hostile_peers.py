@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import random
 import struct
+from dataclasses import replace
 
 import multiaddr
 import pytest
 import trio
 
 from swarmd.net.gate import GuardLimits
-from swarmd.net.seam import read_frame, write_frame
+from swarmd.net.streams import read_frame, write_frame
 from swarmd.net.swarm_key import SwarmKey
 from swarmd.swarm.service import PROBE_PROTOCOL
-from swarmd.transport.links import Plane, start_actor_transport
+from swarmd.transport.links import start_actor_transport
 from swarmd.wire import Forward, Hello, encode
 from tests.security.helpers import eventually, forward, start_member
 from tests.wire.wire_examples import VALID_BODIES, mutate
@@ -77,8 +78,8 @@ async def test_hostile_streams_on_every_protocol_leave_the_daemon_serving_others
         async with trio.open_nursery() as nursery:
             victim = await start_member(nursery, tmp_path / "victim", key=key, limits=PATIENT)
             honest = await start_member(nursery, tmp_path / "honest", key=key, bootstrap=(victim,))
-            v_transport, _ = await start_actor_transport(victim.net.host, nursery, plane=Plane.LIBP2P)
-            h_transport, _ = await start_actor_transport(honest.net.host, nursery, plane=Plane.LIBP2P)
+            v_transport = await start_actor_transport(victim.net, nursery)
+            h_transport = await start_actor_transport(honest.net, nursery)
             got: list[Forward] = []
 
             async def stage(peer, msg):
@@ -122,9 +123,11 @@ async def test_hostile_streams_on_every_protocol_leave_the_daemon_serving_others
                 assert victim.net.gate.stats["strikes"] > 0  # what was refused was counted against the sender
                 await silent.aclose()
 
-            # Bad actor frames past the transport's limit: the transport cuts the peer off, and the gate
-            # with it, so it cannot come back on any protocol until its penalty is over. A member of its own,
-            # so that whether the random frames above already cut `evil` off does not matter here.
+            # Bad actor frames past the limit: the transport strikes the peer in the gate (one penalty box),
+            # which cuts it off, so it cannot come back on any protocol until its penalty is over. A member of
+            # its own, so that whether the random frames above already cut `evil` off does not matter here; the
+            # gate's usual limit from here on (the random frames above needed a patient one).
+            victim.net.gate.limits = replace(PATIENT, bad_frames=GuardLimits().bad_frames)
             worse = new_host(key_pair=create_new_key_pair(b"\x67" * 32), listen_addrs=listen, psk=key.hex,
                              connection_config=ConnectionConfig(max_connections_per_peer=1))
             async with worse.run(listen_addrs=listen):

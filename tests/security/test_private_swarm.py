@@ -8,10 +8,10 @@ import trio
 
 from swarmd.net.seam import PeerUnreachable
 from swarmd.net.swarm_key import SwarmKey
-from swarmd.net.tls_plane import DataPlane
-from swarmd.transport.links import Plane, start_actor_transport
+from swarmd.net.tls_plane import Offer
+from swarmd.transport.links import start_actor_transport
 from swarmd.transport.transport import DeliveryFailed
-from swarmd.wire import Forward, Hello
+from swarmd.wire import Forward
 from tests.security.helpers import TIMINGS, eventually, forward, start_member
 
 pytestmark = pytest.mark.slow  # real hosts and dial timeouts: about 15 s
@@ -21,10 +21,11 @@ async def test_only_holders_of_the_swarm_key_join_see_descriptors_get_the_plan_o
     key = SwarmKey.generate()
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            a = await start_member(nursery, tmp_path / "a", key=key)
-            b = await start_member(nursery, tmp_path / "b", key=key, bootstrap=(a,))
-            keyless = await start_member(nursery, tmp_path / "keyless", bootstrap=(a,))
-            other_key = await start_member(nursery, tmp_path / "other", key=SwarmKey.generate(), bootstrap=(a,))
+            a = await start_member(nursery, tmp_path / "a", key=key, tls=True)
+            b = await start_member(nursery, tmp_path / "b", key=key, bootstrap=(a,), tls=True)
+            keyless = await start_member(nursery, tmp_path / "keyless", bootstrap=(a,), tls=True)
+            other_key = await start_member(nursery, tmp_path / "other", key=SwarmKey.generate(), bootstrap=(a,),
+                                           tls=True)
             delivered: list[Forward] = []
 
             async def stage(peer, msg):
@@ -32,18 +33,19 @@ async def test_only_holders_of_the_swarm_key_join_see_descriptors_get_the_plan_o
 
             transports = {}
             for m in (a, b, keyless, other_key):
-                transports[m.peer_id], links = await start_actor_transport(m.net.host, nursery, plane=Plane.TLS)
+                transports[m.peer_id] = await start_actor_transport(m.net, nursery)
                 if m is a:
                     transports[a.peer_id].route(Forward, stage)
-                    a_links = links
                 m.net.host.get_peerstore().add_addrs(a.net.host.get_id(), a.net.host.get_addrs(), 3600)
+            plane = a.net.data_plane
+            assert plane is not None
 
             # The members form a swarm, plan, and pass an activation over the TLS data plane.
             await eventually(lambda: b.swarm.plan is not None and a.swarm.plan is not None
                              and {s.peer_id for s in a.swarm.plan.stages} == {a.peer_id, b.peer_id},
                              30, "a and b share a plan over both of them")
             await transports[b.peer_id].send(a.peer_id, forward(1), within=10)
-            assert [m.step for m in delivered] == [1] and a_links.data_plane.connections(b.peer_id) == 1
+            assert [m.step for m in delivered] == [1] and plane.connections(b.peer_id) == 1
 
             # The outsiders kept dialing the whole time: no connection, no member, no descriptor, no plan.
             for outsider in (keyless, other_key):
@@ -58,12 +60,10 @@ async def test_only_holders_of_the_swarm_key_join_see_descriptors_get_the_plan_o
 
             # Nor does the data plane take an activation from whoever finds its port: its tokens only travel
             # over the private libp2p stream, and a guessed one is refused.
-            plane = a_links.data_plane
-            guess = Hello(1 << 20, tls_host="127.0.0.1", tls_port=plane.port, tls_cert=plane.cert_der,
-                          tls_token=bytes(16))
-            outsider_plane = DataPlane(transports[keyless.peer_id], keyless.peer_id)
+            guess = Offer("127.0.0.1", plane.port, plane.cert_der, bytes(16))
+            assert keyless.net.data_plane is not None
             with pytest.raises(Exception):  # noqa: B017 - the listener just hangs up
-                await outsider_plane.dial(guess)
+                await keyless.net.data_plane.dial(guess)
             assert [m.step for m in delivered] == [1]
             assert plane.connections(keyless.peer_id) == 0
             nursery.cancel_scope.cancel()

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from swarmd.config import LAN
 from swarmd.net.gate import GuardLimits
 from swarmd.net.identity import Signer, peer_id_of
-from swarmd.net.seam import read_exact, read_frame, write_frame
+from swarmd.net.streams import read_exact, read_frame, write_frame
 from swarmd.swarm.service import PROBE_PROTOCOL, SwarmService, SwarmSettings
 from swarmd.testing.memory_network import MemoryHub
 from tests.security.helpers import planner
@@ -113,6 +113,7 @@ def test_a_peer_that_keeps_sending_bad_probes_is_cut_off_and_others_are_still_an
                 await stream.write(LEN.pack(9) + bytes(9))
                 assert await closes(stream)
             assert net.gate.is_penalised(FUZZER, trio.current_time())
+            await trio.sleep(1)  # the hang-up waits a moment, so that the peer can read why
             assert FUZZER not in net.connections
             with pytest.raises(Exception, match="penalised"):
                 await fuzzer.open_stream(VICTIM, PROBE_PROTOCOL)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from daemons import Daemon, stop_all
-from tiny_model import write_tiny_llama
+
+from tests.swarm.daemons import Daemon, stop_all
+from tests.swarm.tiny_model import write_tiny_llama
 
 
 @pytest.fixture(scope="session")

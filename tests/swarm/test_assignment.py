@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import pytest
 import trio
-from swarm_helpers import peer
 
 from planner.plan import ModelRef, Plan, Stage
 from swarmd.daemon.assignment import Assignment
-from swarmd.daemon.compute import ComputeThread
 from swarmd.daemon.served_model import served_model
+from swarmd.inference.compute import ComputeThread
 from swarmd.wire.gossip import PlanAnnouncement
+from tests.swarm.swarm_helpers import peer
 
 ME, OTHER = peer(1), peer(2)
+
+pytestmark = pytest.mark.usefixtures("tinygrad_in_process")
 
 
 @pytest.fixture

@@ -10,7 +10,9 @@ import time
 import pytest
 import trio
 
-from swarmd.daemon.compute import ComputeThread
+from swarmd.inference.compute import ComputeThread
+
+pytestmark = pytest.mark.usefixtures("tinygrad_in_process")
 
 
 async def test_jobs_run_in_order_on_one_other_thread_and_errors_come_back():
@@ -78,7 +80,8 @@ def test_a_daemon_collects_cyclic_garbage_on_the_compute_thread_only_and_counts_
     # The collections it ran are counted and timed for /metrics.
     script = """
 import gc, threading, time
-from swarmd.daemon.compute import COLLECTIONS, collect_garbage_on_the_compute_thread
+from swarmd.inference.compute import collect_garbage_on_the_compute_thread
+from swarmd.observe.gc_collections import COLLECTIONS
 collect_garbage_on_the_compute_thread()
 assert not gc.isenabled()
 where = []

@@ -7,8 +7,9 @@ import subprocess
 import sys
 
 import pytest
-from daemons import wait_until
-from tiny_model import write_tiny_llama
+
+from tests.swarm.daemons import wait_until
+from tests.swarm.tiny_model import write_tiny_llama
 
 pytestmark = pytest.mark.slow
 

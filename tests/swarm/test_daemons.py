@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from daemons import view, wait_until
+
+from tests.swarm.daemons import view, wait_until
 
 pytestmark = pytest.mark.slow
 BOUND = 30.0  # generous: the target figures are benchmarks, not test bounds
@@ -26,7 +27,8 @@ def test_four_daemons_form_one_swarm_and_survive_kills_and_restarts(daemons):
     assert d1.stdout_lines[0] == f"Peer ID: {d1.peer_id}"
     assert all(a.endswith(f"/p2p/{d1.peer_id}") and not a.endswith("/tcp/0/p2p/" + d1.peer_id)
                for a in d1.addresses)
-    assert d1.stdout_lines[-1] == "Daemon is ready" and d1.stdout_lines[-2].startswith("API server listening on http://")
+    assert d1.stdout_lines[-1] == "Daemon is ready"
+    assert any(line.startswith("API server listening on http://") for line in d1.stdout_lines)
     # a chain of bootstraps: d2 joins through d1, d3 through d2, d4 through d3
     d2 = daemons("d2").start(bootstrap=(d1.addresses[0],)).wait_ready()
     d3 = daemons("d3").start(bootstrap=(d2.addresses[0],)).wait_ready()

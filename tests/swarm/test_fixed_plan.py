@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from swarm_helpers import descriptor, peer
 
 from planner import BUILTIN_ARCHS, layout_from_arch
 from planner.plan import ModelRef, Plan, Stage
 from swarmd.errors import UserError
 from swarmd.swarm.fixed_plan import FixedPlan, PlanNotAdopted, load_plan_file
 from swarmd.swarm.planning import Basis, MakePlan
+from tests.swarm.swarm_helpers import descriptor, peer
 
 LAYOUT = layout_from_arch(BUILTIN_ARCHS["smollm2-135m"], "f16")
 A, B, C = sorted(peer(i) for i in range(1, 4))

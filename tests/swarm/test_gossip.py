@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import cbor2
 import pytest
-from swarm_helpers import heartbeat, key, peer
 
 from planner.plan import ModelRef, Plan, Stage
 from swarmd import WIRE_VERSION
 from swarmd.errors import RemoteProtocolError
 from swarmd.net.identity import Signer
 from swarmd.wire.gossip import IncompatibleVersion, Leave, PlanAnnouncement, decode, encode
+from tests.swarm.swarm_helpers import heartbeat, key, peer
 
 A, B = peer(1), peer(2)
 SIGNER = Signer(key(1))

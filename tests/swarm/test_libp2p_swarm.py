@@ -6,15 +6,15 @@ from dataclasses import replace
 
 import pytest
 import trio
-from swarm_helpers import descriptor
 
 from planner import BUILTIN_ARCHS, layout_from_arch, make_plan
 from swarmd.config import LAN
 from swarmd.net.identity import Signer, load_or_create_identity
 from swarmd.net.libp2p_network import Libp2pNetwork
-from swarmd.net.seam import read_frame, write_frame
+from swarmd.net.streams import read_frame, write_frame
 from swarmd.swarm.planning import MakePlan
 from swarmd.swarm.service import SwarmService, SwarmSettings
+from tests.swarm.swarm_helpers import descriptor
 
 pytestmark = pytest.mark.slow
 LAYOUT = layout_from_arch(BUILTIN_ARCHS["smollm2-135m"], "f16")

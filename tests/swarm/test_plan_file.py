@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from daemons import wait_until
 
 from planner.plan import ModelRef, Plan, Stage
 from swarmd.net.identity import load_or_create_identity, peer_id_of
+from tests.swarm.daemons import wait_until
 
 pytestmark = pytest.mark.slow
 

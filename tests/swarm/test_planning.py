@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from swarm_helpers import descriptor, peer
-
 from planner.plan import ModelRef, Plan, Stage
 from swarmd.config import LAN
 from swarmd.swarm.planning import (
@@ -20,6 +18,7 @@ from swarmd.swarm.planning import (
     PublishPlan,
 )
 from swarmd.wire.gossip import PlanAnnouncement
+from tests.swarm.swarm_helpers import descriptor, peer
 
 ME, A, B = sorted(peer(i) for i in range(1, 4))
 

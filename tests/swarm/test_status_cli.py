@@ -45,7 +45,7 @@ def test_the_human_view_shows_swarm_members_plan_and_refusals():
     doc = {"self": {"peer_id": me, "label": "RTX 3060 12GB", "device": "CPU", "api": "http://127.0.0.1:1",
                     "model": {"name": "smollm2-135m"}},
            "swarm": {"name": "lab", "private": False, "key_fingerprint": None, "allowlist": None, "penalised": []},
-           "admitted": True, "leader": me, "term": 3, "plan": {"epoch": 7},
+           "admitted": True, "leader": me, "term": (3 << 32) | 0xBEEF, "plan": {"epoch": 7},
            "coverage": "layers 0-29 covered", "requests_in_flight": 2, "plan_error": None,
            "members": [{**row, "peer_id": me},
                        {**row, "peer_id": other, "state": "suspect",

@@ -13,14 +13,22 @@ import numpy as np
 
 
 def write_tiny_llama(path: Path, *, n_blocks: int = 8, dim: int = 64, ffn: int = 128, n_heads: int = 4,
-                     n_kv_heads: int = 2, vocab: int = 256, seed: int = 0) -> Path:
+                     n_kv_heads: int = 2, vocab: int = 256, seed: int = 0, byte_tokenizer: bool = False,
+                     scale: float = 0.05) -> Path:
+    """With `byte_tokenizer`, a byte-level tokenizer of `vocab` (>= 257) tokens is written too, as seeded
+    models have: then the file serves text prompts, not only token ids. `scale` is the weights' spread (wider
+    weights give more varied greedy tokens)."""
     rng = np.random.default_rng(seed)
     head_dim = dim // n_heads
 
     def weight(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
 
     w = gguf.GGUFWriter(str(path), "llama")
+    if byte_tokenizer:
+        from models.catalog.seeded import write_byte_level_tokenizer
+
+        write_byte_level_tokenizer(w, vocab)
     w.add_name("tiny-llama")
     w.add_block_count(n_blocks)
     w.add_context_length(256)

@@ -1,5 +1,5 @@
-"""Real py-libp2p hosts on loopback, each with an ActorTransport, set up as the field notes advise:
-Ed25519 keys from fixed seeds, TCP + noise + yamux, `ConnectionConfig(max_connections_per_peer=1)`."""
+"""Real py-libp2p networks on loopback (the daemon's `Libp2pNetwork`, with or without its TLS data plane),
+each with an ActorTransport; and bare hosts for writing raw frames like a misbehaving peer."""
 
 from __future__ import annotations
 
@@ -11,16 +11,21 @@ from typing import Any
 import pytest
 import trio
 
-from swarmd.transport.links import P2PLinks, Plane, start_actor_transport
+from swarmd.net.libp2p_network import Libp2pNetwork
+from swarmd.net.tls_plane import DataPlaneConfig
+from swarmd.transport.links import start_actor_transport
 from swarmd.transport.transport import ActorTransport, TransportConfig
 
 
 @dataclass
 class P2PNode:
-    host: Any
+    network: Libp2pNetwork
     peer: str
     transport: ActorTransport
-    links: P2PLinks
+
+    @property
+    def host(self) -> Any:
+        return self.network.host
 
 
 StartNode = Callable[..., Awaitable[P2PNode]]
@@ -50,23 +55,28 @@ def introduce(host: Any, others: list[Any]) -> None:
 
 @pytest.fixture
 async def p2p() -> AsyncIterator[StartNode]:
-    """Start nodes with `await p2p(seed, plane=..., config=...)`; all stop when the test ends."""
+    """Start nodes with `await p2p(seed, tls=..., config=...)` (`tls`: bulk streams on the TLS data plane);
+    all stop when the test ends."""
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
     logging.getLogger("libp2p").setLevel(logging.ERROR)
     hosts: list[Any] = []
 
-    async def run_node(seed: int, plane: Plane, config: TransportConfig | None, *, task_status) -> None:
-        # Each host lives in a task of its own: its run() context is entered and left by that task.
-        host, listen = make_host(seed)
-        async with host.run(listen_addrs=listen), trio.open_nursery() as nursery:
-            transport, links = await start_actor_transport(host, nursery, config, plane=plane)
-            introduce(host, hosts)
-            hosts.append(host)
-            task_status.started(P2PNode(host, str(host.get_id()), transport, links))
+    async def run_node(seed: int, tls: bool, config: TransportConfig | None, *, task_status) -> None:
+        # Each network lives in a task of its own: its host's run() context is entered and left by that task.
+        network = Libp2pNetwork(create_new_key_pair(bytes([seed]) * 32), ["/ip4/127.0.0.1/tcp/0"],
+                                data_plane=DataPlaneConfig() if tls else None)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(network.run)
+            transport = await start_actor_transport(network, nursery, config)
+            introduce(network.host, hosts)
+            hosts.append(network.host)
+            task_status.started(P2PNode(network, network.peer_id, transport))
 
     async with trio.open_nursery() as nodes:
 
-        async def start(seed: int, *, plane: Plane = Plane.LIBP2P, config: TransportConfig | None = None) -> P2PNode:
-            return await nodes.start(run_node, seed, plane, config)
+        async def start(seed: int, *, tls: bool = False, config: TransportConfig | None = None) -> P2PNode:
+            return await nodes.start(run_node, seed, tls, config)
 
         yield start
         nodes.cancel_scope.cancel()

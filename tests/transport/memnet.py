@@ -1,77 +1,89 @@
-"""ActorTransports wired together by trio in-memory streams, for fast tests in virtual time.
+"""ActorTransports on the in-memory twin of the network (`swarmd.testing.memory_network`), for fast tests
+in virtual time: the transports, links and streams are the daemon's own; only the wire is in memory.
 
-A test fake of the network only: the transports are the real ones. Links can be broken, peers taken down,
-and a test can open a raw stream into a transport to write frames by hand.
+`MemoryNet(nursery)` starts its hub; `await net.add(name, config)` makes an endpoint and a transport on it.
+A test can take a peer off the wire (`down`: dials to it fail; `unserved`: dials succeed and nobody
+answers), break every stream, wrap the dialer's ends, count dials, and open a raw link into a transport to
+write frames by hand.
 """
 
 from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Callable
-from functools import partial
 
 import trio
-import trio.testing
 
-from swarmd.transport.transport import (
-    ActorTransport,
-    ByteStream,
-    LinkError,
-    TransportConfig,
-    TrioStream,
-    read_frame,
-)
-from swarmd.wire import Envelope, Message, encode
-
-Wrap = Callable[[str, str, ByteStream], ByteStream]
+from swarmd.net.seam import Stream, StreamClosed
+from swarmd.net.streams import read_frame
+from swarmd.testing.memory_network import MemoryHub, MemoryNetwork
+from swarmd.transport.links import PROTOCOL, start_actor_transport
+from swarmd.transport.transport import ActorTransport, TransportConfig
+from swarmd.wire import Envelope, Hello, Message, decode, encode
 
 
 class MemoryNet:
     def __init__(self, nursery: trio.Nursery) -> None:
         self.nursery = nursery
+        self.hub = MemoryHub()
+        nursery.start_soon(self.hub.run)
         self.transports: dict[str, ActorTransport] = {}
-        self.down: set[str] = set()
-        self.unserved: set[str] = set()  # dials succeed but nobody reads the other end (a hung peer)
-        self.dials: Counter[tuple[str, str]] = Counter()
+        self.endpoints: dict[str, MemoryNetwork] = {}
         self.dial_times: list[float] = []
-        self.wrap: Wrap | None = None
-        self._ends: list[trio.abc.Stream] = []
 
-    async def add(self, name: str, config: TransportConfig | None = None, **kwargs) -> ActorTransport:
-        transport = ActorTransport(partial(self._open, name), config, local_peer=name, rng=random.Random(name), **kwargs)
-        await self.nursery.start(transport.run)
-        self.transports[name] = transport
+    @property
+    def down(self) -> set[str]:
+        return self.hub.refusing
+
+    @property
+    def unserved(self) -> set[str]:
+        return self.hub.unserved
+
+    @property
+    def dials(self) -> Counter[tuple[str, str]]:
+        return self.hub.stream_opens
+
+    @property
+    def wrap(self):
+        return self.hub.wrap
+
+    @wrap.setter
+    def wrap(self, fn) -> None:
+        self.hub.wrap = None if fn is None else lambda src, dst, protocol, stream: fn(src, dst, stream)
+
+    async def add(self, name: str, config: TransportConfig | None = None) -> ActorTransport:
+        await trio.lowlevel.checkpoint()
+        endpoint = self.endpoints[name] = self.hub.endpoint(name)
+        await self.nursery.start(endpoint.run)
+        inner = endpoint.open_stream
+
+        async def open_stream(peer: str, protocol: str, *, bulk: bool = False) -> Stream:
+            self.dial_times.append(trio.current_time())
+            return await inner(peer, protocol, bulk=bulk)
+
+        endpoint.open_stream = open_stream  # type: ignore[method-assign]
+        transport = self.transports[name] = await start_actor_transport(endpoint, self.nursery, config,
+                                                                        rng=random.Random(name))
         return transport
 
-    async def _open(self, src: str, dst: str) -> ByteStream:
-        self.dials[(src, dst)] += 1
-        self.dial_times.append(trio.current_time())
-        if dst in self.down or dst not in self.transports:
-            raise LinkError(f"{dst} is unreachable")
-        near, far = trio.testing.memory_stream_pair()
-        self._ends += [near, far]
-        if dst not in self.unserved:
-            self.nursery.start_soon(self.transports[dst].serve, src, TrioStream(far))
-        stream: ByteStream = TrioStream(near)
-        return self.wrap(src, dst, stream) if self.wrap else stream
-
     async def break_links(self) -> None:
-        """Drop every open link at once, as a dead connection would."""
-        ends, self._ends = self._ends, []
-        for end in ends:
-            await end.aclose()
+        """Drop every open stream at once, as a dead connection would."""
+        self.hub.reset()
+        await trio.lowlevel.checkpoint()
 
-    def raw_link(self, src: str, dst: str) -> RawLink:
-        """A stream into `dst` as if from `src`, written frame by frame by the test."""
-        near, far = trio.testing.memory_stream_pair()
-        self._ends += [near, far]
-        self.nursery.start_soon(self.transports[dst].serve, src, TrioStream(far))
-        return RawLink(TrioStream(near))
+    async def raw_link(self, src: str, dst: str) -> RawLink:
+        """A link into `dst` as if from `src` (hello done), written frame by frame by the test."""
+        if src not in self.hub.endpoints:
+            endpoint = self.hub.endpoint(src)
+            await self.nursery.start(endpoint.run)
+        stream = await self.hub.endpoints[src].open_stream(dst, PROTOCOL, bulk=True)
+        await stream.write(encode(Hello(1 << 20)))
+        assert isinstance(decode(await read_frame(stream, 4096)).msg, Hello)
+        return RawLink(stream)
 
 
 class RawLink:
-    def __init__(self, stream: TrioStream) -> None:
+    def __init__(self, stream: Stream) -> None:
         self.stream = stream
 
     async def send(self, msg: Message, seq: int) -> None:
@@ -83,6 +95,6 @@ class RawLink:
     async def reply(self) -> Envelope | None:
         """The next frame the transport answered with; None once it closed the link."""
         try:
-            return await read_frame(self.stream, 1 << 20)
-        except (LinkError, trio.BrokenResourceError, trio.ClosedResourceError):
+            return decode(await read_frame(self.stream, 1 << 20))
+        except StreamClosed:
             return None

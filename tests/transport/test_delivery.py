@@ -7,6 +7,7 @@ import random
 import pytest
 
 from swarmd.errors import LocalProtocolError
+from swarmd.net.rates import StrikeCounter, TokenBucket
 from swarmd.transport.delivery import (
     DedupeTable,
     Health,
@@ -16,8 +17,6 @@ from swarmd.transport.delivery import (
     Pending,
     RetryPolicy,
     Seen,
-    StrikeCounter,
-    TokenBucket,
 )
 
 

@@ -11,9 +11,10 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from swarmd.net.framing import HEADER
+from swarmd.net.gate import GuardLimits
 from swarmd.transport.transport import TransportConfig
 from swarmd.wire import Ack, Error, Pong
-from swarmd.wire.codec import HEADER
 from swarmd.wire.messages import ACTOR_MESSAGES
 from tests.transport.memnet import MemoryNet
 from tests.wire.wire_examples import EXAMPLES, VALID_BODIES, mutate
@@ -26,14 +27,15 @@ async def answer_every_frame(bodies: list[bytes]) -> None:
     async with trio.open_nursery() as nursery:
         net = MemoryNet(nursery)
         honest = await net.add("honest")
-        b = await net.add("b", TransportConfig(bad_frames=len(bodies) + 1, max_frame=1 << 16))
+        b = await net.add("b", TransportConfig(max_frame=1 << 16))
+        net.endpoints["b"].gate.limits = GuardLimits(bad_frames=len(bodies) + 1)
 
         async def accept(peer, msg):
             return None
 
         for msg_type in ACTOR_MESSAGES:
             b.route(msg_type, accept)
-        link = net.raw_link("fuzzer", "b")
+        link = await net.raw_link("fuzzer", "b")
         for body in bodies:
             with trio.fail_after(5):
                 await link.write(HEADER.pack(len(body)) + body)

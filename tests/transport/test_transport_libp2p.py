@@ -1,4 +1,5 @@
-"""The actor transport between real py-libp2p hosts on loopback (several hosts in one process)."""
+"""The actor transport over the daemon's real `Libp2pNetwork` on loopback (several in one process), with
+and without the TLS data plane."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import numpy as np
 import pytest
 import trio
 
+from swarmd.net.framing import HEADER
+from swarmd.net.gate import GuardLimits
+from swarmd.net.seam import LinkPath, StreamClosed
+from swarmd.net.streams import Libp2pStream, TrioStream, read_frame, write_frame
 from swarmd.net.tls_plane import make_certificate, pinned_client_context
-from swarmd.transport.links import Libp2pStream, Plane
-from swarmd.transport.transport import PROTOCOL, LinkError, Send, TransportConfig, TrioStream, read_frame
-from swarmd.wire import Ack, Attach, Error, Forward, Hello, Token, WireTensor, encode
-from swarmd.wire.codec import HEADER
+from swarmd.transport.links import PROTOCOL
+from swarmd.transport.transport import Send, TransportConfig
+from swarmd.wire import Ack, Error, Forward, Hello, Token, WireTensor, decode, encode
 from swarmd.wire.expect import ExpectForward
 from tests.transport.conftest import eventually, introduce
 
@@ -48,9 +52,13 @@ class Counts:
                 await self.changed.wait()
 
 
-@pytest.mark.parametrize("plane", [Plane.LIBP2P, Plane.TLS])
-async def test_frames_flow_down_a_chain_and_results_come_back(p2p, plane):
-    a, b, c = [await p2p(seed, plane=plane) for seed in (1, 2, 3)]
+async def frame_of(stream):
+    return decode(await read_frame(stream, 1 << 20))
+
+
+@pytest.mark.parametrize("tls", [False, True])
+async def test_frames_flow_down_a_chain_and_results_come_back(p2p, tls):
+    a, b, c = [await p2p(seed, tls=tls) for seed in (1, 2, 3)]
 
     async def stage_b(peer, msg):  # what a middle stage does: pass a result on to the next hop
         return Send(c.peer, Forward(msg.request_id, msg.step, 2, msg.start_pos, msg.head, hidden=msg.hidden))
@@ -63,23 +71,24 @@ async def test_frames_flow_down_a_chain_and_results_come_back(p2p, plane):
         await a.transport.send(b.peer, fwd(step))
     await tokens.wait_for(20)
     assert set(c_got.by_key.values()) == {1} and len(c_got.by_key) == 20
-    assert a.links.tls_fallbacks == 0
-    if plane is Plane.TLS:  # the frames went over pinned TLS connections, one per neighbour
-        assert b.links.data_plane is not None and c.links.data_plane is not None
-        assert b.links.data_plane.connections(a.peer) == 1 and c.links.data_plane.connections(b.peer) == 1
+    path = LinkPath.DATA_PLANE if tls else LinkPath.DIRECT
+    assert a.network.link_paths()[b.peer].path is path and b.network.link_paths()[c.peer].path is path
+    if tls:  # the frames went over pinned TLS connections, one per neighbour
+        assert b.network.data_plane is not None and c.network.data_plane is not None
+        assert b.network.data_plane.connections(a.peer) == 1 and c.network.data_plane.connections(b.peer) == 1
 
 
-@pytest.mark.parametrize("plane", [Plane.LIBP2P, Plane.TLS])
-async def test_a_connection_reset_mid_transfer_is_retried_and_delivered_exactly_once(p2p, plane):
+@pytest.mark.parametrize("tls", [False, True])
+async def test_a_connection_reset_mid_transfer_is_retried_and_delivered_exactly_once(p2p, tls):
     cfg = TransportConfig(window=8, max_handlers_per_peer=2)  # frames queue unacked at b: some are in flight
-    a, b = await p2p(1, plane=plane, config=cfg), await p2p(2, plane=plane, config=cfg)
+    a, b = await p2p(1, tls=tls, config=cfg), await p2p(2, tls=tls, config=cfg)
     got = Counts(delay=0.01)  # 2 handlers of 10 ms: b admits 200 frames/s, a offers 500/s, so acks lag
     b.transport.route(Forward, got)
 
     async def reset_connections():
         for _ in range(3):
             await trio.sleep(0.15)
-            await b.links.disconnect(a.peer)  # closes the libp2p connection and any data-plane socket
+            await b.network._disconnect(a.peer)  # closes the libp2p connection and any data-plane socket
 
     n = 150
     async with trio.open_nursery() as nursery:
@@ -100,14 +109,14 @@ async def raw_link(mallory, target) -> Libp2pStream:
     introduce(mallory, [target.host])
     stream = Libp2pStream(await mallory.new_stream(ID.from_base58(target.peer), [PROTOCOL]))
     await stream.write(encode(Hello(1 << 20)))
-    assert isinstance((await read_frame(stream, 4096)).msg, Hello)
+    assert isinstance((await frame_of(stream)).msg, Hello)
     return stream
 
 
 async def answer(stream, body: bytes):
-    await stream.write(HEADER.pack(len(body)) + body)
+    await write_frame(stream, body)
     with trio.fail_after(5):
-        return await read_frame(stream, 1 << 20)
+        return await frame_of(stream)
 
 
 async def test_bad_frames_get_clear_errors_and_the_daemon_survives(p2p, bare_host):
@@ -128,7 +137,7 @@ async def test_bad_frames_get_clear_errors_and_the_daemon_survives(p2p, bare_hos
     assert (await answer(stream, encode(fwd(5), 5)[4:])).msg == Ack()  # the same link still works
     await stream.write(HEADER.pack((1 << 20) + 1))  # over the size limit: refused from its header
     with trio.fail_after(5):
-        assert (await read_frame(stream, 4096)).msg.code == "frame_too_large"
+        assert (await frame_of(stream)).msg.code == "frame_too_large"
     await a.transport.send(b.peer, fwd(6))  # and the daemon serves others
     assert set(got.by_key) == {fwd(5).key(), fwd(6).key()}
 
@@ -142,22 +151,23 @@ async def test_duplicated_and_reordered_frames_are_delivered_once_each(p2p, bare
     for seq, step in enumerate(order, start=1):
         await stream.write(encode(fwd(step), seq))
     with trio.fail_after(5):
-        acks = [await read_frame(stream, 4096) for _ in order]
+        acks = [await frame_of(stream) for _ in order]
     assert sorted(env.seq for env in acks if env.msg == Ack()) == list(range(1, len(order) + 1))
     assert got.by_key == {fwd(s).key(): 1 for s in (1, 2, 3)}
     assert b.transport.stats.duplicates == 4
 
 
 async def test_a_peer_that_keeps_sending_bad_frames_is_disconnected(p2p, bare_host):
-    b = await p2p(2, config=TransportConfig(bad_frames=3))
+    b = await p2p(2)
+    b.network.gate.limits = GuardLimits(bad_frames=3)
     mallory = await bare_host(9)
     stream = await raw_link(mallory, b)
     codes = [(await answer(stream, b"\xff" * 8)).msg.code for _ in range(4)]
     assert codes == ["not_cbor"] * 4
     with trio.fail_after(5):
-        assert (await read_frame(stream, 4096)).msg.code == "penalised"
+        assert (await frame_of(stream)).msg.code == "penalised"
     await eventually(lambda: not mallory.get_network().get_connections(b.host.get_id()))
-    assert b.transport.penalised(str(mallory.get_id()))
+    assert b.network.gate.is_penalised(str(mallory.get_id()), trio.current_time())
 
 
 async def test_garbage_instead_of_hello_closes_the_stream_and_nothing_else(p2p, bare_host):
@@ -207,29 +217,30 @@ async def test_a_flood_from_one_peer_does_not_stop_the_others(p2p):
 
 
 async def test_a_data_plane_certificate_that_does_not_match_the_pin_is_not_used(p2p):
-    a, b = await p2p(1, plane=Plane.TLS), await p2p(2, plane=Plane.TLS)
+    a, b = await p2p(1, tls=True), await p2p(2, tls=True)
     got = Counts()
     b.transport.route(Forward, got)
-    assert b.links.data_plane is not None
-    honest_offer = b.links.data_plane.offer
+    plane = b.network.data_plane
+    assert plane is not None
+    honest_offer = plane.offer
     impostor_cert, _ = make_certificate("impostor")
 
-    def forged_offer(peer, max_frame):  # the Hello pins a certificate the TLS listener does not hold
-        hello = honest_offer(peer, max_frame)
-        return Hello(hello.max_frame, tls_host=hello.tls_host, tls_port=hello.tls_port, tls_cert=impostor_cert,
-                     tls_token=hello.tls_token)
+    def forged_offer(peer, protocol):  # the offer pins a certificate the TLS listener does not hold
+        offer = honest_offer(peer, protocol)
+        return type(offer)(offer.host, offer.port, impostor_cert, offer.token)
 
-    b.links.data_plane.offer = forged_offer
+    plane.offer = forged_offer
     await a.transport.send(b.peer, fwd(1))
-    assert a.links.tls_fallbacks == 1  # refused the TLS connection, delivered over libp2p instead
+    path = a.network.link_paths()[b.peer]  # refused the TLS connection, delivered over libp2p instead
+    assert path.path is LinkPath.DIRECT and "data plane failed" in path.reason
     assert got.by_key == {fwd(1).key(): 1}
 
 
 async def test_the_data_plane_admits_only_connections_with_a_token_handed_out_over_libp2p(p2p):
-    a, b = await p2p(1, plane=Plane.TLS), await p2p(2, plane=Plane.TLS)
+    a, b = await p2p(1, tls=True), await p2p(2, tls=True)
     got = Counts()
     b.transport.route(Forward, got)
-    plane = b.links.data_plane
+    plane = b.network.data_plane
     assert plane is not None
 
     plain = await trio.open_tcp_stream("127.0.0.1", plane.port)  # not even TLS
@@ -240,8 +251,8 @@ async def test_the_data_plane_admits_only_connections_with_a_token_handed_out_ov
     tcp = await trio.open_tcp_stream("127.0.0.1", plane.port)  # TLS, but a token nobody handed out
     tls = trio.SSLStream(tcp, pinned_client_context(plane.cert_der))
     stream = TrioStream(tls)
-    await stream.write(encode(Attach(b"forged-token-123")))
-    with trio.fail_after(5), pytest.raises((LinkError, trio.BrokenResourceError)):
+    await write_frame(stream, b"forged-token-123")
+    with trio.fail_after(5), pytest.raises(StreamClosed):
         await read_frame(stream, 4096)
 
     await a.transport.send(b.peer, fwd(1))

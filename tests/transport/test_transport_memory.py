@@ -12,18 +12,25 @@ import trio.lowlevel
 import trio.testing
 
 from swarmd.errors import RemoteProtocolError
-from swarmd.transport.transport import (
-    ByteStream,
-    DeliveryFailed,
-    Posted,
-    Refused,
-    Send,
-    TransportConfig,
-    TrioStream,
-    read_frame,
+from swarmd.net.framing import HEADER
+from swarmd.net.gate import GuardLimits
+from swarmd.net.seam import PeerUnreachable, Stream, StreamClosed
+from swarmd.net.streams import TrioStream, read_frame
+from swarmd.transport.transport import DeliveryFailed, Posted, Refused, Send, TransportConfig
+from swarmd.wire import (
+    Ack,
+    Cancel,
+    Error,
+    ExpertBatch,
+    Forward,
+    Hello,
+    Ping,
+    Pong,
+    Token,
+    WireTensor,
+    decode,
+    encode,
 )
-from swarmd.wire import Ack, Cancel, Error, ExpertBatch, Forward, Ping, Pong, Token, WireTensor, encode
-from swarmd.wire.codec import HEADER
 from swarmd.wire.expect import ExpectForward
 from tests.transport.memnet import MemoryNet
 
@@ -85,17 +92,20 @@ async def test_what_a_handler_returns_is_delivered_to_the_peer_it_names(net, aut
 
 
 class LoseFirstAck:
-    """The sender's side of a link whose first answer is lost with the connection."""
+    """The sender's side of a link whose first answer after the hello is lost with the connection."""
+
+    HELLO = len(encode(Hello(TransportConfig().max_frame)))
 
     def __init__(self, stream):
-        self.stream, self.lost = stream, False
+        self.stream, self.received = stream, 0
 
     async def read(self, n):
         data = await self.stream.read(n)
-        if data and not self.lost:
-            self.lost = True
-            await self.stream.close()
-            raise trio.BrokenResourceError("connection reset")
+        if self.received >= self.HELLO and data and self.received < 1 << 62:  # the peer's hello came whole
+            self.received = 1 << 62
+            await self.stream.reset()
+            raise StreamClosed("connection reset")
+        self.received += len(data)
         return data
 
     async def write(self, data):
@@ -148,7 +158,7 @@ async def test_duplicate_and_reordered_frames_are_acked_each_and_delivered_once(
     b = await net.add("b")
     got = Recorder()
     b.route(Forward, got)
-    link = net.raw_link("a", "b")
+    link = await net.raw_link("a", "b")
     order = [1, 2, 1, 3, 2, 3, 1]
     for seq, step in enumerate(order, start=1):
         await link.send(fwd(step), seq)
@@ -166,7 +176,7 @@ async def test_a_duplicate_after_the_handler_finished_replays_its_cached_result(
     b_got, c_got = Recorder(reply_to="c"), Recorder()
     b.route(Forward, b_got)
     c.route(Token, c_got)
-    link = net.raw_link("a", "b")
+    link = await net.raw_link("a", "b")
     await link.send(fwd(5), 1)
     assert isinstance((await link.reply()).msg, Ack)
     await trio.sleep(1)
@@ -209,7 +219,7 @@ async def test_an_unreachable_peer_fails_the_send_at_its_deadline_after_spaced_o
     await net.add("b")
     net.down.add("b")
     start = trio.current_time()
-    with pytest.raises(DeliveryFailed, match="unreachable"):
+    with pytest.raises(DeliveryFailed, match="connection refused"):
         await a.send("b", fwd(1), within=5.0)
     assert trio.current_time() - start == pytest.approx(5.0, abs=0.01)
     gaps = np.diff(net.dial_times)
@@ -240,28 +250,30 @@ async def test_a_hung_peer_is_pinged_declared_dead_and_the_link_reopened(net, au
     a, b = await net.add("a", cfg), await net.add("b", cfg)
     got = Recorder()
     b.route(Forward, got)
-    net.unserved.add("b")  # the first connection opens, then nothing ever answers
+    await a.send("b", fwd(0))  # the link is up
+    net.hub.black_hole("a", "b")  # from now on nothing on it arrives, and neither side is told
 
     async def recover():
         await trio.sleep(0.5)
-        net.unserved.discard("b")
+        net.hub.mend("a", "b")
 
     start = trio.current_time()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(recover)
         await a.send("b", fwd(1))
-    assert got.keys == [fwd(1).key()]
+    assert got.keys == [fwd(0).key(), fwd(1).key()]
     assert 2.0 <= trio.current_time() - start < 3.0  # ack timeout, then a ping that got no answer either
     assert net.dials[("a", "b")] == 2
 
 
 async def test_bad_frames_get_error_replies_and_a_persistent_offender_is_cut_off(net, autojump_clock):
-    cfg = TransportConfig(bad_frames=3)
-    alice, b = await net.add("alice"), await net.add("b", cfg)
+    alice, b = await net.add("alice"), await net.add("b")
+    gate = net.endpoints["b"].gate
+    gate.limits = GuardLimits(bad_frames=3)
     got = Recorder()
     b.route(Forward, got)
     b.route(Token, got)
-    link = net.raw_link("mallory", "b")
+    link = await net.raw_link("mallory", "b")
     bad = [b"\xff", b"\x01\x02", encode(Ping(), 1)[4:-1], encode(Pong(), 9)[4:]]
     codes = []
     for body in bad:
@@ -271,19 +283,19 @@ async def test_bad_frames_get_error_replies_and_a_persistent_offender_is_cut_off
     final = await link.reply()
     assert final.msg.code == "penalised"
     assert await link.reply() is None  # and the link is closed
-    assert b.penalised("mallory") and b.stats.penalised == 1
-    again = net.raw_link("mallory", "b")
-    assert await again.reply() is None  # refused while the penalty lasts
+    assert gate.is_penalised("mallory", trio.current_time()) and b.stats.penalised == 1
+    with pytest.raises(PeerUnreachable):  # refused while the penalty lasts
+        await net.raw_link("mallory", "b")
     await alice.send("b", fwd(1))  # others are served as before
     assert got.keys == [fwd(1).key()]
-    await trio.sleep(cfg.penalty)
-    assert not b.penalised("mallory")
+    await trio.sleep(gate.limits.penalty)
+    assert not gate.is_penalised("mallory", trio.current_time())
 
 
 async def test_an_oversized_frame_gets_an_error_and_the_link_is_closed(net, autojump_clock):
     b = await net.add("b", TransportConfig(max_frame=1024))
     b.route(Forward, Recorder())
-    link = net.raw_link("a", "b")
+    link = await net.raw_link("a", "b")
     await link.write(HEADER.pack(1 << 30))
     reply = await link.reply()
     assert isinstance(reply.msg, Error) and reply.msg.code == "frame_too_large"
@@ -348,7 +360,7 @@ async def test_a_sender_ignoring_the_window_is_cut_short(net, autojump_clock):
     got = Recorder()
     got.gate = trio.Event()
     b.route(Forward, got)
-    link = net.raw_link("a", "b")
+    link = await net.raw_link("a", "b")
     for seq in range(1, 10):
         await link.send(fwd(seq), seq)
     replies = []
@@ -392,7 +404,7 @@ async def test_a_sender_ignoring_the_byte_window_is_cut_short(net, autojump_cloc
     got = Recorder()
     got.gate = trio.Event()
     b.route(Forward, got)
-    link = net.raw_link("a", "b")
+    link = await net.raw_link("a", "b")
     for seq in range(1, 7):  # one admitted, one at the dispatcher, three fit the buffer, the sixth does not
         await link.send(fwd(seq), seq)
     replies = []
@@ -422,7 +434,7 @@ async def test_a_message_to_this_daemon_is_handed_over_in_process_with_the_same_
 class WriteTap:
     """One end of a link, telling `on_write` of each write the transport makes on it."""
 
-    def __init__(self, stream: ByteStream, on_write: Callable[[bytes], None]) -> None:
+    def __init__(self, stream: Stream, on_write: Callable[[bytes], None]) -> None:
         self.stream, self.on_write = stream, on_write
 
     async def read(self, max_bytes: int) -> bytes:
@@ -434,6 +446,9 @@ class WriteTap:
 
     async def close(self) -> None:
         await self.stream.close()
+
+    async def reset(self) -> None:
+        await self.stream.reset()
 
 
 async def test_the_handlers_a_read_started_begin_before_its_acks_are_written(net, autojump_clock):
@@ -448,7 +463,7 @@ async def test_the_handlers_a_read_started_begin_before_its_acks_are_written(net
     net.nursery.start_soon(b.serve, "a", WriteTap(TrioStream(far), lambda data: events.append("ack written")))
     sender = TrioStream(near)
     await sender.write(encode(fwd(1), 1) + encode(fwd(2), 2))  # one read, two frames
-    acks = [await read_frame(sender, 1 << 20) for _ in range(2)]
+    acks = [decode(await read_frame(sender, 1 << 20)) for _ in range(2)]
     assert [(e.seq, type(e.msg)) for e in acks] == [(1, Ack), (2, Ack)]
     assert sorted(events[:2]) == ["handler 1 began", "handler 2 began"]  # in either order (trio's choice)
     assert events[2:] == ["ack written"]  # both acks in one write, after the handlers began
@@ -472,7 +487,7 @@ async def test_messages_posted_together_leave_in_one_write_and_are_each_delivere
     b.route(Forward, got)
     await a.send("b", fwd(0))  # the link is up and idle now
     await a.post_all([Send("b", fwd(1)), Send("b", fwd(2)), Send("b", fwd(3))])
-    assert writes == [1, 3]
+    assert writes[-2:] == [1, 3]  # after the link's hello: the first frame alone, then the three together
     await trio.sleep(1)
     assert sorted(got.keys) == [fwd(step).key() for step in range(4)]
     assert a.stats.sent == 4 and not a.link_state()["b"]["unacked"]
@@ -492,7 +507,7 @@ async def test_a_result_the_handler_posted_itself_is_not_posted_again_but_is_rep
         return Posted(sends)
 
     b.route(Forward, posts_itself)
-    link = net.raw_link("a", "b")
+    link = await net.raw_link("a", "b")
     await link.send(fwd(5), 1)
     assert isinstance((await link.reply()).msg, Ack)
     await trio.sleep(1)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from swarmd.errors import LocalProtocolError
-from swarmd.wire.codec import HEADER, FrameDecoder, WireError, WireTensor, decode_cbor, frame
+from swarmd.wire.codec import WireError, WireTensor, decode_cbor
 
 
 def test_float32_tensors_travel_bit_exactly_including_specials():
@@ -72,32 +72,6 @@ def test_bad_tensors_are_refused_with_the_reason(value, why):
     with pytest.raises(WireError, match=why) as info:
         WireTensor.from_cbor(value)
     assert info.value.code == "bad_tensor"
-
-
-def test_frame_decoder_reassembles_frames_split_anywhere():
-    bodies = [b"a", b"", b"x" * 70_000, cbor2.dumps({"k": 1})]
-    stream = b"".join(frame(b) for b in bodies)
-    for chunk in (1, 3, 4, 5, 1000, len(stream)):
-        dec, out = FrameDecoder(), []
-        for i in range(0, len(stream), chunk):
-            dec.feed(stream[i : i + chunk])
-            while (body := dec.next_frame()) is not None:
-                out.append(body)
-        assert out == bodies
-        assert not dec.mid_frame
-
-
-def test_an_oversized_length_is_refused_from_the_header_alone():
-    dec = FrameDecoder(max_frame=1024)
-    dec.feed(HEADER.pack(1025))
-    with pytest.raises(WireError) as info:
-        dec.next_frame()
-    assert info.value.code == "frame_too_large"
-
-
-def test_sending_an_oversized_frame_is_our_own_error():
-    with pytest.raises(LocalProtocolError):
-        frame(b"x" * 11, max_frame=10)
 
 
 @pytest.mark.parametrize(

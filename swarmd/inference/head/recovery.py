@@ -1,4 +1,5 @@
-"""Moving a request to a new chain: when, what to send, and how long each part of it took. Pure, no I/O.
+"""Moving a request to a new chain: when, what to send, and how long each part of it took. No I/O: the head
+service (`swarmd.inference.head.service`) does it; `Recovery.wait_says` is async only to be its `OnWait`.
 
 A request's chain is the plan's stages when the head sent it. When a new plan changes that chain (a stage
 died, left, or the blocks moved) or a stage says it no longer holds the request, the head moves it: it

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -46,12 +46,12 @@ from swarmd.transport.transport import ActorTransport, DeliveryFailed, Refused
 from swarmd.wire.codec import WireTensor
 from swarmd.wire.messages import Cancel, Error, Forward, Logprobs, Sampling, Token
 
-log = logging.getLogger("swarmd.head")
+log = logging.getLogger(__name__)
 
 MAX_SEED = (1 << 63) - 1
-OnWait = Callable[[str], Awaitable[None]]
+OnWait = Callable[[str], Awaitable[None]]  # told what the request waits for, each time that changes
 MOVE_CHECK_INTERVAL = 0.1  # s between looks at the plan for requests whose chain changed
-TOO_SMALL_GRACE = 5.0  # s a moving request waits once the leader says the model no longer fits the swarm  # told what the request waits for, each time that changes
+TOO_SMALL_GRACE = 5.0  # s a moving request waits once the leader says the model no longer fits the swarm
 
 # The HTTP status of a failure code, where it is not a plain bad request (400).
 STATUS = {"leaving": 503, "swarm_too_small": 503, "not_ready": 503, "kv_cache_full": 503, "unreachable": 503, "timeout": 504, "internal": 500,
@@ -223,8 +223,10 @@ class HeadService:
     def __init__(self, peer_id: str, transport: ActorTransport, *, chain: Callable[[], ChainStatus],
                  registry: Callable[[], Registry], timings: Timings, load_model: Callable[[], ModelInfo],
                  in_flight: Callable[[int], None] = lambda delta: None,
-                 leaving: Callable[[], bool] = lambda: False, hop_local: bool = True) -> None:
+                 leaving: Callable[[], bool] = lambda: False, hop_local: bool = True,
+                 blocking: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync) -> None:
         self.peer_id = peer_id
+        self._blocking = blocking  # loads the tokenizer off the event loop (a worker thread; inline in simulations)
         self.hop_local = hop_local  # moves keep the KV caches of the stages that stay (False: full replays)
         self.transport = transport
         self._chain = chain
@@ -251,7 +253,7 @@ class HeadService:
         """The served model's tokenizer and limits (read from its GGUF once, in a worker thread)."""
         async with self._model_lock:
             if self._model is None:
-                self._model = await trio.to_thread.run_sync(self._load_model)
+                self._model = await self._blocking(self._load_model)
             return self._model
 
     # --- waiting for the chain ---------------------------------------------------------------------------
@@ -291,7 +293,7 @@ class HeadService:
         model = await self.model()
         check_request(req, model)
         recorder = self.tracing.recorder if req.trace and self.tracing is not None else None
-        request_id = f"req-{uuid.uuid4().hex[:16]}"
+        request_id = f"req-{random.getrandbits(64):016x}"  # the process RNG: a simulation seed replays it
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         session = HeadSession(request_id, len(req.prompt_ids), req.max_tokens, model.tokenizer.stream_decoder(),
                               req.stop, want_prompt_scores=req.prompt_scores)
@@ -324,8 +326,8 @@ class HeadService:
                 outcome = "failed" if session.error is not None or crashed else "cancelled"
             self.stats[outcome] += 1
             self.stats["tokens"] += session.completion_tokens
-            if sent and self._nursery is not None:
-                self._nursery.start_soon(self._cancel_chain, handle.wire_id, handle.registry, outcome)
+            if sent:
+                self._spawn(self._cancel_chain, handle.wire_id, handle.registry, outcome)
 
     async def _send_prompt(self, handle: RequestHandle, req: HeadRequest, model: ModelInfo) -> None:
         ids = np.asarray(req.prompt_ids, dtype=np.int32)
@@ -366,6 +368,16 @@ class HeadService:
             for hop, peer in hops:
                 nursery.start_soon(tell, hop, peer)
 
+    def _spawn(self, fn: Any, *args: Any) -> bool:
+        """Start `fn` in the head's nursery; False once the daemon is stopping (the nursery is closed)."""
+        if self._nursery is None:
+            return False
+        try:
+            self._nursery.start_soon(fn, *args)
+        except RuntimeError:  # closed to new tasks: the daemon stops, and the stages forget on their own
+            return False
+        return True
+
     # --- moving requests to a new chain ---------------------------------------------------------------------
 
     async def _follow_plans(self) -> None:
@@ -393,8 +405,8 @@ class HeadService:
         if self._nursery is None or handle.closed:
             return False
         if not handle.moving:
-            handle.moving = True
-            self._nursery.start_soon(self._move, handle, reason)
+            handle.moving = self._spawn(self._move, handle, reason)
+            return handle.moving
         return True
 
     async def _move(self, handle: RequestHandle, reason: str) -> None:
@@ -407,7 +419,7 @@ class HeadService:
         try:
             while True:
                 if handle.attempt >= MAX_MOVES:
-                    self._nursery.start_soon(self._cancel_chain, handle.wire_id, handle.registry, "moved")
+                    self._spawn(self._cancel_chain, handle.wire_id, handle.registry, "moved")
                     raise HeadError("unreachable", f"moved {MAX_MOVES} times and the chain still does not hold it",
                                     503)
                 registry = await self.wait_ready(give_up_when_too_small=True, on_wait=recovery.wait_says)
@@ -418,7 +430,7 @@ class HeadService:
                 move = plan_move(handle.registry, registry,
                                  allowed=self.hop_local and not handle.full_replay and not owes_scores)
                 # the stages that stay keep the old attempt (the replay names it); the others forget it
-                self._nursery.start_soon(self._cancel_on, handle.wire_id, move.cancel, "moved")
+                self._spawn(self._cancel_on, handle.wire_id, move.cancel, "moved")
                 resume_of = handle.wire_id if move.hop_local else ""
                 recovery.ready, recovery.epoch = time.perf_counter(), registry.epoch
                 recovery.kept_hops = tuple(hop for hop, _ in move.kept)
@@ -435,11 +447,11 @@ class HeadService:
                     log.info("moving %s: stage 0 did not take the replay: %s", handle.request_id, e)
                     if move.hop_local:  # which attempt the stages hold is unclear now: start again from nothing
                         handle.full_replay = True
-                        self._nursery.start_soon(self._cancel_on, resume_of, move.kept, "moved")
+                        self._spawn(self._cancel_on, resume_of, move.kept, "moved")
                     await trio.sleep(MOVE_CHECK_INTERVAL)
                     continue
                 if handle.closed:
-                    self._nursery.start_soon(self._cancel_chain, handle.wire_id, registry, "cancelled")
+                    self._spawn(self._cancel_chain, handle.wire_id, registry, "cancelled")
                 return
         except HeadError as e:
             handle.push(handle.session.fail(e.code, f"the request's chain broke and it could not move: {e.message}"))

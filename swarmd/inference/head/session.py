@@ -5,15 +5,21 @@ log-probs as one `Logprobs`). `HeadSession` puts tokens back in step order, igno
 into text as it becomes final (a character split over tokens, or the start of a possible stop string, is
 held back), finds stop strings, and says when the request is over: `Finished` or `Failed`. The trio code in
 `swarmd.inference.head.service` feeds it messages and timers and does what the events ask (stream, cancel the chain).
+
+Its phase changes only through `SESSION_TRANSITIONS` (a pair not in it raises LocalProtocolError):
+streaming --FINISH--> finished; streaming --FAIL--> failed; finished --FAIL--> failed (only while the prompt's
+log-probs are still due: a request is not failed after it was wholly given out).
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from models.generate import StopText
+from models.text.stop_text import StopText
+from swarmd.errors import LocalProtocolError
 from swarmd.wire.messages import Error, Logprobs, Token
 
 
@@ -58,6 +64,24 @@ class Failed:
 Event = TokenOut | PromptScores | Finished | Failed
 
 
+class SessionPhase(enum.Enum):
+    STREAMING = "streaming"  # tokens come in and go out as text
+    FINISHED = "finished"  # an end token, a stop string or the length ended it (`finish_reason`)
+    FAILED = "failed"  # `error` says why
+
+
+class SessionEvent(enum.Enum):
+    FINISH = "finish"
+    FAIL = "fail"
+
+
+SESSION_TRANSITIONS: dict[tuple[SessionPhase, SessionEvent], SessionPhase] = {
+    (SessionPhase.STREAMING, SessionEvent.FINISH): SessionPhase.FINISHED,
+    (SessionPhase.STREAMING, SessionEvent.FAIL): SessionPhase.FAILED,
+    (SessionPhase.FINISHED, SessionEvent.FAIL): SessionPhase.FAILED,
+}
+
+
 @dataclass
 class HeadSession:
     request_id: str
@@ -70,6 +94,7 @@ class HeadSession:
     tokens: list[int] = field(default_factory=list)  # the request's generated token history, in step order
     finish_reason: str = ""
     error: Failed | None = None
+    phase: SessionPhase = SessionPhase.STREAMING
     _next_step: int = 0
     _early: dict[int, Token] = field(default_factory=dict)
     _held: list[Event] = field(default_factory=list)  # tokens that came before the prompt scores
@@ -82,7 +107,7 @@ class HeadSession:
     @property
     def ended(self) -> bool:
         """No more tokens will be taken (finished or failed)."""
-        return bool(self.finish_reason) or self.error is not None
+        return self.phase is not SessionPhase.STREAMING
 
     @property
     def scored(self) -> bool:
@@ -92,7 +117,8 @@ class HeadSession:
     @property
     def done(self) -> bool:
         """Every event has been given out: ended, and the prompt scores are in if they were asked for."""
-        return self.error is not None or (bool(self.finish_reason) and (self._scored or not self.want_prompt_scores))
+        return self.phase is SessionPhase.FAILED or (
+            self.phase is SessionPhase.FINISHED and (self._scored or not self.want_prompt_scores))
 
     def on_token(self, msg: Token) -> list[Event]:
         if self.ended or self.max_tokens == 0 or msg.step < self._next_step or msg.step in self._early:
@@ -116,8 +142,7 @@ class HeadSession:
         out: list[Event] = [scores, *self._held]
         self._held = []
         if self.max_tokens == 0:
-            self.finish_reason = "length"
-            out.append(Finished("length"))
+            out.append(self._end("length"))
         return out
 
     def on_error(self, msg: Error) -> list[Event]:
@@ -126,6 +151,7 @@ class HeadSession:
     def fail(self, code: str, message: str) -> list[Event]:
         if self.done:
             return []
+        self._fire(SessionEvent.FAIL)
         self._held = []
         self.error = Failed(code, message)
         return [self.error]
@@ -139,8 +165,7 @@ class HeadSession:
         text, stopped = self._stops.push(self.decoder.feed(msg.token))
         out: list[Event] = [TokenOut(msg.step, msg.token, text, msg.logprob, top)]
         if stopped:
-            self.finish_reason = "stop"
-            return [*out, Finished("stop")]
+            return [*out, self._end("stop")]
         if msg.finish == "length":
             return out + self._finish("length")
         return out
@@ -148,8 +173,18 @@ class HeadSession:
     def _finish(self, reason: str) -> list[Event]:
         rest, _ = self._stops.push(self.decoder.flush())
         rest += self._stops.flush()
+        return [self._end(reason, rest)]
+
+    def _end(self, reason: str, text: str = "") -> Finished:
+        self._fire(SessionEvent.FINISH)
         self.finish_reason = reason
-        return [Finished(reason, rest)]
+        return Finished(reason, text)
+
+    def _fire(self, event: SessionEvent) -> None:
+        try:
+            self.phase = SESSION_TRANSITIONS[(self.phase, event)]
+        except KeyError:
+            raise LocalProtocolError(f"request {self.request_id}: {event.value} while {self.phase.value}") from None
 
     def _release(self, events: list[Event]) -> list[Event]:
         """Tokens wait for the prompt scores when those were asked for (they come first in the output)."""

@@ -11,7 +11,6 @@ dead or failed): wait for a plan that places it on a live node, or fail the step
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -26,13 +25,14 @@ class ReplicaChooser:
 
     An estimate that no new call refreshes relaxes toward the prior (`half_life_s`): a holder that was slow
     once (compiling its first batch) or failed (restarted since) is tried again after a while instead of
-    being shunned for good while another holder answers."""
+    being shunned for good while another holder answers. `clock` says the time in seconds (the router's
+    event loop's)."""
 
+    clock: Callable[[], float]
     alpha: float = 0.3  # weight of the newest sample
     prior_s: float = 0.005  # what an unmeasured peer is assumed to take
     failure_penalty: float = 4.0  # a failed call: the slowest estimate times this
     half_life_s: float = 3.0
-    clock: Callable[[], float] = time.monotonic
     latency: dict[str, float] = field(default_factory=dict)
     in_flight: dict[str, int] = field(default_factory=dict)
     sampled_at: dict[str, float] = field(default_factory=dict)

@@ -3,7 +3,8 @@
 An `ExpertBatch` carries the rows one router sends this node for one MoE block and step, each row with
 the experts (held here) it selected and their gates; the answer, an `ExpertResult` back to the sender,
 is each selected expert's output for its row (one per selection, in row-major order; the router makes the
-rows' gated sums), computed on the daemon's compute thread by the loaded `models.moe.ExpertShard`. A repeated batch is answered from the transport's cache, never computed twice.
+rows' gated sums), computed on the daemon's compute thread by the loaded `models.expert_shard.ExpertShard`.
+A repeated batch is answered from the transport's cache, never computed twice.
 
 A batch that names traced requests (`ExpertBatch.traced`) starts their traces here and records, per request,
 `expert.batch` (handler started -> answer ready; the router's `moe.call` and it share a flow id and make one
@@ -22,19 +23,19 @@ from typing import Any
 import numpy as np
 import trio
 
-from swarmd.daemon.compute import ComputeThread
+from swarmd.inference.compute import Compute
 from swarmd.observe.spans import SpanRecorder, flow_id
 from swarmd.transport.transport import HandlerResult, Send
 from swarmd.wire.codec import WireTensor
 from swarmd.wire.messages import Error, ExpertBatch, ExpertResult
 
-log = logging.getLogger("swarmd.expert")
+log = logging.getLogger(__name__)
 
 SHARD_WAIT = 120.0  # s a batch waits for this daemon's experts to finish loading
 
 
 class ExpertActor:
-    def __init__(self, shard: Callable[[], Any], *, compute: ComputeThread, wire_dtype: str | None = None,
+    def __init__(self, shard: Callable[[], Any], *, compute: Compute, wire_dtype: str | None = None,
                  shard_wait: float = SHARD_WAIT) -> None:
         self._shard = shard  # the loaded ExpertShard now, or None
         self.compute = compute

@@ -28,8 +28,8 @@ A call that this daemon's own shard answers whole never reaches the router: the 
 from __future__ import annotations
 
 import logging
+import random
 import time
-import uuid
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -49,12 +49,13 @@ from swarmd.inference.moe.dispatch import (
     unserved,
 )
 from swarmd.inference.moe.local import LocalAnswer
+from swarmd.net.identity import short_id
 from swarmd.observe.spans import SpanRecorder, flow_id
 from swarmd.transport.transport import DeliveryFailed, Refused
 from swarmd.wire.codec import WireTensor
 from swarmd.wire.messages import Error, ExpertBatch, ExpertResult
 
-log = logging.getLogger("swarmd.moe")
+log = logging.getLogger(__name__)
 
 RESULT_TIMEOUT = 120.0  # s a node that acked a batch has to answer it (first batches compile kernels) before
 # its experts are asked elsewhere
@@ -100,9 +101,9 @@ class MoERouter:
         self._cannot_hold = cannot_hold  # why the swarm can no longer hold the model, when known here
         self.dead: set[str] = set()  # peers membership says are dead: never asked
         self.waits = 0  # steps that waited for a plan to re-place experts of dead nodes
-        self.chooser = ReplicaChooser()
+        self.chooser = ReplicaChooser(trio.current_time)
         self.layers: dict[int, LayerStats] = defaultdict(LayerStats)
-        self._prefix = uuid.uuid4().hex[:12]
+        self._prefix = f"{random.getrandbits(48):012x}"
         self._count = 0
         self._pending: dict[str, _Pending] = {}
         self.recorder: SpanRecorder | None = None  # spans of traced requests
@@ -138,7 +139,7 @@ class MoERouter:
                 break
             for p in failed:
                 log.warning("experts %s of block %d: %s did not answer (%s); asking another holder",
-                            list(p.experts), call.layer, p.peer[:16], results[p.peer])
+                            list(p.experts), call.layer, short_id(p.peer), results[p.peer])
                 avoid.add(p.peer)
             todo = _restrict(call, {x for p in failed for x in p.experts})
         span_end = self.recorder.clock() if traced and self.recorder is not None else 0.0
@@ -288,8 +289,8 @@ class MoERouter:
                 "fan_out_ms_median": round(lat[len(lat) // 2], 3) if lat else None,
                 "tokens": {str(e): n for e, n in sorted(s.tokens.items())},
             }
-        return {"layers": out, "waited_for_plan": self.waits, "dead_peers": sorted(p[:16] for p in self.dead),
-                "latency_ms": {p[:16]: round(self.chooser.estimate(p) * 1e3, 3) for p in sorted(self.chooser.latency)}}
+        return {"layers": out, "waited_for_plan": self.waits, "dead_peers": sorted(short_id(p) for p in self.dead),
+                "latency_ms": {short_id(p): round(self.chooser.estimate(p) * 1e3, 3) for p in sorted(self.chooser.latency)}}
 
 
 def _thread(block: int) -> str:

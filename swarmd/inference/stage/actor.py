@@ -4,23 +4,17 @@ Messages come from the actor transport: a `Forward` (token ids on stage 0, hidde
 stage 0 the `Token` the last stage sampled (the input of the next step), and `Cancel`. `StageBook`
 (`swarmd.inference.stage.book`) decides what each means; this module does the I/O around it:
 
-    handler: book.on_forward(msg) -> Work -> queue -> (worker) -> book.complete(work, output) -> Sends
+    handler: book.on_forward(msg) -> Work -> Job -> (batch on the compute thread) -> book.complete -> Sends
 
-One worker task owns the model: it takes every job queued since its last run, frees the KV caches of finished
-requests and runs all the jobs in one `StageModel.forward` call on the compute thread (`swarmd.inference.stage.batch`; decode
-steps of several requests become one batched forward). Two task switches are kept off every step's path: when the
-worker is idle and the step has no one to wait for, the handler starts the batch on the compute thread itself (the
-worker then only sees it through, and not even that when it is done in one segment), and the compute thread's
-completion wakes the handlers directly. A stage of a MoE model whose experts live elsewhere runs its forward in
-segments (`StageModel.forward_steps`): between two segments the compute thread is free (this daemon's own experts
-may need it) while `experts` (the MoE router) asks the expert actors for the block's experts; a call whose every
-selected expert this daemon's own shard holds is answered on the compute thread without a segment break
-(`swarmd.inference.moe.local`). A short decode step holding every request of the stage runs on the event loop's own
-thread instead of the compute thread (`_inlines`), which saves both hand-overs. While the model runs on the compute
-thread, new jobs queue up and form the next batch. When a batch is done, the first of its handlers to run builds
-every job's outputs and posts them together (`ActorTransport.post_all`: one write a peer, so the next stage reads
-the whole batch at once and runs it as one batch too); each handler returns its own to the transport, which caches
-them under the message's key: a repeated frame gets the same answer again and never touches the KV cache twice.
+Jobs queued together run as one batch, one `StageModel.forward` on the compute thread
+(`swarmd.inference.stage.batch`): decode steps of several requests become one batched forward. A worker task
+takes every job queued since its last run; when it is idle, the handler starts the batch itself. A short
+decode step holding every request of the stage runs on the event loop's thread instead (`_inlines`). A MoE
+stage whose experts live elsewhere runs in segments, asking the router (`experts`) between two; calls that
+this daemon's own shard can answer are answered on the compute thread (`swarmd.inference.moe.local`).
+The first handler of a finished batch posts every job's outputs together (`ActorTransport.post_all`, one write
+a peer); each handler returns its own, which the transport caches under the message's key, so a repeated
+frame gets the same answer and never touches the KV cache twice.
 """
 
 from __future__ import annotations
@@ -29,67 +23,27 @@ import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
 
 import numpy as np
 import trio
 
-from swarmd.daemon.compute import ComputeThread
+from swarmd.inference.compute import Compute
 from swarmd.inference.moe.local import LocalExperts
-from swarmd.inference.registry import Registry
 from swarmd.inference.stage.batch import ExpertsFailed, advance_here, run_batch
-from swarmd.inference.stage.book import Sampled, StageBook, StageRefusal, Work
+from swarmd.inference.stage.book import StageBook, StageRefusal, Work
+from swarmd.inference.stage.job import Batch, Job, Loaded
 from swarmd.observe.spans import SpanRecorder, record_stage_step
 from swarmd.transport.transport import HandlerResult, Posted, Send, as_sends
 from swarmd.wire.codec import WireError
 from swarmd.wire.messages import Cancel, Error, Forward, Token
 
-log = logging.getLogger("swarmd.stage")
+log = logging.getLogger(__name__)
 
 SETTLE = 0.002  # s a stage waits for the rest of a convoy of decode steps sent together by the previous stage
 MAX_GATHER = 1.0  # s stage 0 waits at most for other requests' tokens to form one batch
-
-
-@dataclass(frozen=True)
-class Loaded:
-    """This daemon's stage as the plan and the assignment have it now."""
-
-    model: Any  # models.stage.StageModel
-    hop: int
-    registry: Registry
-
-
-@dataclass
-class Job:
-    work: Work
-    model: Any
-    loaded: Loaded | None = None  # the stage and book it was admitted to
-    book: StageBook | None = None
-    received: float = 0.0  # perf_counter seconds (one clock for every process of a machine): message in,
-    taken: float = 0.0  # handed to the compute thread in a batch, the model began the batch, the model was done
-    started: float = 0.0
-    ended: float = 0.0
-    computed: float = 0.0  # the model's forward was done (sampling, on the last stage, comes after)
-    done: trio.Event = field(default_factory=trio.Event)
-    output: np.ndarray | Sampled | None = None
-    error: tuple[str, str] | None = None  # (code, message)
-    batch: int = 1
-    group: list[Job] = field(default_factory=list)  # the jobs of the batch it ran in (itself included)
-    sends: tuple[Send, ...] | None = None  # its outputs, once built (with the rest of its batch's)
-
-
-@dataclass(eq=False)
-class Batch:
-    """Jobs on the compute thread: `run_batch`'s steps and the answer to its first segment once it is in."""
-
-    jobs: list[Job]
-    steps: Generator[Any, Any, None]
-    answer: tuple[bool, Any] = (False, None)  # advance's (done, next question)
-    error: BaseException | None = None
-    arrived: trio.Event = field(default_factory=trio.Event)
 
 
 class StageStats:
@@ -150,7 +104,7 @@ PLAN_CATCH_UP_S = 2.0
 class StageActor:
     """Serves `Forward`, `Token` (hop 0) and `Cancel` for the stage `current()` names."""
 
-    def __init__(self, current: Callable[[], Loaded | None], *, compute: ComputeThread, max_context: int,
+    def __init__(self, current: Callable[[], Loaded | None], *, compute: Compute, max_context: int,
                  wire_dtype: str | None, idle_timeout: float,
                  experts: Callable[..., Awaitable[np.ndarray]] | None = None,
                  local_experts: LocalExperts | None = None,
@@ -329,11 +283,9 @@ class StageActor:
                 o.msg.check()
         except WireError as e:  # our bug, but one request's, not the daemon's: it fails, the daemon goes on
             log.exception("stage %d built an invalid %s", book.hop, type(outs[0].msg).__name__)
-            head = book.head_of(work.request_id) or outs[-1].peer
-            book.requests.pop(work.request_id, None)
+            failed = book.fail(work, "internal", f"stage {book.hop} could not build its output: {e}")
             self._free(loaded.model, work.request_id)
-            return Send(head, Error("internal", f"stage {book.hop} could not build its output: {e}",
-                                    request_id=work.request_id, step=work.step, hop=book.hop))
+            return Send(failed.peer, failed.msg) if failed else None
         sent = time.perf_counter()
         self.stats.record_step(job, sent)
         if self.recorder is not None and self.recorder.wants(work.request_id):
@@ -420,8 +372,8 @@ class StageActor:
         captures the jitted graph, which can also take seconds), and only when the batch holds every request
         of the stage. Frames of requests not in it may land meanwhile: on the compute thread's time, the loop
         reads and admits them while the model runs; after an inline step, that work would come between the
-        batch's outputs and spread them over more than the next stage's settle window (measured: 4 requests
-        at once then ran in batches of 3.7, 2.7, 2.4 and 2.0 down the chain, against 3.9, 3.5, 3.1 and 2.7)."""
+        batch's outputs and spread them over more than the next stage's settle window (smaller batches down the
+        chain: docs/BENCHMARKS.md, "A short decode step on the event loop's own thread")."""
         book = self.book
         if (not jobs or self.inline_step_s <= 0 or book is None or len(jobs) < len(book.requests)
                 or any(j.work.rows != 1 for j in jobs)):

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from swarmd.inference.moe.local import LocalExperts
 from swarmd.inference.stage.book import Sampled, Work
-
-if TYPE_CHECKING:
-    from swarmd.inference.stage.actor import Job
+from swarmd.inference.stage.job import Job
 
 PROMPT_SCORE_ROWS = 64  # rows of (rows, vocab) logits turned into log-probs at a time (bounds the memory)
 

@@ -9,15 +9,22 @@ it has been idle too long; the trio code (`swarmd.inference.stage.actor`) then f
 sampling) is not called from here. A moved request's first Forward may name the attempt it continues: the
 stage then adopts that attempt's KV cache if it holds it, and computes only the positions it lacks
 (`swarmd.inference.head.hop_local`).
+
+A request's phase changes only through `REQUEST_TRANSITIONS` (a pair not in it raises LocalProtocolError):
+
+    waiting --BEGIN--> running --COMPLETE--> waiting          (a step goes to the model and comes back)
+    running --CANCEL--> cancelled --COMPLETE or FAIL--> gone   (freed once the model is done with it)
+    waiting --CANCEL, EXPIRE, ADOPTED or FAIL--> gone;  running --FAIL--> gone;  any --CLEAR--> gone
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from swarmd.errors import RemoteProtocolError
+from swarmd.errors import LocalProtocolError, RemoteProtocolError
 from swarmd.inference.head.hop_local import SentRows, keep_positions
 from swarmd.wire.codec import WireTensor
 from swarmd.wire.messages import Error, Forward, Logprobs, Message, Sampling, Token
@@ -63,6 +70,38 @@ class Sampled:
     prompt_top_logprobs: np.ndarray | None = None  # float32 [rows - 1, k]
 
 
+class RequestPhase(enum.Enum):
+    WAITING = "waiting"  # between steps: the next one may begin
+    RUNNING = "running"  # a step is with the model
+    CANCELLED = "cancelled"  # cancelled while running: forgotten once the model is done
+    GONE = "gone"  # forgotten here: its KV cache is to be freed (or was adopted by a later attempt)
+
+
+class RequestEvent(enum.Enum):
+    BEGIN = "begin"  # a step goes to the model
+    COMPLETE = "complete"  # the model ran it
+    FAIL = "fail"  # the model could not run it, or its output could not be built
+    CANCEL = "cancel"
+    EXPIRE = "expire"  # idle too long
+    ADOPTED = "adopted"  # a later attempt of the request took its KV cache over
+    CLEAR = "clear"  # the stage's model was replaced
+
+
+_P, _E = RequestPhase, RequestEvent
+REQUEST_TRANSITIONS: dict[tuple[RequestPhase, RequestEvent], RequestPhase] = {
+    (_P.WAITING, _E.BEGIN): _P.RUNNING,
+    (_P.RUNNING, _E.COMPLETE): _P.WAITING,
+    (_P.CANCELLED, _E.COMPLETE): _P.GONE,
+    (_P.RUNNING, _E.CANCEL): _P.CANCELLED,
+    (_P.CANCELLED, _E.CANCEL): _P.CANCELLED,
+    (_P.WAITING, _E.CANCEL): _P.GONE,
+    (_P.WAITING, _E.EXPIRE): _P.GONE,
+    (_P.WAITING, _E.ADOPTED): _P.GONE,
+    **{(p, _E.FAIL): _P.GONE for p in (_P.WAITING, _P.RUNNING, _P.CANCELLED)},
+    **{(p, _E.CLEAR): _P.GONE for p in (_P.WAITING, _P.RUNNING, _P.CANCELLED)},
+}
+
+
 @dataclass
 class RequestState:
     request_id: str
@@ -71,10 +110,19 @@ class RequestState:
     sampling: Sampling
     position: int = 0  # tokens this stage's cache holds for the request
     step: int = -1  # the last step this stage has run (or is running)
-    busy: bool = False  # a step is with the model
-    cancelled: bool = False  # cancelled while busy: free once the model is done
+    phase: RequestPhase = RequestPhase.WAITING
     last_active: float = 0.0
     sent: SentRows | None = None  # the rows sent on, by position (every stage but the last)
+
+    @property
+    def busy(self) -> bool:
+        """A step is with the model."""
+        return self.phase in (RequestPhase.RUNNING, RequestPhase.CANCELLED)
+
+    @property
+    def cancelled(self) -> bool:
+        """Cancelled while busy: free once the model is done."""
+        return self.phase is RequestPhase.CANCELLED
 
 
 @dataclass(frozen=True)
@@ -155,7 +203,7 @@ class StageBook:
         keep = keep_positions(old.position, None if old.sent is None else old.sent.length, total)
         if keep == 0:
             return 0
-        del self.requests[old_id]
+        self._fire(old, RequestEvent.ADOPTED)
         state.position, state.sent = keep, old.sent
         if state.sent is not None:
             state.sent.truncate(keep)
@@ -195,8 +243,19 @@ class StageBook:
         return state
 
     def _begin(self, state: RequestState, work: Work, now: float) -> Work:
-        state.busy, state.step, state.last_active = True, work.step, now
+        self._fire(state, RequestEvent.BEGIN)
+        state.step, state.last_active = work.step, now
         return work
+
+    def _fire(self, state: RequestState, event: RequestEvent) -> RequestPhase:
+        """Move the request along `REQUEST_TRANSITIONS`; gone: it is forgotten here."""
+        try:
+            state.phase = REQUEST_TRANSITIONS[(state.phase, event)]
+        except KeyError:
+            raise LocalProtocolError(f"request {state.request_id}: {event.value} while {state.phase.value}") from None
+        if state.phase is RequestPhase.GONE:
+            del self.requests[state.request_id]
+        return state.phase
 
     # --- the model's output -> messages out -----------------------------------------------------------------
 
@@ -204,10 +263,9 @@ class StageBook:
                  now: float) -> list[Out]:
         """The model ran `work`: advance the request and say what to send (nothing if it was cancelled)."""
         state = self.requests[work.request_id]
-        state.busy, state.last_active = False, now
+        state.last_active = now
         state.position = work.start_pos + work.rows
-        if state.cancelled:
-            del self.requests[work.request_id]
+        if self._fire(state, RequestEvent.COMPLETE) is RequestPhase.GONE:  # cancelled while the model ran it
             return []
         if not self.is_last:
             assert isinstance(output, np.ndarray) and next_peer is not None and state.sent is not None
@@ -239,10 +297,12 @@ class StageBook:
         return out
 
     def fail(self, work: Work, code: str, message: str) -> Out | None:
-        """The model could not run `work`: the request ends here; the head is told why."""
-        state = self.requests.pop(work.request_id, None)
+        """The model could not run `work`, or its output could not be built: the request ends here; the head is
+        told why."""
+        state = self.requests.get(work.request_id)
         if state is None:
             return None
+        self._fire(state, RequestEvent.FAIL)
         return Out(state.head, Error(code, message, request_id=work.request_id, step=work.step, hop=self.hop))
 
     # --- ends ---------------------------------------------------------------------------------------------
@@ -252,18 +312,14 @@ class StageBook:
         state = self.requests.get(request_id)
         if state is None:
             return False
-        if state.busy:
-            state.cancelled = True
-            return False
-        del self.requests[request_id]
-        return True
+        return self._fire(state, RequestEvent.CANCEL) is RequestPhase.GONE
 
     def expire(self, now: float, idle: float) -> list[str]:
         """Requests idle for `idle` seconds (their head is gone or forgot them): forgotten; free their caches."""
-        stale = [r for r, s in self.requests.items() if not s.busy and now - s.last_active >= idle]
-        for r in stale:
-            del self.requests[r]
-        return stale
+        stale = [s for s in self.requests.values() if not s.busy and now - s.last_active >= idle]
+        for s in stale:
+            self._fire(s, RequestEvent.EXPIRE)
+        return [s.request_id for s in stale]
 
     def drop_heads(self, heads: set[str]) -> list[str]:
         """Forget the requests whose head is gone (dead or left): those to free now (busy ones: when done)."""
@@ -275,16 +331,15 @@ class StageBook:
 
     def clear(self) -> list[str]:
         """The model was replaced (a new plan): every request here is lost."""
-        gone = list(self.requests)
-        self.requests.clear()
-        return gone
+        gone = list(self.requests.values())
+        for s in gone:
+            self._fire(s, RequestEvent.CLEAR)
+        return [s.request_id for s in gone]
 
 
 def _wire_tensor(hidden: np.ndarray, wire_dtype: str | None) -> WireTensor:
     if wire_dtype is None:
         return WireTensor.from_array(np.ascontiguousarray(hidden, dtype=np.float32))
-    from swarmd.errors import LocalProtocolError
-
     try:
         return WireTensor.from_array(hidden, wire_dtype)
     except LocalProtocolError:  # float16 cannot hold this tensor's outliers: send it losslessly instead

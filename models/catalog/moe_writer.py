@@ -189,15 +189,9 @@ def write_synthetic_moe(out: str | Path, arch: SyntheticMoE, seed: int, *, token
                 writer.add_key_value(key, field.contents(), vtype, sub)
         vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
     elif byte_tokenizer:
-        from models.catalog.seeded import byte_level_tokenizer_kv
+        from models.catalog.seeded import write_byte_level_tokenizer
 
-        kv = byte_level_tokenizer_kv(vocab)
-        writer.add_tokenizer_model(kv["tokenizer.ggml.model"])
-        writer.add_tokenizer_pre(kv["tokenizer.ggml.pre"])
-        writer.add_token_list(kv["tokenizer.ggml.tokens"])
-        writer.add_token_types(kv["tokenizer.ggml.token_type"])
-        writer.add_eos_token_id(kv["tokenizer.ggml.eos_token_id"])
-        writer.add_add_bos_token(kv["tokenizer.ggml.add_bos_token"])
+        write_byte_level_tokenizer(writer, vocab)
     c = arch.config(vocab)
     writer.add_name(name)
     writer.add_block_count(c.num_blocks)

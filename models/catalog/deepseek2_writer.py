@@ -33,8 +33,8 @@ def write_deepseek2(out: str | Path, arch: DeepSeek2Arch, seed: int, *, tokenize
     the tokenizer (and vocabulary size) of the GGUF `tokenizer_from`."""
     import gguf
 
+    from models.catalog.moe_writer import _finish
     from models.catalog.synthetic import random_array
-    from models.gguf.moe_writer import _finish
 
     out = Path(out)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")

@@ -12,8 +12,8 @@ finaliser frees its buffers by waiting for the device to finish: on that worker 
 and the daemon hangs (seen when a plan replaced a stage). So a daemon hands collection to the compute thread
 (`collect_garbage_on_the_compute_thread`), which collects between jobs as the automatic collector would.
 
-Each collection holds the interpreter lock, so a step's output waits for it: `COLLECTIONS` counts them and
-their time (in /metrics).
+Each collection holds the interpreter lock, so a step's output waits for it: `swarmd.observe.gc_collections.COLLECTIONS`
+counts them and their time (in /metrics).
 
 A short call (a decode step of a few milliseconds) may instead run on the event loop's own thread, when the
 compute thread has nothing to do (`ComputeThread.run_inline`): handing a job to another thread and back costs
@@ -31,12 +31,28 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import trio
 
+from swarmd.observe.gc_collections import COLLECTIONS
+
 T = TypeVar("T")
+
+
+class Compute(Protocol):
+    """Where a daemon's tinygrad calls run: `ComputeThread`, or its in-process twin in `swarmd.testing`."""
+
+    busy_seconds: float
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T: ...
+
+    def submit(self, fn: Callable[..., T], *args: Any,
+               then: Callable[[T | None, BaseException | None], None]) -> None: ...
+
+    def run_inline(self, fn: Callable[..., T], *args: Any) -> tuple[bool, T | None, BaseException | None]: ...
+
+    def close(self) -> None: ...
 
 
 class _Worker:
@@ -178,23 +194,6 @@ def collect_garbage_on_the_compute_thread() -> None:
     go through `ComputeThread` (a daemon)."""
     gc.disable()
     _the_worker().collects_garbage = True
-
-
-@dataclass
-class Collections:
-    """The cyclic collections this process's compute thread ran between jobs, per generation (0, 1, 2)."""
-
-    count: list[int] = field(default_factory=lambda: [0, 0, 0])
-    seconds: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
-    longest: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
-
-    def record(self, generation: int, seconds: float) -> None:
-        self.count[generation] += 1
-        self.seconds[generation] += seconds
-        self.longest[generation] = max(self.longest[generation], seconds)
-
-
-COLLECTIONS = Collections()
 
 
 def _collect(generation: int) -> None:

@@ -1,0 +1,39 @@
+"""Scenarios the simulation once failed, kept as values (a change to how seeds draw scenarios leaves them as they
+were), each with what it found."""
+
+from __future__ import annotations
+
+from tests.simulation.scenario import Fault, Request, Scenario
+
+REGRESSIONS: dict[str, Scenario] = {
+    # A hung member, then the leader's crash: the hung one and the others each elected a leader on the same
+    # term. Terms are ballots now (a round and the leader's tag).
+    "two leaders on one term": Scenario(
+        seed=24, model="dense", daemons=8, behind_nat=(2,),
+        requests=(Request(at=2.01, head=1, prompt=(99,), max_tokens=4, seed=825, temperature=0.8),
+                  Request(at=2.17, head=0, prompt=(250, 3), max_tokens=6, seed=886, temperature=0.8)),
+        faults=(Fault(at=0.46, kind="freeze", pick=22105, lasts=5.79, amount=0.138),
+                Fault(at=2.0, kind="crash_leader", pick=33280, lasts=0.0, amount=0.138),
+                Fault(at=3.84, kind="crash_leader", pick=48103, lasts=0.0, amount=0.185))),
+    # A black hole between a head and a stage: the stage's input frames arrived once it lifted, after the head
+    # had given up telling the stage the request was over, and the stage held the request. Cancels are now
+    # retried as long as a frame may arrive.
+    "a late frame after a lost cancel": Scenario(
+        seed=14, model="moe", daemons=6, behind_nat=(),
+        requests=(Request(at=2.21, head=2, prompt=(99,), max_tokens=4, seed=674, temperature=0.0),
+                  Request(at=1.4, head=3, prompt=(250, 3), max_tokens=4, seed=269, temperature=0.0),
+                  Request(at=2.7, head=2, prompt=(7, 100, 7, 100, 9), max_tokens=6, seed=823, temperature=0.0)),
+        faults=(Fault(at=0.6, kind="black_hole", pick=36088, lasts=0.0, amount=0.029),
+                Fault(at=1.35, kind="crash_expert_holder", pick=35920, lasts=2.02, amount=0.084))),
+    # The head's daemon stopped while one of its requests unwound: the head asked its closed nursery to tell
+    # the stages, and the daemon ended with an error instead of stopping.
+    "a head stopping mid-request": Scenario(
+        seed=47, model="dense", daemons=4, behind_nat=(),
+        requests=(Request(at=1.03, head=3, prompt=(250, 3), max_tokens=8, seed=41, temperature=0.8),
+                  Request(at=1.98, head=0, prompt=(1, 2, 3, 4), max_tokens=6, seed=965, temperature=0.8),
+                  Request(at=1.44, head=0, prompt=(7, 100, 7, 100, 9), max_tokens=8, seed=437, temperature=0.0),
+                  Request(at=1.57, head=2, prompt=(250, 3), max_tokens=4, seed=34, temperature=0.0)),
+        faults=(Fault(at=0.39, kind="delay", pick=33139, lasts=0.0, amount=0.186),
+                Fault(at=2.75, kind="partition", pick=25687, lasts=0.0, amount=0.029),
+                Fault(at=3.38, kind="crash_any", pick=61738, lasts=4.72, amount=0.123))),
+}
