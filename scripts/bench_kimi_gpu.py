@@ -14,7 +14,7 @@ their Q4_0 blocks, dequantised in the kernels). Two expert paths:
 Roofline: the bytes a decode step reads per block (the block's own buffers: MLA projections, norms, router
 and selection bias, shared expert; 8 routed experts per row, distinct ones counted once; the latent cache of
 every request) over the device-to-device copy rate measured in the same run (torch, bytes read + written).
-Before building, the options of the gathered expert kernel are searched on the real shapes.
+Before building, the options of the GGML-block kernel are searched on the experts' real shapes.
 
     python3 scripts/bench_kimi_gpu.py --blocks 12 --batches 1,8 --steps 32 --context 512 --out $OUT
 """
@@ -43,10 +43,11 @@ for _ in range(20):
 print(2 * n / statistics.median(ts), torch.cuda.get_device_name())
 """
 
-CANDIDATES = [  # options of the gathered expert kernel (reduce axis 0: the inner dimension's blocks of 32)
-    [], [["GROUP", 0, 32]], [["GROUP", 0, 16]], [["GROUP", 0, 32], ["UPCAST", 0, 2]],
-    [["GROUP", 0, 16], ["UPCAST", 0, 4]], [["GROUPTOP", 0, 32]], [["GROUP", 0, 8], ["UPCAST", 0, 4]],
-    [["LOCAL", 0, 16], ["GROUP", 0, 8]],
+CANDIDATES = [  # options of the GGML-block kernel (models.kernels.gathered.block_opts; reduce axis 0: the blocks
+    # of 32 of a row; axes 0, 1, 2: slots, output features, rows); the first is the built-in choice
+    [["GROUP", 0, 32]], [["GROUP", 0, 16]], [["GROUP", 0, 8]], [["GROUP", 0, 32], ["UPCAST", 1, 2]],
+    [["GROUP", 0, 16], ["UPCAST", 1, 4]], [["GROUP", 0, 8], ["UPCAST", 1, 4]], [["GROUP", 0, 8], ["LOCAL", 1, 4]],
+    [["GROUP", 0, 16], ["LOCAL", 1, 2]], [["GROUPTOP", 0, 32]], [["GROUP", 0, 4], ["LOCAL", 1, 8]],
 ]
 
 
@@ -84,7 +85,7 @@ def search_gathered_opts(config, device: str, timeout_s: float) -> tuple[list, l
     for opts in CANDIDATES:
         if time.time() - started > timeout_s:
             break
-        os.environ["SWARMD_GATHERED_OPTS"] = json.dumps(opts)
+        os.environ["SWARMD_BLOCK_OPTS"] = json.dumps(opts)
 
         def step(x: Tensor, idx: Tensor) -> Tensor:
             g, u = gathered_matvec(x, gate_up, idx).chunk(2, dim=-1)
@@ -173,7 +174,7 @@ def main() -> None:
         config = replace(KIMI_K2_MINI, n_blocks=args.blocks + 2).config(4096, args.context + 64)
     device = Device.DEFAULT
     best, searched = search_gathered_opts(config, device, args.search_s)
-    os.environ["SWARMD_GATHERED_OPTS"] = json.dumps(best)
+    os.environ["SWARMD_BLOCK_OPTS"] = json.dumps(best)
     report |= {"gathered_search": searched, "gathered_opts": best}
     say(f"searched in {time.time() - t0:.0f} s; using {best}")
     if not args.mini:

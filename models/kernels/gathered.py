@@ -61,13 +61,11 @@ def block_matvec(x: Tensor, blocks, idx: Tensor | None = None) -> Tensor:
     with `idx`, slot s multiplies matrix idx[s] of the stack `blocks` (gathered by index inside the kernel,
     reading only those matrices' codes); without, the one matrix (slots = 1)."""
     from tinygrad import dtypes, function
-    from tinygrad.codegen.opt import Opt, OptOps
 
     slots, rows, in_features = x.shape
     n, out_features = (blocks.shape[0], blocks.shape[1]) if blocks.shape else (1, blocks.rows)
     nb, per = in_features // 32, (16 if blocks.packed else 32)
-    group = next((g for g in (32, 16, 8, 4, 2) if nb % g == 0), 1)
-    opts = (Opt(OptOps.GROUP, 0, group),) if group > 1 else ()
+    opts = block_opts(nb, (slots, out_features, rows))
     gathered, has_m, off = idx is not None, blocks.m is not None, blocks.code_offset
 
     @function
@@ -116,3 +114,33 @@ def gathered_opts(device: str, out_features: int, n_reduce: int) -> tuple | None
     table = json.loads(os.environ["SWARMD_GATHERED_OPTS"]) if os.environ.get("SWARMD_GATHERED_OPTS") \
         else GATHERED_GPU_OPTS
     return tuple(Opt(OptOps[op], axis, arg) for op, axis, arg in table) or None
+
+
+def block_opts(n_blocks: int, shape: tuple[int, int, int]) -> tuple:
+    """Options of `block_matvec`'s kernel of output `shape` (slots, out, rows); reduce axis 0: the blocks of 32
+    of a row. By default (the best of a search on an H200, docs/BENCHMARKS.md "Kimi-class MoE") four threads
+    split a row's blocks and eight rows of output share a work group; where those do not divide, a thread group
+    of the largest of 32, 16, 8, 4, 2 that divides the blocks.
+    `SWARMD_BLOCK_OPTS` (a JSON list of [op, axis, amount], output axes counted in (slots, out, rows)) replaces
+    them, for searches: an output axis of one (which leaves the kernel) drops its options."""
+    import json
+    import math
+    import os
+
+    from tinygrad.codegen.opt import Opt, OptOps
+
+    reduce_ops = (OptOps.GROUP, OptOps.GROUPTOP, OptOps.UNROLL)
+    if table := os.environ.get("SWARMD_BLOCK_OPTS"):
+        opts = []
+        for op, axis, arg in json.loads(table):
+            kind = OptOps[op]
+            if kind in reduce_ops:
+                opts.append(Opt(kind, axis, arg))
+            elif shape[axis] > 1 and shape[axis] % arg == 0:
+                opts.append(Opt(kind, sum(1 for d in shape[:axis] if d > 1), arg))
+        if n_blocks % math.prod(o.arg for o in opts if o.op in reduce_ops) == 0:
+            return tuple(opts)
+    if n_blocks % 4 == 0 and shape[1] % 8 == 0:
+        return (Opt(OptOps.GROUP, 0, 4), Opt(OptOps.LOCAL, int(shape[0] > 1), 8))
+    group = next((g for g in (32, 16, 8, 4, 2) if n_blocks % g == 0), 1)
+    return (Opt(OptOps.GROUP, 0, group),) if group > 1 else ()
