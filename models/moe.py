@@ -1,4 +1,5 @@
-"""Mixture-of-experts blocks (Mixtral / DeepSeek / Kimi style) on tinygrad.llm's MoE weights.
+"""Mixture-of-experts blocks on tinygrad.llm's MoE weights: Mixtral's routing, and DeepSeek-V3 / Kimi-K2's
+(sigmoid scores, a selection bias, expert groups, shared experts).
 
 A MoE block is a Llama block whose feed-forward part is a router plus routed experts (and optionally
 shared experts that every token goes through). tinygrad.llm's `TransformerBlock` already holds such
