@@ -213,6 +213,7 @@ def _stack_gate_up(gate: Tensor | BlockQuantized, up: Tensor | BlockQuantized,
             return a.reshape(n, ffn, -1).cat(b.reshape(n, ffn, -1), dim=1).reshape(n * 2 * ffn, -1)
 
         m = None if gate.m is None or up.m is None else stack(gate.m, up.m)
-        return BlockQuantized(stack(gate.q, up.q), stack(gate.d, up.d), m, dim, gate.q8_1, (n, 2 * ffn, dim)).realize()
+        return BlockQuantized(stack(gate.q, up.q), stack(gate.d, up.d), m, dim, gate.q8_1, (n, 2 * ffn, dim),
+                              gate.code_offset).realize()
     dense = [w.dequantized() if isinstance(w, BlockQuantized) else w for w in (gate, up)]
     return dense[0].to(device).cat(dense[1].to(device), dim=1).contiguous().realize()
