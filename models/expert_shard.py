@@ -1,8 +1,12 @@
 """The routed experts of some MoE layers that one node holds apart from a stage.
 
-`ExpertShard` computes, for a batch of rows, each selected expert's output (gathered by index inside jitted
-kernels, `models.kernels.gathered.gathered_matvec`), and `gated_sum` a row's gate-weighted sum of them in the
-order of its selections, so the sum does not depend on which node held which expert.
+`ExpertShard` does, for a batch of rows, the work of the experts those rows selected, not of every expert held:
+the selected (row, expert) pairs are laid out on the host as slots of one expert each (`dispatch`), and one
+jitted graph per layer and layout gathers the slots' expert matrices by index inside its kernels
+(`models.kernels.gathered.gathered_matvec`), so only the chosen experts' bytes are read and GGML-block experts stay
+quantised. A node answers one output per selection; `models.moe.gated_sum` makes each row's sum in the order of
+its selections, wherever the experts live. A stage holding its experts can run them inside its own graph
+(`ExpertShard.in_graph`). Held 8 vs 384 experts: docs/BENCHMARKS.md, "Kimi-class MoE".
 """
 
 from __future__ import annotations
@@ -19,13 +23,15 @@ from models import cached_graphs
 from models.errors import ModelError
 from models.kernels.gathered import gathered_matvec
 from models.kernels.matvec import tune_cpu_renderer
-from models.moe import EXPERT_TENSORS, ExpertCall, is_moe_block
+from models.moe import EXPERT_TENSORS, ExpertCall, gated_sum, is_moe_block
 from models.tinygrad_ext.jit import HeldInputs, read_back
 
 if TYPE_CHECKING:
     from tinygrad import Tensor, TinyJit
 
     from models.kernels.quant import BlockQuantized
+
+
 
 
 class ExpertShard:
@@ -194,19 +200,6 @@ def _bucket(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
 
 
-def gated_sum(call: ExpertCall, outputs: np.ndarray) -> np.ndarray:
-    """(rows, dim): per row, gate times output of each selection, added in the order of the row's selections
-    (k = 0, 1, ...), whoever computed them; `outputs` (pairs, dim) in row-major order of `call.sel >= 0`."""
-    n, k = call.sel.shape
-    chosen = call.sel >= 0
-    per = np.zeros((n, k, call.rows.shape[1]), np.float32)
-    per[chosen] = outputs
-    out = np.zeros((n, call.rows.shape[1]), np.float32)
-    for j in range(k):
-        out += call.gates[:, j:j + 1].astype(np.float32) * per[:, j]
-    return out
-
-
 def _on_device(w: Tensor | BlockQuantized, device: str) -> Tensor | BlockQuantized:
     from models.kernels.quant import BlockQuantized
 
@@ -227,6 +220,7 @@ def _stack_gate_up(gate: Tensor | BlockQuantized, up: Tensor | BlockQuantized,
             return a.reshape(n, ffn, -1).cat(b.reshape(n, ffn, -1), dim=1).reshape(n * 2 * ffn, -1)
 
         m = None if gate.m is None or up.m is None else stack(gate.m, up.m)
-        return BlockQuantized(stack(gate.q, up.q), stack(gate.d, up.d), m, dim, gate.q8_1, (n, 2 * ffn, dim)).realize()
+        return BlockQuantized(stack(gate.q, up.q), stack(gate.d, up.d), m, dim, gate.q8_1, (n, 2 * ffn, dim),
+                              gate.code_offset).realize()
     dense = [w.dequantized() if isinstance(w, BlockQuantized) else w for w in (gate, up)]
     return dense[0].to(device).cat(dense[1].to(device), dim=1).contiguous().realize()

@@ -1,4 +1,5 @@
-"""Mixture-of-experts blocks (Mixtral / DeepSeek / Kimi style) on tinygrad.llm's MoE weights.
+"""Mixture-of-experts blocks on tinygrad.llm's MoE weights: Mixtral's routing, and DeepSeek-V3 / Kimi-K2's
+(sigmoid scores, a selection bias, expert groups, shared experts).
 
 A MoE block is a Llama block whose feed-forward part is a router plus routed experts (and optionally
 shared experts that every token goes through). tinygrad.llm's `TransformerBlock` already holds such
@@ -8,8 +9,9 @@ weights under their GGUF names (`ffn_gate_inp`, `ffn_{gate,up,down}_exps`, `exp_
 * `MoEConfig`: tinygrad.llm's `TransformerConfig` plus the router's scoring function (softmax or
   sigmoid, independent of the selection bias, which tinygrad.llm ties together);
 * `route`: scores, optional selection bias (it changes which experts are chosen, not their gates),
-  top-k, normalised gates, routed scaling;
-* `ExpertCall`: what a stage whose experts live elsewhere asks for, per MoE layer and step.
+  group-limited top-k, normalised gates, routed scaling;
+* `ExpertCall`: what a stage whose experts live elsewhere asks for, per MoE layer and step, and
+  `gated_sum`: a row's answer from its selections' outputs, added in the order of its selections.
 
 The experts one node holds apart from a stage are `models.expert_shard.ExpertShard`.
 """
@@ -68,16 +70,17 @@ def gating_of(config: TransformerConfig) -> str:
     return gating
 
 
-def route(blk, x: Tensor, config: TransformerConfig) -> tuple[Tensor, Tensor]:
+def route(blk, x: Tensor, config: TransformerConfig, logits: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Gates (..., k) float32 and selected experts (..., k) int32 of x (B, T, dim).
 
     Scores are softmax or sigmoid of the router logits; a selection bias (DeepSeek-V3's
     `exp_probs_b`) is added only to choose the top k (within the best groups, when the config has
     groups); the chosen scores are normalised to sum to 1
-    when `norm_topk_prob`, then multiplied by `routed_scaling_factor`."""
+    when `norm_topk_prob`, then multiplied by `routed_scaling_factor`. `logits`: the router's, when the
+    caller computed them."""
     from tinygrad.llm.model import pairwise_topk
 
-    logits = x.float() @ blk.ffn_gate_inp.weight.float().T
+    logits = (x.float() @ blk.ffn_gate_inp.weight.float().T if logits is None else logits).float()
     scores = logits.sigmoid() if gating_of(config) == "sigmoid" else logits.softmax(-1)
     choose = scores + blk.exp_probs_b["bias"].float() if hasattr(blk, "exp_probs_b") else scores
     if getattr(config, "expert_groups", 0) > 1:
@@ -150,3 +153,15 @@ def rows_for(call: ExpertCall, experts: set[int] | frozenset[int]) -> np.ndarray
     """Indices of the rows of `call` that select any of `experts` (the rows `call.only` keeps)."""
     return np.flatnonzero(np.isin(call.sel, list(experts)).any(axis=1))
 
+
+def gated_sum(call: ExpertCall, outputs: np.ndarray) -> np.ndarray:
+    """(rows, dim): per row, gate times output of each selection, added in the order of the row's selections
+    (k = 0, 1, ...), whoever computed them; `outputs` (pairs, dim) in row-major order of `call.sel >= 0`."""
+    n, k = call.sel.shape
+    chosen = call.sel >= 0
+    per = np.zeros((n, k, call.rows.shape[1]), np.float32)
+    per[chosen] = outputs
+    out = np.zeros((n, call.rows.shape[1]), np.float32)
+    for j in range(k):
+        out += call.gates[:, j:j + 1].astype(np.float32) * per[:, j]
+    return out

@@ -41,6 +41,7 @@ from models.errors import ModelError
 from models.expert_shard import ExpertShard
 from models.gguf.loader import StageParts
 from models.kernels import ggml_numerics
+from models.kernels.gathered import block_matvec
 from models.kernels.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_renderer
 from models.kernels.quant import BlockQuantized
 from models.kv_cache import KVCacheFull, KVPool, LatentPool, SlotTable
@@ -286,7 +287,8 @@ class StageModel:
     @classmethod
     def from_gguf(cls, path: str | Path, start: int = 0, end: int | None = None, *, max_context: int = 2048,
                   max_requests: int = 8, device: str | None = None, dtype: str | None = None,
-                  numerics: str = "float", local_experts: bool = True, reuse: StageModel | None = None) -> StageModel:
+                  numerics: str = "float", local_experts: bool = True, reuse: StageModel | None = None,
+                  experts_in_graph: bool = False) -> StageModel:
         """Load blocks [start, end) (default: to the last block) of a GGUF model, reading only their bytes.
 
         `dtype`: "float16" (as tinygrad.llm; the default with float numerics), "float32" (to measure what
@@ -319,7 +321,7 @@ class StageModel:
                                      held=held)
         return cls(config, weights, start, end, max_context=config.max_context, max_requests=max_requests,
                    device=device, local_experts=local_experts, numerics=numerics, source=source, reuse=reuse,
-                   held=held)
+                   held=held, experts_in_graph=experts_in_graph)
 
     @classmethod
     def random(cls, config, seed: int, start: int = 0, end: int | None = None, *, dtype: str = "float16",
@@ -664,6 +666,8 @@ class StageModel:
         blocks = self._blocks.get(name)
         if self.numerics == "ggml" and blocks is not None and h.shape[-1] % ggml_numerics.BLOCK == 0:
             return ggml_numerics.matvec(h, w, blocks)
+        if self.on_gpu and self.mla and blocks is not None and h.shape[-1] % ggml_numerics.BLOCK == 0:
+            return block_matvec(h.reshape(1, *h.shape), blocks)[0]  # GGML blocks in one split reduction
         return matvec(h, w)
 
     def _block(self, i: int, x: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,
@@ -687,9 +691,17 @@ class StageModel:
             ffn = blk.config.hidden_dim  # a leading dense block of a MoE model has its own width
             gate, up = project(self._gate_up[i], normed, "gate_up").split([ffn, ffn], dim=-1)
             return h + project(blk.ffn_down.weight, gate.silu() * up, "ffn_down.weight")
-        gates, sel = route(blk, normed, c)
-        if (shared := shared_experts(blk, normed)) is not None:
-            h = h + shared
+        if self.mla:  # the router and shared expert through the stage's matvec (GGML blocks stay blocks)
+            logits = project(blk.ffn_gate_inp.weight, normed, "ffn_gate_inp.weight")
+            gates, sel = route(blk, normed, c, logits=logits)
+            if c.shared_expert_dim:
+                up = project(blk.ffn_up_shexp.weight, normed, "ffn_up_shexp.weight")
+                act = project(blk.ffn_gate_shexp.weight, normed, "ffn_gate_shexp.weight").silu() * up
+                h = h + project(blk.ffn_down_shexp.weight, act, "ffn_down_shexp.weight")
+        else:
+            gates, sel = route(blk, normed, c)
+            if (shared := shared_experts(blk, normed)) is not None:
+                h = h + shared
         if cut:
             return h, normed, gates, sel
         if self.experts_in_graph:

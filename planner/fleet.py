@@ -127,10 +127,11 @@ def make_fleet(
     rtt_ms: tuple[float, float] = (1.0, 50.0),
     uplink_mbit: float = 1000.0,
     region_rtt_ms: Sequence[Sequence[float]] | None = None,
+    bandwidth_efficiency: float | None = None,
 ) -> list[NodeDescriptor]:
     """Descriptors for a fleet (see `simulated_fleet`)."""
     return simulated_fleet(spec, regions=regions, rtt_ms=rtt_ms, uplink_mbit=uplink_mbit,
-                           region_rtt_ms=region_rtt_ms).nodes
+                           region_rtt_ms=region_rtt_ms, bandwidth_efficiency=bandwidth_efficiency).nodes
 
 
 def simulated_fleet(
@@ -140,10 +141,13 @@ def simulated_fleet(
     rtt_ms: tuple[float, float] = (1.0, 50.0),
     uplink_mbit: float = 1000.0,
     region_rtt_ms: Sequence[Sequence[float]] | None = None,
+    bandwidth_efficiency: float | None = None,
 ) -> SimulatedFleet:
     """Descriptors for a fleet, and where each node is. Nodes go to regions round robin in the order the spec
     lists them, so every region gets a mix. RTT is rtt_ms[0] inside a region and rtt_ms[1] between regions, or
-    region_rtt_ms[a][b] between regions a and b when given (its diagonal is the intra-region RTT)."""
+    region_rtt_ms[a][b] between regions a and b when given (its diagonal is the intra-region RTT).
+    `bandwidth_efficiency`: the fraction of peak bandwidth a node achieves (default `BANDWIDTH_EFFICIENCY`),
+    e.g. one measured on a real block's decode."""
     if regions < 1:
         raise PlanSchemaError("--regions must be at least 1")
     if uplink_mbit <= 0:
@@ -175,7 +179,7 @@ def simulated_fleet(
             memory_total=prof.usable_memory,
             memory_free=prof.usable_memory,
             flops=prof.flops,
-            mem_bandwidth=prof.bandwidth,
+            mem_bandwidth=prof.bandwidth if bandwidth_efficiency is None else prof.peak_bandwidth * bandwidth_efficiency,
             uplink_bps=uplink_mbit * 1e6,
             rtt_ms={ids[j]: float(rtts[j]) for j in range(len(entries)) if j != i},
             label=prof.label,

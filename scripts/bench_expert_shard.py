@@ -1,7 +1,7 @@
 """One MoE layer's routed experts for a batch of rows, two ways, side by side on one device:
 
-* `ExpertShard.compute` (models/expert_shard.py): every expert held runs on every row as one fused MLP through the
-  matvec kernel, each expert's neurons scaled by the row's gate for it (jitted per padded row count);
+* `ExpertShard.compute` (models/expert_shard.py): the selected (row, expert) pairs laid out per expert, each
+  slot's matrices gathered by index inside the kernels (`gathered_matvec`, jitted per layout);
 * gathering each row's selected expert matrices (tinygrad.llm's `ExpertWeights`, as `models.moe.routed_experts`
   does inside a stage's graph), jitted the same way.
 

@@ -12,6 +12,10 @@ defined here or in planner/fleet.py, and documented in docs/SCALE.md.
 The speculative rows use the acceptance measured by scripts/bench_spec.py (`--json`, kept in
 docs/data/spec_acceptance.json): per mode, the drafts per pass and the chance a draft is accepted given the ones
 before it were. Without the file they fall back to the assumptions (3 drafts at 70 %, 4 at 85 %).
+
+    .venv/bin/python scripts/scale_kimi.py --block-ms 0.3 --block-gb 0.31 --peak-tbs 4.8
+        # a measured Kimi-K2 block decode (0.3 ms for 0.31 GB read on a 4.8 TB/s GPU) in place of the assumed
+        # 0.8 of peak bandwidth: every GPU is taken to reach the same fraction of its peak
 """
 
 from __future__ import annotations
@@ -60,10 +64,11 @@ class Fleet:
     rtt_ms: tuple[float, float] = (1.0, 1.0)
     uplink_mbit: float = 1000.0
     region_rtt: list[list[float]] | None = field(default=None, hash=False)
+    bandwidth_efficiency: float | None = None  # None: planner.fleet's assumed 0.8 of peak
 
     def nodes(self):
         return make_fleet(self.spec, regions=self.regions, rtt_ms=self.rtt_ms, uplink_mbit=self.uplink_mbit,
-                          region_rtt_ms=self.region_rtt)
+                          region_rtt_ms=self.region_rtt, bandwidth_efficiency=self.bandwidth_efficiency)
 
 
 FLEETS = [
@@ -111,19 +116,28 @@ def main() -> None:
                         "and acceptance in place of the assumed 70 %% / 85 %%")
     parser.add_argument("--hop-ms", type=float, default=1.0,
                         help="software cost per message, ms (default 1.0: py-libp2p; see docs/BENCHMARKS.md)")
+
+    parser.add_argument("--block-ms", type=float, help="measured decode time of one MoE block (batch 1)")
+    parser.add_argument("--block-gb", type=float, help="the bytes that block's decode reads, in GB")
+    parser.add_argument("--peak-tbs", type=float, help="peak bandwidth of the GPU it was measured on, TB/s")
     args = parser.parse_args()
     hop = args.hop_ms
     speculation = measured_drafts(args.acceptance) if args.acceptance else [
         ("+ speculative decoding (3 drafts, 70 % accepted)", SPECULATIVE),
         ("... or with 4 drafts, 85 % accepted", STRONG_DRAFT)]
     tokens = 8 if args.quick else 24
+    fleets = FLEETS
+    if args.block_ms:
+        efficiency = args.block_gb / args.block_ms / args.peak_tbs  # GB/ms = TB/s
+        print(f"bandwidth efficiency from the measured block: {efficiency:.3f} of peak (assumed before: 0.8)\n")
+        fleets = [replace(f, bandwidth_efficiency=efficiency) for f in FLEETS]
     layout = layout_from_arch(BUILTIN_ARCHS["kimi-k2"], "int4")
     t0 = time.time()
     print(f"kimi-k2 int4: {layout.total_bytes / 1e9:.0f} GB of weights, {layout.n_blocks} blocks\n")
     print("| fleet | GPUs | policy | stages | nodes used | planner ms/token | sim ms/token | sim tokens/s per stream "
           "| sim aggregate tokens/s (16 streams, batched) | where a token's time goes (sim) | busiest |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for fleet in FLEETS:
+    for fleet in fleets:
         nodes = fleet.nodes()
         for policy in ("balanced", "min-latency"):
             plan = make_plan(layout, nodes, policy=policy, options=PlanOptions(hop_overhead_ms=hop))
@@ -140,7 +154,7 @@ def main() -> None:
     print("| fleet | change | stages | sim ms/token | sim tokens/s per stream |")
     print("|---|---|---|---|---|")
     fp8 = layout_from_arch(BUILTIN_ARCHS["kimi-k2"], "int4", activation_bytes_per_value=1)
-    for fleet in FLEETS:
+    for fleet in fleets:
         fast = PlanOptions(hop_overhead_ms=FAST_HOP_MS)
         fast_cfg = SimConfig(hop_overhead_ms=FAST_HOP_MS)
         steps = [

@@ -72,9 +72,9 @@ ROUTED_TENSORS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.w
 def block_tensor_names(header: GGUFHeader, i: int, *, routed: bool = True) -> list[str]:
     """Block i's tensors: a dense block's nine, or a MoE block's attention, router, the optional
     tensors the file has and (with `routed`) the stacked routed experts. A `deepseek2` block's attention
-    is multi-head latent attention (`models.gguf.mla.attention_tensor_names`)."""
+    is multi-head latent attention (`models.gguf.deepseek2_tensors.attention_tensor_names`)."""
     if header.arch == "deepseek2":
-        from models.gguf.mla import attention_tensor_names
+        from models.gguf.deepseek2_tensors import attention_tensor_names
 
         attention = attention_tensor_names(header, i)
     else:
@@ -156,7 +156,7 @@ def load_stage_weights(
     for name in stage_tensor_names(header, start, end, config.num_blocks, routed=routed, held=held):
         info = header.tensors[name]
         if mla:
-            from models.gguf.mla import mla_permutation
+            from models.gguf.deepseek2_tensors import mla_permutation
 
             permute = mla_permutation(name, config)
         else:
@@ -166,7 +166,7 @@ def load_stage_weights(
                 return interleaved_to_half_split(t, n_heads) if n_heads else t
 
         if mla and name.endswith("attn_kv_b.weight"):  # the legacy form: split as llama.cpp's converter does
-            from models.gguf.mla import split_kv_b
+            from models.gguf.deepseek2_tensors import split_kv_b
 
             cast = "float32" if dtype == "float32" else "float16"
             k_b, v_b = split_kv_b(read_tensor(header, name).numpy(), config)

@@ -1,7 +1,7 @@
-"""A matvec whose matrix is chosen per slot by index from a stack (the routed experts of a MoE block).
-
-`models.kernels.matvec` holds the one-matrix matvec whose layout and options this one follows.
-"""
+"""Products of a few rows with matrices chosen per slot by index from a stack (the routed experts of a MoE
+block): the gather folds into the kernel's loads, so only the chosen matrices are read, and GGML-block matrices
+are dequantised in the kernel. `block_matvec` is the GPU kernel for GGML blocks (one matrix or a gathered
+stack), its reduction split over a thread group."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ def gathered_matvec(x: Tensor, w, idx: Tensor, *, ggml: bool = False) -> Tensor:
     if ggml and quantized and in_features % 32 == 0:
         values, err = ggml_numerics.q8_activations(x.reshape(slots * rows, in_features))
         x = values.reshape(slots, rows, in_features)
+    if quantized and x.device.split(":")[0] in GPU_DEVICES and err is None:
+        return block_matvec(x, w, idx)
     mats = w.gathered(idx) if quantized else w[idx].cast(dtypes.float32)
     out_features = mats.shape[1]
     # as in matvec: a dense matrix's reduction axes merge in the kernel, a dequantised block's stay apart
@@ -53,6 +55,47 @@ def gathered_matvec(x: Tensor, w, idx: Tensor, *, ggml: bool = False) -> Tensor:
     return y
 
 
+def block_matvec(x: Tensor, blocks, idx: Tensor | None = None) -> Tensor:
+    """x (slots, rows, in) times GGML-block matrices -> (slots, rows, out), as one GPU kernel whose reduction
+    (over blocks of 32 and the 16 bytes of a block's codes, both nibbles at once) is split over a thread group:
+    with `idx`, slot s multiplies matrix idx[s] of the stack `blocks` (gathered by index inside the kernel,
+    reading only those matrices' codes); without, the one matrix (slots = 1)."""
+    from tinygrad import dtypes, function
+
+    slots, rows, in_features = x.shape
+    n, out_features = (blocks.shape[0], blocks.shape[1]) if blocks.shape else (1, blocks.rows)
+    nb, per = in_features // 32, (16 if blocks.packed else 32)
+    opts = block_opts(nb, (slots, out_features, rows))
+    gathered, has_m, off = idx is not None, blocks.m is not None, blocks.code_offset
+
+    @function
+    def kernel(x: Tensor, q: Tensor, d: Tensor, *rest: Tensor) -> Tensor:
+        pick_idx = rest[-1] if gathered else None
+
+        def pick(t: Tensor) -> Tensor:
+            t = t.reshape(n, out_features, t.shape[-1])
+            return t[pick_idx] if pick_idx is not None else t
+
+        codes = pick(q).reshape(slots, out_features, 1, nb, per)
+        scale = pick(d).cast(dtypes.float32).reshape(slots, out_features, 1, nb, 1)
+        xs = x.reshape(slots, 1, rows, nb, 2, 16) if blocks.packed else x.reshape(slots, 1, rows, nb, 32)
+        if blocks.packed:
+            lo, hi = codes.bitwise_and(15).cast(dtypes.float32), codes.rshift(4).cast(dtypes.float32)
+            if off:
+                lo, hi = lo - off, hi - off
+            terms = (lo * xs[..., 0, :] + hi * xs[..., 1, :]) * scale
+            if has_m:  # Q4_1: w = q * d + m
+                m = pick(rest[0]).cast(dtypes.float32).reshape(slots, out_features, 1, nb, 1)
+                terms = terms + m * (xs[..., 0, :] + xs[..., 1, :])
+        else:
+            terms = codes.cast(dtypes.float32) * xs * scale
+        y = terms.sum((-2, -1))  # one reduction (slots, out, rows): a thread group splits its blocks
+        return y.contiguous(arg=opts) if opts else y.contiguous()
+
+    args = [x.contiguous(), blocks.q, blocks.d, *([blocks.m] if has_m else []), *([idx] if gathered else [])]
+    return kernel(*args).permute(0, 2, 1)
+
+
 # Options of the gathered matvec on GPUs (axis 0: output features; reduce axis 0: the inner dimension); empty:
 # tinygrad's heuristics. Options that split the reduction must not depend on the slots and rows.
 GATHERED_GPU_OPTS: tuple[tuple[str, int, int], ...] = (('UNROLL', 0, 4), ('GROUP', 0, 32))
@@ -71,3 +114,33 @@ def gathered_opts(device: str, out_features: int, n_reduce: int) -> tuple | None
     table = json.loads(os.environ["SWARMD_GATHERED_OPTS"]) if os.environ.get("SWARMD_GATHERED_OPTS") \
         else GATHERED_GPU_OPTS
     return tuple(Opt(OptOps[op], axis, arg) for op, axis, arg in table) or None
+
+
+def block_opts(n_blocks: int, shape: tuple[int, int, int]) -> tuple:
+    """Options of `block_matvec`'s kernel of output `shape` (slots, out, rows); reduce axis 0: the blocks of 32
+    of a row. By default (the best of a search on an H200, docs/BENCHMARKS.md "Kimi-class MoE") four threads
+    split a row's blocks and eight rows of output share a work group; where those do not divide, a thread group
+    of the largest of 32, 16, 8, 4, 2 that divides the blocks.
+    `SWARMD_BLOCK_OPTS` (a JSON list of [op, axis, amount], output axes counted in (slots, out, rows)) replaces
+    them, for searches: an output axis of one (which leaves the kernel) drops its options."""
+    import json
+    import math
+    import os
+
+    from tinygrad.codegen.opt import Opt, OptOps
+
+    reduce_ops = (OptOps.GROUP, OptOps.GROUPTOP, OptOps.UNROLL)
+    if table := os.environ.get("SWARMD_BLOCK_OPTS"):
+        opts = []
+        for op, axis, arg in json.loads(table):
+            kind = OptOps[op]
+            if kind in reduce_ops:
+                opts.append(Opt(kind, axis, arg))
+            elif shape[axis] > 1 and shape[axis] % arg == 0:
+                opts.append(Opt(kind, sum(1 for d in shape[:axis] if d > 1), arg))
+        if n_blocks % math.prod(o.arg for o in opts if o.op in reduce_ops) == 0:
+            return tuple(opts)
+    if n_blocks % 4 == 0 and shape[1] % 8 == 0:
+        return (Opt(OptOps.GROUP, 0, 4), Opt(OptOps.LOCAL, int(shape[0] > 1), 8))
+    group = next((g for g in (32, 16, 8, 4, 2) if n_blocks % g == 0), 1)
+    return (Opt(OptOps.GROUP, 0, group),) if group > 1 else ()

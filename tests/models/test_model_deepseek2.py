@@ -116,7 +116,7 @@ def test_stages_and_spread_experts_give_the_single_process_bits(files):
     holders = {e: (name,) for name, es in zip("abc", spread, strict=True) for e in es}
 
     def experts(call):
-        parts = split_by_node(call, holders, ReplicaChooser().choose)
+        parts = split_by_node(call, holders, ReplicaChooser(lambda: 0.0).choose)
         return combine(call, [(p, shards[p.peer].expert_outputs(p.call)) for p in parts])
 
     out = []
@@ -137,3 +137,12 @@ def test_a_stage_reads_only_its_own_tensors(files):
     assert not any("_exps" in n for n in names)
     legacy = stage_tensor_names(read_header(files["kv_b"]), 0, 1, SPEC.n_blocks)
     assert "blk.0.attn_kv_b.weight" in legacy and "token_embd.weight" in legacy and "output.weight" not in legacy
+
+
+def test_experts_in_the_stages_own_graph_compute_what_its_shard_computes(files):
+    """The GPU path (routed experts gathered inside the stage's graph, no host round trip) against the shard."""
+    path = files["q4_0"]
+    fast = StageModel.from_gguf(path, max_context=64, max_requests=1, dtype="quantized", experts_in_graph=True)
+    assert len(fast.segments) == 1
+    exact = StageModel.from_gguf(path, max_context=64, max_requests=1, dtype="quantized")
+    np.testing.assert_allclose(run(fast), run(exact), atol=1e-4, rtol=0)

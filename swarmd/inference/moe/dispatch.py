@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from models.expert_shard import gated_sum
-from models.moe import ExpertCall, rows_for
+from models.moe import ExpertCall, gated_sum, rows_for
 
 
 @dataclass

@@ -3,7 +3,7 @@
 `MoERouter.fan_out` sends one `ExpertBatch` per remote node at once (on the hot lane), then the stage's thread
 computes the experts this daemon holds while those are in flight. Each part's answer (one output per selected
 pair of its rows) is put in its place in one buffer made for the call, and `out` makes each row's gate-weighted
-sum in the order of its selections (`models.expert_shard.gated_sum`), as the router's `call` does, so the sum
+sum in the order of its selections (`models.moe.gated_sum`), as the router's `call` does, so the sum
 does not depend on which node answered which expert or in what order. The last part in completes
 the call, whichever thread brings it: a lane's reader (an `ExpertResult` on the lane), the event loop (one the
 transport carried, or the router's own asking again of a part whose node failed), or the stage's thread itself
@@ -75,7 +75,7 @@ class FanOut:
     @property
     def out(self) -> np.ndarray:
         """(rows, dim): each row's gate-weighted sum of its selections' outputs, in the order of its selections."""
-        from models.expert_shard import gated_sum
+        from models.moe import gated_sum
 
         return gated_sum(self.call, self.per[self.call.sel >= 0])
 

@@ -1,7 +1,7 @@
-"""How a `deepseek2` GGUF lays out multi-head latent attention (`models.deepseek2`): the tensors a block has, the
-rows llama.cpp's converter interleaves, and the legacy `attn_kv_b` split as the converter splits it. `config` is
-a `models.deepseek2.DeepSeek2Config`.
-"""
+"""Tensors of GGUF files of architecture `deepseek2` (DeepSeek-V3, Kimi-K2) as the loader reads them: which
+attention tensors a block has (the split `attn_k_b`/`attn_v_b` or the legacy `attn_kv_b`), the rows of the rotated
+projections GGUF keeps in interleaved pairs, and the legacy `attn_kv_b` split as llama.cpp's converter splits it.
+`config` is a `models.deepseek2.DeepSeek2Config`."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from models.gguf.header import GGUFHeader
-
 if TYPE_CHECKING:
     from tinygrad import Tensor
+
+    from models.gguf.header import GGUFHeader
 
 
 def attention_tensor_names(header: GGUFHeader, i: int) -> list[str]:

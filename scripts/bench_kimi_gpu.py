@@ -1,0 +1,231 @@
+#!/usr/bin/env python3
+"""Full-width Kimi-K2 blocks on one GPU: decode time per MoE block at batch 1 and 8 against the block's roofline.
+
+`random/kimi-k2:N`'s blocks (models/deepseek2.py KIMI_K2: hidden 7168, 64 heads, MLA 1536/512, 384 experts of
+2048, top-8, one shared expert), Q4_0 weights drawn on the device (`models.catalog.seeded_quantized`), as one
+`StageModel` of MoE blocks 1..N (no embedding, no head) holding its experts; float numerics (the weights stay in
+their Q4_0 blocks, dequantised in the kernels). Two expert paths:
+
+* `in graph`: the routed experts run inside the stage's jitted graph, each (row, expert) pair gathering its
+  expert's Q4_0 matrices by index (`ExpertShard.in_graph`): no host round trip per block;
+* `shard`: as `swarmd run` and a swarm run it: the graph cut after each router, the stage's own shard answering
+  on the host side (`ExpertShard.expert_outputs` + `gated_sum`).
+
+Roofline: the bytes a decode step reads per block (the block's own buffers: MLA projections, norms, router
+and selection bias, shared expert; 8 routed experts per row, distinct ones counted once; the latent cache of
+every request) over the device-to-device copy rate measured in the same run (torch, bytes read + written).
+Before building, the options of the GGML-block kernel are searched on the experts' real shapes.
+
+    python3 scripts/bench_kimi_gpu.py --blocks 12 --batches 1,8 --steps 32 --context 512 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+TORCH_COPY = """
+import torch, statistics
+n = {n}
+a = torch.empty(n, dtype=torch.uint8, device='cuda'); b = torch.empty_like(a); b.copy_(a)
+ts = []
+for _ in range(20):
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record(); b.copy_(a); e.record(); e.synchronize(); ts.append(s.elapsed_time(e) / 1e3)
+print(2 * n / statistics.median(ts), torch.cuda.get_device_name())
+"""
+
+CANDIDATES = [  # options of the GGML-block kernel (models.kernels.gathered.block_opts; reduce axis 0: the blocks
+    # of 32 of a row; axes 0, 1, 2: slots, output features, rows); the first is the built-in choice
+    [["GROUP", 0, 32]], [["GROUP", 0, 16]], [["GROUP", 0, 8]], [["GROUP", 0, 32], ["UPCAST", 1, 2]],
+    [["GROUP", 0, 16], ["UPCAST", 1, 4]], [["GROUP", 0, 8], ["UPCAST", 1, 4]], [["GROUP", 0, 8], ["LOCAL", 1, 4]],
+    [["GROUP", 0, 16], ["LOCAL", 1, 2]], [["GROUPTOP", 0, 32]], [["GROUP", 0, 4], ["LOCAL", 1, 8]],
+]
+
+
+def say(*a) -> None:
+    print(*a, flush=True)
+
+
+def copy_rate(mib: int) -> tuple[float, str]:
+    done = subprocess.run([sys.executable, "-c", TORCH_COPY.format(n=mib << 20)], capture_output=True, text=True,
+                          timeout=300)
+    rate, name = done.stdout.split(maxsplit=1)
+    return float(rate), name.strip()
+
+
+def free_memory() -> int:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=60).stdout
+    return int(out.split()[0]) << 20
+
+
+def search_gathered_opts(config, device: str, timeout_s: float) -> tuple[list, list[dict]]:
+    """Each candidate's time for one decode's expert work at batch 1 (8 pairs: gate+up, then down), best first."""
+    from tinygrad import Device, Tensor, TinyJit
+
+    from models.catalog.seeded_quantized import expert_weights
+    from models.expert_shard import _stack_gate_up
+    from models.kernels.gathered import gathered_matvec
+
+    w = expert_weights(config, 0, {1: range(config.num_experts)}, device)
+    gate_up = _stack_gate_up(w["blk.1.ffn_gate_exps.weight"], w["blk.1.ffn_up_exps.weight"], device)
+    down = w["blk.1.ffn_down_exps.weight"]
+    x = Tensor.randn(8, 1, config.dim, device=device).realize()
+    idx = Tensor(np.arange(8, dtype=np.int32) * 47 % config.num_experts, device=device).realize()
+    rows, started = [], time.time()
+    for opts in CANDIDATES:
+        if time.time() - started > timeout_s:
+            break
+        os.environ["SWARMD_BLOCK_OPTS"] = json.dumps(opts)
+
+        def step(x: Tensor, idx: Tensor) -> Tensor:
+            g, u = gathered_matvec(x, gate_up, idx).chunk(2, dim=-1)
+            return gathered_matvec((g.silu() * u).contiguous(), down, idx).realize()
+
+        try:
+            jit = TinyJit(step)
+            for _ in range(3):
+                jit(x, idx)
+            Device[device].synchronize()
+            times = []
+            for _ in range(20):
+                t = time.perf_counter()
+                jit(x, idx)
+                Device[device].synchronize()
+                times.append(time.perf_counter() - t)
+            rows.append({"opts": opts, "ms": statistics.median(times) * 1e3})
+        except Exception as e:  # an option the kernel's shape refuses
+            rows.append({"opts": opts, "error": f"{type(e).__name__}: {str(e)[:80]}"})
+        say("gathered opts", rows[-1])
+    ok = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
+    return (ok[0]["opts"] if ok else []), rows
+
+
+def block_bytes(stage, i: int, batch: int, context: int, distinct: float) -> dict[str, float]:
+    """Bytes one decode step reads for block i: its own buffers once, `distinct` routed experts, each
+    request's latent cache."""
+    from tinygrad import nn
+    from tinygrad.uop.ops import Ops
+
+    held = {u: u.buffer.nbytes for t in nn.state.get_parameters(stage.blk[i]) for u in t.uop.toposort()
+            if u.op is Ops.BUFFER}
+    fused = {u: u.buffer.nbytes for t in [stage._qkv[i]] for u in t.uop.toposort() if u.op is Ops.BUFFER}
+    dense = sum((held | fused).values())  # the block's buffers, each once (fused projections are views of one)
+    gate_up, down = stage.expert_shard.weights[i]
+    per_expert = (gate_up.nbytes() + down.nbytes()) / stage.config.num_experts
+    cache = stage.kv.layers[i]
+    kv = batch * (context + 1) * cache.shape[-1] * cache.dtype.itemsize
+    return {"dense": dense, "experts": distinct * per_expert, "kv": kv, "total": dense + distinct * per_expert + kv,
+            "per_expert": per_expert}
+
+
+def expected_distinct(n: int, k: int, rows: int) -> float:
+    """Expected distinct experts among `rows` rows choosing k of n uniformly."""
+    return n * (1 - (1 - k / n) ** rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=12)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--copy-mib", type=int, default=2048)
+    parser.add_argument("--search-s", type=float, default=60.0)
+    parser.add_argument("--too-many", type=int, default=20, help="a block count to show the one-line error for")
+    parser.add_argument("--mini", action="store_true", help="kimi-k2-mini's width instead (a dry run on a CPU)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    from tinygrad import Device
+
+    from models.catalog.seeded import parse_seeded_name
+    from models.errors import ModelError
+    from models.stage import StageInput, StageModel
+
+    t0 = time.time()
+    report: dict = {"args": vars(args)}
+    rate, gpu = copy_rate(args.copy_mib) if not args.mini else (20e9, "a CPU (dry run)")
+    report |= {"copy_bytes_s": rate, "gpu": gpu, "free_memory": free_memory() if not args.mini else 16 << 30}
+    say(f"{gpu}: copy {rate / 1e12:.2f} TB/s, {report['free_memory'] / 1e9:.1f} GB free")
+    seeded = parse_seeded_name(f"random/kimi-k2:{args.too_many}")
+    batches = [int(b) for b in args.batches.split(",")]
+    try:
+        seeded.check_fits(0, args.too_many, report["free_memory"], args.context + 64, max(batches))
+        report["too_many"] = "fits"
+    except ModelError as e:
+        report["too_many"] = str(e)
+    say("asking for too many:", report["too_many"])
+    seeded = parse_seeded_name(f"random/kimi-k2:{args.blocks + 2}")
+    config = seeded.config(args.context + 64)
+    if args.mini:
+        from dataclasses import replace
+
+        from models.deepseek2 import KIMI_K2_MINI
+
+        config = replace(KIMI_K2_MINI, n_blocks=args.blocks + 2).config(4096, args.context + 64)
+    device = Device.DEFAULT
+    best, searched = search_gathered_opts(config, device, args.search_s)
+    os.environ["SWARMD_BLOCK_OPTS"] = json.dumps(best)
+    report |= {"gathered_search": searched, "gathered_opts": best}
+    say(f"searched in {time.time() - t0:.0f} s; using {best}")
+    if not args.mini:
+        seeded.check_fits(1, 1 + args.blocks, free_memory(), config.max_context, max(batches))
+    t = time.time()
+    stage = StageModel.random(config, seeded.seed, 1, 1 + args.blocks, max_context=config.max_context,
+                              max_requests=max(batches), device=device, numerics="float", experts_in_graph=True)
+    report["load_s"] = time.time() - t
+    report["weight_bytes"] = stage.weight_bytes()
+    say(f"built {args.blocks} blocks in {report['load_s']:.0f} s, {report['weight_bytes'] / 1e9:.1f} GB")
+    rng = np.random.default_rng(0)
+    rows = []
+    for mode in ("in graph", "shard"):
+        stage.experts_in_graph = mode == "in graph"
+        stage.segments = stage._cut_segments()
+        for batch in batches:
+            ids = [f"{mode}-{batch}-{b}" for b in range(batch)]
+            for rid in ids:
+                stage.add_request(rid)
+                stage.slots.set_length(rid, args.context)  # decode at this position (the cache's rows are zeros)
+            times = []
+            t = time.time()
+            for _ in range(args.steps + 3):
+                items = [StageInput(rid, args.context, rng.standard_normal((1, config.dim)).astype(np.float32) * 0.1)
+                         for rid in ids]
+                start = time.perf_counter()
+                stage.forward(items)
+                times.append(time.perf_counter() - start)
+                for rid in ids:
+                    stage.slots.set_length(rid, args.context)
+            for rid in ids:
+                stage.free_request(rid)
+            step_s = statistics.median(times[3:])
+            distinct = min(config.num_experts_per_tok * batch, expected_distinct(config.num_experts, 8, batch))
+            need = block_bytes(stage, 1, batch, args.context, distinct)
+            per_block = step_s / args.blocks
+            roof = need["total"] / rate
+            rows.append({"mode": mode, "batch": batch, "step_ms": step_s * 1e3, "block_ms": per_block * 1e3,
+                         "roofline_ms": roof * 1e3, "percent": 100 * roof / per_block, "bytes": need,
+                         "first_steps_s": sum(times[:3]), "took_s": time.time() - t})
+            say(json.dumps(rows[-1]))
+    report["rows"] = rows
+    say("| expert path | batch | step (ms) | per block (ms) | bytes per block (MB) | roofline (ms) | % of roofline |")
+    say("|---|---|---|---|---|---|---|")
+    for r in rows:
+        say(f"| {r['mode']} | {r['batch']} | {r['step_ms']:.2f} | {r['block_ms']:.3f} | {r['bytes']['total'] / 1e6:.0f} "
+            f"| {r['roofline_ms']:.3f} | {r['percent']:.0f} % |")
+    say(f"(total {time.time() - t0:.0f} s)")
+    if args.out:
+        Path(args.out, "kimi_gpu.json").write_text(json.dumps(report, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
