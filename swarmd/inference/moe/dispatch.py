@@ -36,13 +36,21 @@ class ReplicaChooser:
     latency: dict[str, float] = field(default_factory=dict)
     in_flight: dict[str, int] = field(default_factory=dict)
     sampled_at: dict[str, float] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)  # peers whose latest call failed
 
     def estimate(self, peer: str) -> float:
-        """The peer's latency as believed now (seconds)."""
-        if peer not in self.latency:
-            return self.prior_s
+        """The peer's latency as believed now (seconds). A peer whose latest call failed stays the failure
+        penalty times slower than the slowest peer that answers, also one measured after it failed (relaxing
+        with the same half-life)."""
+        own = self._relaxed(peer, self.latency.get(peer, self.prior_s))
+        if peer not in self.failed:
+            return own
+        answering = [self._relaxed(p, lat) for p, lat in self.latency.items() if p not in self.failed]
+        return max(own, self._relaxed(peer, max(answering, default=self.prior_s) * self.failure_penalty))
+
+    def _relaxed(self, peer: str, latency: float) -> float:
         age = max(0.0, self.clock() - self.sampled_at.get(peer, self.clock()))
-        return self.prior_s + (self.latency[peer] - self.prior_s) * 0.5 ** (age / self.half_life_s)
+        return self.prior_s + (latency - self.prior_s) * 0.5 ** (age / self.half_life_s)
 
     def cost(self, peer: str) -> float:
         return self.estimate(peer) * (1 + self.in_flight.get(peer, 0))
@@ -62,8 +70,10 @@ class ReplicaChooser:
         old = self.estimate(peer)
         if seconds is None:  # worse than the slowest peer that answers, until it answers fast again
             self.latency[peer] = max([old, *(self.estimate(p) for p in self.latency)]) * self.failure_penalty
+            self.failed.add(peer)
         else:
             self.latency[peer] = (1 - self.alpha) * old + self.alpha * seconds
+            self.failed.discard(peer)
         self.sampled_at[peer] = self.clock()
 
 
