@@ -84,18 +84,20 @@ class ExpertShard:
                    source=f"seed {seed} {dtype}")
 
     @classmethod
-    def from_gguf(cls, path, experts: Mapping[int, Sequence[int]], *, dtype: str = "float16",
+    def from_gguf(cls, path, experts: Mapping[int, Sequence[int]], *, dtype: str | None = None,
                   device: str | None = None, numerics: str = "float") -> ExpertShard:
         """Experts of a MoE GGUF, reading only the bytes of the experts held; `dtype` "quantized" keeps
-        Q4_0/Q4_1/Q8_0 experts in their GGML blocks (required by, and the default of, ggml numerics)."""
+        Q4_0/Q4_1/Q8_0 experts in their GGML blocks (required by ggml numerics; the default for them and for
+        `deepseek2` models)."""
         from models.config import config_from_header
+        from models.deepseek2 import is_mla
         from models.gguf.header import read_header
         from models.gguf.loader import load_expert_weights
 
-        if numerics == "ggml":
-            dtype = "quantized"
         header = read_header(path)
         config = config_from_header(header)
+        if numerics == "ggml" or dtype is None:
+            dtype = "quantized" if numerics == "ggml" or is_mla(config) else "float16"
         return cls(config, load_expert_weights(header, experts, device=device, dtype=dtype), experts, device,
                    numerics, source=f"gguf {Path(path).resolve()} {dtype}")
 

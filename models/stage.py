@@ -61,7 +61,8 @@ if TYPE_CHECKING:
     from tinygrad import Tensor, TinyJit
     from tinygrad.uop.ops import UOp
 
-__all__ = ["NUMERICS", "SERVING_NUMERICS", "ExpertCall", "KVCacheFull", "StageInput", "StageModel", "serving_numerics"]
+__all__ = ["NUMERICS", "SERVING_NUMERICS", "ExpertCall", "KVCacheFull", "StageInput", "StageModel", "run_numerics",
+           "serving_numerics"]
 
 # (first block, end block, cut): blocks [first, end) run; with `cut`, block end-1 stops after its router.
 Segment = tuple[int, int, bool]
@@ -73,9 +74,16 @@ SERVING_NUMERICS = "ggml"
 
 def serving_numerics(config) -> str:
     """The arithmetic served stages and expert shards of a model use: `SERVING_NUMERICS`, but float for
-    Llama-family mixtures of experts (their expert shards compute in float16). DeepSeek-V3 / Kimi-K2 models
-    compute one way everywhere (`swarmd run`, stages, shards), so a swarm gives `swarmd run`'s very tokens."""
-    return "float" if config.num_experts and not is_mla(config) else SERVING_NUMERICS
+    mixtures of experts (Llama-family expert shards compute in float16; DeepSeek-V3 / Kimi-K2 compute in float
+    on their GGML blocks, as `swarmd run` does for them: `run_numerics`)."""
+    return "float" if config.num_experts else SERVING_NUMERICS
+
+
+def run_numerics(config) -> str:
+    """The arithmetic `swarmd run` uses: `SERVING_NUMERICS`, but float for DeepSeek-V3 / Kimi-K2, so that a swarm
+    serving one computes exactly what the single process does (llama.cpp's 8-bit activations moved their logits
+    9-26 % of their range away from the float32 reference: docs/MOE.md, "One arithmetic")."""
+    return "float" if is_mla(config) else SERVING_NUMERICS
 
 
 @dataclass(frozen=True)
@@ -291,7 +299,7 @@ class StageModel:
                   experts_in_graph: bool = False) -> StageModel:
         """Load blocks [start, end) (default: to the last block) of a GGUF model, reading only their bytes.
 
-        `dtype`: "float16" (as tinygrad.llm; the default with float numerics), "float32" (to measure what
+        `dtype`: "float16" (as tinygrad.llm; the default with float numerics but for `deepseek2`), "float32" (to measure what
         float16 costs), or "quantized" (the default, and the only choice, with ggml numerics): Q4_0/Q4_1/
         Q8_0 matrices stay in their GGML blocks and are dequantised inside the kernels (exact, ~2.8x
         smaller, faster on CPU; see docs/BENCHMARKS.md). `numerics`: see the module docstring;
@@ -310,8 +318,8 @@ class StageModel:
         end = config.num_blocks if end is None else end
         if not 0 <= start < end <= config.num_blocks:
             raise ModelError(f"bad block range [{start}, {end}) for a model of {config.num_blocks} blocks")
-        if dtype is None:
-            dtype = "quantized" if numerics == "ggml" else "float16"
+        if dtype is None:  # DeepSeek-V3 / Kimi-K2 keep their GGML blocks whatever the arithmetic
+            dtype = "quantized" if numerics == "ggml" or is_mla(config) else "float16"
         if numerics == "ggml" and dtype != "quantized":
             raise ModelError(f"numerics 'ggml' computes on GGML blocks: use dtype 'quantized', not {dtype!r}")
         source = f"gguf {Path(path).resolve()} {dtype}"

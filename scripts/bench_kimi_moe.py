@@ -3,7 +3,7 @@
 
 The block is `kimi-k2-mini`'s (models/deepseek2.py, KIMI_K2_MINI: MLA attention, router, shared expert, routed
 experts in Q4_0), its weights seeded (`models.catalog.seeded_quantized`), run as a `StageModel` of that one
-block with its own expert shard and llama.cpp's numerics, as `swarmd run` runs it. Two routings:
+block with its own expert shard, float arithmetic on the Q4_0 blocks, as `swarmd run` runs it. Two routings:
 
 * `same 8`: a selection bias of +100 on experts 0-7 makes every row choose those 8 (gates unchanged), so
   both blocks do the same expert work and differ only in how many experts they hold;
@@ -30,11 +30,11 @@ import numpy as np
 
 def make_block(n_experts: int, same: bool, batch: int, device: str | None):
     from models.deepseek2 import KIMI_K2_MINI
-    from models.stage import SERVING_NUMERICS, StageModel
+    from models.stage import StageModel
 
     config = replace(KIMI_K2_MINI, n_experts=n_experts, n_blocks=3).config(vocab=49152, max_context=256)
     stage = StageModel.random(config, 0, 1, 2, max_context=256, max_requests=batch, device=device,
-                              numerics=SERVING_NUMERICS)
+                              numerics="float")
     if same:
         from tinygrad import Tensor
 

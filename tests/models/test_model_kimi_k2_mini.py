@@ -57,24 +57,29 @@ def test_the_file_is_kimi_k2s_architecture_in_llama_cpps_form(mini, smollm2_gguf
 
 
 def test_swarmd_runs_arithmetic_agrees_with_the_float32_reference_where_the_top_two_are_apart(mini):
-    """The single process (`swarmd run`'s generation loop and numerics) against the numpy reference,
-    teacher-forced on its own greedy tokens: every step whose reference top-1/top-2 gap exceeds the measured
-    numeric error picks the reference's token."""
+    """The single process (`swarmd run`'s generation loop and arithmetic) against the numpy reference. Over the
+    prompt and `swarmd run`'s own greedy tokens (the prompt pass over all of them, and decoding one token a step
+    in the absorbed form), positions agree to 1e-3 until one where the 8 of 384 random experts are chosen on a
+    near-tie that rounding flips (a difference of about 1 there, and a few hundredths after it, through the
+    cache); every position picks the reference's token where its top-1/top-2 gap exceeds that difference."""
     from models.generate import generate
     from models.sampling import SamplingParams
-    from models.stage import SERVING_NUMERICS, StageModel
+    from models.stage import StageInput, StageModel, run_numerics
     from models.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(mini)
-    model = StageModel.from_gguf(mini, max_context=256, max_requests=1, numerics=SERVING_NUMERICS)
+    config, weights = ref.load(mini)
+    model = StageModel.from_gguf(mini, max_context=256, max_requests=1, numerics=run_numerics(config_from_header(read_header(mini))))
     prompt = tok.encode("The capital of France is")
     gen = generate(model, tok, prompt, SamplingParams(max_tokens=12), keep_logits=True)
     got = np.stack([piece.logits for piece in gen if piece.token_id is not None])
-    config, weights = ref.load(mini)
-    want = ref.forward(config, weights, [*prompt, *gen.token_ids])[len(prompt) - 1:-1]
-    err = np.abs(got - want).max()
-    top2 = np.sort(want, axis=-1)[:, -2:]
-    clear = top2[:, 1] - top2[:, 0] > 2 * err
-    assert err < 0.05 * np.abs(want).max(), err
-    assert clear.sum() >= len(want) // 2, (err, top2[:, 1] - top2[:, 0])
-    assert (got.argmax(-1) == want.argmax(-1))[clear].all()
+    ids = [*prompt, *gen.token_ids]
+    want_all = ref.forward(config, weights, ids)
+    model.add_request("whole")
+    whole = model.forward([StageInput("whole", 0, np.array(ids, np.int32), all_logits=True)])[0]
+    for got_, want_ in ((whole, want_all), (got, want_all[len(prompt) - 1:-1])):
+        err = np.abs(got_ - want_).max(axis=-1)  # per position
+        top2 = np.sort(want_, axis=-1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 2 * err
+        assert (err < 1e-3).sum() >= len(err) // 3, err  # exact up to a flipped routing near-tie
+        assert (got_.argmax(-1) == want_.argmax(-1))[clear].all(), (err, top2[:, 1] - top2[:, 0])

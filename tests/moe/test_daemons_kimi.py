@@ -50,11 +50,11 @@ def swarmd_run(prompt: str) -> str:
 def test_kimi_k2_mini_on_four_daemons_gives_swarmd_runs_tokens(tmp_path_factory, bench_file, mini):
     from models.generate import generate
     from models.sampling import SamplingParams
-    from models.stage import SERVING_NUMERICS, StageModel
+    from models.stage import StageModel
     from models.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(mini)
-    alone = StageModel.from_gguf(mini, max_context=256, max_requests=1, numerics=SERVING_NUMERICS)  # swarmd run's
+    alone = StageModel.from_gguf(mini, max_context=256, max_requests=1, numerics="float")  # swarmd run's (run_numerics)
     gen = generate(alone, tok, tok.encode(PROMPT), SamplingParams(max_tokens=N_TOKENS))
     text = "".join(piece.text for piece in gen)
     want = gen.token_ids
