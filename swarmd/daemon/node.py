@@ -81,8 +81,9 @@ class Node:
     def __init__(self, config: DaemonConfig, *, network: NetworkFactory = libp2p_network,
                  compute: Compute | None = None, blocking: Callable[..., Awaitable[Any]] | None = None,
                  loader: StageLoader = load_stage, expert_loader: ExpertLoader = load_experts,
-                 serve_api: bool = True) -> None:
+                 serve_api: bool = True, partial_models: Path | None = None) -> None:
         self.config = config
+        self.partial_models = partial_models  # where models fetched in part are kept (None: the model cache)
         self.blocking = blocking or trio.to_thread.run_sync  # other blocking work: planning, tokenizer loads
         self._make_network = network
         self._serve_api = serve_api
@@ -147,7 +148,8 @@ class Node:
             self._nursery = nursery
             self.network = await nursery.start(network.run)
             # the model: on this machine, else (partly) fetched from the members named by --bootstrap
-            self.model = await resolve_served(cfg.model, network, bootstrap, blocking=self.compute.run)
+            self.model = await resolve_served(cfg.model, network, bootstrap, blocking=self.compute.run,
+                                              partials=self.partial_models)
             if cfg.plan is not None:
                 plan = load_plan_file(cfg.plan, self.model.layout)
                 self.fixed_plan = FixedPlan(plan, self.model.layout, cfg.plan.name, self.plan_options)
