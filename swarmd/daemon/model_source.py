@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -42,10 +43,10 @@ ASK_ATTEMPTS = 3
 
 
 async def resolve_served(spec: str, network: Network, bootstrap: Sequence[tuple[str, str]], *,
-                         wait_s: float = 10.0,
-                         blocking: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync) -> ServedModel:
+                         wait_s: float = 10.0, blocking: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync,
+                         partials: Path | None = None) -> ServedModel:
     """The model `spec` names, as this daemon serves it (see the module's docstring); `blocking` runs file work
-    and hashing."""
+    and hashing; partial models are kept under `partials` (None: the model cache's `manifests/`)."""
     from models.catalog.seeded import parse_seeded_name
 
     seeded = parse_seeded_name(spec)
@@ -57,7 +58,8 @@ async def resolve_served(spec: str, network: Network, bootstrap: Sequence[tuple[
         if local is not None:
             name, path = local
             return from_store(name, await blocking(whole_file_store, path))
-    partial = await blocking(lambda: find_partial(name="" if digest else spec, digest=digest or ""))
+    partial = await blocking(lambda: find_partial(name="" if digest else spec, digest=digest or "",
+                                                   root=partials))
     if partial is not None and partial.complete:
         return from_store(_name(partial, spec), partial)
     if bootstrap:
@@ -65,7 +67,7 @@ async def resolve_served(spec: str, network: Network, bootstrap: Sequence[tuple[
         if answer is not None:
             name, peer, manifest = answer
             if partial is None or partial.digest != manifest.digest:
-                partial = await blocking(PartialModel.create, manifest, name)
+                partial = await blocking(PartialModel.create, manifest, name, partials)
             else:
                 partial.add_name(name)
             log.info("%s (manifest %s) is served by the swarm (%s answered): %.1f of %.1f MiB held here; the "

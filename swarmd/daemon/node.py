@@ -89,9 +89,11 @@ class Node:
     def __init__(self, config: DaemonConfig, *, network: NetworkFactory = libp2p_network,
                  compute: Compute | None = None, blocking: Callable[..., Awaitable[Any]] | None = None,
                  loader: StageLoader = load_stage, expert_loader: ExpertLoader = load_experts,
-                 serve_api: bool = True, process_bytes: Callable[[], int] | None = None) -> None:
+                 serve_api: bool = True, process_bytes: Callable[[], int] | None = None,
+                 partial_models: Path | None = None) -> None:
         self.config = config
         self.process_bytes = process_bytes  # what the process holds (None: its RSS), for a CPU stage's KV slots
+        self.partial_models = partial_models  # where models fetched in part are kept (None: the model cache)
         self.blocking = blocking or trio.to_thread.run_sync  # other blocking work: planning, tokenizer loads
         self._make_network = network
         self._serve_api = serve_api
@@ -158,7 +160,8 @@ class Node:
             self._nursery = nursery
             self.network = await nursery.start(network.run)
             # the model: on this machine, else (partly) fetched from the members named by --bootstrap
-            self.model = await resolve_served(cfg.model, network, bootstrap, blocking=self.compute.run)
+            self.model = await resolve_served(cfg.model, network, bootstrap, blocking=self.compute.run,
+                                              partials=self.partial_models)
             if cfg.plan is not None:
                 self.fixed_plan = fixed_plan(cfg, self.model.layout, self.plan_options)
             self.weights = weights = WeightsService(

@@ -167,8 +167,8 @@ class SwarmTwin:
         _write_identity(home, index)
         (home / "device-bench.json").write_text(json.dumps({**_bench(), **(bench or {})}))
         bootstrap = () if via is None else (f"/memory/{via.peer_id}/p2p/{via.peer_id}",)
-        config = DaemonConfig(home=home, model=self.model, timings=self.timings, bootstrap=bootstrap,
-                              **{**self.settings, **settings})
+        config = DaemonConfig(home=home, timings=self.timings, bootstrap=bootstrap,
+                              **{"model": self.model, **self.settings, **settings})  # a daemon may name it its way
         daemon = TwinDaemon(index, home, config)
         self.daemons[index] = daemon
         await nursery.start(self._run, daemon)
@@ -186,7 +186,8 @@ class SwarmTwin:
 
         node = Node(daemon.config, network=network, compute=InlineCompute(), blocking=run_inline,
                     loader=self.pool.stage_loader(name), expert_loader=self.pool.expert_loader(name),
-                    serve_api=False, process_bytes=lambda: 0)  # the process is every daemon's
+                    serve_api=False, process_bytes=lambda: 0,  # the process is every daemon's
+                    partial_models=daemon.home / "partial-models")  # each a machine of its own
         node.add_extension(run_pipeline)
         daemon.node, daemon.scope, daemon.stopped = node, trio.CancelScope(), trio.Event()
         try:

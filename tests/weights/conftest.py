@@ -1,10 +1,15 @@
-"""Fixtures for the weights tests' real daemons: a device benchmark measured once."""
+"""Fixtures for the weights tests: a device benchmark measured once for the real daemons; tinygrad usable from
+any thread (the twin's, as the pipeline tests')."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+
+from tests.pipeline.conftest import kernel_cache_per_thread
+
+__all__ = ["kernel_cache_per_thread"]
 
 
 @pytest.fixture(scope="session")
