@@ -94,3 +94,17 @@ async def test_a_request_pushed_out_of_a_full_queue_is_told_to_retry(nursery, au
     with pytest.raises(QueueFull):
         await admission.wait_turn(burst[1])
     assert admission.queue.ahead_of(newcomer.ticket.id) == 1
+
+
+async def test_a_request_put_back_by_a_busy_stage_waits_until_that_stage_reports_room(nursery, autojump_clock):
+    chain = Chain(slots=2)
+    admission = await nursery.start(chain.admission().run)
+    turn = admission.admit("a")
+    await admission.wait_turn(turn)
+    admission.requeue(turn, "s0")  # s0 had no slot after all: other heads' requests took them since its report
+    with trio.move_on_after(0.5):
+        await admission.wait_turn(turn)
+    assert not turn.granted.is_set() and admission.queue.depth == 1  # not sent straight back to be refused
+    chain.slots["s0"] = StageSlots(2, 1, 1)  # its next report: one slot free
+    with trio.fail_after(0.5):
+        assert await admission.wait_turn(turn) == REGISTRY

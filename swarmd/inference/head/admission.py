@@ -109,6 +109,7 @@ class Admission:
         turn = Turn(ticket, time.perf_counter())
         self._turns[ticket.id] = turn
         self._in_flight(+1)
+        self.grant_ready()  # its turn may be now: a burst fills the chain's free slots before the queue's places
         self._wake.set()
         return turn
 
@@ -189,9 +190,9 @@ class Admission:
         """A stage (`busy_peer`) had no slot for the request after all: back to the front of the queue."""
         if turn.ticket.phase is not Phase.RUNNING:
             return
-        if busy_peer is not None:
-            self.view.refused(busy_peer, trio.current_time())
         self.view.ended(turn.chain)
+        if busy_peer is not None:  # after `ended`, which would count the busy stage as having room again
+            self.view.refused(busy_peer, trio.current_time())
         turn.registry, turn.granted = None, trio.Event()
         self.queue.requeue(turn.ticket.id, trio.current_time())
         self._wake.set()
