@@ -173,3 +173,16 @@ def test_a_plan_file_for_other_weights_is_one_line_before_anything_starts(tmp_pa
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith(f"swarmd cluster: error: p.json is for other weights of {MODEL}")
     assert not (tmp_path / "home" / "cluster" / "slots").exists()
+
+
+def test_a_cluster_not_ready_in_time_names_the_slots_and_stops_every_process_it_started(tmp_path):
+    env = environment(tmp_path / "home")
+    plan = write_plan(tmp_path / "two.json", env, "--fleet", "2x3060", "--regions", "2")
+    done = swarmd("cluster", "up", "--plan", str(tmp_path / "two.json"), "--ready-timeout", "2", env=env, timeout=300)
+    assert done.returncode == 2 and done.stdout == ""
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("swarmd cluster: error: not ready within 2 s: slot") and "Traceback" not in done.stderr
+    assert any(name in last for name in plan.fleet.names)  # names what it waited for
+    pids = [int(a or b) for a, b in re.findall(r"\(pid (\d+)\)|: pid (\d+),", done.stderr)]
+    assert len(pids) == 3  # the emulator and both slots' daemons, all stopped
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
