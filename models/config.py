@@ -1,7 +1,8 @@
 """A model's configuration from its GGUF metadata, as tinygrad.llm's `TransformerConfig`.
 
 Llama-style models are served (`llama` architecture: SmolLM2, Llama 2/3, Mistral, and with llama.cpp's
-expert keys Mixtral-style mixtures of experts); anything else is refused with one line that says so.
+expert keys Mixtral-style mixtures of experts), and DeepSeek-V3 / Kimi-K2 style models (`deepseek2`:
+multi-head latent attention, `models.deepseek2`); anything else is refused with one line that says so.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from models.moe import MoEConfig
 
 GATING_FUNCS = {1: "softmax", 2: "sigmoid"}  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE
 
-SUPPORTED_ARCHS = ("llama",)
+SUPPORTED_ARCHS = ("llama", "deepseek2")
 
 
 def _require(header: GGUFHeader, key: str) -> Any:
@@ -42,8 +43,12 @@ def config_from_header(header: GGUFHeader, max_context: int | None = None) -> Mo
     if arch not in SUPPORTED_ARCHS:
         raise ModelError(
             f"{header.path.name}: architecture {arch or '(none)'!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHS)}); use a Llama-family GGUF"
+            f"(supported: {', '.join(SUPPORTED_ARCHS)}); use a Llama-family or DeepSeek-V3-family GGUF"
         )
+    if arch == "deepseek2":
+        from models.deepseek2 import config_from_header as deepseek2_config
+
+        return deepseek2_config(header, vocab_size(header), max_context)
     n_heads = int(_require(header, "attention.head_count"))
     dim = int(_require(header, "embedding_length"))
     head_dim = int(header.arch_key("attention.key_length", dim // n_heads))

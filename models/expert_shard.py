@@ -1,64 +1,71 @@
 """The routed experts of some MoE layers that one node holds apart from a stage.
 
-`ExpertShard` computes, for a batch of rows, the gate-weighted sum of its experts: every expert held runs on
-every row as one fused MLP whose intermediate neurons are scaled by the row's gate for their expert (0: not
-selected), through `models.kernels.matvec` (jitted per layer and padded row count). On a CPU that is faster
-than gathering each row's expert matrices (tinygrad.llm's `ExpertWeights`): docs/BENCHMARKS.md, "Figures moved
-out of the code" (`scripts/bench_expert_shard.py`).
+`ExpertShard` computes, for a batch of rows, each selected expert's output (gathered by index inside jitted
+kernels, `models.kernels.gathered.gathered_matvec`), and `gated_sum` a row's gate-weighted sum of them in the
+order of its selections, so the sum does not depend on which node held which expert.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 from tinygrad.llm.model import TransformerConfig
 
+from models import cached_graphs
 from models.errors import ModelError
-from models.kernels.matvec import matvec, tune_cpu_renderer
-from models.moe import ExpertCall, is_moe_block
-from models.tinygrad_ext.jit import HeldInputs, capturing_jit, read_back
+from models.kernels.gathered import gathered_matvec
+from models.kernels.matvec import tune_cpu_renderer
+from models.moe import EXPERT_TENSORS, ExpertCall, is_moe_block
+from models.tinygrad_ext.jit import HeldInputs, read_back
 
 if TYPE_CHECKING:
     from tinygrad import Tensor, TinyJit
 
-EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    from models.kernels.quant import BlockQuantized
 
 
 class ExpertShard:
     """Routed experts of some MoE layers, as one node holds them: `experts` maps a layer to the global
     indices of its experts held here; weights are keyed by GGUF name, each `blk.{i}.ffn_*_exps.weight`
-    holding just those experts in that order."""
+    holding just those experts in that order (float tensors, or GGML blocks that stay quantised).
 
-    def __init__(self, config: TransformerConfig, weights: Mapping[str, Tensor],
-                 experts: Mapping[int, Sequence[int]], device: str | None = None):
+    A call does the work of the experts its rows selected, not of every expert held: the selected (row,
+    expert) pairs are laid out on the host as slots of one expert each (`dispatch`), and one jitted graph per
+    layer and layout gathers the slots' expert matrices by index inside its kernels (only the chosen
+    experts' bytes are read). Each pair's output is the same whichever node computes it and whatever else is
+    in its call (the kernels' reductions are pinned), and a row's outputs are summed in the order of its
+    selections (`gated_sum`), so the sum does not depend on where the experts live."""
+
+    def __init__(self, config: TransformerConfig, weights: Mapping[str, Tensor | BlockQuantized],
+                 experts: Mapping[int, Sequence[int]], device: str | None = None, numerics: str = "float",
+                 source: str = ""):
+        """`source` names the weights (as `StageModel.source`), so that their graphs can be cached."""
         from tinygrad import Device
 
         self.device = Device.canonicalize(device)
         tune_cpu_renderer(self.device)
-        self.config = config
+        self.config, self.numerics = config, numerics
         self.experts = {int(layer): tuple(int(e) for e in es) for layer, es in experts.items()}
-        self.weights: dict[int, tuple[Tensor, Tensor]] = {}  # layer -> (gate and up stacked, down side by side)
+        self.weights: dict[int, tuple[Tensor | BlockQuantized, Tensor | BlockQuantized]] = {}  # (gate+up, down)
         self._local: dict[int, np.ndarray] = {}  # layer -> global expert index -> local index (-1: not here)
         for layer, es in self.experts.items():
             if not is_moe_block(config, layer):
                 raise ModelError(f"block {layer} is not a MoE block of this model")
             if any(not 0 <= e < config.num_experts for e in es) or len(set(es)) != len(es):
                 raise ModelError(f"block {layer}: bad expert indices {es} for {config.num_experts} experts")
-            gate, up, down = (weights[f"blk.{layer}.{n}.weight"].to(self.device) for n in EXPERT_TENSORS)
-            n, ffn, dim = gate.shape
-            self.weights[layer] = (gate.reshape(n * ffn, dim).cat(up.reshape(n * ffn, dim)).contiguous().realize(),
-                                   # one expert: a reshape of its buffer (a no-op permute would leave a
-                                   # wrapper around it, which models.kernels.matvec takes for a dequantising graph)
-                                   down.reshape(dim, ffn).contiguous().realize() if n == 1 else
-                                   down.permute(1, 0, 2).reshape(dim, n * ffn).contiguous().realize())
+            gate, up, down = (weights[f"blk.{layer}.{n}.weight"] for n in EXPERT_TENSORS)
+            self.weights[layer] = (_stack_gate_up(gate, up, self.device), _on_device(down, self.device))
             local = np.full(config.num_experts, -1, np.int32)
             local[list(es)] = np.arange(len(es), dtype=np.int32)
             self._local[layer] = local
-        self._jits: dict[tuple[int, int], TinyJit] = {}
+        self._jits: dict[tuple[int, int, int], TinyJit] = {}
         self._inputs = HeldInputs(self.device)
+        self.source = source
+        self.graphs = cached_graphs.for_experts(self)
 
     @classmethod
     def random(cls, config: TransformerConfig, seed: int, experts: Mapping[int, Sequence[int]], *,
@@ -67,19 +74,24 @@ class ExpertShard:
         `StageModel.random` of that seed holds."""
         from models.catalog.synthetic import random_expert_weights
 
-        return cls(config, random_expert_weights(config, seed, experts, dtype), experts, device)
+        return cls(config, random_expert_weights(config, seed, experts, dtype), experts, device,
+                   source=f"seed {seed} {dtype}")
 
     @classmethod
     def from_gguf(cls, path, experts: Mapping[int, Sequence[int]], *, dtype: str = "float16",
-                  device: str | None = None) -> ExpertShard:
-        """Experts of a MoE GGUF, reading only the bytes of the experts held."""
+                  device: str | None = None, numerics: str = "float") -> ExpertShard:
+        """Experts of a MoE GGUF, reading only the bytes of the experts held; `dtype` "quantized" keeps
+        Q4_0/Q4_1/Q8_0 experts in their GGML blocks (required by, and the default of, ggml numerics)."""
         from models.config import config_from_header
         from models.gguf.header import read_header
         from models.gguf.loader import load_expert_weights
 
+        if numerics == "ggml":
+            dtype = "quantized"
         header = read_header(path)
         config = config_from_header(header)
-        return cls(config, load_expert_weights(header, experts, device=device, dtype=dtype), experts, device)
+        return cls(config, load_expert_weights(header, experts, device=device, dtype=dtype), experts, device,
+                   numerics, source=f"gguf {Path(path).resolve()} {dtype}")
 
     def holds(self, layer: int) -> tuple[int, ...]:
         return self.experts.get(layer, ())
@@ -88,19 +100,30 @@ class ExpertShard:
         return sum(w.nbytes() for ws in self.weights.values() for w in ws)
 
     def warmup(self, max_rows: int = 1) -> None:
-        """Compile and capture each layer's graph for up to `max_rows` rows (padded to powers of two)."""
+        """Compile and capture each layer's graph for the layouts of decode batches up to `max_rows` rows
+        whose experts are all distinct, and all shared."""
+        k = self.config.num_experts_per_tok
         for layer, es in self.experts.items():
             for rows in sorted({1 << (n - 1).bit_length() for n in range(1, max_rows + 1)}):
-                call = ExpertCall(layer, np.zeros((rows, self.config.dim), np.float32),
-                                  np.full((rows, 1), es[0], np.int32), np.zeros((rows, 1), np.float32))
-                for _ in range(2):  # tinygrad's jit runs a graph once, then captures it
-                    self.compute(call)
+                for spread in (True, False):
+                    picks = [[es[(r * k + j) % len(es) if spread else j % len(es)] for j in range(min(k, len(es)))]
+                             for r in range(rows)]
+                    sel = np.array(picks, np.int32)
+                    call = ExpertCall(layer, np.zeros((rows, self.config.dim), np.float32), sel,
+                                      np.zeros(sel.shape, np.float32))
+                    for _ in range(2):  # tinygrad's jit runs a graph once, then captures it
+                        self.expert_outputs(call)
 
     def __call__(self, call: ExpertCall) -> np.ndarray:
         return self.compute(call)
 
     def compute(self, call: ExpertCall) -> np.ndarray:
         """Per row of `call`, the gate-weighted sum of its selected experts (all of which must be held)."""
+        return gated_sum(call, self.expert_outputs(call))
+
+    def expert_outputs(self, call: ExpertCall) -> np.ndarray:
+        """(pairs, dim) float32: each selected expert's output for its row, pairs in row-major order of
+        `call.sel >= 0` (what a node sends back; `gated_sum` makes the rows' sums)."""
         if call.layer not in self.weights:
             raise ModelError(f"this node holds no experts of block {call.layer}")
         n, dim = call.rows.shape
@@ -116,22 +139,94 @@ class ExpertShard:
             missing = sorted(set(glob[local < 0].tolist()))
             raise ModelError(f"block {call.layer}: experts {missing} are not held here")
         if not row.size:
-            return np.zeros((n, dim), np.float32)
-        padded = 1 << (n - 1).bit_length()  # rows padded to a power of two: few shapes to compile
-        x = np.zeros((padded, dim), np.float32)
-        x[:n] = call.rows
-        gates = np.zeros((padded, len(self.experts[call.layer])), np.float32)  # each row's gate per expert held
-        np.add.at(gates, (row, local), call.gates[row, col])
-        if (call.layer, padded) not in self._jits:
-            self._jits[(call.layer, padded)] = capturing_jit(functools.partial(self._step, call.layer))
-        # two inputs, not one sliced in two: a jit replays stale data through a view of an input buffer
-        res = self._jits[(call.layer, padded)](self._inputs(x, slot=0), self._inputs(gates, slot=1))
-        return read_back(res)[:n].copy()
+            return np.zeros((0, dim), np.float32)
+        slots, place = dispatch(local)
+        n_slots, per_slot = _bucket(len(slots)), _bucket(int(place[:, 1].max()) + 1)
+        x = np.zeros((n_slots, per_slot, dim), np.float32)
+        x[place[:, 0], place[:, 1]] = call.rows[row]
+        idx = np.full(n_slots, slots[0], np.int32)
+        idx[:len(slots)] = slots
+        key = (call.layer, n_slots, per_slot)
+        if key not in self._jits:
+            self._jits[key] = self.graphs.jit(("experts", *key), functools.partial(self._step, call.layer))
+        res = self._jits[key](self._inputs(x, slot=0), self._inputs(idx, slot=1))
+        return read_back(res)[place[:, 0], place[:, 1]]
 
-    def _step(self, layer: int, x: Tensor, gates: Tensor) -> Tensor:
-        """Every expert held on every row, each expert's neurons scaled by the row's gate for it."""
+    def in_graph(self, layer: int, x: Tensor, gates: Tensor, sel: Tensor) -> Tensor:
+        """The routed experts inside a stage's graph (no host round trip): x (B, T, dim) normed rows, gates and
+        sel (B, T, k) as `route` gives them (every expert held here, local index = global index); each
+        (row, selection) pair gathers its expert's matrices by index. -> (B, T, dim)."""
         gate_up, down = self.weights[layer]
-        rows, n = gates.shape
-        g, u = matvec(x, gate_up).chunk(2, dim=-1)
-        act = (g.silu() * u).reshape(rows, n, -1) * gates.reshape(rows, n, 1)
-        return matvec(act.reshape(rows, -1), down).float().realize()
+        b, t, dim = x.shape
+        k = sel.shape[-1]
+        ggml = self.numerics == "ggml"
+        pairs = x.reshape(b * t, 1, 1, dim).expand(b * t, k, 1, dim).reshape(b * t * k, 1, dim)
+        idx = sel.reshape(-1).cast("int32")
+        g, u = gathered_matvec(pairs, gate_up, idx, ggml=ggml).chunk(2, dim=-1)
+        out = gathered_matvec((g.silu() * u).contiguous(), down, idx, ggml=ggml).float().reshape(b, t, k, dim)
+        return (out * gates.unsqueeze(-1)).sum(axis=2)
+
+    def _step(self, layer: int, x: Tensor, idx: Tensor) -> Tensor:
+        """Each slot's expert (gathered by index) on the slot's rows: x (slots, rows, dim) -> same shape."""
+        gate_up, down = self.weights[layer]
+        ggml = self.numerics == "ggml"
+        g, u = gathered_matvec(x, gate_up, idx, ggml=ggml).chunk(2, dim=-1)
+        return gathered_matvec((g.silu() * u).contiguous(), down, idx, ggml=ggml).float().realize()
+
+
+def dispatch(local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """How a call's selected pairs (their local expert indices, row-major) are laid out: (the expert of each
+    slot, each pair's (slot, row in slot)). Pairs of one expert share a slot (its matrices are read once for
+    all its rows) when that does not pad the work past one slot per pair; otherwise every pair has a slot."""
+    experts, counts = np.unique(local, return_counts=True)
+    pairs = len(local)
+    if _bucket(len(experts)) * _bucket(int(counts.max())) <= _bucket(pairs):
+        slot_of = np.searchsorted(experts, local)
+        order = np.argsort(slot_of, kind="stable")
+        within = np.empty(pairs, np.int64)
+        within[order] = np.arange(pairs) - np.repeat(np.cumsum(counts) - counts, counts)
+        return experts.astype(np.int32), np.stack([slot_of, within], axis=1)
+    return local.astype(np.int32), np.stack([np.arange(pairs), np.zeros(pairs, np.int64)], axis=1)
+
+
+def _bucket(n: int) -> int:
+    """n padded to a power of two: few shapes to compile."""
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+def gated_sum(call: ExpertCall, outputs: np.ndarray) -> np.ndarray:
+    """(rows, dim): per row, gate times output of each selection, added in the order of the row's selections
+    (k = 0, 1, ...), whoever computed them; `outputs` (pairs, dim) in row-major order of `call.sel >= 0`."""
+    n, k = call.sel.shape
+    chosen = call.sel >= 0
+    per = np.zeros((n, k, call.rows.shape[1]), np.float32)
+    per[chosen] = outputs
+    out = np.zeros((n, call.rows.shape[1]), np.float32)
+    for j in range(k):
+        out += call.gates[:, j:j + 1].astype(np.float32) * per[:, j]
+    return out
+
+
+def _on_device(w: Tensor | BlockQuantized, device: str) -> Tensor | BlockQuantized:
+    from models.kernels.quant import BlockQuantized
+
+    if isinstance(w, BlockQuantized):
+        return w
+    return w.to(device).contiguous().realize()
+
+
+def _stack_gate_up(gate: Tensor | BlockQuantized, up: Tensor | BlockQuantized,
+                   device: str) -> Tensor | BlockQuantized:
+    """Each expert's gate and up matrices as one (n, 2 * ffn, dim) stack: one product reads both."""
+    from models.kernels.quant import BlockQuantized
+
+    if isinstance(gate, BlockQuantized) and isinstance(up, BlockQuantized) and gate.kind == up.kind:
+        n, ffn, dim = gate.shape or (1, gate.rows, gate.cols)
+
+        def stack(a: Tensor, b: Tensor) -> Tensor:
+            return a.reshape(n, ffn, -1).cat(b.reshape(n, ffn, -1), dim=1).reshape(n * 2 * ffn, -1)
+
+        m = None if gate.m is None or up.m is None else stack(gate.m, up.m)
+        return BlockQuantized(stack(gate.q, up.q), stack(gate.d, up.d), m, dim, gate.q8_1, (n, 2 * ffn, dim)).realize()
+    dense = [w.dequantized() if isinstance(w, BlockQuantized) else w for w in (gate, up)]
+    return dense[0].to(device).cat(dense[1].to(device), dim=1).contiguous().realize()

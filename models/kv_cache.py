@@ -3,6 +3,8 @@
 `SlotTable` is the bookkeeping (pure Python): which request holds which slot of the pool and how many
 tokens its cache holds. `KVPool` holds the tensors: per layer one (2, slots + 1, kv_heads, rows, head_dim)
 tensor allocated once; the extra last slot is scratch space for the padding rows of a decode batch.
+`LatentPool` is its multi-head latent attention twin: per layer one (slots + 1, rows, latent) tensor, the
+compressed latent and rotated key of each token (`models.deepseek2`), no per-head keys or values.
 """
 
 from __future__ import annotations
@@ -84,6 +86,21 @@ class KVPool:
 
         self.scratch_slot = n_slots
         shape = (2, n_slots + 1, n_kv_heads, max_context + pad_rows, head_dim)
+        self.layers = {i: Tensor.zeros(*shape, dtype=dtype, device=device).contiguous().realize() for i in layers}
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes() for t in self.layers.values())
+
+
+class LatentPool:
+    """One latent cache per layer (float32, or float16 as llama.cpp keeps it): (slots + 1, rows, latent)."""
+
+    def __init__(self, layers: range, n_slots: int, latent: int, max_context: int, device: str,
+                 pad_rows: int = 0, dtype: str = "float32"):
+        from tinygrad import Tensor
+
+        self.scratch_slot = n_slots
+        shape = (n_slots + 1, max_context + pad_rows, latent)
         self.layers = {i: Tensor.zeros(*shape, dtype=dtype, device=device).contiguous().realize() for i in layers}
 
     def nbytes(self) -> int:

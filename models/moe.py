@@ -16,6 +16,7 @@ The experts one node holds apart from a stage are `models.expert_shard.ExpertSha
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -29,13 +30,18 @@ if TYPE_CHECKING:
     from tinygrad import Tensor
 
 GATING = ("softmax", "sigmoid")
+EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+ROUTED_WEIGHTS = tuple(f"{t}.weight" for t in EXPERT_TENSORS)  # GGUF name suffixes of the routed experts
 
 
 @dataclass(frozen=True)
 class MoEConfig(TransformerConfig):
-    """A TransformerConfig whose router scores with `expert_gating` (softmax or sigmoid)."""
+    """A TransformerConfig whose router scores with `expert_gating` (softmax or sigmoid), and picks its top
+    k among the experts of its best `expert_groups_used` groups when `expert_groups` > 1 (DeepSeek-V3)."""
 
     expert_gating: str = "softmax"
+    expert_groups: int = 0
+    expert_groups_used: int = 0
 
 
 def is_moe(config: TransformerConfig) -> bool:
@@ -66,18 +72,35 @@ def route(blk, x: Tensor, config: TransformerConfig) -> tuple[Tensor, Tensor]:
     """Gates (..., k) float32 and selected experts (..., k) int32 of x (B, T, dim).
 
     Scores are softmax or sigmoid of the router logits; a selection bias (DeepSeek-V3's
-    `exp_probs_b`) is added only to choose the top k; the chosen scores are normalised to sum to 1
+    `exp_probs_b`) is added only to choose the top k (within the best groups, when the config has
+    groups); the chosen scores are normalised to sum to 1
     when `norm_topk_prob`, then multiplied by `routed_scaling_factor`."""
     from tinygrad.llm.model import pairwise_topk
 
     logits = x.float() @ blk.ffn_gate_inp.weight.float().T
     scores = logits.sigmoid() if gating_of(config) == "sigmoid" else logits.softmax(-1)
     choose = scores + blk.exp_probs_b["bias"].float() if hasattr(blk, "exp_probs_b") else scores
+    if getattr(config, "expert_groups", 0) > 1:
+        choose = _best_groups(choose, config.expert_groups, config.expert_groups_used)
     _, sel = pairwise_topk(choose, config.num_experts_per_tok)
     gates = scores.gather(-1, sel)
     if config.norm_topk_prob:
         gates = gates / gates.sum(axis=-1, keepdim=True)
     return gates * config.routed_scaling_factor, sel
+
+
+def _best_groups(choose: Tensor, groups: int, used: int) -> Tensor:
+    """`choose` (B, T, E) with the experts outside each row's `used` best groups set to -inf; a group's score
+    is the sum of its two highest choice scores (DeepSeek-V3's and llama.cpp's group-limited routing)."""
+    from tinygrad import Tensor
+    from tinygrad.llm.model import pairwise_topk
+
+    b, t, n = choose.shape
+    per = n // groups
+    top2, _ = pairwise_topk(choose.reshape(b, t * groups, per), 2)
+    _, best = pairwise_topk(top2.sum(-1).reshape(b, t, groups), used)  # (B, T, used)
+    keep = (best.unsqueeze(-1) == Tensor.arange(groups, device=choose.device)).sum(-2) > 0  # (B, T, groups)
+    return keep.unsqueeze(-1).where(choose.reshape(b, t, groups, per), -math.inf).reshape(b, t, n)
 
 
 def routed_experts(blk, x: Tensor, gates: Tensor, sel: Tensor) -> Tensor:
@@ -126,3 +149,4 @@ ExpertFn = Callable[[ExpertCall], np.ndarray]
 def rows_for(call: ExpertCall, experts: set[int] | frozenset[int]) -> np.ndarray:
     """Indices of the rows of `call` that select any of `experts` (the rows `call.only` keeps)."""
     return np.flatnonzero(np.isin(call.sel, list(experts)).any(axis=1))
+

@@ -34,21 +34,33 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from models import cached_graphs, deepseek2
 from models.catalog.synthetic import random_weights
+from models.deepseek2 import is_mla
 from models.errors import ModelError
+from models.expert_shard import ExpertShard
 from models.gguf.loader import StageParts
 from models.kernels import ggml_numerics
 from models.kernels.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_renderer
 from models.kernels.quant import BlockQuantized
-from models.kv_cache import KVCacheFull, KVPool, SlotTable
-from models.moe import ExpertCall, ExpertFn, block_config, is_moe_block, route, routed_experts, shared_experts
-from models.tinygrad_ext.jit import HeldInputs, capturing_jit, read_back
+from models.kv_cache import KVCacheFull, KVPool, LatentPool, SlotTable
+from models.moe import (
+    ROUTED_WEIGHTS,
+    ExpertCall,
+    ExpertFn,
+    block_config,
+    is_moe_block,
+    route,
+    routed_experts,
+    shared_experts,
+)
+from models.tinygrad_ext.jit import HeldInputs, read_back
 
 if TYPE_CHECKING:
     from tinygrad import Tensor, TinyJit
     from tinygrad.uop.ops import UOp
 
-__all__ = ["NUMERICS", "SERVING_NUMERICS", "ExpertCall", "KVCacheFull", "StageInput", "StageModel"]
+__all__ = ["NUMERICS", "SERVING_NUMERICS", "ExpertCall", "KVCacheFull", "StageInput", "StageModel", "serving_numerics"]
 
 # (first block, end block, cut): blocks [first, end) run; with `cut`, block end-1 stops after its router.
 Segment = tuple[int, int, bool]
@@ -58,16 +70,28 @@ NUMERICS = ("float", "ggml")
 SERVING_NUMERICS = "ggml"
 
 
+def serving_numerics(config) -> str:
+    """The arithmetic served stages and expert shards of a model use: `SERVING_NUMERICS`, but float for
+    Llama-family mixtures of experts (their expert shards compute in float16). DeepSeek-V3 / Kimi-K2 models
+    compute one way everywhere (`swarmd run`, stages, shards), so a swarm gives `swarmd run`'s very tokens."""
+    return "float" if config.num_experts and not is_mla(config) else SERVING_NUMERICS
+
+
 @dataclass(frozen=True)
 class StageInput:
     request_id: str
     start_pos: int  # position of data[0]; KV rows [start_pos, start_pos+T) are (over)written
     data: np.ndarray  # first stage: int token ids (T,); other stages: float32 hidden (T, hidden)
     all_logits: bool = False  # last stage only: (T, vocab) logits instead of the last position's (vocab,)
+    # speculative verification: each row runs as a one-position decode step (the same kernels and reduction
+    # order), all in the decode batch; the last stage returns (T, vocab) logits
+    verify: bool = False
 
 
 def rope_table(config, rows: int, freq_factors: np.ndarray | None = None) -> np.ndarray:
     """(rows, rope_dim) float32: cos of each position's angles, then their sin (tinygrad.llm's layout)."""
+    if is_mla(config):  # DeepSeek-V3 / Kimi-K2: YaRN where configured
+        return deepseek2.rope_table(config, rows)
     half = config.rope_dim // 2
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(half, dtype=np.float64) * 2 / config.rope_dim))
     if freq_factors is not None:  # Llama 3 scaling: llama.cpp divides each frequency by its factor
@@ -135,13 +159,16 @@ class StageModel:
                  max_context: int = 2048,
                  max_requests: int = 8, device: str | None = None, prefill_chunk: int = 32,
                  attention_tile: int | None = None, local_experts: bool = True, numerics: str = "float",
-                 source: str = "", reuse: StageModel | None = None, held: StageParts | None = None):
+                 source: str = "", reuse: StageModel | None = None, held: StageParts | None = None,
+                 experts_in_graph: bool = False):
         """`weights`: GGUF name -> tensor of everything the stage holds, but the parts `held` it takes over
         from `reuse` (by default all that `reuse.parts_for(...)` allows: the realised blocks both hold, and the
         embedding / head when both have it, shared, not copied). `source` names where the weights came from
-        (file and dtype, or seed), so that only a stage of the same weights hands its parts over."""
+        (file and dtype, or seed), so that only a stage of the same weights hands its parts over.
+        `experts_in_graph`: an MLA stage holding its routed experts runs them inside its own graph (no host
+        round trip per MoE block: the fast path on GPUs) instead of through its shard as a swarm does."""
         from tinygrad import Device, Tensor, nn
-        from tinygrad.llm.model import TransformerBlock
+        from tinygrad.llm.model import MLATransformerBlock, TransformerBlock
 
         if not 0 <= start < end <= config.num_blocks:
             raise ModelError(f"bad block range [{start}, {end}) for a model of {config.num_blocks} blocks")
@@ -166,17 +193,23 @@ class StageModel:
         self.hidden_size, self.vocab_size = config.dim, config.vocab_size
         self.moe_blocks = [i for i in range(start, end) if is_moe_block(config, i)]
         self.local_experts = local_experts or not self.moe_blocks
+        # MLA models run their routed experts through an ExpertShard even when they are the stage's own, so
+        # that one process and a swarm compute them alike (the graph is cut after each router either way)
+        self.mla = is_mla(config)
+        self.shards_experts = self.mla and bool(self.moe_blocks) and self.local_experts
+        self.experts_in_graph = experts_in_graph and self.shards_experts
         self.source = source
         if held is None:
             held = StageParts() if reuse is None else reuse.parts_for(
                 config, start, end, source=source, device=self.device, numerics=numerics, local_experts=local_experts)
         self.reused = held  # what was taken over from `reuse` (nothing was read for it)
         self.weight_dtype = reuse._block_dtype(start) if reuse is not None and start in held.blocks \
-            else _dtype_name(weights[f"blk.{start}.attn_q.weight"])
+            else _dtype_name(weights[self._probe_weight(start)])
 
         with _layers_without_random_init():
+            block_class = MLATransformerBlock if self.mla else TransformerBlock
             self.blk = {i: reuse.blk[i] if reuse is not None and i in held.blocks
-                        else TransformerBlock(block_config(self.config, i)) for i in range(start, end)}
+                        else block_class(block_config(self.config, i)) for i in range(start, end)}
             if self.is_first:
                 self.token_embd = reuse.token_embd if reuse is not None and held.embedding \
                     else nn.Embedding(config.vocab_size, config.dim)
@@ -188,6 +221,11 @@ class StageModel:
                     self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         weights = dict(weights)
         factors = weights.pop("rope_freqs.weight", None)
+        self.expert_shard: ExpertShard | None = None  # the stage's own routed experts, when it shards them
+        if self.shards_experts:
+            routed = {k: weights.pop(k) for k in list(weights) if k.endswith(ROUTED_WEIGHTS)}
+            self.expert_shard = ExpertShard(self.config, routed, {i: range(config.num_experts) for i in self.moe_blocks},
+                                            self.device, numerics)
         # quantised matrices enter the blocks as lazy dequantisation graphs over their codes, dense ones
         # as realised buffers; either way under their GGUF names
         quantized = {k: v for k, v in weights.items() if isinstance(v, BlockQuantized)}
@@ -195,11 +233,14 @@ class StageModel:
         if dense:  # none when every part is taken over
             Tensor.realize(*dense.values())
         loaded = dense | {k: v.dequantized() for k, v in quantized.items()}
+        if self.mla:  # a stack held as (rows, last dimension) enters its block in its own shape
+            loaded = {k: v.reshape(quantized[k].shape) if k in quantized and quantized[k].shape else v
+                      for k, v in loaded.items()}
         if self.is_last and held.embedding and not held.head and "output.weight" not in loaded:  # tied to it
             loaded["output.weight"] = self.token_embd.weight
         # a stage whose experts live elsewhere loads no routed expert (they stay unrealised placeholders)
         nn.state.load_state_dict(self._weight_holders(but=held), loaded, verbose=False, realize=False,
-                                 strict=self.local_experts)
+                                 strict=self.local_experts and not self.shards_experts)
         self._qkv, self._gate_up = {}, {}
         # matrices in GGML blocks by GGUF name (fused ones as blk.{i}.qkv / gate_up), for ggml numerics
         self._blocks: dict[str, BlockQuantized] = dict(quantized)
@@ -211,11 +252,14 @@ class StageModel:
         for i, blk in self.blk.items():
             if i in held.blocks:
                 continue
-            names = [f"blk.{i}.{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")]
-            self._qkv[i], qkv = _fuse([blk.attn_q, blk.attn_k, blk.attn_v], [quantized.get(n) for n in names[:3]])
+            projections = (("attn_q_a" if self.config.q_lora_rank else "attn_q", "attn_kv_a_mqa") if self.mla
+                           else ("attn_q", "attn_k", "attn_v"))  # the projections of the normed input, fused
+            names = [f"blk.{i}.{n}.weight" for n in (*projections, "ffn_gate", "ffn_up")]
+            self._qkv[i], qkv = _fuse([getattr(blk, n) for n in projections],
+                                      [quantized.get(n) for n in names[:len(projections)]])
             gate_up = None
             if i not in self.moe_blocks:
-                self._gate_up[i], gate_up = _fuse([blk.ffn_gate, blk.ffn_up], [quantized.get(n) for n in names[3:]])
+                self._gate_up[i], gate_up = _fuse([blk.ffn_gate, blk.ffn_up], [quantized.get(n) for n in names[-2:]])
             self._blocks.update({f"blk.{i}.{n}": b for n, b in (("qkv", qkv), ("gate_up", gate_up)) if b is not None})
 
         freq_factors = None if factors is None else factors.float().numpy()
@@ -225,13 +269,17 @@ class StageModel:
         rows = max_context + pad
         self._rope = Tensor(rope_table(self.config, rows, freq_factors), device=self.device).realize()
         self._positions = Tensor.arange(rows, device=self.device).realize()
-        self.kv = KVPool(range(start, end), max_requests, config.n_kv_heads, max_context, config.head_dim,
-                         self.device, pad_rows=pad, dtype="float16" if numerics == "ggml" else "float32")
+        kv_dtype = "float16" if numerics == "ggml" else "float32"
+        self.kv = LatentPool(range(start, end), max_requests, config.kv_lora_rank + config.rope_dim, max_context,
+                             self.device, pad_rows=pad, dtype=kv_dtype) if self.mla else \
+            KVPool(range(start, end), max_requests, config.n_kv_heads, max_context, config.head_dim,
+                   self.device, pad_rows=pad, dtype=kv_dtype)
         self.slots = SlotTable(max_requests)
         self._decode_jits: dict[tuple[int, Segment], TinyJit] = {}
         self._prefill_jits: dict[tuple[bool, Segment], TinyJit] = {}
         self._inputs = HeldInputs(self.device)
         self.segments = self._cut_segments()
+        self.graphs = cached_graphs.for_stage(self)  # jitted graphs: from the graph cache, or captured and stored
 
     # ----- construction -----
 
@@ -277,16 +325,24 @@ class StageModel:
     def random(cls, config, seed: int, start: int = 0, end: int | None = None, *, dtype: str = "float16",
                reuse: StageModel | None = None, **kwargs: Any) -> StageModel:
         """A stage of a model with seeded random weights; block i's weights depend only on (seed, i), so
-        any split of the model into stages gives the same model. `reuse`: as in `from_gguf`."""
+        any split of the model into stages gives the same model. `reuse`: as in `from_gguf`. MLA models
+        (DeepSeek-V3 / Kimi-K2) are drawn as Q4_0 on the device (`models.catalog.seeded_quantized`)."""
         from tinygrad import Device
 
         end = config.num_blocks if end is None else end
         routed = kwargs.get("local_experts", True)
+        dtype = "quantized" if is_mla(config) else dtype
         source = f"seed {seed} {dtype}"
         held = None if reuse is None else reuse.parts_for(
             config, start, end, source=source, device=Device.canonicalize(kwargs.get("device")),
             numerics=kwargs.get("numerics", "float"), local_experts=routed)
-        weights = random_weights(config, seed, start, end, dtype, kwargs.get("device"), routed=routed, held=held)
+        if is_mla(config):
+            from models.catalog import seeded_quantized
+
+            weights = seeded_quantized.stage_weights(config, seed, start, end, kwargs.get("device"), routed=routed,
+                                                     held=held)
+        else:
+            weights = random_weights(config, seed, start, end, dtype, kwargs.get("device"), routed=routed, held=held)
         return cls(config, weights, start, end, source=source, reuse=reuse, held=held, **kwargs)
 
     def _weight_holders(self, but: StageParts | None = None) -> dict[str, Any]:
@@ -308,7 +364,8 @@ class StageModel:
                 or replace(config, max_context=0) != replace(self.config, max_context=0)):
             return StageParts()
         both = range(max(start, self.start), min(end, self.end))
-        blocks = frozenset(i for i in both if local_experts == self.local_experts or i not in self.moe_blocks)
+        blocks = frozenset(i for i in both if i not in self.moe_blocks
+                           or (local_experts == self.local_experts and not self.shards_experts))
         return StageParts(blocks, start == 0 and self.is_first, end == config.num_blocks and self.is_last)
 
     def _take_over(self, other: StageModel, held: StageParts) -> None:
@@ -323,10 +380,14 @@ class StageModel:
         names |= {"output.weight", "output_norm.weight"} if held.head else set()
         self._blocks.update({k: b for k, b in other._blocks.items() if k.startswith(prefixes) or k in names})
 
+    def _probe_weight(self, i: int) -> str:
+        """The matrix whose storage `weight_dtype` reports: block i's Q projection (MLA: its latent projection)."""
+        return f"blk.{i}.attn_kv_a_mqa.weight" if self.mla else f"blk.{i}.attn_q.weight"
+
     def _block_dtype(self, i: int) -> str:
         """What `weight_dtype` says for a stage starting at block i: how its Q projection is held."""
-        name = f"blk.{i}.attn_q.weight"
-        return "quantized" if name in self._blocks else _dtype_name(self.blk[i].attn_q.weight)
+        name = self._probe_weight(i)
+        return "quantized" if name in self._blocks else _dtype_name(getattr(self.blk[i], name.split(".")[2]).weight)
 
     def weight_bytes(self) -> int:
         """Bytes of the device buffers holding this stage's weights (each buffer counted once: fused
@@ -336,7 +397,7 @@ class StageModel:
 
         buffers = {u: u.buffer.nbytes for t in nn.state.get_parameters(self._weight_holders())
                    for u in t.uop.toposort() if u.op is Ops.BUFFER}
-        return sum(buffers.values())
+        return sum(buffers.values()) + (self.expert_shard.weight_bytes() if self.expert_shard is not None else 0)
 
     # ----- requests -----
 
@@ -351,6 +412,14 @@ class StageModel:
         """Carry `old_id`'s KV cache over to `new_id`, truncated to its first `keep` tokens: a moved request
         whose blocks stay here computes only the positions after them (`swarmd.inference.head.hop_local`)."""
         self.slots.adopt(old_id, new_id, keep)
+
+    def rollback(self, request_id: str, length: int) -> None:
+        """Drop the cache's positions from `length` on (a verify step's rejected drafts): rows past a request's
+        length are never read, and the next step writes over them."""
+        have = self.position(request_id)
+        if not 0 <= length <= have:
+            raise ModelError(f"request {request_id!r}: cannot roll back to {length} tokens; the cache holds {have}")
+        self.slots.set_length(request_id, length)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.slots
@@ -373,14 +442,16 @@ class StageModel:
         def no_experts(call: ExpertCall) -> np.ndarray:
             return np.zeros_like(call.rows)
 
+        answer = self.expert_shard if self.expert_shard is not None else no_experts  # its own experts warm too
+
         try:
             self.add_request(ids[0])
             for all_logits in (False, True) if self.is_last and prompt_scores else (False,):
-                self.forward([StageInput(ids[0], 0, row, all_logits=all_logits)], experts=no_experts)  # captures
+                self.forward([StageInput(ids[0], 0, row, all_logits=all_logits)], experts=answer)  # captures
             for size in sizes:
                 for rid in ids[:size]:
                     self.add_request(rid)
-                self.forward([StageInput(rid, 0, row[:1]) for rid in ids[:size]], experts=no_experts)
+                self.forward([StageInput(rid, 0, row[:1]) for rid in ids[:size]], experts=answer)
                 for rid in ids[:size]:
                     self.free_request(rid)
         finally:
@@ -393,6 +464,7 @@ class StageModel:
         """Run the stage on each item; decode items (T == 1) run together as one batch. A stage whose
         routed experts live elsewhere calls `experts` for each MoE layer (see `forward_steps`)."""
         steps = self.forward_steps(items)
+        experts = experts if experts is not None else self.expert_shard
         try:
             call = next(steps)
             while True:
@@ -412,9 +484,9 @@ class StageModel:
         for it in items:
             self._check(it)
         out: list[np.ndarray | None] = [None] * len(items)
-        decodes = [i for i, it in enumerate(items) if len(it.data) == 1]
+        decodes = [i for i, it in enumerate(items) if len(it.data) == 1 or it.verify]
         for i, it in enumerate(items):
-            if len(it.data) > 1:
+            if len(it.data) > 1 and not it.verify:
                 out[i] = yield from self._prefill(it)
         if decodes:
             results = yield from self._decode([items[i] for i in decodes])
@@ -451,7 +523,7 @@ class StageModel:
         """The stage's blocks as jitted segments: one when the experts are local, else cut after each
         MoE block's router (the last segment may hold no block: it only adds the experts' answer and,
         on the last stage, runs the head)."""
-        if self.local_experts:
+        if self.local_experts and (not self.shards_experts or self.experts_in_graph):
             return [(self.start, self.end, False)]
         segments, first = [], self.start
         for m in self.moe_blocks:
@@ -481,11 +553,14 @@ class StageModel:
     def _decode(self, items: list[StageInput]) -> Generator[ExpertCall, np.ndarray, list[np.ndarray]]:
         from tinygrad import UOp
 
-        batch = self._bucket(len(items))
-        pad = batch - len(items)
-        rows = np.stack([it.data[0] for it in items] + [np.zeros_like(items[0].data[0])] * pad)
-        slots = [self.slots.slot(it.request_id) for it in items] + [self.kv.scratch_slot] * pad
-        starts = [it.start_pos for it in items] + [0] * pad
+        # one batch row per position: a verify item's rows share its slot, at consecutive positions (each row
+        # stores its K/V before any row reads the cache, so a row sees the rows before it, as in decode steps)
+        real = [(it, j) for it in items for j in range(len(it.data))]
+        batch = self._bucket(len(real))
+        pad = batch - len(real)
+        rows = np.stack([it.data[j] for it, j in real] + [np.zeros_like(items[0].data[0])] * pad)
+        slots = [self.slots.slot(it.request_id) for it, _ in real] + [self.kv.scratch_slot] * pad
+        starts = [it.start_pos + j for it, j in real] + [0] * pad
         svars = [UOp.variable(f"slot{b}", 0, self.kv.scratch_slot).bind(s) for b, s in enumerate(slots)]
         pvars = [UOp.variable(f"pos{b}", 0, self.max_context - 1).bind(p) for b, p in enumerate(starts)]
         tile = self.attention_tile
@@ -494,16 +569,25 @@ class StageModel:
 
         def jit_of(seg: Segment) -> TinyJit:
             if (batch, seg) not in self._decode_jits:
-                self._decode_jits[(batch, seg)] = capturing_jit(functools.partial(self._decode_step, seg))
+                self._decode_jits[(batch, seg)] = self.graphs.jit(("decode", batch, seg),
+                                                                  functools.partial(self._decode_step, seg))
             return self._decode_jits[(batch, seg)]
 
-        res = yield from self._run_segments(rows, len(items), jit_of, [*svars, *pvars, *tvars])
-        # the last stage gives each request's logits (vocab,); the others its hidden state (1, hidden)
-        return [res[b].copy() if self.is_last else res[b:b + 1].copy() for b in range(len(items))]
+        res = yield from self._run_segments(rows, len(real), jit_of, [*svars, *pvars, *tvars])
+        # the last stage gives each request's logits (vocab,), or (T, vocab) when verifying; the others its
+        # hidden states (T, hidden)
+        out, b = [], 0
+        for it in items:
+            n = len(it.data)
+            out.append(res[b].copy() if self.is_last and not it.verify else res[b:b + n].copy())
+            b += n
+        return out
 
     def _bucket(self, n: int) -> int:
-        """Decode batches are padded to a power of two (capped at max_requests): few shapes to compile."""
-        return min(1 << (n - 1).bit_length(), self.max_requests)
+        """Decode batches are padded to a power of two (capped at max_requests, unless verify rows make more):
+        few shapes to compile."""
+        size = 1 << (n - 1).bit_length()
+        return min(size, self.max_requests) if n <= self.max_requests else size
 
     def _prefill(self, it: StageInput) -> Generator[ExpertCall, np.ndarray, np.ndarray]:
         from tinygrad import UOp
@@ -513,7 +597,8 @@ class StageModel:
         def jit_of(seg: Segment) -> TinyJit:
             key = (it.all_logits, seg)
             if key not in self._prefill_jits:
-                self._prefill_jits[key] = capturing_jit(functools.partial(self._prefill_step, seg, all_logits=it.all_logits))
+                self._prefill_jits[key] = self.graphs.jit(("prefill", *key),
+                                                          functools.partial(self._prefill_step, seg, all_logits=it.all_logits))
             return self._prefill_jits[key]
 
         svar = UOp.variable("slot0", 0, self.kv.scratch_slot).bind(slot)
@@ -586,17 +671,41 @@ class StageModel:
         """One block for `len(slots)` requests of T tokens each: x (B, T, dim) -> (B, T, dim). With
         `cut` (a MoE block whose experts live elsewhere) it returns (residual with the shared experts
         added, FFN-normed input, gates, selected experts) instead."""
-        from tinygrad import Tensor
-
-        blk, c, kv = self.blk[i], self.config, self.kv.layers[i]
+        blk, c = self.blk[i], self.config
         batch = x.shape[0]
-        decode = isinstance(T, int) and T == 1
 
         def project(w: Tensor, h: Tensor, name: str) -> Tensor:
             return self._matvec(h.reshape(batch * T, h.shape[-1]), w, f"blk.{i}.{name}").reshape(batch, T, w.shape[0])
 
+        normed = self._norm(blk.attn_norm, x)
+        if self.mla:
+            h = x + deepseek2.attention(self, i, normed, slots, starts, T, angles, project)
+        else:
+            h = x + self._attention(i, normed, slots, starts, T, angles, tiles, project)
+        normed = self._norm(blk.ffn_norm, h)
+        if i not in self.moe_blocks:
+            ffn = blk.config.hidden_dim  # a leading dense block of a MoE model has its own width
+            gate, up = project(self._gate_up[i], normed, "gate_up").split([ffn, ffn], dim=-1)
+            return h + project(blk.ffn_down.weight, gate.silu() * up, "ffn_down.weight")
+        gates, sel = route(blk, normed, c)
+        if (shared := shared_experts(blk, normed)) is not None:
+            h = h + shared
+        if cut:
+            return h, normed, gates, sel
+        if self.experts_in_graph:
+            return h + self.expert_shard.in_graph(i, normed, gates, sel)
+        return h + routed_experts(blk, normed, gates, sel)
+
+    def _attention(self, i: int, x: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,
+                   angles: Tensor, tiles: Sequence[UOp], project) -> Tensor:
+        """Block i's grouped-query attention of x (B, T, dim), attention-normed, through the requests' KV slots."""
+        from tinygrad import Tensor
+
+        c, kv = self.config, self.kv.layers[i]
+        batch = x.shape[0]
+        decode = isinstance(T, int) and T == 1
         q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        q, k, v = project(self._qkv[i], self._norm(blk.attn_norm, x), "qkv").split([q_dim, kv_dim, kv_dim], dim=-1)
+        q, k, v = project(self._qkv[i], x, "qkv").split([q_dim, kv_dim, kv_dim], dim=-1)
         q = q.reshape(batch, T, c.n_heads, c.head_dim).transpose(1, 2)
         k = k.reshape(batch, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
         v = v.reshape(batch, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
@@ -620,19 +729,8 @@ class StageModel:
             else:
                 outs.append(q[b:b + 1].scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True))
         attn = outs[0].cat(*outs[1:]) if batch > 1 else outs[0]
-        h = x + project(blk.attn_output.weight, attn.transpose(1, 2).reshape(batch, T, q_dim),
-                        "attn_output.weight")
-        normed = self._norm(blk.ffn_norm, h)
-        if i not in self.moe_blocks:
-            ffn = blk.config.hidden_dim  # a leading dense block of a MoE model has its own width
-            gate, up = project(self._gate_up[i], normed, "gate_up").split([ffn, ffn], dim=-1)
-            return h + project(blk.ffn_down.weight, gate.silu() * up, "ffn_down.weight")
-        gates, sel = route(blk, normed, c)
-        if (shared := shared_experts(blk, normed)) is not None:
-            h = h + shared
-        if cut:
-            return h, normed, gates, sel
-        return h + routed_experts(blk, normed, gates, sel)
+        return project(self.blk[i].attn_output.weight, attn.transpose(1, 2).reshape(batch, T, q_dim),
+                       "attn_output.weight")
 
     def _norm(self, norm, x: Tensor) -> Tensor:
         """RMSNorm, its sum of squares over a whole thread group on GPUs (tinygrad gives it 16 threads).

@@ -23,6 +23,9 @@ def check_plan_against(
     problems: list[str] = []
     if plan.model.name != layout.name:
         problems.append(f"the plan is for model {plan.model.name}, the swarm serves {layout.name}")
+    elif plan.model.digest and layout.digest and plan.model.digest != layout.digest:
+        problems.append(f"the plan is for other weights of {layout.name} (digest {plan.model.digest[:12]}, "
+                        f"the swarm serves {layout.digest[:12]})")
     if plan.model.dtype and layout.dtype and plan.model.dtype != layout.dtype:
         problems.append(f"the plan is for {plan.model.dtype} weights, the model is {layout.dtype}")
     try:

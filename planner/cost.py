@@ -72,17 +72,22 @@ class CostModel:
         self.act_bytes = np.array([b.activation_bytes for b in blocks], dtype=float)
         # Transfer of one hidden state on each node's uplink (the widest activation of the model).
         self.act_ms = float(self.act_bytes.max(initial=0.0)) * 8 / self.uplink_bps * 1e3
+        self.relayed = relayed_pairs(nodes)
 
     # --- links ----------------------------------------------------------------------------
     def hop_ms(self, u: int, v: int, nbytes: float) -> float:
+        """Half the RTT, one message's overhead and the transfer on the sender's uplink; a hop through a relay is
+        two hops: its measured RTT already runs through the relay, and the overhead and transfer come twice."""
         if u == v:
             return 0.0
-        return float(self.topo.rtt[u, v]) / 2 + self.opts.hop_overhead_ms + nbytes * 8 / self.uplink_bps[u] * 1e3
+        one = self.opts.hop_overhead_ms + nbytes * 8 / self.uplink_bps[u] * 1e3
+        return float(self.topo.rtt[u, v]) / 2 + one * (2 if self.relayed[u, v] else 1)
 
     def hop_matrix(self, order: Sequence[int]) -> np.ndarray:
         """(K, K) latency of an activation hop between nodes in `order` (sender is the row)."""
         idx = np.asarray(order)
-        m = self.topo.rtt[np.ix_(idx, idx)] / 2 + self.opts.hop_overhead_ms + self.act_ms[idx][:, None]
+        one = self.opts.hop_overhead_ms + self.act_ms[idx][:, None]
+        m = self.topo.rtt[np.ix_(idx, idx)] / 2 + one * (1 + self.relayed[np.ix_(idx, idx)])
         np.fill_diagonal(m, 0.0)
         return m
 
@@ -224,3 +229,15 @@ def _none_picked(mass: np.ndarray, e: int, k: int) -> np.ndarray:
 def _round(x: float) -> float:
     """Six significant digits: plans compare equal across runs that differ in float noise."""
     return float(f"{x:.6g}")
+
+
+def relayed_pairs(nodes: Sequence[NodeDescriptor]) -> np.ndarray:
+    """(N, N) bool: the pairs whose activations go through a relay, as either end reports it."""
+    index = {n.peer_id: i for i, n in enumerate(nodes)}
+    out = np.zeros((len(nodes), len(nodes)), dtype=bool)
+    for i, node in enumerate(nodes):
+        for peer, kind in node.links.items():
+            j = index.get(peer)
+            if j is not None and kind == "relayed":
+                out[i, j] = out[j, i] = True
+    return out

@@ -112,6 +112,14 @@ def parse_fleet(spec: str) -> list[tuple[int, GpuProfile]]:
     return out
 
 
+@dataclass(frozen=True)
+class SimulatedFleet:
+    nodes: list[NodeDescriptor]  # one per GPU, named r{region}-{gpu}-{serial}
+    regions: list[int]  # each node's region
+    rtt_ms: np.ndarray  # (regions, regions) round trip; the diagonal is inside a region
+    uplink_mbit: float
+
+
 def make_fleet(
     spec: str,
     *,
@@ -120,11 +128,26 @@ def make_fleet(
     uplink_mbit: float = 1000.0,
     region_rtt_ms: Sequence[Sequence[float]] | None = None,
 ) -> list[NodeDescriptor]:
-    """Descriptors for a fleet. Nodes go to regions round robin in the order the spec lists them,
-    so every region gets a mix. RTT is rtt_ms[0] inside a region and rtt_ms[1] between regions, or
+    """Descriptors for a fleet (see `simulated_fleet`)."""
+    return simulated_fleet(spec, regions=regions, rtt_ms=rtt_ms, uplink_mbit=uplink_mbit,
+                           region_rtt_ms=region_rtt_ms).nodes
+
+
+def simulated_fleet(
+    spec: str,
+    *,
+    regions: int = 1,
+    rtt_ms: tuple[float, float] = (1.0, 50.0),
+    uplink_mbit: float = 1000.0,
+    region_rtt_ms: Sequence[Sequence[float]] | None = None,
+) -> SimulatedFleet:
+    """Descriptors for a fleet, and where each node is. Nodes go to regions round robin in the order the spec
+    lists them, so every region gets a mix. RTT is rtt_ms[0] inside a region and rtt_ms[1] between regions, or
     region_rtt_ms[a][b] between regions a and b when given (its diagonal is the intra-region RTT)."""
     if regions < 1:
         raise PlanSchemaError("--regions must be at least 1")
+    if uplink_mbit <= 0:
+        raise PlanSchemaError("the uplink must be above 0 Mbit/s")
     intra, inter = rtt_ms
     if region_rtt_ms is not None:
         table = np.asarray(region_rtt_ms, dtype=float)
@@ -133,6 +156,8 @@ def make_fleet(
     else:
         table = np.full((regions, regions), float(inter))
         np.fill_diagonal(table, float(intra))
+    if (table < 0).any():
+        raise PlanSchemaError("round trips cannot be negative")
     entries = []
     serial = 0
     for count, prof in parse_fleet(spec):
@@ -155,4 +180,4 @@ def make_fleet(
             rtt_ms={ids[j]: float(rtts[j]) for j in range(len(entries)) if j != i},
             label=prof.label,
         ))
-    return nodes
+    return SimulatedFleet(nodes, region.tolist(), table, float(uplink_mbit))

@@ -54,6 +54,7 @@ class ModelLayout:
     vocab_size: int
     digest: str = ""
     tied_head: bool = False  # the head is the embedding matrix: one copy when both sit on one node
+    stored_bytes: int = 0  # the weights as the model file stores them (what fetching them moves); 0: unknown
 
     @property
     def n_blocks(self) -> int:

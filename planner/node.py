@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from planner.errors import PlanSchemaError
+from planner.holdings import parse_holdings
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,14 @@ class NodeDescriptor:
     load: float = 0.0  # requests in flight
     incarnation: int = 0  # bumped on every restart, so a rejoin is told from a stale heartbeat
     standby: bool = False  # a spare (`swarmd join --standby`): holds a warm copy of a stage, serves when one is lost
+    slot: str = ""  # the plan file's slot this daemon claims (`swarmd join --plan FILE --slot NAME`)
+    holds: tuple[str, ...] = ()  # the weights on its disk (`planner.holdings`); ("*",): all of them
+    # peer id -> how activations reach it: "data-plane", "direct" or "relayed" (through a third daemon: the planner
+    # prices such a hop as two)
+    links: dict[str, str] = field(default_factory=dict)
+
+    def relayed_to(self, other: str) -> bool:
+        return self.links.get(other) == "relayed"
 
     def rtt_to(self, other: str, default_ms: float = 1.0) -> float:
         return self.rtt_ms.get(other, default_ms)
@@ -42,6 +51,9 @@ class NodeDescriptor:
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
         doc["addresses"] = list(self.addresses)
+        doc["holds"] = list(self.holds)
+        if not self.links:  # left out when empty: descriptors of daemons without it read the same
+            doc.pop("links")
         return doc
 
     @staticmethod
@@ -53,8 +65,9 @@ class NodeDescriptor:
         if unknown:
             raise PlanSchemaError(f"unknown NodeDescriptor fields: {', '.join(sorted(unknown))}")
         d = dict(doc)
-        if "addresses" in d and isinstance(d["addresses"], list):
-            d["addresses"] = tuple(d["addresses"])
+        for key in ("addresses", "holds"):
+            if key in d and isinstance(d[key], list):
+                d[key] = tuple(d[key])
         for f in fields(NodeDescriptor):  # descriptors come from peers: every field has the type it says
             if f.name in d and not _has_type(d[f.name], str(f.type)):
                 raise PlanSchemaError(f"NodeDescriptor field {f.name!r} must be {f.type}, not {type(d[f.name]).__name__}")
@@ -65,6 +78,7 @@ class NodeDescriptor:
             raise PlanSchemaError(f"bad NodeDescriptor: {e}") from e
         if not node.peer_id or node.memory_total < 0 or node.memory_free < 0:
             raise PlanSchemaError("a NodeDescriptor needs a peer_id and non-negative memory")
+        parse_holdings(node.holds)  # PlanSchemaError if a peer sent something else
         return node
 
 
@@ -85,4 +99,6 @@ def _has_type(value: Any, annotation: str) -> bool:
         return isinstance(value, tuple) and all(isinstance(v, str) for v in value)
     if annotation == "dict[str, float]":
         return isinstance(value, dict) and all(isinstance(k, str) and _number(v) for k, v in value.items())
+    if annotation == "dict[str, str]":
+        return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
     raise TypeError(f"no check for NodeDescriptor fields of type {annotation}")  # a new field needs one

@@ -43,6 +43,12 @@ class PlanOptions:
     hot_expert_factor: float = 2.0  # an expert with load >= factor x mean is hot
     max_replicas: int = 4  # copies of one hot expert, the original included
     replica_memory_fraction: float = 0.5  # share of a node's spare memory replicas may take
+    # --- weights ----------------------------------------------------------------------------
+    # A node that lacks weights of its assignment fetches them from holders, each serving at most this rate
+    # (the daemons' `weights_serve_mbps`); then loads what it holds at `load_bytes_per_s` (measured in
+    # docs/BENCHMARKS.md, "Weights through the swarm").
+    fetch_bytes_per_s: float = 25e6
+    load_bytes_per_s: float = 100e6
     # --- re-planning ----------------------------------------------------------------------
     # Surviving nodes keep their assignments when that plan's score is within this fraction of
     # the best fresh plan: reloading weights costs minutes, a few percent of speed does not.
@@ -51,6 +57,8 @@ class PlanOptions:
     def __post_init__(self) -> None:
         if self.context_length < 1 or self.concurrency < 1:
             raise PlanSchemaError("context_length and concurrency must be at least 1")
+        if self.fetch_bytes_per_s <= 0 or self.load_bytes_per_s <= 0:
+            raise PlanSchemaError("fetch_bytes_per_s and load_bytes_per_s must be positive")
         if self.runtime_overhead_bytes < 0 or self.hop_overhead_ms < 0 or self.replan_tolerance < 0:
             raise PlanSchemaError("overheads and tolerances cannot be negative")
         if self.expert_placement not in ("auto", "local", "spread"):

@@ -7,7 +7,7 @@
      "experts": {"3": {"0": ["<peer id>", ...], ...}},
      "standbys": [{"peer_id": ..., "layers": [10, 20]}, ...],
      "predicted": {"token_latency_ms": ..., "stream_tokens_per_s": ..., "aggregate_tokens_per_s": ...,
-                   "saturated_tokens_per_s": ..., "bottleneck": "..."},
+                   "saturated_tokens_per_s": ..., "bottleneck": "...", "fetch_bytes": ..., "ready_s": ...},
      "reasons": ["...", ...]}
 
 `layers` are [start, end) over block indices; the embedding travels with the first stage and the
@@ -63,6 +63,8 @@ class Prediction:
     aggregate_tokens_per_s: float = 0.0
     bottleneck: str = ""
     saturated_tokens_per_s: float = 0.0
+    fetch_bytes: int = 0  # weights the plan's nodes must fetch from others before it serves
+    ready_s: float = 0.0  # seconds until every node is ready: its fetch, then its load
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,8 @@ class Plan:
                 "aggregate_tokens_per_s": self.predicted.aggregate_tokens_per_s,
                 "saturated_tokens_per_s": self.predicted.saturated_tokens_per_s,
                 "bottleneck": self.predicted.bottleneck,
+                "fetch_bytes": self.predicted.fetch_bytes,
+                "ready_s": self.predicted.ready_s,
             },
             "reasons": list(self.reasons),
         }
@@ -171,7 +175,8 @@ class Plan:
                 predicted=Prediction(
                     float(p.get("token_latency_ms", 0.0)), float(p.get("stream_tokens_per_s", 0.0)),
                     float(p.get("aggregate_tokens_per_s", 0.0)), str(p.get("bottleneck", "")),
-                    float(p.get("saturated_tokens_per_s", 0.0)),
+                    float(p.get("saturated_tokens_per_s", 0.0)), int(p.get("fetch_bytes", 0)),
+                    float(p.get("ready_s", 0.0)),
                 ),
                 reasons=tuple(str(r) for r in doc.get("reasons", ())),
                 policy=str(doc.get("policy", "balanced")),

@@ -28,6 +28,8 @@ from planner.chain import INF, ChainCosts, furthest_cover, min_bottleneck, min_l
 from planner.cost import CostModel, Draft, Evaluation
 from planner.errors import InfeasiblePlan, PlanSchemaError
 from planner.experts import order_holders, place_local, place_spread, replicate_hot
+from planner.fetch import FetchEstimate, fetch_estimate
+from planner.holdings import Holdings, parse_holdings
 from planner.layout import ModelLayout
 from planner.memory import dense_bytes, expert_bytes, stage_need_matrix
 from planner.node import NodeDescriptor
@@ -117,6 +119,7 @@ class Planner:
             self.fan_lat, self.fan_sends = self.cm.spread_fanout_estimate()
         ready = set(self.ready)
         self.order = [i for i in self.topo.order if i in ready]
+        self.holdings = [parse_holdings(n.holds) for n in nodes]
         self._check_capacity()
 
     # --- memory ---------------------------------------------------------------------------
@@ -271,6 +274,10 @@ class Planner:
                 if not chains or chains[-1][0] is None:
                     chains.append((self.chain(order, 0, self.n_blocks, mode, False),
                                    "not every node could hold a stage" if everyone else "one chain"))
+                elif mode == "spread":
+                    # Members too slow to be worth a stage still work: they hold experts only.
+                    chains.append((self.chain(order, 0, self.n_blocks, mode, False),
+                                   "the fastest chain, the others holding experts"))
                 if mode == "spread" and len(groups) > 1 and not everyone:
                     chains.append((self.quota_chain(groups, mode), "blocks split over groups by memory"))
                 for stages, how in chains:
@@ -317,12 +324,15 @@ class Planner:
         if self.policy == "balanced":
             # Every ready member holds something whenever some candidate manages that.
             drafts = [d for d in drafts if len(_used(d)) == len(self.ready)] or drafts
+        drafts += [h for d in drafts if (h := self.holders_placed(d)) is not None]
         scored = [(self.cm.evaluate(d), d) for d in drafts]
         # The best by the policy's first score, unless one within SCORE_SLACK of it is much
-        # better by the second (1 % more throughput is not worth 3x the latency).
+        # better by the second (1 % more throughput is not worth 3x the latency). Between plans of equal
+        # scores, the one that is ready first (its nodes hold more of what they are given).
         first = min(ev.score(self.policy)[0] for ev, _ in scored)
         near = [(ev, d) for ev, d in scored if ev.score(self.policy)[0] <= first * (1 + SCORE_SLACK) + 1e-12]
-        best_eval, best = min(near, key=lambda ed: _key(ed[0].score(self.policy)[::-1]))
+        best_eval, best = min(near, key=lambda ed: (*_key(ed[0].score(self.policy)[::-1]),
+                                                     self.fetch(ed[1]).fetch_s))
         reasons = [f"policy {self.policy}: {len(drafts)} candidate plans; best: {self._describe(best)}"]
         if self.previous is not None:
             kept = repair(self, self.previous)
@@ -334,6 +344,38 @@ class Planner:
                     best_eval, best = kept_eval, kept
                     reasons.append(f"repair: {', '.join(kept.notes)}")
         return self._to_plan(best, best_eval, epoch, reasons)
+
+    # --- weights to fetch -------------------------------------------------------------------------------
+    def fetch(self, d: Draft) -> FetchEstimate:
+        return fetch_estimate(self.layout, self.nodes, self.holdings, d.stages, d.experts, self.opts)
+
+    def holders_placed(self, d: Draft) -> Draft | None:
+        """The same chain with its nodes moved so that the largest ranges go to the nodes that hold most of them
+        (where they have room); None when that changes nothing. Dense drafts only: experts are placed per node."""
+        if d.mode != "dense" or all(h.everything for h in self.holdings) or not any(h.anything for h in self.holdings):
+            return None
+        free = {node for node, _, _ in d.stages}
+        placed: dict[int, int] = {}
+        for pos in sorted(range(len(d.stages)), key=lambda p: -self._range_bytes(*d.stages[p][1:])):
+            _, a, b = d.stages[pos]
+            fits = [n for n in sorted(free) if self.need[d.mode][a, b] <= self.free[n]]
+            if not fits:
+                return None
+            placed[pos] = max(fits, key=lambda n: (self._range_bytes(a, b, self.holdings[n]), -n))
+            free.discard(placed[pos])
+        stages = [(placed[p], a, b) for p, (_, a, b) in enumerate(d.stages)]
+        if stages == d.stages:
+            return None
+        return Draft(stages=stages, experts=d.experts, mode=d.mode, notes=[*d.notes, "holders keep what they hold"])
+
+    def _range_bytes(self, a: int, b: int, held: Holdings | None = None) -> float:
+        """Bytes of blocks [a, b) with the embedding or head they carry; with `held`, only those it holds."""
+        size = 0.0
+        if a == 0 and (held is None or held.everything or held.embedding):
+            size += self.layout.embedding_bytes
+        if b == self.n_blocks and (held is None or held.everything or held.head):
+            size += self.layout.head_bytes
+        return size + sum(self.layout.blocks[x].param_bytes for x in range(a, b) if held is None or held.has_block(x))
 
     def _prefer_previous(self, kept: Evaluation, best: Evaluation) -> tuple[bool, str]:
         k, b = kept.score(self.policy)[0], best.score(self.policy)[0]
@@ -395,13 +437,17 @@ class Planner:
             reasons.append(f"{len(idle)} node(s) without an assignment: {', '.join(idle[:8])}"
                            + (" ..." if len(idle) > 8 else ""))
         reasons.append(f"predicted bottleneck: {ev.prediction.bottleneck}")
+        fetch = self.fetch(d)
+        if fetch.total_bytes:
+            reasons.append(f"{len(fetch.bytes_by_node)} node(s) fetch {fetch.total_bytes / 2**20:.1f} MiB of weights "
+                           f"first; ready in about {fetch.ready_s:.0f} s")
         return Plan(
             epoch=epoch,
             model=ModelRef(self.layout.name, self.layout.digest, self.layout.dtype),
             stages=tuple(stages),
             experts=experts,
             standbys=standbys,
-            predicted=ev.prediction,
+            predicted=replace(ev.prediction, fetch_bytes=fetch.total_bytes, ready_s=round(fetch.ready_s, 3)),
             reasons=tuple(reasons),
             policy=self.policy,
         )

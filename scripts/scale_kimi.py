@@ -6,6 +6,12 @@ defined here or in planner/fleet.py, and documented in docs/SCALE.md.
 
     .venv/bin/python scripts/scale_kimi.py            # all tables (a few minutes on 2 cores)
     .venv/bin/python scripts/scale_kimi.py --quick    # fewer simulated tokens
+    .venv/bin/python scripts/scale_kimi.py --acceptance docs/data/spec_acceptance.json
+    .venv/bin/python scripts/scale_kimi.py --hop-ms 0.25   # a measured per-message cost instead of 1.0 ms
+
+The speculative rows use the acceptance measured by scripts/bench_spec.py (`--json`, kept in
+docs/data/spec_acceptance.json): per mode, the drafts per pass and the chance a draft is accepted given the ones
+before it were. Without the file they fall back to the assumptions (3 drafts at 70 %, 4 at 85 %).
 """
 
 from __future__ import annotations
@@ -75,12 +81,41 @@ FAST_HOP_MS = 0.1
 # chain accepts 70 % of the time; and a stronger one, like a multi-token-prediction head.
 SPECULATIVE = dict(speculative_tokens=3, acceptance=0.7, draft_ms_per_token=1.0)
 STRONG_DRAFT = dict(speculative_tokens=4, acceptance=0.85, draft_ms_per_token=1.0)
+# Drafting by prompt lookup costs no model: a lookup in the request's own tokens.
+NGRAM_DRAFT_MS = 0.0
+
+
+def measured_drafts(path: str) -> list[tuple[str, dict]]:
+    """(row label, SimConfig changes) per mode measured by scripts/bench_spec.py --json: the drafts per pass (the
+    adaptive k's mean, rounded) and the per-token acceptance of its 10 ms rounds; a draft model is taken to cost
+    1 ms per drafted token on stage 0's GPU, as in the assumed rows."""
+    import json
+
+    doc = json.loads(open(path).read())
+    rows = []
+    for r in doc["wan"]:
+        if r["mode"] == "off" or not r.get("token_acceptance") or not r.get("drafted_per_pass"):
+            continue
+        k = max(1, round(r["drafted_per_pass"]))
+        draft_ms = NGRAM_DRAFT_MS if r["mode"] == "ngram" else 1.0
+        rows.append((f"+ speculation measured: {r['mode']} on {r['set']} ({k} drafts, "
+                     f"{100 * r['token_acceptance']:.0f} % accepted)",
+                     dict(speculative_tokens=k, acceptance=r["token_acceptance"], draft_ms_per_token=draft_ms)))
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--acceptance", metavar="FILE", help="scripts/bench_spec.py --json output: measured drafts "
+                        "and acceptance in place of the assumed 70 %% / 85 %%")
+    parser.add_argument("--hop-ms", type=float, default=1.0,
+                        help="software cost per message, ms (default 1.0: py-libp2p; see docs/BENCHMARKS.md)")
     args = parser.parse_args()
+    hop = args.hop_ms
+    speculation = measured_drafts(args.acceptance) if args.acceptance else [
+        ("+ speculative decoding (3 drafts, 70 % accepted)", SPECULATIVE),
+        ("... or with 4 drafts, 85 % accepted", STRONG_DRAFT)]
     tokens = 8 if args.quick else 24
     layout = layout_from_arch(BUILTIN_ARCHS["kimi-k2"], "int4")
     t0 = time.time()
@@ -91,9 +126,11 @@ def main() -> None:
     for fleet in FLEETS:
         nodes = fleet.nodes()
         for policy in ("balanced", "min-latency"):
-            plan = make_plan(layout, nodes, policy=policy)
-            one = simulate(plan, layout, nodes, SimConfig(streams=1, prompt_tokens=32, decode_tokens=tokens))
-            many = simulate(plan, layout, nodes, SimConfig(streams=16, prompt_tokens=1, decode_tokens=tokens // 2))
+            plan = make_plan(layout, nodes, policy=policy, options=PlanOptions(hop_overhead_ms=hop))
+            one = simulate(plan, layout, nodes, SimConfig(streams=1, prompt_tokens=32, decode_tokens=tokens,
+                                                          hop_overhead_ms=hop))
+            many = simulate(plan, layout, nodes, SimConfig(streams=16, prompt_tokens=1, decode_tokens=tokens // 2,
+                                                           hop_overhead_ms=hop))
             parts = ", ".join(f"{k} {v:.0f}" for k, v in one.breakdown_ms.items() if v >= 0.5)
             busiest = many.bottleneck.split("busiest: ")[-1]
             print(f"| {fleet.name} | {len(nodes)} | {policy} | {len(plan.stages)} | {len(plan.peers())} | "
@@ -107,17 +144,16 @@ def main() -> None:
         fast = PlanOptions(hop_overhead_ms=FAST_HOP_MS)
         fast_cfg = SimConfig(hop_overhead_ms=FAST_HOP_MS)
         steps = [
-            ("as planned (py-libp2p, 1 ms per message)", fleet, layout, PlanOptions(), SimConfig()),
+            (f"as planned ({hop:g} ms per message)", fleet, layout, PlanOptions(hop_overhead_ms=hop),
+             SimConfig(hop_overhead_ms=hop)),
             (f"transport at {FAST_HOP_MS} ms per message", fleet, layout, fast, fast_cfg),
             ("+ 8-bit activations on the wire", fleet, fp8, fast, fast_cfg),
         ]
         if fleet.uplink_mbit < 1000:
             steps.append(("+ 1 Gbit/s uplinks", replace(fleet, uplink_mbit=1000), fp8, fast, fast_cfg))
         last = steps[-1]
-        steps.append(("+ speculative decoding (3 drafts, 70 % accepted)", last[1], fp8, fast,
-                      replace(fast_cfg, **SPECULATIVE)))
-        steps.append(("... or with 4 drafts, 85 % accepted", last[1], fp8, fast,
-                      replace(fast_cfg, **STRONG_DRAFT)))
+        for label, changes in speculation:
+            steps.append((label, last[1], fp8, fast, replace(fast_cfg, **changes)))
         for label, fl, lay, opts, cfg in steps:
             nodes = fl.nodes()
             plan = make_plan(lay, nodes, policy="min-latency", options=opts)

@@ -13,5 +13,7 @@ args=()
 for arg in "$@"; do
   if [ "$arg" = --quick ]; then args+=(-m "not slow or smoke"); else args+=("$arg"); fi
 done
+# captured graphs the tests and their daemons share (empty on a fresh checkout, kept between local runs)
+export SWARMD_GRAPH_CACHE="${SWARMD_GRAPH_CACHE:-$PWD/.test-graphs}"
 export PYTHONHASHSEED=0  # a simulation seed replays exactly in any process
 exec .venv/bin/python -m pytest -q ${args[@]+"${args[@]}"}

@@ -25,6 +25,7 @@ from typing import Any, get_type_hints
 from urllib.parse import urlsplit
 
 from swarmd.errors import UserError
+from swarmd.spec_settings import SpecError, SpecSettings
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,9 @@ class DaemonConfig:
         (), "a member to join through, ending in /p2p/<peer id>; repeatable (also SWARMD_BOOTSTRAP)",
         metavar="MULTIADDR", env="SWARMD_BOOTSTRAP", default_text="none: found a swarm")
     model: str = setting(
-        DEFAULT_MODEL, "model to serve: a known name, a .gguf path or an Ollama name (default: smollm2-135m)")
+        DEFAULT_MODEL, "model to serve: a known name, a .gguf path, an Ollama name, or manifest:HASH (default: "
+                       "smollm2-135m). Not on this machine: fetched from the members named by --bootstrap (only "
+                       "the tensors the plan assigns), else downloaded or written here")
     api: str = setting(DEFAULT_API, "local HTTP API address (default: 127.0.0.1:8765)", metavar="HOST:PORT")
     home: Path = setting(help="state directory (default: $SWARMD_HOME or ~/.swarmd)", default_factory=default_home,
                          default_text="$SWARMD_HOME or ~/.swarmd")
@@ -204,8 +207,17 @@ class DaemonConfig:
         None, "this daemon's upload bandwidth in Mbit/s, for the planner (default: the network interface's speed, "
               "else 1000)", metavar="MBPS", default_text="the interface's speed, else 1000")
     plan: Path | None = setting(
-        None, "founding daemon only: adopt this Plan (JSON, e.g. from `swarmd plan --json`) once the peers it names "
-              "have joined, instead of computing one", metavar="FILE", default_text="none: the leader plans")
+        None, "adopt this Plan instead of computing one: a plan file with slots (`swarmd plan --fleet ... --out FILE`) "
+              "on every daemon, each with its --slot; or a Plan naming peer ids (`swarmd plan --json`) on the "
+              "founding daemon only, adopted once the peers it names have joined", metavar="FILE",
+        default_text="none: the leader plans")
+    slot: str = setting(
+        "", "with --plan FILE: the slot of the plan file this daemon takes (its stage and experts); the leader binds "
+            "each slot to the first daemon claiming it and refuses a second claim", metavar="NAME",
+        default_text="none")
+    claim_timeout: float = setting(
+        120.0, "with --plan FILE: after this long the leader's status names the slots no daemon has claimed "
+               "(default 120)", metavar="SECONDS")
     standby: bool = setting(
         False, "be a spare: hold a warm copy of one stage's blocks and take that stage over at once if its daemon "
                "is lost (the planner gives this daemon no stage while the others suffice)")
@@ -236,12 +248,50 @@ class DaemonConfig:
         50.0, "a decode step seen to take at most this long runs on the event loop's own thread when the compute "
               "thread is idle, which saves two thread hand-overs per step; the daemon answers nothing else "
               "meanwhile (default 50; 0: every step on the compute thread)", metavar="MS")
+    speculate: str = setting(
+        "off", "speculative decoding for the requests this daemon heads: off (the default), ngram (drafts from the "
+               "request's own context: prompt lookup, strong on code and editing) or model:NAME (a small draft "
+               "model with the served model's vocabulary, run here, e.g. model:smollm2-135m); each pass through "
+               "the chain then verifies several tokens, with the same output", metavar="MODE")
+    draft_tokens: int = setting(
+        4, "the most tokens drafted per pass (default 4; the number adapts to the acceptance seen, and a request "
+           "may ask for fewer with \"speculate\": {\"draft_tokens\": K})", metavar="K")
+    hot_lane: bool | None = setting(
+        None, "a token's messages (activations, sampled tokens, expert batches) travel on data-plane streams of "
+              "their own, read by a thread that runs a short decode step and sends its output on without waiting "
+              "for the event loop (needs the TLS data plane; --no-hot-lane: all through the actor transport, for "
+              "comparisons)", default_text="on")
     expert_placement: str = setting(
         "auto", "MoE models: keep each block's experts with its stage (local), spread them over the other daemons "
                 "(spread), or let the planner choose (auto, the default: spread under the balanced policy)",
         choices=EXPERT_PLACEMENTS)
     data_plane: str = setting("tls", "tensors over pinned TLS sockets (default) or over the libp2p streams themselves",
                               choices=DATA_PLANES)
+    data_plane_port: int = setting(
+        0, "TCP port of the TLS data plane (default: any free one); behind a NAT with forwarded ports, forward this "
+           "one too (it listens on the --listen address)", metavar="PORT", default_text="any free port")
+    dial_map: tuple[str, ...] = setting(
+        (), "advanced, repeatable: connect to the second address whenever this daemon dials the first (libp2p and "
+            "the data plane alike); `swarmd cluster up` routes traffic between regions through its link emulator "
+            "this way", metavar="HOST:PORT=HOST:PORT", default_text="none")
+    relay_service: bool | None = setting(
+        None, "serve as a circuit relay (v2, within limits on circuits, bytes and time) for members that cannot be "
+              "reached directly; only a reachable daemon is any use as one (default: on; --no-relay-service to "
+              "opt out)", default_text="on")
+    relays: tuple[str, ...] = setting(
+        (), "a relay (ending in /p2p/<peer id>) to keep a reservation on when this daemon cannot be reached "
+            "directly, besides the members that serve relaying; repeatable", metavar="MULTIADDR", option="--relay",
+        default_text="none: members that serve relaying")
+    hole_punching: bool | None = setting(
+        None, "try hole punching (DCUtR) with members reached only through a relay (default: on; "
+              "--no-hole-punching to opt out)", default_text="on")
+
+    weights_serve_mbps: float = setting(
+        200.0, "serve weights to members that fetch them at most this fast, in Mbit/s (default 200; 0: no limit)",
+        metavar="MBITS")
+    weights_busy_mbps: float = setting(
+        40.0, "the same while requests run through this daemon, so activations keep priority (default 40)",
+        metavar="MBITS")
     swarm_key: Path | None = setting(
         None, "make the swarm private: only peers holding this key (from `swarmd keygen`) can connect", metavar="FILE",
         default_text="none: an open swarm")
@@ -271,10 +321,20 @@ class DaemonConfig:
             raise UserError(f"data plane {self.data_plane!r} is not one of {', '.join(DATA_PLANES)}")
         if self.log_level not in LOG_LEVELS:
             raise UserError(f"log level {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+        if self.weights_serve_mbps < 0 or self.weights_busy_mbps < 0:
+            raise UserError("weights_serve_mbps and weights_busy_mbps must be 0 (no limit) or more")
         if self.inline_step_ms < 0:
             raise UserError("inline_step_ms must be 0 (off) or more")
         if self.max_requests < 1 or self.max_context < 2:
             raise UserError("max_requests must be at least 1 and max_context at least 2")
+        try:
+            SpecSettings(self.speculate, self.draft_tokens)
+        except SpecError as e:
+            raise UserError(f"--speculate / --draft-tokens: {e}") from None
+        if not 0 <= self.data_plane_port < 65536:
+            raise UserError(f"data-plane port {self.data_plane_port} is not a TCP port (0 picks a free one)")
+        if self.claim_timeout <= 0:
+            raise UserError("claim_timeout must be above 0 seconds")
         if self.max_queued < 0:
             raise UserError("max_queued must be 0 (no queue: refuse when no slot is free) or more")
 

@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+# The suite's own graph cache (models.tinygrad_ext.graph_cache), shared by its tests and by the daemons they
+# start; scripts/test.sh names the same folder, and CI starts with it empty (a fresh checkout).
+os.environ.setdefault("SWARMD_GRAPH_CACHE", str(Path(__file__).resolve().parents[1] / ".test-graphs"))
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:

@@ -116,7 +116,7 @@ def test_unknown_name_lists_known_names_in_one_line(ollama_store):
     with pytest.raises(ModelError) as err:
         resolve_model("llama3.2:1b")
     message = str(err.value)
-    assert message.startswith("unknown model 'llama3.2:1b': known names are smollm2-135m, smollm2-moe-8x2, "
+    assert message.startswith("unknown model 'llama3.2:1b': known names are kimi-k2-mini, smollm2-135m, smollm2-moe-8x2, "
                               "smollm2-moe-8x8, synthetic-moe-1b, synthetic-moe-small, synthetic-moe-tiny; "
                               "or give a path to a .gguf file")
     assert str(ollama_store) in message and "\n" not in message

@@ -49,7 +49,8 @@ def one_error_line(done: subprocess.CompletedProcess[str]) -> str:
 
 def test_unknown_model_name(smollm2_gguf):
     line = one_error_line(swarmd("run", "--model", "no-such-model", "hi"))
-    assert line.startswith("swarmd run: error: unknown model 'no-such-model': known names are smollm2-135m")
+    assert line.startswith("swarmd run: error: unknown model 'no-such-model': known names are ")
+    assert "smollm2-135m, " in line and "kimi-k2-mini, " in line
 
 
 def test_missing_model_file(tmp_path):
@@ -81,13 +82,17 @@ def test_bad_arguments(args, message):
     assert message in one_error_line(swarmd("run", *args))
 
 
-def test_pull_prints_the_path_and_models_lists_it(smollm2_gguf):
+def test_pull_prints_the_path_and_models_lists_it_with_its_identity(smollm2_gguf):
+    from models.catalog.chunk_store import whole_file
+
+    identity = whole_file(smollm2_gguf).digest
     pulled = swarmd("pull", "smollm2-135m")
     assert pulled.returncode == 0 and pulled.stdout.strip() == str(smollm2_gguf)
+    assert f"manifest {identity}" in pulled.stderr
     listed = swarmd("models")
     assert listed.returncode == 0
     row = next(line for line in listed.stdout.splitlines() if line.startswith("smollm2-135m"))
-    assert row.split() == ["smollm2-135m", "93.8", "MiB", "wheel", str(smollm2_gguf)]
+    assert row.split() == ["smollm2-135m", "93.8", "MiB", "wheel", identity[:16], str(smollm2_gguf)]
 
 
 def test_run_help_explains_the_streams():

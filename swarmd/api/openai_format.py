@@ -17,6 +17,7 @@ from typing import Any
 
 from swarmd.inference.head.service import HeadRequest
 from swarmd.inference.head.session import PromptScores, TokenOut
+from swarmd.spec_settings import SpecError, SpecRequest, parse_spec_field
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for the legacy endpoint
 MAX_STOPS = 16
@@ -117,6 +118,14 @@ def _sampling(body: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def speculate_field(body: Mapping[str, Any]) -> SpecRequest | None:
+    """The extension field `speculate`: {"mode": "off" | "ngram" | "model:NAME", "draft_tokens": K}."""
+    try:
+        return parse_spec_field(body.get("speculate"))
+    except SpecError as e:
+        raise ApiError(400, str(e), code="invalid_value", param="speculate") from None
+
+
 def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
     stream = flag_field(body, "stream")
     options = body.get("stream_options") or {}
@@ -138,12 +147,14 @@ class CompletionCall:
     echo: bool
     stream: bool
     include_usage: bool
+    speculate: SpecRequest | None = None
 
     def head_request(self, prompt_ids: Sequence[int], trace: bool = False) -> HeadRequest:
         s = self.sampling
         return HeadRequest(tuple(prompt_ids), self.max_tokens, s["temperature"], s["top_p"], s["top_k"],
                            _seed(s["seed"]), s["stop"], logprobs=0 if self.logprobs is None else max(self.logprobs, 1),
-                           prompt_scores=self.echo and self.logprobs is not None, trace=trace)
+                           prompt_scores=self.echo and self.logprobs is not None, trace=trace,
+                           speculate=self.speculate)
 
 
 def parse_completion(body: Any, served: str) -> CompletionCall:
@@ -172,7 +183,8 @@ def parse_completion(body: Any, served: str) -> CompletionCall:
     if max_tokens == 0 and not echo:
         raise ApiError(400, "'max_tokens' 0 is only useful with 'echo' (to score the prompt)", code="invalid_value",
                        param="max_tokens")
-    return CompletionCall(model, text, ids, max_tokens, _sampling(body), logprobs, echo, stream, usage)
+    return CompletionCall(model, text, ids, max_tokens, _sampling(body), logprobs, echo, stream, usage,
+                          speculate_field(body))
 
 
 @dataclass(frozen=True)
@@ -185,6 +197,7 @@ class ChatCall:
     top_logprobs: int
     stream: bool
     include_usage: bool
+    speculate: SpecRequest | None = None
 
     def head_request(self, prompt_ids: Sequence[int], max_context: int, trace: bool = False) -> HeadRequest:
         s = self.sampling
@@ -192,7 +205,7 @@ class ChatCall:
         max_tokens = room if self.max_tokens is None else min(self.max_tokens, room)
         return HeadRequest(tuple(prompt_ids), max_tokens, s["temperature"], s["top_p"], s["top_k"],
                            _seed(s["seed"]), s["stop"], logprobs=max(self.top_logprobs, 1) if self.logprobs else 0,
-                           trace=trace)
+                           trace=trace, speculate=self.speculate)
 
 
 def parse_chat(body: Any, served: str) -> ChatCall:
@@ -227,7 +240,7 @@ def parse_chat(body: Any, served: str) -> ChatCall:
     if top and not logprobs:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", code="invalid_value", param="top_logprobs")
     stream, usage = _stream(body)
-    return ChatCall(model, out, max_tokens, _sampling(body), logprobs, top, stream, usage)
+    return ChatCall(model, out, max_tokens, _sampling(body), logprobs, top, stream, usage, speculate_field(body))
 
 
 def _seed(seed: int | None) -> int | None:

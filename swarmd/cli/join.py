@@ -62,7 +62,11 @@ def build_config(args: argparse.Namespace):
 # py-libp2p logs these as errors on every failed dial; to a daemon they are routine (a member died or left,
 # and membership says so in its own words)
 ROUTINE_LIBP2P = ("Failed to open TCP stream", "MultiselectClient handshake: read failed",
-                  "failed to upgrade security for peer")
+                  "failed to upgrade security for peer", "fail to upgrade mux for peer",
+                  # a dial-back that stops after the handshake, a hole-punch dial that lost, a circuit that ended
+                  "Unexpected error opening TCP stream", "Error reading from hop stream", "Error relaying data",
+                  "Unexpected error reading from stream", "Error sending status message",
+                  "Unexpected error handling hop stream", "Error handling stop stream")
 
 
 class Libp2pNoise(logging.Filter):
@@ -111,8 +115,16 @@ def run(args: argparse.Namespace) -> int:
         parse_multiaddr(addr, "--listen")
     for addr in config.bootstrap:
         split_peer_addr(addr, "--bootstrap")
-    if config.plan is not None and config.bootstrap:
-        raise UserError("--plan is for the daemon that founds the swarm (one started without --bootstrap)")
+    if config.slot and config.plan is None:
+        raise UserError("--slot NAME claims a slot of a plan file: give --plan FILE too")
+    if config.plan is not None and config.bootstrap and not config.slot:
+        raise UserError("--plan with --bootstrap needs --slot NAME (a plan file's slot); a Plan naming peer ids is "
+                        "for the daemon that founds the swarm")
+    for addr in config.relays:
+        split_peer_addr(addr, "--relay")
+    from swarmd.net.dial_map import DialMap
+
+    DialMap.parse(config.dial_map)  # a bad entry is a one-line error now, not at the first dial
     from swarmd.daemon.serving import run_pipeline
     from swarmd.net.access import check_access
 

@@ -18,10 +18,15 @@ ORDER = 40
 EPILOG = """\
 examples:
   swarmd plan --model kimi-k2 --fleet 40x4090,8x3090,4x3060
+  swarmd plan --model synthetic-moe-small --fleet 2x4090,2x3090,2x3060 --regions 2 --rtt-ms 1,60 --out moe.json
   swarmd plan --model kimi-k2 --fleet 300x4090,300x3090 --regions 3 --rtt-ms 5,60 --uplink-mbit 100 --json
   swarmd plan --model llama-3-70b --nodes nodes.json --policy min-latency
 
 GPUs for --fleet: 3060 (RTX 3060 12GB), 3090, 4060ti (16GB), 4090, 5090, a4000, m2ultra (192GB).
+
+--out writes a plan file: the Plan JSON with the fleet's node names (slots) where peer ids go, and the
+fleet (each slot's device, memory and region; the regions' RTT and uplink). `swarmd cluster up --plan FILE`
+brings that fleet up on this machine; `swarmd join --plan FILE --slot NAME` claims one slot on a real machine.
 """
 
 
@@ -32,8 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", required=True, metavar="NAME",
-                   help="a built-in layout (smollm2-135m, llama-3.2-1b, llama-3.1-8b, llama-3-70b, mixtral-8x7b, "
-                        "deepseek-v3, kimi-k2) or a .gguf file")
+                   help="any model `swarmd run` accepts (a known name, written into the model cache first if "
+                        "needed, a .gguf file or an Ollama name: its layout is read from the GGUF), or a built-in "
+                        "layout (llama-3.2-1b, llama-3.1-8b, llama-3-70b, mixtral-8x7b, deepseek-v3, kimi-k2)")
     nodes = p.add_mutually_exclusive_group(required=True)
     nodes.add_argument("--nodes", metavar="FILE", help="JSON list of NodeDescriptors ('-' reads stdin)")
     nodes.add_argument("--fleet", metavar="SPEC", help="simulated GPUs, e.g. 40x4090,8x3090,4x3060")
@@ -49,17 +55,24 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help='JSON {"<block>": [load per expert, ...]}: hot experts get replicas')
     p.add_argument("--previous", metavar="FILE", help="a Plan to re-plan from (keeps assignments where it can)")
     p.add_argument("--json", action="store_true", help="print the Plan as JSON on stdout")
+    p.add_argument("--out", type=Path, metavar="FILE",
+                   help="--fleet: write a plan file (the Plan naming the fleet's slots, and the fleet) for "
+                        "`swarmd cluster up --plan` and `swarmd join --plan FILE --slot NAME`")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from planner import Plan, make_plan
 
+    if args.out is not None and not args.fleet:
+        raise UserError("--out writes a plan for a fleet's slots: give --fleet (e.g. --fleet 2x4090,2x3090)")
     layout = resolve_layout(args.model, args.dtype)
     nodes = load_nodes(args)
     options = plan_options(args)
     previous = Plan.loads(_read(args.previous)) if args.previous else None
     plan = make_plan(layout, nodes, policy=args.policy, options=options, previous=previous)
+    if args.out is not None:
+        write_plan_file(args.out, plan, args)
     if args.json:
         sys.stdout.write(plan.dumps() + "\n")
     else:
@@ -68,25 +81,52 @@ def run(args: argparse.Namespace) -> int:
 
 
 def resolve_layout(name: str, dtype: str | None) -> ModelLayout:
+    """A model `swarmd run` accepts, laid out as its daemons serve it (name, digest and sizes from its GGUF, the
+    file written into the model cache first if needed); else a built-in layout. A name that is both (e.g.
+    smollm2-135m) is planned as served, unless --dtype asks for the built-in layout."""
+    from models.errors import ModelError
     from planner import BUILTIN_ARCHS, layout_from_arch
     from planner.arch import default_dtype
+    from swarmd.daemon.served_model import served_model
 
     arch = BUILTIN_ARCHS.get(name.lower())
-    if arch is not None:
+    if arch is not None and (dtype or not servable(name)):
         return layout_from_arch(arch, dtype or default_dtype(arch))
-    path = Path(name).expanduser()
-    if path.suffix.lower() == ".gguf" or path.exists():
-        if not path.is_file():
-            raise UserError(f"no such model file: {name}")
-        try:
-            from models.layout import layout_from_gguf
-        except ImportError as e:
-            raise UserError(f"reading a GGUF file's layout needs models.layout, which this build lacks ({e})") from e
-        layout = layout_from_gguf(path)
-        if dtype and layout.dtype != dtype:
-            raise UserError(f"{path.name} stores {layout.dtype} weights; --dtype only applies to built-in layouts")
-        return layout
-    raise UserError(f"unknown model {name!r}; built-in layouts: {', '.join(BUILTIN_ARCHS)} (or a .gguf file)")
+    try:
+        layout = served_model(name).layout
+    except ModelError as e:
+        raise UserError(f"unknown model {name!r}; built-in layouts: {', '.join(BUILTIN_ARCHS)}; or a name "
+                        f"`swarmd run` accepts ({str(e).removeprefix(f'unknown model {name!r}: ')})") from None
+    if dtype and layout.dtype != dtype:
+        raise UserError(f"{name} is served as {layout.dtype} weights; --dtype only applies to built-in layouts")
+    return layout
+
+
+def servable(name: str) -> bool:
+    """Whether `name` names weights `swarmd run` can load (a registered name or a file), not only an architecture."""
+    from models.catalog.names import KNOWN_MODELS
+
+    return name in KNOWN_MODELS or Path(name).expanduser().is_file()
+
+
+def write_plan_file(path: Path, plan: Any, args: argparse.Namespace) -> None:
+    """The plan naming the fleet's slots, with the fleet, as `swarmd cluster up` and `join --slot` read it."""
+    from planner.fleet import simulated_fleet
+    from planner.plan_file import PlanFile, fleet_of
+
+    fleet = simulated_fleet(args.fleet, regions=args.regions, rtt_ms=_pair(args.rtt_ms, "--rtt-ms"),
+                            uplink_mbit=args.uplink_mbit)
+    nodes = fleet.nodes
+    doc = PlanFile(plan, fleet_of([n.peer_id for n in nodes], [n.label for n in nodes],
+                                  [n.memory_total for n in nodes], fleet.regions, fleet.rtt_ms.tolist(),
+                                  fleet.uplink_mbit))
+    try:
+        path.write_text(doc.dumps() + "\n")
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror}") from None
+    idle = [n for n in doc.fleet.names if n not in plan.peers()]
+    print(f"wrote {path}: {len(plan.stages)} stages over {len(nodes)} slots in {args.regions} region(s)"
+          + (f"; {len(idle)} slot(s) without an assignment: {', '.join(idle)}" if idle else ""), file=sys.stderr)
 
 
 def load_nodes(args: argparse.Namespace) -> list[NodeDescriptor]:

@@ -8,8 +8,9 @@ import sys
 ORDER = 60
 
 DESCRIPTION = """\
-Fetch a model into the local model cache (shared by every daemon on this machine) and check its
-sha256, so that `swarmd run` and `swarmd join` start without fetching. Prints the file's path on
+Fetch a model into the local model cache (shared by every daemon on this machine), check its
+sha256 and compute its manifest (the model's identity in a swarm), so that `swarmd run` and
+`swarmd join` start without fetching. Prints the file's path on
 stdout; progress goes to stderr. Paths and Ollama models are only located and checked.
 """
 
@@ -23,8 +24,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def pull(args: argparse.Namespace) -> int:
     from models.catalog.names import resolve_model
+    from swarmd.daemon.served_model import whole_file_store
 
     source = resolve_model(args.name, fetch=True)
-    print(f"{source.name}: {source.kind}, sha256 {source.digest}", file=sys.stderr, flush=True)
+    manifest = whole_file_store(source.path).digest
+    print(f"{source.name}: {source.kind}, sha256 {source.digest}, manifest {manifest}", file=sys.stderr, flush=True)
     print(source.path, flush=True)
     return 0

@@ -105,7 +105,9 @@ def run(args: argparse.Namespace) -> int:
     _say(f"loading {source.name} ({source.path.stat().st_size / 2**20:.0f} MiB) ...")
     started = time.perf_counter()
     model = StageModel.from_gguf(source.path, max_context=config.max_context, max_requests=1, numerics=SERVING_NUMERICS)
-    _say(f"loaded in {time.perf_counter() - started:.1f} s; generating (a first run also compiles kernels)")
+    _say(f"loaded in {time.perf_counter() - started:.1f} s; generating " + (
+        "(graphs missing from the graph cache are captured first, and kept there)" if model.graphs.enabled
+        else "(a first run also compiles kernels and captures graphs)"))
 
     from swarmd.inference.compute import collect_if_due
 

@@ -112,7 +112,32 @@ def _assignment(a: dict[str, Any]) -> tuple[str, str]:
     state = a.get("state", "idle")
     if state == "failed":
         state = f"failed: {a.get('error', '')}"
+    fetch = a.get("fetch") or {}
+    if fetch.get("total"):
+        state += f" ({fetch_line(fetch['bytes'], fetch['total'], fetch.get('rate', 0.0))})"
     return what, state
+
+
+def fetch_line(done: int, total: int, rate: float) -> str:
+    """'fetching 12.0 of 39.3 MiB, 3.1 MiB/s, 9 s left' (the time left only once a rate is known)."""
+    line = f"fetching {done / 2**20:.1f} of {total / 2**20:.1f} MiB"
+    if rate > 0:
+        line += f", {rate / 2**20:.1f} MiB/s, {(total - done) / rate:.0f} s left"
+    return line
+
+
+def weights_line(w: dict[str, Any]) -> str:
+    """What this daemon holds of the model, fetches and serves, in one line."""
+    line = f"{_bytes(w.get('held_bytes'))} of {_bytes(w.get('model_bytes'))} held here"
+    line += " (a partial model: the rest is fetched from members as the plan assigns it)" if w.get("partial") else ""
+    fetch = w.get("fetch") or {}
+    if fetch.get("active"):
+        line += f"; {fetch_line(fetch['bytes'], fetch['total'], fetch.get('rate_bytes_per_s', 0.0))}"
+        line += f" from {fetch.get('sources', 0)} peer(s)" + (f"; waiting: {fetch['waiting']}" if fetch.get("waiting") else "")
+    served = (w.get("served") or {}).get("bytes_served", 0)
+    if served:
+        line += f"; served {_bytes(served)} to others"
+    return line
 
 
 def _slots(a: dict[str, Any]) -> str:
@@ -155,7 +180,8 @@ def render(doc: dict[str, Any]):
     top = Table.grid(padding=(0, 2))
     top.add_column(style="bold")
     top.add_column()
-    top.add_row("self", f"{me['peer_id']}  ({me.get('label') or me.get('device')}, {me['model']['name']})")
+    top.add_row("self", f"{me['peer_id']}  ({me.get('label') or me.get('device')}, {me['model']['name']}, "
+                        f"manifest {me['model'].get('digest', '')[:12] or '-'})")
     top.add_row("api", str(me.get("api")))
     leader = doc.get("leader")
     lead = _short(leader) + (" (this node)" if leader == me["peer_id"] else "") if leader else "none"
@@ -168,8 +194,17 @@ def render(doc: dict[str, Any]):
                          + (f", {counts['suspect']} suspect" if counts["suspect"] else "")
                          + (f", {counts['dead']} dead" if counts["dead"] else ""))
     top.add_row("plan", doc.get("coverage", "-") + (f"  [red]({doc['plan_error']})[/red]" if doc.get("plan_error") else ""))
+    if doc.get("slots"):
+        top.add_row("slots", slots_line(doc["slots"], leader == me["peer_id"]))
     top.add_row("requests", requests_line(doc))
+    if doc.get("speculation"):
+        top.add_row("speculation", speculation_line(doc["speculation"]))
+    if (doc.get("weights") or {}).get("model_bytes"):
+        top.add_row("weights", weights_line(doc["weights"]))
     top.add_row("access", access_line(swarm))
+    reach = (doc.get("connectivity") or {}).get("reachability")
+    if reach:
+        top.add_row("network", f"{reach['summary']}  (details: swarmd doctor)")
 
     table = Table(title="members", title_justify="left", expand=False)
     for col in ("peer", "state", "last seen", "rtt", "device", "memory free", "layers", "stage", "kv slots"):
@@ -184,6 +219,15 @@ def render(doc: dict[str, Any]):
                       m.get("label") or m.get("device") or "-", _bytes(m.get("memory_free")), layers, stage,
                       _slots(m["assignment"]))
     parts: list[Any] = [top, table]
+    if doc.get("links"):
+        links = Table(title="links (how activations reach each peer)", title_justify="left")
+        for col in ("peer", "path", "why"):
+            links.add_column(col)
+        colour = {"data-plane": "green", "direct": "green", "relayed": "yellow", "none": "red"}
+        for link in doc["links"]:
+            links.add_row(_short(link["peer_id"]), Text(link["path"], style=colour.get(link["path"], "")),
+                          link["reason"])
+        parts.append(links)
     if doc.get("moe", {}).get("placement"):
         parts.append(experts_table(doc["moe"]))
     if swarm.get("penalised"):
@@ -201,6 +245,31 @@ def render(doc: dict[str, Any]):
             refused.add_row(_short(r["peer_id"]), r["reason"])
         parts.append(refused)
     return Group(*parts)
+
+
+def speculation_line(spec: dict[str, Any]) -> str:
+    """The speculative requests this daemon headed, in one line."""
+    line = f"{spec['mode']}" + (f" (up to {spec['draft_tokens']} drafts a pass)" if spec["mode"] != "off" else "")
+    if spec.get("passes"):
+        rate = f"{100 * spec['acceptance']:.0f} %" if spec.get("acceptance") is not None else "-"
+        line += (f"  {spec['passes']} passes, {spec['drafted']} drafted, {spec['accepted']} accepted ({rate}), "
+                 f"{spec['tokens_per_pass']:.2f} tokens a pass, {spec['draft_seconds']:.2f} s drafting")
+    return line
+
+
+def slots_line(slots: dict[str, Any], leading: bool) -> str:
+    """This daemon's slot of the plan file, and (as the leader binds them) how many are claimed and which not."""
+    bound = slots["bound"]
+    line = f"{slots['file']}" + (f", this daemon: {slots['slot']}" if slots.get("slot") else "")
+    if leading or any(bound.values()):
+        line += f"; {sum(1 for p in bound.values() if p)}/{len(bound)} claimed"
+    if slots.get("overdue"):
+        line += f"  [red](not claimed within {slots['claim_timeout_s']:.0f} s: {', '.join(slots['overdue'])})[/red]"
+    elif slots.get("unclaimed") and (leading or any(bound.values())):
+        line += f" (waiting for {', '.join(slots['unclaimed'])})"
+    if slots.get("refused"):
+        line += "; refused: " + ", ".join(f"{_short(p)} for {s}" for p, s in slots["refused"].items())
+    return line
 
 
 def _list(items: list[str], limit: int = 24) -> str:

@@ -60,6 +60,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="write the request's spans as Chrome trace-event JSON (open it in Perfetto)")
     p.add_argument("--wait", type=float, metavar="SECONDS",
                    help="how long to wait for the swarm to be ready (default: the daemon's, 120 s)")
+    p.add_argument("--speculate", metavar="MODE",
+                   help="speculative decoding for this request: off, ngram or model:NAME (default: the daemon's "
+                        "--speculate)")
+    p.add_argument("--draft-tokens", type=int, metavar="K",
+                   help="the most tokens drafted per pass (at most the daemon's --draft-tokens)")
     p.add_argument("--api", metavar="HOST:PORT|URL", help="the daemon's API address (default: from $SWARMD_HOME/api)")
     p.add_argument("--home", type=Path, help="the daemon's state directory (default: $SWARMD_HOME or ~/.swarmd)")
     add_token_option(p)
@@ -94,6 +99,9 @@ def request_body(args: argparse.Namespace) -> dict[str, Any]:
         body["seed"] = args.seed
     if args.wait is not None:
         body["wait"] = args.wait
+    speculate = {k: v for k, v in (("mode", args.speculate), ("draft_tokens", args.draft_tokens)) if v is not None}
+    if speculate:
+        body["speculate"] = speculate
     return body
 
 
@@ -142,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
                         wrote = True
                     result.update(finish_reason=event["finish_reason"], usage=event["usage"],
                                   timings=event["timings"])
+                    if "speculation" in event:
+                        result["speculation"] = event["speculation"]
                     if tracer is not None:
                         tracer.complete("submit_prompt", started * 1e6, tracer.now_us(), thread="client")
                         write_trace(args.trace, tracer.events + event.get("trace", []))
@@ -173,6 +183,10 @@ def summary(result: dict[str, Any]) -> str:
         parts.append(f"time to first token {t['time_to_first_token_s']:.2f} s")
     if t.get("decode_tokens_per_s"):
         parts.append(f"decode {t['decode_tokens_per_s']:.1f} tok/s")
+    spec = result.get("speculation")
+    if spec and spec.get("passes"):
+        parts.append(f"speculation {spec['mode']}: {spec['accepted']}/{spec['drafted']} drafted tokens accepted, "
+                     f"{spec['tokens_per_pass']:.2f} tokens a pass")
     parts.append(f"finish: {result['finish_reason']}")
     return "; ".join(parts)
 

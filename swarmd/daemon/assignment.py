@@ -10,6 +10,11 @@ get the loaded stage from `stage` once `await wait_ready()` returns, and the exp
 A stage of a MoE model loads no routed expert: they are served by the expert actors wherever the
 plan put them (this daemon's included).
 
+A stage's jitted graphs come from the graph cache when it holds them (`models.cached_graphs`): a stage whose
+graphs are all there loads and runs each once before it reports ready, so its first request (a replay after
+a re-plan included) finds it warm; otherwise, once ready, the daemon captures the graphs a first request needs
+in the background (on the compute thread, between requests) and stores them, so that the next load is warm.
+
 A spare (`Plan.standbys`) loads its copy of a stage's blocks the same way, warms it (the jitted graphs a
 takeover needs first are captured) and reports "standby" with those layers; when a repaired plan gives it
 that very stage, it is ready at once: nothing loads, nothing compiles.
@@ -33,7 +38,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -52,25 +57,33 @@ log = logging.getLogger(__name__)
 StageLoader = Callable[..., Any]
 # (model, {block: experts}, device) -> a loaded ExpertShard
 ExpertLoader = Callable[[ServedModel, dict[int, tuple[int, ...]], str], Any]
+# (layers, {block: experts}) -> returns once their weights are on this machine (`swarmd.weights` fetches them)
+Prepare = Callable[[tuple[int, int] | None, dict[int, tuple[int, ...]]], Awaitable[None]]
 
 
 def load_stage(model: ServedModel, start: int, end: int, device: str, max_context: int, max_requests: int, *,
                reuse: Any = None):
     """Blocks [start, end) of the model's GGUF (or drawn from its seed), as a StageModel on `device` (blocking);
     the blocks a loaded StageModel `reuse` holds (and its embedding / head) are taken over, not read again."""
+    from models.config import config_from_header
     from models.errors import ModelError
-    from models.stage import SERVING_NUMERICS, StageModel
+    from models.gguf.header import read_header
+    from models.stage import StageModel, serving_numerics
 
     if model.seeded is not None:
         config = model.seeded.config(max_context)
+        if model.seeded.mla:  # full-width blocks: say how many fit before drawing them
+            from swarmd.daemon.descriptor import device_memory
+
+            model.seeded.check_fits(start, end, device_memory(device)[1], config.max_context, max_requests)
         return StageModel.random(config, model.seeded.seed, start, end, max_context=config.max_context,
-                                 max_requests=max_requests, device=device, reuse=reuse)
+                                 max_requests=max_requests, device=device, reuse=reuse,
+                                 local_experts=not model.layout.is_moe)
     if model.path is None:
         raise ModelError(f"no weights for {model.name} on this machine (it is known only to plan with)")
     return StageModel.from_gguf(model.path, start, end, max_context=max_context, max_requests=max_requests,
                                 device=device, local_experts=not model.layout.is_moe, reuse=reuse,
-                                # MoE blocks compute in float: ggml numerics are llama.cpp's for dense models
-                                numerics="float" if model.layout.is_moe else SERVING_NUMERICS)
+                                numerics=serving_numerics(config_from_header(read_header(model.path))))
 
 
 def kv_value_scale(model: ServedModel) -> float:
@@ -84,22 +97,34 @@ KV_PAD_ROWS = 128  # rows a stage's KV pool holds past the context (a prefill ch
 
 def load_experts(model: ServedModel, experts: dict[int, tuple[int, ...]], device: str):
     """The routed experts `experts` of the model's GGUF, as an ExpertShard on `device` (blocking)."""
+    from models.config import config_from_header
     from models.errors import ModelError
     from models.expert_shard import ExpertShard
+    from models.gguf.header import read_header
+    from models.stage import serving_numerics
 
+    if model.seeded is not None and model.seeded.mla:
+        from models.catalog.seeded_quantized import expert_weights
+
+        config = model.seeded.config()
+        return ExpertShard(config, expert_weights(config, model.seeded.seed, experts, device), experts, device)
     if model.path is None:
         raise ModelError(f"no weights for {model.name} on this machine (it is known only to plan with)")
-    return ExpertShard.from_gguf(model.path, experts, device=device)
+    numerics = serving_numerics(config_from_header(read_header(model.path)))
+    return ExpertShard.from_gguf(model.path, experts, device=device, numerics=numerics)
 
 
 class Assignment:
     def __init__(self, peer_id: str, model: ServedModel, device: str, compute: Compute, *,
                  max_context: int = 2048, max_requests: int = 4, loader: StageLoader = load_stage,
                  expert_loader: ExpertLoader = load_experts, warmup: bool = False, reuse_blocks: bool = True,
+                 prepare: Prepare | None = None,
                  memory: Callable[[], tuple[int, int]] | None = None,
                  process_bytes: Callable[[], int] | None = None,
                  options: PlanOptions | None = None) -> None:
         self.peer_id = peer_id
+        self.prepare = prepare  # fetches the weights an assignment lacks before it loads (cancelled if the plan moves)
+        self._preparing: trio.CancelScope | None = None
         self.reuse_blocks = reuse_blocks  # a new range takes the loaded stage's blocks over (off: reload all)
         self.warmup = warmup  # capture every graph before a stage is ready (`swarmd join --warmup`)
         self.compute = compute
@@ -125,6 +150,7 @@ class Assignment:
         self._wake = trio.Event()
         self._ready = trio.Event()
         self.load_started: float | None = None
+        self._background: trio.Nursery | None = None  # set by run(): the graph cache's fill runs there
         self._held = 0  # bytes the loaded stage takes (weights and KV pool), for the next one's budget
 
     def status(self) -> AssignmentStatus:
@@ -159,6 +185,8 @@ class Assignment:
         layers = mine[0] if mine else None
         copy = plan.standbys.get(self.peer_id) if layers is None else None
         experts = {b: tuple(es) for b, es in plan.experts_on(self.peer_id).items()}
+        if self._preparing is not None and self._wanted[1:] != (layers, experts, copy):
+            self._preparing.cancel()  # a fetch for an assignment the plan no longer gives
         self._wanted = (plan.epoch, layers, experts, copy)
         if ((layers or copy) == self.loaded_layers and experts == self.loaded_experts
                 and self._status.state in (AssignmentState.READY, AssignmentState.IDLE, AssignmentState.STANDBY)):
@@ -177,7 +205,12 @@ class Assignment:
         return self.stage
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started(self)
+        async with trio.open_nursery() as nursery:
+            self._background = nursery
+            task_status.started(self)
+            await self._follow_the_plan()
+
+    async def _follow_the_plan(self) -> None:
         while True:
             await self._wake.wait()
             self._wake = trio.Event()
@@ -204,6 +237,8 @@ class Assignment:
             return True
         count = sum(len(es) for es in experts.values())
         self._fire(AssignmentEvent.LOAD_STARTED, AssignmentStatus(epoch, layers, experts))
+        if not await self._prepared(None, experts, epoch, layers):
+            return False
         try:
             shard = await self.compute.run(self.expert_loader, self.model, experts, self.device)
         except Exception as e:
@@ -226,9 +261,12 @@ class Assignment:
         self.load_started = trio.current_time()
         what = "a standby copy of blocks" if warm else "blocks"
         log.info("loading %s %d-%d of %s (plan epoch %d)", what, a, b - 1, self.model.name, epoch)
+        if not await self._prepared(layers, {}, epoch, layers):
+            return
         try:
             # a daemon told to stop does not wait for a load to finish: run() returns when cancelled
             stage = await self.compute.run(self._build, a, b, previous or [])
+            warmed = True
             if self.warmup and hasattr(stage, "warmup"):
                 await self.compute.run(stage.warmup)
             elif warm and hasattr(stage, "warmup"):
@@ -236,6 +274,10 @@ class Assignment:
                 # (larger batches and prompt scoring are captured when first used; on a small CPU each
                 # graph costs many seconds).
                 await self.compute.run(functools.partial(stage.warmup, most_requests=1, prompt_scores=False))
+            else:  # the same, when the graph cache holds those graphs: a replay each, no capture
+                from models.cached_graphs import warm_from_cache
+
+                warmed = await self.compute.run(warm_from_cache, stage)
         except Exception as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             self._fire(AssignmentEvent.LOAD_FAILED, AssignmentStatus(epoch, layers, experts, error=reason))
@@ -252,8 +294,46 @@ class Assignment:
             log.info("standby: a copy of blocks %d-%d loaded and warmed in %.1f s", a, b - 1, took)
         else:
             kept = sorted(getattr(getattr(stage, "reused", None), "blocks", ()))
-            log.info("ready: blocks %d-%d loaded in %.1f s%s", a, b - 1, took,
-                     f" (blocks {kept[0]}-{kept[-1]} kept from the previous stage)" if kept else "")
+            log.info("ready: blocks %d-%d loaded in %.1f s%s%s", a, b - 1, took,
+                     f" (blocks {kept[0]}-{kept[-1]} kept from the previous stage)" if kept else "",
+                     "; graphs from the graph cache" if warmed and not self.warmup else "")
+        if not warmed and self._background is not None:
+            self._background.start_soon(self._fill_graph_cache, stage)
+
+    async def _fill_graph_cache(self, stage: Any) -> None:
+        """Capture and store the graphs a first request of `stage` needs that the graph cache lacks, unless the
+        stage was replaced or got requests first (their steps capture, and store, what they use)."""
+        from models.cached_graphs import fill_cache
+
+        def fill() -> bool:
+            return self.stage is stage and fill_cache(stage)
+
+        started = trio.current_time()
+        try:
+            if await self.compute.run(fill):
+                log.info("graph cache filled for this stage in %.1f s", trio.current_time() - started)
+        except Exception as e:  # a failed capture here fails the first request too, which reports it
+            log.warning("filling the graph cache failed: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+    async def _prepared(self, layers: tuple[int, int] | None, experts: dict[int, tuple[int, ...]], epoch: int,
+                        shown: tuple[int, int] | None) -> bool:
+        """Have `prepare` fetch what blocks `layers` and `experts` lack; False if the plan moved on meanwhile (its
+        wake event is set) or the fetch failed (the status says why)."""
+        if self.prepare is None:
+            return True
+        with trio.CancelScope() as scope:
+            self._preparing = scope
+            try:
+                await self.prepare(layers, experts)
+            except Exception as e:
+                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+                self._fire(AssignmentEvent.LOAD_FAILED,
+                           AssignmentStatus(epoch, shown, self._wanted[2], error=f"weights: {reason}"))
+                log.warning("getting the weights of %s failed: %s", f"blocks {layers}" if layers else "experts", reason)
+                return False
+            finally:
+                self._preparing = None
+        return not scope.cancelled_caught
 
     def _release(self) -> None:
         self.stage, self.loaded_layers = None, None

@@ -215,12 +215,15 @@ class LocalDescriptor:
     uplink: float
     addresses: Callable[[], list[str]]
     load: Callable[[], float] = field(default=lambda: 0.0)
+    holds: Callable[[], tuple[str, ...]] = field(default=lambda: ())  # the weights on disk (planner.holdings)
     standby: bool = False
+    slot: str = ""
     memory_refresh_s: float = 5.0
     _memory: tuple[float, int, int] = (float("-inf"), 0, 0)
     _host_ram: int = 0  # read once: it does not change while the daemon runs
     addresses_refresh_s: float = 1.0
     _addresses: tuple[float, tuple[str, ...]] = (float("-inf"), ())
+    links: Callable[[], dict[str, str]] = field(default=dict)  # peer -> "data-plane" | "direct" | "relayed"
 
     def memory(self) -> tuple[int, int]:
         now = time.monotonic()
@@ -267,4 +270,7 @@ class LocalDescriptor:
             load=float(self.load()),
             incarnation=self.incarnation,
             standby=self.standby,
+            slot=self.slot,
+            holds=self.holds(),
+            links=dict(self.links()),
         )

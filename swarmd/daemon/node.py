@@ -22,6 +22,7 @@ import json
 import logging
 import os
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,16 +45,24 @@ from swarmd.daemon.descriptor import (
     resolve_device,
     uplink_bps,
 )
-from swarmd.daemon.served_model import ServedModel, served_model
+from swarmd.daemon.model_source import resolve_served
+from swarmd.daemon.served_model import ServedModel
 from swarmd.errors import UserError
 from swarmd.inference.compute import Compute, ComputeThread
 from swarmd.net.access import Access, load_access
+from swarmd.net.dial_map import DialMap, install_dial_map
 from swarmd.net.identity import Signer, load_or_create_identity, peer_id_of, short_id
+from swarmd.net.link_paths import links_document
 from swarmd.net.seam import Network
 from swarmd.observe.metrics import CONTENT_TYPE, NodeMetrics
-from swarmd.swarm.fixed_plan import FixedPlan, load_plan_file
+from swarmd.swarm.fixed_plan import FixedPlan
+from swarmd.swarm.membership import State
 from swarmd.swarm.planning import MakePlan
 from swarmd.swarm.service import SwarmService, SwarmSettings
+from swarmd.swarm.slot_claim import SlotClaim, fixed_plan
+from swarmd.weights.metrics import WeightsCollector
+from swarmd.weights.service import Activity, WeightsService, weight_holders
+from swarmd.wire.gossip import AssignmentStatus
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +72,17 @@ NetworkFactory = Callable[[Any, DaemonConfig, Access], Network]  # (key pair, co
 
 
 def libp2p_network(key_pair: Any, cfg: DaemonConfig, access: Access) -> Network:
-    """The daemon's real network: a py-libp2p host, with the TLS data plane unless --data-plane libp2p."""
+    """The daemon's real network: a py-libp2p host, with the TLS data plane unless --data-plane libp2p, and what
+    takes it across NATs (reachability, relays, hole punching)."""
+    from swarmd.net.connectivity import ConnectivityConfig
     from swarmd.net.libp2p_network import Libp2pNetwork
     from swarmd.net.tls_plane import DataPlaneConfig
 
     return Libp2pNetwork(key_pair, cfg.listen, cfg.announce, timings=cfg.timings, mdns=cfg.mdns,
                          swarm_key=access.swarm_key, allow=access.allow,
-                         data_plane=DataPlaneConfig() if cfg.data_plane == "tls" else None)
+                         data_plane=DataPlaneConfig(bind_port=cfg.data_plane_port) if cfg.data_plane == "tls" else None,
+                         connectivity=ConnectivityConfig(relay_service=cfg.relay_service is not False,
+                                                         relays=cfg.relays, hole_punching=cfg.hole_punching is not False))
 
 
 class Node:
@@ -100,10 +113,12 @@ class Node:
         self.network: Network | None = None
         self.swarm: SwarmService | None = None
         self.assignment: Assignment | None = None
+        self.weights: WeightsService | None = None
         self.descriptor: LocalDescriptor | None = None
         self.metrics: NodeMetrics | None = None
         self.api_url: str | None = None
         self.fixed_plan: FixedPlan | None = None
+        self.claim: SlotClaim | None = None  # this daemon's side of a plan file's slots
         self.access: Access | None = None
         self._nursery: trio.Nursery | None = None
         self._add_routes()
@@ -132,12 +147,7 @@ class Node:
         self.home.mkdir(parents=True, exist_ok=True)
         key_pair = load_or_create_identity(self.home)
         self.peer_id = peer_id_of(key_pair)
-        self.model = await self.compute.run(served_model, cfg.model)
-        if cfg.plan is not None:
-            plan = load_plan_file(cfg.plan, self.model.layout)
-            self.fixed_plan = FixedPlan(plan, self.model.layout, cfg.plan.name, self.plan_options)
-            log.info("will adopt the plan in %s (epoch %d, %d stages) once its peers have joined", cfg.plan,
-                     plan.epoch, len(plan.stages))
+        install_dial_map(DialMap.parse(cfg.dial_map))
         device = await self.compute.run(resolve_device, cfg.device)
         name = device_name(device)
         bench = await self.compute.run(load_or_measure, self.home, device, name)
@@ -147,28 +157,48 @@ class Node:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self.network = await nursery.start(network.run)
+            # the model: on this machine, else (partly) fetched from the members named by --bootstrap
+            self.model = await resolve_served(cfg.model, network, bootstrap, blocking=self.compute.run)
+            if cfg.plan is not None:
+                self.fixed_plan = fixed_plan(cfg, self.model.layout, self.plan_options)
+            self.weights = weights = WeightsService(
+                network, self.model, members=lambda: weight_holders(self.swarm),
+                serve_bytes_per_s=cfg.weights_serve_mbps * 1e6 / 8, busy_bytes_per_s=cfg.weights_busy_mbps * 1e6 / 8,
+                busy=Activity(lambda: (self.requests_in_flight, self.compute.busy_seconds)), blocking=self.blocking)
+            await nursery.start(weights.run)
+            self.status_parts["weights"] = weights.status
             self.descriptor = LocalDescriptor(
                 peer_id=self.peer_id, device=device, device_name=name, bench=bench, memory_limit=cfg.memory_limit,
                 label=cfg.device_label, model_name=self.model.name, model_digest=self.model.digest,
                 incarnation=incarnation, uplink=uplink_bps(cfg.uplink_mbps), addresses=network.addresses,
-                load=lambda: self.requests_in_flight, standby=cfg.standby)
+                load=lambda: self.requests_in_flight, standby=cfg.standby, slot=cfg.slot, holds=weights.holds,
+                links=lambda: {peer: info.path.value for peer, info in network.link_paths().items()})
             self.assignment = Assignment(self.peer_id, self.model, device, self.compute,
                                          max_context=cfg.max_context, max_requests=cfg.max_requests,
                                          loader=self.loader, expert_loader=self.expert_loader,
                                          warmup=warms_up(cfg.warmup, device),
-                                         reuse_blocks=not cfg.full_reload, memory=self.descriptor.memory,
-                                         options=self.plan_options, process_bytes=self.process_bytes)
+                                         reuse_blocks=not cfg.full_reload, prepare=weights.ensure,
+                                         memory=self.descriptor.memory, options=self.plan_options,
+                                         process_bytes=self.process_bytes)
             await nursery.start(self.assignment.run)
             settings = SwarmSettings(cfg.swarm, cfg.timings, bootstrap)
-            self.swarm = SwarmService(network, Signer(key_pair), settings, describe_self=self.descriptor,
-                                      assignment_status=self.assignment.status, make_plan=self._make_plan,
-                                      on_plan=self.assignment.apply, blocking=self.blocking)
+            self.swarm = swarm = SwarmService(network, Signer(key_pair), settings, describe_self=self.descriptor,
+                                              assignment_status=self._assignment_status, make_plan=self._make_plan,
+                                              on_plan=self.assignment.apply, blocking=self.blocking)
+            if self.fixed_plan is not None and self.fixed_plan.file is not None:
+                self.claim = SlotClaim(self.fixed_plan, cfg.slot, self.peer_id, leading=lambda: swarm.election.is_leader,
+                                       live=swarm.membership.live)
+                swarm.slot_bindings, swarm.on_slots = self.claim.bindings, self.claim.on_slots
+                self.status_parts["slots"] = self.claim.status
+                nursery.start_soon(self.claim.watch)
             await nursery.start(self.swarm.run)
+            self._show_links(network)
             if cfg.mdns:
                 nursery.start_soon(self._follow_mdns)
-            swarm = self.swarm
             self.metrics = NodeMetrics(self.status, lambda: {**swarm.stats, **self.security_counters(),
+                                                             **weights.counters(),
                                                              "compute_busy_seconds": self.compute.busy_seconds})
+            self.metrics.registry.register(WeightsCollector(weights))
             for ext in self.extensions:
                 self.extension_results[getattr(ext, "__name__", repr(ext))] = await nursery.start(ext, self)
             if self._serve_api:
@@ -181,6 +211,11 @@ class Node:
             finally:
                 self._remove_api_file()
                 self.compute.close()
+
+    def _assignment_status(self) -> AssignmentStatus:
+        """The assignment's state, with the weights it is fetching (bytes, rate) for every member's status."""
+        assert self.assignment is not None and self.weights is not None
+        return replace(self.assignment.status(), fetch=self.weights.fetch_status())
 
     def security_counters(self) -> dict[str, float]:
         """Refusals, strikes and penalties of the peer gate, and the API's refusals, for /metrics."""
@@ -224,7 +259,8 @@ class Node:
     def plan_options(self) -> PlanOptions:
         """What the planner budgets per node: the KV cache this daemon's stages really allocate."""
         return PlanOptions(context_length=self.config.max_context, concurrency=self.config.planned_requests,
-                           expert_placement=self.config.expert_placement)
+                           expert_placement=self.config.expert_placement,
+                           fetch_bytes_per_s=max(1.0, self.config.weights_serve_mbps * 1e6 / 8))
 
     async def _follow_mdns(self) -> None:
         assert self.network is not None and self.swarm is not None
@@ -273,12 +309,29 @@ class Node:
             "members": snap["members"],
             "refused": snap["refused"],
             "plan": snap["plan"],
-            "plan_error": snap["plan_error"],
+            "plan_error": self.claim.plan_error(snap["plan_error"], snap["plan"] is not None) if self.claim
+            else snap["plan_error"],
             "coverage": coverage(snap["plan"], snap["members"], self.model.layout),
             "assignment": self.assignment.status().to_json(),
             "requests_in_flight": self.requests_in_flight,
             **{name: part() for name, part in self.status_parts.items()},
         }
+
+    def _show_links(self, network: Network) -> None:
+        """`links` in status: how activations reach each member, and why; on a real network also `connectivity`
+        (addresses, reachability, relays, hole punching: what `swarmd doctor` reads)."""
+        assert self.swarm is not None
+        members = self.swarm.membership.members
+
+        def live() -> dict[str, tuple[str, ...]]:
+            return {p: m.descriptor.addresses for p, m in list(members.items()) if m.state != State.DEAD}
+
+        connectivity = getattr(network, "connectivity", None)
+        if connectivity is not None:
+            connectivity.members = live
+            self.status_parts.update(links=connectivity.links, connectivity=connectivity.status)
+        else:
+            self.status_parts["links"] = lambda: links_document(network.link_paths(), live(), self.peer_id)
 
     def _add_routes(self) -> None:
         async def status(request: Request) -> JSONResponse:

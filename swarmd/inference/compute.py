@@ -18,7 +18,8 @@ counts them and their time (in /metrics).
 A short call (a decode step of a few milliseconds) may instead run on the event loop's own thread, when the
 compute thread has nothing to do (`ComputeThread.run_inline`): handing a job to another thread and back costs
 two wake-ups and two waits for the interpreter lock, about 0.4 ms on a 2-core CPU, where a token crosses
-each stage once. `tinygrad_lock` keeps tinygrad on one thread at a time either way.
+each stage once. A lane's reader thread (`swarmd.transport.lane`) may run one too, between `hold()` and
+`release()`. `tinygrad_lock` keeps tinygrad on one thread at a time either way.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class Compute(Protocol):
                then: Callable[[T | None, BaseException | None], None]) -> None: ...
 
     def run_inline(self, fn: Callable[..., T], *args: Any) -> tuple[bool, T | None, BaseException | None]: ...
+
+    def hold(self, wait: float = 0.0) -> bool: ...
+
+    def release(self) -> None: ...
 
     def close(self) -> None: ...
 
@@ -151,6 +156,19 @@ class ComputeThread:
         finally:
             worker.tinygrad_lock.release()
         return True, value, error
+
+    def hold(self, wait: float = 0.0) -> bool:
+        """Take tinygrad for the calling thread (a lane's reader running a short step) if the compute thread is
+        idle and nothing is queued, waiting at most `wait` s for it; False otherwise. `release()` when done."""
+        if self._closed:
+            return False
+        worker = _the_worker()
+        if not worker.jobs.empty():
+            return False
+        return worker.tinygrad_lock.acquire(blocking=wait > 0, timeout=wait if wait > 0 else -1)
+
+    def release(self) -> None:
+        _the_worker().tinygrad_lock.release()
 
     def _call(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, BaseException | None]:
         """`fn(*args)` timed into `busy_seconds`: (value, None), or (None, the error it raised)."""

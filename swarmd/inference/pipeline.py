@@ -1,12 +1,15 @@
 """Pipeline inference on a daemon: the stage, head and MoE actors on the actor transport.
 
-`Pipeline(node, transport)` builds the actors and `install()` routes the transport's messages to them
-(`swarmd.daemon.serving` starts it all, with its HTTP routes):
+`Pipeline(node, transport, lane)` builds the actors and `install()` routes the transport's messages to them,
+and the hot lane's (a stage's short decode steps on its reader threads) (`swarmd.daemon.serving` starts it all,
+with its HTTP routes):
 
     Forward          -> stage      (checked against this daemon's stage: hop, hidden size, dtype, vocabulary)
     Token hop 0      -> stage      (stage 0: the next step's input)
     Token hop 1      -> head       (a token for a request this daemon heads)
     Logprobs         -> head
+    Speculate        -> stage      (the last stage: a speculative request's head takes the loop back)
+    Verified         -> head       (a speculative request's step: the head drafts and sends the next one)
     Cancel           -> stage      (free the request's KV cache)
     ExpertBatch      -> expert     (MoE: rows for the routed experts this daemon holds)
     ExpertResult     -> MoE router (the answer to a batch this daemon's stage sent)
@@ -25,22 +28,34 @@ from typing import Any
 
 import trio
 
+from swarmd.errors import UserError
 from swarmd.inference.head.service import HeadError, HeadService, ModelInfo
 from swarmd.inference.head.slots import StageSlots
 from swarmd.inference.moe.expert import ExpertActor
 from swarmd.inference.moe.local import LocalExperts
 from swarmd.inference.moe.router import MoERouter
 from swarmd.inference.registry import EMPTY, ChainStatus, Registry, chain_status, stage_slots
+from swarmd.inference.spec.draft_model import DraftRefused, check_draft_model
+from swarmd.inference.spec.head import SpecHead
 from swarmd.inference.stage.actor import Loaded, StageActor
 from swarmd.observe.clock import ClockOffsets
 from swarmd.observe.hop_timer import HopTimer
 from swarmd.observe.pipeline_metrics import register_pipeline_metrics
 from swarmd.observe.spans import SpanRecorder
 from swarmd.observe.trace_collect import TraceCollector
+from swarmd.spec_settings import SpecSettings
 from swarmd.swarm.membership import State, StateChanged
+from swarmd.transport.lane import DECLINE, HotLane
 from swarmd.transport.transport import HandlerResult, Send, TransportConfig
 from swarmd.wire.codec import FLOAT_DTYPES, WireError
-from swarmd.wire.expect import Expect, ExpectExpertBatch, ExpectExpertResult, ExpectForward, ExpectToken
+from swarmd.wire.expect import (
+    Expect,
+    ExpectExpertBatch,
+    ExpectExpertResult,
+    ExpectForward,
+    ExpectToken,
+    ExpectVerified,
+)
 from swarmd.wire.messages import (
     Cancel,
     Error,
@@ -49,9 +64,11 @@ from swarmd.wire.messages import (
     Forward,
     Logprobs,
     Message,
+    Speculate,
     Token,
     TraceQuery,
     TraceSpans,
+    Verified,
 )
 
 log = logging.getLogger(__name__)
@@ -64,9 +81,10 @@ def transport_config(max_requests: int, send_timeout: float = TransportConfig.se
 
 
 class Pipeline:
-    def __init__(self, node: Any, transport: Any) -> None:
+    def __init__(self, node: Any, transport: Any, lane: HotLane | None = None) -> None:
         self.node = node
         self.transport = transport
+        self.lane = lane
         cfg = node.config
         self._registry: Registry = EMPTY
         self._plan_key: Any = None
@@ -77,16 +95,23 @@ class Pipeline:
         self.stage = StageActor(self.loaded, compute=node.compute, max_context=cfg.max_context,
                                 wire_dtype=wire_dtype, idle_timeout=cfg.timings.request_idle_timeout,
                                 experts=self.router.call, local_experts=local, plan_epoch=lambda: self.registry().epoch,
-                                inline_step_s=cfg.inline_step_ms / 1e3, post_all=transport.post_all)
+                                inline_step_s=cfg.inline_step_ms / 1e3,
+                                post_all=lane.post_all if lane is not None else transport.post_all)
+        speculation = SpecHead(node.peer_id, SpecSettings(cfg.speculate, cfg.draft_tokens), compute=node.compute,
+                               max_requests=cfg.max_requests)
         self.head = HeadService(node.peer_id, transport, chain=self.chain, registry=self.registry,
                                 timings=cfg.timings, load_model=self._load_model, in_flight=self._count,
                                 leaving=lambda: node.leaving, hop_local=not cfg.full_replay,
                                 capacity=self.capacity, max_queued=cfg.max_queued,
-                                blocking=getattr(node, "blocking", trio.to_thread.run_sync))
+                                blocking=getattr(node, "blocking", trio.to_thread.run_sync), speculation=speculation)
         if getattr(node, "assignment", None) is not None:
             node.assignment.kv_slots = self.stage.slot_state  # this stage's slots go into its heartbeats
         self._observe()
         transport.on_link_lost = self.router.link_lost  # batches with a replica leave a broken link at once
+        transport.on_given_up = self.router.given_up  # a hot fan-out's batch the transport gave up is asked again
+        if lane is not None:  # a hot step fans its MoE layers out from its own thread, on the lane
+            self.router.lane = lane
+            self.stage.experts_hot, self.stage.experts_done = self.router.fan_out, self.router.finished_hot
         swarm = getattr(node, "swarm", None)
         if swarm is not None:  # batches waiting on a node end as soon as membership says it died
             swarm.state_listeners.append(self._member_state)
@@ -205,7 +230,11 @@ class Pipeline:
         install_actor_routes(self.transport, self.stage, self.head, peer_id=self.node.peer_id,
                              expect_forward=self._expect_forward, expect_token=self._expect_token,
                              router=self.router)
+        if self.lane is not None:
+            install_lane_routes(self.lane, self.stage, self.expert, self.router)
         served = self.node.model
+        self.transport.route(Verified, self.head.on_verified,
+                             expect=ExpectVerified(served.layout.vocab_size) if served is not None else None)
         moe = [b.moe for b in served.layout.blocks if b.moe is not None] if served is not None else []
         if moe:
             hidden = served.layout.hidden_size
@@ -241,16 +270,39 @@ class Pipeline:
                 "requests": len(book.requests) if book else 0, **self.stage.queue_state(),
                 **self.stage.stats.to_json()},
             "queue": self.head.admission.status(),
+            "speculation": self.speculation_status(),
             "head": {"in_flight": len(self.head.requests), **self.head.stats,
                      "requests": [{"request_id": h.request_id, "tokens": h.timing.tokens, "where": h.whereabouts()}
                                   for h in self.head.handles()]},
             "moe": {"router": self.router.status(), "expert": self.expert.status()},
             "chain": {"ready": chain.ready, "detail": chain.detail},
             "transport": {k: v for k, v in vars(self.transport.stats).items()},
+            "lane": self.lane.status() if self.lane is not None else None,
             "links": self.transport.link_state(),
             "clock_offsets": self.tracing.clocks.to_json(),  # NTP-style, from probes and trace queries
         }
 
+
+    async def check_draft_model(self) -> None:
+        """`--speculate model:NAME`: refuse to start (UserError) unless NAME is a model with the served model's
+        vocabulary (a daemon without the served model's weights heads nothing and checks nothing)."""
+        name = self.head.speculation.default.draft_model
+        served = self.node.model
+        if name is None or served is None or (served.path is None and served.seeded is None):
+            return
+        try:
+            info = await self.head.model()
+        except HeadError:
+            return  # the head says why when a request comes
+        try:
+            await self.node.compute.run(check_draft_model, name, info.tokenizer.tokens)
+        except DraftRefused as e:
+            raise UserError(f"--speculate model:{name}: {e}") from None
+
+    def speculation_status(self) -> dict[str, Any]:
+        """This daemon's speculation setting and the passes of the speculative requests it headed."""
+        spec = self.head.speculation
+        return {"mode": spec.default.mode, "draft_tokens": spec.default.draft_tokens, **spec.stats.to_json()}
 
     def moe_status(self) -> dict[str, Any]:
         """Where each block's experts live (the plan's), and the tokens routed to each expert: by this
@@ -263,6 +315,19 @@ class Pipeline:
                 "computed_here": expert}
 
 
+def install_lane_routes(lane: HotLane, stage: StageActor, expert: ExpertActor, router: MoERouter) -> None:
+    """What runs on the hot lane's reader threads: a stage's short decode steps, the expert batches its MoE
+    layers fan out and their answers (the rest is declined to the transport's routes)."""
+
+    def on_token(peer: str, msg: Token, reply: Any) -> Any:
+        return stage.take_hot(peer, msg, reply) if msg.hop == 0 else DECLINE
+
+    lane.route(Forward, stage.take_hot)
+    lane.route(Token, on_token)
+    lane.route(ExpertBatch, expert.take_hot)
+    lane.route(ExpertResult, router.take_hot_result)
+
+
 def install_actor_routes(transport: Any, stage: StageActor, head: HeadService, *, peer_id: str,
                          expect_forward: Expect | None = None, expect_token: Expect | None = None,
                          router: MoERouter | None = None) -> None:
@@ -272,8 +337,7 @@ def install_actor_routes(transport: Any, stage: StageActor, head: HeadService, *
         if msg.hop == 0:
             return await stage.on_token(peer, msg)
         if msg.hop == 1:
-            await head.on_token(peer, msg)
-            return None
+            return await head.on_token(peer, msg)
         raise WireError("wrong_hop", f"a token copy is for stage 0 (hop 0) or the head (hop 1), not hop {msg.hop}",
                         request_id=msg.request_id)
 
@@ -292,4 +356,5 @@ def install_actor_routes(transport: Any, stage: StageActor, head: HeadService, *
     transport.route(Token, on_token, expect=expect_token)
     transport.route(Logprobs, head.on_logprobs)
     transport.route(Cancel, stage.on_cancel)
+    transport.route(Speculate, stage.on_speculate)
     transport.route(Error, on_error)

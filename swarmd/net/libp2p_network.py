@@ -12,6 +12,11 @@ The host serves identify and ping (libp2p's defaults), so other libp2p implement
 Bulk streams (the actor transport's) move to the TLS data plane (`swarmd.net.tls_plane`) when both ends run
 one; `link_paths()` says per peer which path they took and why.
 
+Across real networks (`swarmd.net.connectivity`): the addresses told to peers (here and in identify) are real
+ones, reachability is checked by dial-back, peers behind NAT are dialled through circuit relays (which
+py-libp2p's own dialling skips), hole punching moves relayed links to direct connections, and the data plane is
+offered only to peers whose dial can arrive.
+
 A private swarm (`swarm_key`) uses py-libp2p's private network: every TCP connection is wrapped in a stream
 cipher keyed by the swarm key before multistream-select and noise, so a peer without the key cannot finish
 a handshake, let alone open a stream or read gossip (docs/SECURITY.md). The peer gate (`swarmd.net.gate`)
@@ -42,6 +47,7 @@ from swarmd.net.tls_plane import MAX_HANDSHAKE_FRAME, PLANE_PROTOCOL, DataPlane,
 if TYPE_CHECKING:
     from libp2p.abc import INotifee
 
+    from swarmd.net.connectivity import Connectivity, ConnectivityConfig
     from swarmd.net.swarm_key import SwarmKey
 
 log = logging.getLogger(__name__)
@@ -138,7 +144,7 @@ class Libp2pNetwork:
     def __init__(self, key_pair, listen: Sequence[str], announce: Sequence[str] = (), *,
                  timings: Timings = LAN, mdns: bool = False, swarm_key: SwarmKey | None = None,
                  allow: frozenset[str] | None = None, limits: GuardLimits | None = None,
-                 data_plane: DataPlaneConfig | None = None) -> None:
+                 data_plane: DataPlaneConfig | None = None, connectivity: ConnectivityConfig | None = None) -> None:
         from swarmd.net.identity import peer_id_of
 
         self._key_pair = key_pair
@@ -166,6 +172,8 @@ class Libp2pNetwork:
         self.data_plane: DataPlane | None = None
         self._bulk_handlers: dict[str, StreamHandler] = {}
         self._paths: dict[str, LinkInfo] = {}
+        self._connectivity_config = connectivity
+        self.connectivity: Connectivity | None = None  # addresses, reachability, relays, hole punching
 
     # --- lifecycle ------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -175,11 +183,12 @@ class Libp2pNetwork:
         from libp2p.pubsub.pubsub import Pubsub
         from libp2p.tools.anyio_service import background_trio_service
 
+        from swarmd.net.connectivity import Connectivity, ConnectivityConfig
+
         t = self._timings
         host = new_host(
             key_pair=self._key_pair,
             listen_addrs=self._listen,
-            announce_addrs=self._announce or None,
             connection_config=ConnectionConfig(max_connections_per_peer=1, dial_timeout=t.dial_timeout,
                                                inbound_upgrade_timeout=max(t.dial_timeout, 2.0)),
             enable_mDNS=self._mdns,
@@ -197,6 +206,14 @@ class Libp2pNetwork:
                               heartbeat_interval=1, adaptive_gossip_enabled=False, spam_protection_enabled=False)
         pubsub = Pubsub(host, gossipsub)
         self.host, self.pubsub = host, pubsub
+        self.connectivity = Connectivity(
+            host, self._peer_id, listen=[str(a) for a in self._listen], announce=[str(a) for a in self._announce],
+            config=self._connectivity_config or ConnectivityConfig(), dial_timeout=t.dial_timeout, serve=self.serve,
+            psk=self.swarm_key.hex if self.swarm_key is not None else None)
+        self.connectivity.plane_out = self._paths.get
+        self.connectivity.plane_in = lambda peer: self.data_plane.connections(peer) if self.data_plane else 0
+        self.connectivity.data_plane_port = lambda: self.data_plane.port if self.data_plane else 0
+        host._addrs_factory = self.connectivity.addrs_factory  # type: ignore[attr-defined] # told by identify, relays
         async with host.run(listen_addrs=self._listen), trio.open_nursery() as nursery:
             if not host.get_network().listeners:
                 wanted = ", ".join(str(a) for a in self._listen)
@@ -207,6 +224,7 @@ class Libp2pNetwork:
                 self._nursery = nursery
                 nursery.start_soon(self._release_penalties)
                 nursery.start_soon(self._mend_gossip_streams)
+                await nursery.start(self.connectivity.run)
                 if self._plane_config is not None:
                     await self._start_data_plane(nursery, self._plane_config)
                 if self._mdns:
@@ -232,6 +250,8 @@ class Libp2pNetwork:
         return [f"{a}/p2p/{self._peer_id}" for a in self.host.get_transport_addrs()]
 
     def addresses(self) -> list[str]:
+        if self.connectivity is not None:
+            return self.connectivity.advertised()
         if self._announce:
             return [f"{a}/p2p/{self._peer_id}" if "/p2p/" not in str(a) else str(a) for a in self._announce]
         out: list[str] = []
@@ -272,6 +292,9 @@ class Libp2pNetwork:
         from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
         pid = self._id(peer_id)
+        if self.connectivity is not None:  # direct addresses worth a dial, then through relays
+            await self.connectivity.connect(peer_id, addresses)
+            return
         addrs = []
         for a in addresses:
             try:
@@ -295,6 +318,9 @@ class Libp2pNetwork:
     def connected_peers(self) -> list[str]:
         return [p.to_base58() for p, conns in self.host.get_network().connections.items() if conns]
 
+    def is_relayed(self, peer_id: str) -> bool:
+        return any(_through_relay(c) for c in self.host.get_network().connections.get(self._id(peer_id), ()))
+
     async def open_stream(self, peer_id: str, protocol: str, *, bulk: bool = False) -> Stream:
         if bulk and self.data_plane is not None:
             stream = await self._open_on_data_plane(peer_id, protocol)
@@ -310,6 +336,8 @@ class Libp2pNetwork:
             self.host.get_network().unblock_peer(pid)
         try:
             with trio.fail_after(self._timings.dial_timeout):
+                if self.connectivity is not None:  # py-libp2p would not dial a peer's relay addresses
+                    await self.connectivity.ensure_connected(peer_id)
                 return await self.host.new_stream(pid, [protocol])
         except trio.TooSlowError:
             raise PeerUnreachable(f"opening {protocol} took over {self._timings.dial_timeout:g} s") from None
@@ -333,6 +361,8 @@ class Libp2pNetwork:
         self.host.set_stream_handler(protocol, adapter)
 
     def link_paths(self) -> dict[str, LinkInfo]:
+        if self.connectivity is not None:  # what the connections are (a relayed one, a hole-punched one) as well
+            return self.connectivity.link_paths()
         return dict(self._paths)
 
     # --- the data plane ----------------------------------------------------------------------
@@ -340,8 +370,11 @@ class Libp2pNetwork:
         """Listen where libp2p listens, announce what --announce says, and offer it on PLANE_PROTOCOL."""
         from dataclasses import replace
 
-        config = replace(config, bind_host=config.bind_host or _host_of(self._listen[0]) or "127.0.0.1",
-                         announce_host=config.announce_host or (_host_of(self._announce[0]) if self._announce else ""))
+        from swarmd.net.connectivity import data_plane_config
+
+        where = data_plane_config([str(a) for a in self._listen], [str(a) for a in self._announce])
+        config = replace(config, bind_host=config.bind_host or where.bind_host,
+                         announce_host=config.announce_host or where.announce_host)
         self.data_plane = DataPlane(self._peer_id, self._accept_bulk, config)
         await nursery.start(self.data_plane.run)
         self.serve(PLANE_PROTOCOL, self._offer_data_plane)
@@ -349,6 +382,9 @@ class Libp2pNetwork:
     async def _offer_data_plane(self, peer: str, stream: Stream) -> None:
         protocol = (await read_frame(stream, MAX_HANDSHAKE_FRAME)).decode(errors="replace")
         offer = self.data_plane.offer(peer, protocol) if self.data_plane and protocol in self._bulk_handlers else None
+        if offer is not None and self.connectivity is not None and \
+                not self.connectivity.may_offer_data_plane(peer, stream)[0]:
+            offer = None  # its dial could not arrive (it reaches us through a relay, or we are behind NAT)
         await write_frame(stream, offer.encode() if offer is not None else b"")
 
     async def _accept_bulk(self, peer: str, protocol: str, stream: Stream) -> None:
@@ -374,7 +410,9 @@ class Libp2pNetwork:
             if not answer:
                 self._paths[peer_id] = LinkInfo(LinkPath.DIRECT, "the peer offers no data plane for " + protocol)
                 return None
-            stream = await self.data_plane.dial(Offer.decode(answer), fallback_host=plane.remote_address())
+            offer = Offer.decode(answer)
+            where = f"{offer.host or plane.remote_address()}:{offer.port}"
+            stream = await self.data_plane.dial(offer, fallback_host=plane.remote_address())
         except Exception as e:
             reason = f"the data plane failed ({one_line(e)}): staying on libp2p"
             log.warning("%s to %s: %s", protocol, short_id(peer_id), reason)
@@ -382,7 +420,7 @@ class Libp2pNetwork:
             return None
         finally:
             await close_quietly(plane)
-        self._paths[peer_id] = LinkInfo(LinkPath.DATA_PLANE, "both ends run a data plane")
+        self._paths[peer_id] = LinkInfo(LinkPath.DATA_PLANE, f"both ends run one; its listens at {where}")
         return stream
 
     def strike(self, peer_id: str, reason: str) -> None:
@@ -478,6 +516,26 @@ def gossip_streams_on_closed_connections(pubsub_peers: dict[Any, Any], network: 
     return [peer for peer, stream in list(pubsub_peers.items())
             if closed(getattr(stream, "muxed_conn", None))
             and any(not closed(c) for c in network.get_connections(peer))]
+
+
+def _through_relay(conn: Any) -> bool:
+    """Whether a libp2p connection runs over a circuit relay: its addresses name /p2p-circuit, or its raw
+    connection is the relay transport's."""
+    from libp2p.relay.circuit_v2.transport import TrackedRawConnection
+
+    with contextlib.suppress(Exception):
+        if any("p2p-circuit" in str(a) for a in conn.get_transport_addresses()):
+            return True
+    # swarm connection -> muxer -> secure session -> message reader -> raw connection
+    todo, seen = [conn], 0
+    while todo and seen < 16:
+        layer = todo.pop()
+        seen += 1
+        if isinstance(layer, TrackedRawConnection):
+            return True
+        todo += [x for a in ("muxed_conn", "secured_conn", "conn", "read_writer", "read_write_closer")
+                 if (x := getattr(layer, a, None)) is not None and x is not layer]
+    return False
 
 
 def _host_of(ma: Any) -> str:

@@ -5,6 +5,11 @@ Gossip (publish / subscribe), connections, and streams to a peer speaking a prot
 carry on a faster path (the libp2p one moves them to its pinned TLS data plane). Both ends see a `Stream`
 either way, framed by `swarmd.net.framing`.
 
+A bulk stream on such a path may also be taken off the event loop (`detachable(stream)`, then
+`stream.detach()`): a `DetachedStream` is read by a reader of its own (a thread on the TLS data plane, a task in
+the in-memory twin) and written from any thread, so that a token's bytes never wait for the event loop
+(`swarmd.transport.lane`).
+
 `swarmd.net.libp2p_network.Libp2pNetwork` implements it over py-libp2p; `swarmd.testing.memory_network` is its
 in-memory twin, on which whole daemons run in one process in virtual time.
 """
@@ -38,9 +43,38 @@ class Stream(Protocol):
     async def reset(self) -> None: ...
 
 
+class Reader(Protocol):
+    """What a detached stream's reader calls, one call at a time, never from the event loop's thread on a real
+    network (from its task in the twin). `tick` is called after every `data` and whenever the seconds it last
+    returned have passed (None: only when data comes); `closed` once, last."""
+
+    def data(self, chunk: bytes) -> None: ...
+
+    def tick(self) -> float | None: ...
+
+    def closed(self, reason: str) -> None: ...
+
+
+class DetachedStream(Protocol):
+    """A bulk stream off the event loop. `send` writes whole from any thread (blocking while the socket is
+    full, at most `wait` s) and raises StreamClosed once the stream is gone; `close_now` closes it from any
+    thread, and its reader then ends with `closed`."""
+
+    def start(self, reader: Reader) -> None: ...
+
+    def send(self, data: bytes, wait: float = ...) -> None: ...
+
+    def close_now(self, reason: str = ...) -> None: ...
+
+
+def detachable(stream: Stream) -> bool:
+    """Whether `stream` can be taken off the event loop (`stream.detach()` -> DetachedStream)."""
+    return callable(getattr(stream, "detach", None))
+
+
 StreamHandler = Callable[[str, Stream], Awaitable[None]]  # (remote peer id, stream)
-__all__ = ["BadFrame", "GossipMessage", "LinkInfo", "LinkPath", "Network", "PeerUnreachable", "Stream",
-           "StreamClosed", "StreamHandler"]
+__all__ = ["BadFrame", "DetachedStream", "GossipMessage", "LinkInfo", "LinkPath", "Network", "PeerUnreachable",
+           "Reader", "Stream", "StreamClosed", "StreamHandler", "detachable"]
 
 
 @dataclass(frozen=True)
@@ -93,13 +127,17 @@ class Network(Protocol):
 
     def connected_peers(self) -> list[str]: ...
 
+    def is_relayed(self, peer_id: str) -> bool:
+        """Whether a stream to `peer_id` may go through a circuit relay (a connection to it is relayed)."""
+        ...
+
     def bound_addresses(self) -> list[str]:
         """Where this endpoint listens, ports as bound (what `swarmd join` prints)."""
         ...
 
     async def open_stream(self, peer_id: str, protocol: str, *, bulk: bool = False) -> Stream:
         """A new stream speaking `protocol`, dialing first if needed; raise PeerUnreachable. A `bulk` stream
-        (activations) may travel on a faster path than the connection's own streams."""
+        (activations) may travel on a faster path than the connection's own streams, and may be `detachable`."""
         ...
 
     def serve(self, protocol: str, handler: StreamHandler, *, bulk: bool = False) -> None:

@@ -7,6 +7,9 @@ daemon makes a throw-away self-signed certificate at start. A dialer asks for a 
 listens, its certificate (which the dialer pins) and a one-time token. The first frame on the TLS connection
 must be that token, which tells the listener which libp2p peer is on the other end and which protocol the
 stream speaks; the listener answers `ok` and hands the stream to that protocol's handler.
+
+Each stream is a `swarmd.net.tls_stream.TlsStream`: read and written by the event loop, or detached from it
+(`detach()`) and driven by a thread of its own.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from cryptography.x509.oid import NameOID
 
 from swarmd.errors import RemoteProtocolError
 from swarmd.net.seam import PeerUnreachable, Stream
-from swarmd.net.streams import TrioStream, close_quietly, read_frame, write_frame
+from swarmd.net.streams import close_quietly, read_frame, write_frame
+from swarmd.net.tls_stream import TlsStream, socket_of
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +49,12 @@ Accept = Callable[[str, str, Stream], Awaitable[None]]  # (peer, protocol, strea
 
 @dataclass(frozen=True)
 class DataPlaneConfig:
-    bind_host: str = "127.0.0.1"  # the interface the daemon's libp2p listener binds (Libp2pNetwork sets it)
+    bind_host: str = ""  # "": where the daemon's libp2p listener binds (Libp2pNetwork sets it), else loopback
     bind_port: int = 0
     announce_host: str = ""  # where dialers should connect; "" = the address they reached us at over libp2p
     token_ttl: float = 30.0  # a token not used within this long is void
     handshake_timeout: float = 10.0
+    connect_timeout: float = 3.0  # a dial the network swallows falls back to libp2p this soon
     max_pending_tokens: int = 4096
     max_handshakes: int = 64  # connections still in TLS set-up at once; more are closed at once
 
@@ -138,12 +143,12 @@ class DataPlane:
         self._server_ctx = server_context(self.cert_der, key_pem)
         self._client_ctx: dict[bytes, ssl.SSLContext] = {}
         self._tokens: dict[bytes, tuple[str, str, float]] = {}  # token -> (peer, protocol, expiry)
-        self._inbound: dict[str, set[trio.SocketStream]] = {}  # attached connections by peer
+        self._inbound: dict[str, set[TlsStream]] = {}  # attached connections by peer
         self._handshakes = trio.Semaphore(self.config.max_handshakes)
         self.port = 0
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(self.config.bind_port, host=self.config.bind_host)
+        listeners = await trio.open_tcp_listeners(self.config.bind_port, host=self.config.bind_host or "127.0.0.1")
         self.port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
             await nursery.start(trio.serve_listeners, self._serve_connection, listeners)
@@ -172,25 +177,24 @@ class DataPlane:
         if ctx is None:
             ctx = self._client_ctx[offer.cert] = pinned_client_context(offer.cert)
         with trio.fail_after(self.config.handshake_timeout):
-            tcp = await trio.open_tcp_stream(host, offer.port)
-            tls = trio.SSLStream(tcp, ctx)
-            stream = TrioStream(tls)
+            with trio.fail_after(self.config.connect_timeout):
+                tcp = await trio.open_tcp_stream(host, offer.port)
+            stream = TlsStream(socket_of(tcp), ctx, server_side=False)
             try:
-                await tls.do_handshake()
-                if tls.getpeercert(binary_form=True) != offer.cert:
+                await stream.handshake()
+                if stream.getpeercert(binary_form=True) != offer.cert:
                     raise PeerUnreachable("the TLS peer's certificate is not the one pinned over libp2p")
                 await write_frame(stream, offer.token)
                 if await read_frame(stream, len(ATTACHED)) != ATTACHED:
                     raise PeerUnreachable("the data plane refused the token")
             except BaseException:
                 with trio.CancelScope(shield=True), trio.move_on_after(1):
-                    await tcp.aclose()
+                    await stream.reset()
                 raise
         return stream
 
     async def _serve_connection(self, tcp: trio.SocketStream) -> None:
-        tls = trio.SSLStream(tcp, self._server_ctx, server_side=True)
-        stream = TrioStream(tls)
+        stream = TlsStream(socket_of(tcp), self._server_ctx, server_side=True)
         attached: tuple[str, str] | None = None
         try:
             self._handshakes.acquire_nowait()
@@ -199,7 +203,7 @@ class DataPlane:
         else:
             try:
                 with trio.fail_after(self.config.handshake_timeout):
-                    await tls.do_handshake()
+                    await stream.handshake()
                     attached = self._redeem(await read_frame(stream, TOKEN_BYTES))
                     if attached is not None:
                         await write_frame(stream, ATTACHED)
@@ -210,15 +214,15 @@ class DataPlane:
                 self._handshakes.release()
         if attached is None:
             with trio.CancelScope(shield=True), trio.move_on_after(1):
-                await tcp.aclose()
+                await stream.reset()
             return
         peer, protocol = attached
         conns = self._inbound.setdefault(peer, set())
-        conns.add(tcp)
+        conns.add(stream)
         try:
             await self._accept(peer, protocol, stream)
         finally:
-            conns.discard(tcp)
+            conns.discard(stream)
             if not conns:
                 self._inbound.pop(peer, None)
             await close_quietly(stream)
@@ -229,9 +233,9 @@ class DataPlane:
 
     async def drop(self, peer: str) -> None:
         """Cut `peer`'s data-plane connections at the TCP level (a penalised peer, or a test's fault)."""
-        for tcp in list(self._inbound.get(peer, ())):
+        for stream in list(self._inbound.get(peer, ())):
             with trio.CancelScope(shield=True), trio.move_on_after(1):
-                await tcp.aclose()
+                await stream.reset()
 
     def _redeem(self, token: bytes) -> tuple[str, str] | None:
         entry = self._tokens.pop(token, None)

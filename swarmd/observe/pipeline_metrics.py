@@ -17,6 +17,9 @@ at scrape time.
     swarmd_stage_moved_requests_total{kv}             moved requests this stage continued: kv adopted or rebuilt
     swarmd_expert_tokens_total{block,expert}          tokens this daemon's MoE routers sent to each expert
     swarmd_moe_fanout_messages_total{block}           expert batches they sent (one per node hit per step)
+    swarmd_spec_drafted_tokens_total, swarmd_spec_accepted_tokens_total, swarmd_spec_verify_passes_total,
+    swarmd_spec_draft_seconds_total, swarmd_spec_accepted_length (histogram: drafted tokens accepted per pass)
+                                                      speculative requests this daemon headed
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 HOP_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -103,6 +106,7 @@ class PipelineCollector(Collector):
         yield slots
         yield from _queue_metrics(p)
         yield from _moe_metrics(p)
+        yield from _spec_metrics(p)
 
 
 def _queue_metrics(pipeline: Any) -> Iterator[Metric]:
@@ -135,6 +139,23 @@ def _moe_metrics(pipeline: Any) -> Iterator[Metric]:
             tokens.add_metric([block, expert], n)
     yield tokens
     yield messages
+
+
+def _spec_metrics(pipeline: Any) -> Iterator[Metric]:
+    """Speculative decoding on this daemon's head: drafts, acceptance, passes through the chain."""
+    stats = pipeline.head.speculation.stats
+    yield CounterMetricFamily("swarmd_spec_drafted_tokens", "Tokens drafted and sent for verification",
+                              value=stats.drafted)
+    yield CounterMetricFamily("swarmd_spec_accepted_tokens", "Drafted tokens the chain accepted", value=stats.accepted)
+    yield CounterMetricFamily("swarmd_spec_verify_passes", "Speculative steps through the chain", value=stats.passes)
+    yield CounterMetricFamily("swarmd_spec_draft_seconds", "Time spent drafting", value=stats.draft_seconds)
+    cumulative, buckets = 0, []
+    for bound, n in zip(stats.bounds, stats.buckets, strict=True):
+        cumulative += n
+        buckets.append((str(float(bound)), cumulative))
+    buckets.append(("+Inf", cumulative + stats.over))
+    yield HistogramMetricFamily("swarmd_spec_accepted_length", "Drafted tokens accepted per pass", buckets=buckets,
+                                sum_value=stats.accepted)
 
 
 def register_pipeline_metrics(registry: CollectorRegistry, pipeline: Any) -> tuple[WireMetrics, Histogram]:

@@ -1,7 +1,7 @@
 """Who plans and which plan counts: a sans-IO state machine beside the election.
 
-Leader side: when the set of members it plans over changes (membership, or a member whose load
-failed), it waits for the change to settle (debounce; only `replan_after_loss` when a member that
+Leader side: when the set of members it plans over changes (membership, a member whose load failed, or
+one that now has memory to give), it waits for the change to settle (debounce; only `replan_after_loss` when a member that
 holds a stage of the plan in force is gone, or the last holder of one of its routed experts: every
 request through it waits for the new plan), asks for a plan with an epoch above every
 epoch it has seen, publishes it, and repeats it now and then for late joiners. Load changes never
@@ -29,10 +29,17 @@ from swarmd.wire.gossip import PlanAnnouncement
 
 @dataclass(frozen=True)
 class Basis:
-    """What a plan depends on: the members planned over and the ones excluded for failing to load."""
+    """What a plan depends on: the members planned over, the ones excluded for failing to load, and those
+    that can take work (memory to give): a member that becomes able to is planned for, not only one that joins."""
 
     peers: frozenset[str]
     excluded: frozenset[str] = frozenset()
+    ready: frozenset[str] | None = None  # None: every member planned over
+
+
+def ready_members(nodes: tuple[NodeDescriptor, ...]) -> frozenset[str]:
+    """The members with memory to give a plan (the planner gives work to those only)."""
+    return frozenset(n.peer_id for n in nodes if n.memory_free > 0)
 
 
 # --- inputs -----------------------------------------------------------------------------------
@@ -162,7 +169,8 @@ class PlanCoordinator:
             self.failed |= msg.failed_loads
             self.nodes = tuple(sorted(msg.nodes, key=lambda n: n.peer_id))
             excluded = frozenset(n.peer_id for n in self.nodes if (n.peer_id, n.incarnation) in self.failed)
-            basis = Basis(frozenset(n.peer_id for n in self.nodes) - excluded, excluded)
+            peers = frozenset(n.peer_id for n in self.nodes) - excluded
+            basis = Basis(peers, excluded, ready_members(tuple(n for n in self.nodes if n.peer_id in peers)))
             if basis != self.basis:
                 self.chain_broken = self.current is not None and plan_broken(self.current.plan, basis.peers)
                 self.basis, self.basis_changed_at = basis, now

@@ -116,6 +116,8 @@ class SwarmService:
         make_plan: PlanFunction,
         on_plan: Callable[[PlanAnnouncement], None] = lambda ann: None,
         clock: Callable[[], float] = time.perf_counter,
+        slot_bindings: Callable[[], dict[str, str]] = dict,
+        on_slots: Callable[[dict[str, str]], None] = lambda slots: None,
         blocking: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync,
         rng: random.Random | None = None,
     ) -> None:
@@ -132,6 +134,8 @@ class SwarmService:
         self.assignment_status = assignment_status
         self.make_plan = make_plan
         self.on_plan = on_plan
+        self.slot_bindings = slot_bindings  # a plan file's slots as this node binds them (gossiped while it leads)
+        self.on_slots = on_slots  # told the bindings the leader gossips
         self.peer_id = network.peer_id
         first = describe_self()
         self.incarnation = first.incarnation
@@ -391,6 +395,7 @@ class SwarmService:
             view=tuple(sorted(self.membership.live())),
             admitted=self.admitted,
             assignment=self.assignment_status(),
+            slots=self.slot_bindings() if self.election.is_leader else {},
         )
 
     async def _publish(self, data: bytes) -> None:
@@ -428,6 +433,8 @@ class SwarmService:
                 self._on_election(self.election.handle(claim, now), now)
                 self.coordinator.handle(EpochSeen(decoded.plan_epoch), now)
             self._sync(now)
+            if decoded.slots and decoded.peer_id == self.election.leader:
+                self.on_slots(dict(decoded.slots))
         elif isinstance(decoded, PlanAnnouncement):
             if decoded.leader in self.membership.refused:
                 return

@@ -39,6 +39,12 @@ class InlineCompute:
         value, error = self._call(fn, args)
         return True, value, error
 
+    def hold(self, wait: float = 0.0) -> bool:
+        return not self._closed
+
+    def release(self) -> None:
+        return None
+
     def close(self) -> None:
         self._closed = True
 

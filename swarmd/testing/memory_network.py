@@ -19,12 +19,17 @@ What a test or a simulation can do to the wire, as the link emulator and `kill -
   opened or through a relay (a dialable peer connected to it), whose loss takes the relayed link along;
 - `refuse_dials(peer)` / `serve_nothing(peer)`: dials to it fail, or succeed to a stream nobody reads;
 - `stream_opens[(src, dst)]` counts streams opened, `wrap` lets a test wrap the dialer's end.
+
+Bulk streams can be detached from the event loop, as the TLS data plane's (`swarmd.net.seam.DetachedStream`):
+their reader is a task of the endpoint (where a real network has a thread), which calls the reader's methods
+synchronously, and `send` writes at once from the caller; faults reach them as they reach any stream.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import random
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -39,6 +44,7 @@ from swarmd.net.seam import (
     LinkInfo,
     LinkPath,
     PeerUnreachable,
+    Reader,
     Stream,
     StreamClosed,
     StreamHandler,
@@ -115,6 +121,9 @@ class MemoryStream:
 
     async def write(self, data: bytes) -> None:
         await trio.lowlevel.checkpoint()
+        self._put(data)
+
+    def _put(self, data: bytes) -> None:
         if self._out.broken or self._in.broken:
             raise StreamClosed(self._out.broken or self._in.broken)
         if self._out.eof:
@@ -124,6 +133,9 @@ class MemoryStream:
             return
         self._out.put(data)
 
+    def detach(self) -> DetachedMemoryStream:
+        return DetachedMemoryStream(self)
+
     async def close(self) -> None:
         self._out.close()
         await trio.lowlevel.checkpoint()
@@ -131,6 +143,59 @@ class MemoryStream:
     async def reset(self) -> None:
         self._link.break_("the peer reset the stream")
         await trio.lowlevel.checkpoint()
+
+
+class DetachedMemoryStream:
+    """A `MemoryStream` off the event loop (`swarmd.net.seam.DetachedStream`): a task of the endpoint reads it."""
+
+    def __init__(self, stream: MemoryStream) -> None:
+        self._stream = stream
+        self._closed = ""
+
+    def start(self, reader: Reader) -> None:
+        endpoint = self._stream._hub.endpoints.get(self._stream._local)
+        if endpoint is None:
+            reader.closed("the endpoint is gone")
+            return
+        endpoint._spawn(self._read, reader)
+
+    def send(self, data: bytes, wait: float = 0.0) -> None:
+        if self._closed:
+            raise StreamClosed(self._closed)
+        try:
+            self._stream._put(data)
+        except StreamClosed as e:
+            self.close_now(str(e))
+            raise
+
+    def close_now(self, reason: str = "closed here") -> None:
+        if not self._closed:
+            self._closed = reason
+            self._stream._link.break_(reason)
+
+    async def _read(self, reader: Reader) -> None:
+        reason = ""
+        try:
+            wait = reader.tick()
+            while True:
+                with trio.move_on_after(math.inf if wait is None else wait) as timer:
+                    data = await self._stream.read(1 << 16)
+                if timer.cancelled_caught:
+                    wait = reader.tick()
+                    continue
+                if not data:
+                    reason = "the peer closed the stream"
+                    break
+                reader.data(data)
+                wait = reader.tick()
+        except StreamClosed as e:
+            reason = str(e)
+        except Exception as e:  # a reader's bug: the link goes, the daemon stays (as with a thread)
+            log.exception("a detached stream's reader failed")
+            reason = f"reader failed: {type(e).__name__}: {e}"
+        finally:  # a crash of the endpoint cancels this task: its links go with it
+            self.close_now(reason or "the endpoint stopped")
+            reader.closed(self._closed)
 
 
 @dataclass(eq=False)
@@ -434,6 +499,10 @@ class MemoryNetwork:
 
     def connected_peers(self) -> list[str]:
         return sorted(self.connections)
+
+    def is_relayed(self, peer_id: str) -> bool:
+        conn = self.hub.connections.get(pair(self._peer_id, peer_id))
+        return conn is not None and bool(conn.relay)
 
     def on_connected(self) -> None:
         return None

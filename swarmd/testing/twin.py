@@ -13,7 +13,8 @@ during it) and inline blocking work (the planner, tokenizer loads). The HTTP API
     twin.crash(b); await twin.restart(nursery, b)     # kill -9, then the same identity again
 
 Stages and expert shards come from a `ModelPool` that hands a loaded one back out when a daemon is done with it,
-so a run of many swarms compiles each block range's graphs once.
+so a run of many swarms compiles each block range's graphs once. They keep no graphs on disk (the graph
+cache is off for them): a seed replays the same whatever earlier runs left there.
 """
 
 from __future__ import annotations
@@ -57,25 +58,29 @@ class ModelPool:
         self._lent: dict[int, tuple[str, tuple[Any, ...], Any]] = {}  # id(model) -> (daemon, key, model)
 
     def stage_loader(self, daemon: str) -> Callable[..., Any]:
+        from models.tinygrad_ext import graph_cache
         from swarmd.daemon.assignment import load_stage
 
         def load(model: Any, start: int, end: int, device: str, max_context: int, max_requests: int, *,
                  reuse: Any = None) -> Any:
             self._return_held(daemon, "stage")
             key = ("stage", model.digest, start, end, device, max_context, max_requests)
-            stage = self._take(key) or load_stage(model, start, end, device, max_context, max_requests)
+            with graph_cache.switched_off():
+                stage = self._take(key) or load_stage(model, start, end, device, max_context, max_requests)
             self._lent[id(stage)] = (daemon, key, stage)
             return stage
 
         return load
 
     def expert_loader(self, daemon: str) -> Callable[..., Any]:
+        from models.tinygrad_ext import graph_cache
         from swarmd.daemon.assignment import load_experts
 
         def load(model: Any, experts: dict[int, tuple[int, ...]], device: str) -> Any:
             self._return_held(daemon, "experts")
             key = ("experts", model.digest, tuple(sorted(experts.items())), device)
-            shard = self._take(key) or load_experts(model, experts, device)
+            with graph_cache.switched_off():
+                shard = self._take(key) or load_experts(model, experts, device)
             self._lent[id(shard)] = (daemon, key, shard)
             return shard
 
@@ -155,11 +160,12 @@ class SwarmTwin:
 
     # --- daemons ----------------------------------------------------------------------------------------------
     async def start(self, nursery: trio.Nursery, index: int, *, via: TwinDaemon | None = None,
-                    **settings: Any) -> TwinDaemon:
-        """Start daemon `index` (founding the swarm, or joining through `via`); returns once it is up."""
+                    bench: dict[str, float] | None = None, **settings: Any) -> TwinDaemon:
+        """Start daemon `index` (founding the swarm, or joining through `via`); returns once it is up. `bench`
+        overrides what its device measures (`BENCH`: a slower device, say)."""
         home = self.root / f"d{index}"
         _write_identity(home, index)
-        (home / "device-bench.json").write_text(json.dumps(_bench()))
+        (home / "device-bench.json").write_text(json.dumps({**_bench(), **(bench or {})}))
         bootstrap = () if via is None else (f"/memory/{via.peer_id}/p2p/{via.peer_id}",)
         config = DaemonConfig(home=home, model=self.model, timings=self.timings, bootstrap=bootstrap,
                               **{**self.settings, **settings})

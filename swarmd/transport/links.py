@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 
 import trio
 
 from swarmd.net.seam import Network, Stream
 from swarmd.net.streams import close_quietly, read_frame
 from swarmd.transport.transport import ActorTransport, LinkError, TransportConfig
-from swarmd.wire.messages import Hello, decode, encode
+from swarmd.wire.messages import Hello, Message, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ HELLO_LIMIT = 4096
 HELLO_TIMEOUT = 10.0
 
 
-async def _read_hello(stream: Stream) -> Hello:
+async def read_hello(stream: Stream) -> Hello:
     msg = decode(await read_frame(stream, HELLO_LIMIT)).msg
     if not isinstance(msg, Hello):
         raise LinkError(f"expected hello, got {msg.TAG}")
@@ -40,7 +41,7 @@ def link_opener(network: Network, config: TransportConfig):
         try:
             with trio.fail_after(HELLO_TIMEOUT):
                 await stream.write(encode(Hello(config.max_frame)))
-                await _read_hello(stream)
+                await read_hello(stream)
             return stream
         except BaseException:
             await close_quietly(stream)
@@ -56,7 +57,7 @@ def serve_links(network: Network, transport: ActorTransport) -> None:
         if network.gate.is_penalised(peer, trio.current_time()):
             return
         with trio.fail_after(HELLO_TIMEOUT):
-            await _read_hello(stream)
+            await read_hello(stream)
             await stream.write(encode(Hello(transport.config.max_frame)))
         await transport.serve(peer, stream)
 
@@ -64,11 +65,13 @@ def serve_links(network: Network, transport: ActorTransport) -> None:
 
 
 async def start_actor_transport(network: Network, nursery: trio.Nursery, config: TransportConfig | None = None, *,
-                                rng: random.Random | None = None) -> ActorTransport:
-    """An ActorTransport over `network`, serving and dialing `/swarmd/act/1.0.0`, its tasks in `nursery`."""
+                                rng: random.Random | None = None,
+                                on_undeliverable: Callable[[str, Message, str], None] | None = None) -> ActorTransport:
+    """An ActorTransport over `network`, serving and dialing `/swarmd/act/1.0.0`, its tasks in `nursery`; a frame
+    given up on goes to `on_undeliverable` (peer, message, reason)."""
     config = config or TransportConfig()
     transport = ActorTransport(link_opener(network, config), config, local_peer=network.peer_id, gate=network.gate,
-                               rng=rng)
+                               rng=rng, on_undeliverable=on_undeliverable)
     await nursery.start(transport.run)
     serve_links(network, transport)
     return transport

@@ -37,9 +37,11 @@ that has posted its result itself (with `post_all`, together with other messages
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -198,6 +200,14 @@ class _LinkBroken(Exception):
     pass
 
 
+class _Stopping(Exception):
+    """A link asked for while the transport's nursery closes (the daemon is stopping)."""
+
+    def __init__(self, peer: str) -> None:
+        super().__init__(f"the transport is stopping: no new link to {short_id(peer)}")
+        self.peer = peer
+
+
 class _OutLink:
     """Sender side of the link to one destination."""
 
@@ -257,12 +267,16 @@ class ActorTransport:
         self._open = opener
         self._rng = rng or random.Random(random.getrandbits(64))  # from the process RNG: a simulation replays it
         self._gate = gate or PeerGate(self_id=local_peer)  # strikes and penalties, shared with the network
-        self._on_undeliverable = on_undeliverable or _log_undeliverable
+        self._report_undeliverable = on_undeliverable or _log_undeliverable
+        # also told of every message given up (the MoE router asks another holder of a batch's experts)
+        self.on_given_up: Callable[[str, Message, str], None] | None = None
         self._routes: dict[type[Message], _Route] = {}
         self._out: dict[str, _OutLink] = {}
         self._in: dict[str, set[_InLink]] = {}
         cfg = self.config
         self._dedupe = DedupeTable(cfg.dedupe_ttl, cfg.dedupe_entries, cfg.dedupe_result_bytes)
+        # The de-duplication table and the rates are shared with the hot lane's readers (other threads).
+        self._shared = threading.Lock()
         self._handlers = trio.Semaphore(cfg.max_handlers)
         self._peer_handlers: dict[str, trio.Semaphore] = {}
         self._buckets: dict[str, TokenBucket] = {}
@@ -390,7 +404,10 @@ class ActorTransport:
         """Queue without waiting; False when the window is full (used for replays, which are best effort)."""
         if peer == self.local_peer:
             return False  # a local result was delivered in-process; there is no lost frame to make up for
-        link = self._link(peer)
+        try:
+            link = self._link(peer)
+        except _Stopping:
+            return False
         try:
             link.room.acquire_nowait()
         except trio.WouldBlock:
@@ -409,8 +426,12 @@ class ActorTransport:
             raise LocalProtocolError("the transport is not running (start ActorTransport.run first)")
         link = self._out.get(peer)
         if link is None:
-            link = self._out[peer] = _OutLink(peer, self.config)
-            self._nursery.start_soon(self._run_link, link)
+            link = _OutLink(peer, self.config)
+            try:
+                self._nursery.start_soon(self._run_link, link)
+            except RuntimeError:  # the nursery is closing: the daemon stops, nothing more goes out
+                raise _Stopping(peer) from None
+            self._out[peer] = link
         return link
 
     async def _enqueue(self, peer: str, msg: Message, deadline: float) -> tuple[_OutLink, Pending]:
@@ -433,19 +454,22 @@ class ActorTransport:
         return link, pending
 
     async def _frame_room(self, peer: str, msg: Message, deadline: float) -> _OutLink:
-        link = self._link(peer)
-        try:  # the common case: room in the window, no need to wait
-            link.room.acquire_nowait()
-            return link
-        except trio.WouldBlock:
-            pass
-        with trio.move_on_at(deadline):
-            while True:
-                link = self._link(peer)
-                await link.room.acquire()
-                if not link.retired:
-                    return link
-                link.room.release()
+        try:
+            link = self._link(peer)
+            try:  # the common case: room in the window, no need to wait
+                link.room.acquire_nowait()
+                return link
+            except trio.WouldBlock:
+                pass
+            with trio.move_on_at(deadline):
+                while True:
+                    link = self._link(peer)
+                    await link.room.acquire()
+                    if not link.retired:
+                        return link
+                    link.room.release()
+        except _Stopping as e:
+            raise DeliveryFailed(peer, msg, str(e)) from None
         self.stats.expired += 1
         raise DeliveryFailed(peer, msg, f"{self.config.window} frames already waiting for acks")
 
@@ -565,7 +589,9 @@ class ActorTransport:
             with trio.fail_after(max(0.0, deadline - trio.current_time())):
                 stream = await self._open(link.peer)
         except Exception as e:  # whatever a dial raises, it is a failed attempt to retry
-            link.last_error = f"cannot open a stream: {type(e).__name__}: {e}"[:300]
+            why = f"{type(e).__name__}: {e}" if str(e) else ("no answer" if isinstance(e, trio.TooSlowError)
+                                                             else type(e).__name__)
+            link.last_error = f"cannot open a stream: {why}"[:300]
             self.stats.connect_failures += 1
             log.debug("link to %s: %s", short_id(link.peer), link.last_error)
             self._link_lost(link.peer)
@@ -870,11 +896,12 @@ class ActorTransport:
         """Deliver `msg` unless its key was seen; no await between the check and the mark."""
         assert self._nursery is not None
         key = msg.key()
-        seen, cached = self._dedupe.begin(key, trio.current_time()) if key else (Seen.NEW, None)
+        with self._shared:
+            seen, cached = self._dedupe.begin(key, trio.current_time()) if key else (Seen.NEW, None)
+            if seen is Seen.NEW and isinstance(msg, Cancel):
+                self._dedupe.close(msg.request_id, trio.current_time())
         if seen is Seen.NEW:
             self.stats.delivered += 1
-            if isinstance(msg, Cancel):
-                self._dedupe.close(msg.request_id, trio.current_time())
             self._nursery.start_soon(self._handle, peer, key, msg, slots)
             return
         for s in slots:
@@ -905,7 +932,7 @@ class ActorTransport:
                 log.exception("%s handler failed", msg.TAG)
                 sends = (Send(peer, _error_for(msg, "internal", f"{type(e).__name__} in the {msg.TAG} handler")),)
             if key is not None:
-                self._dedupe.finish(key, sends, sum(_approx_size(s.msg) for s in sends))
+                self.finish(key, sends)
             if not posted:
                 for out in sends:  # holding the handler slots until there is room: backpressure up the chain
                     try:
@@ -915,6 +942,85 @@ class ActorTransport:
         finally:
             for s in slots:
                 s.release()
+
+    # --- the hot lane's way in (`swarmd.transport.lane`: frames read by other threads) ----------------------
+
+    def expectation(self, msg_type: type[Message]) -> tuple[bool, Expect | None]:
+        """Whether messages of `msg_type` are routed here, and the check each must pass first."""
+        route = self._routes.get(msg_type)
+        return (route is not None, route.expect if route is not None else None)
+
+    def check(self, expect: Expect, seq: int, msg: Message) -> None:
+        """`expect(msg)` as a frame's check (WireError with the frame's seq and request)."""
+        self._check_expect(expect, Envelope(seq, msg))
+
+    def begin(self, peer: str, msg: Message, now: float) -> tuple[Seen, Any] | None:
+        """From any thread: admit `msg` under the peer's rate and classify it as `_admit` does (a NEW one is
+        marked in progress and must be `finish`ed); None when the rate says wait (`admit_from_lane` does)."""
+        with self._shared:
+            bucket = self._buckets.setdefault(peer, TokenBucket(self.config.frames_per_second,
+                                                                self.config.frame_burst))
+            if not bucket.try_take(now):
+                return None
+            key = msg.key()
+            return self._dedupe.begin(key, now) if key else (Seen.NEW, None)
+
+    def finish(self, key: Any, sends: tuple[Send, ...]) -> None:
+        """From any thread: the handler of `key` is done; `sends` are replayed for a duplicate."""
+        with self._shared:
+            self._dedupe.finish(key, sends, sum(_approx_size(s.msg) for s in sends))
+
+    def admit_begun(self, peer: str, key: Any, msg: Message, then: Callable[[], None]) -> None:
+        """On the event loop: run the handler of a message `begin` marked new (the lane's reader declined to
+        run it itself); `then()` once it is admitted (the lane acks it then)."""
+        if self._nursery is None:
+            return
+        self.stats.delivered += 1
+        with contextlib.suppress(RuntimeError):  # the nursery is closing: the daemon stops
+            self._nursery.start_soon(self._admit_and_handle, peer, key, msg, then)
+
+    def admit_from_lane(self, peer: str, msg: Message, then: Callable[[], None]) -> None:
+        """On the event loop: admit `msg` as a link's dispatcher does (waiting for the peer's rate and the
+        handler limits), then `then()`."""
+        if self._nursery is not None:
+            with contextlib.suppress(RuntimeError):  # the nursery is closing: the daemon stops
+                self._nursery.start_soon(self._admit_waiting, peer, msg, then)
+
+    def _on_undeliverable(self, peer: str, msg: Message, reason: str) -> None:
+        self._report_undeliverable(peer, msg, reason)
+        if self.on_given_up is not None:
+            try:
+                self.on_given_up(peer, msg, reason)
+            except Exception:  # a listener's bug must not end a link or a handler
+                log.exception("on_given_up failed for %s", msg.TAG)
+
+    def undeliverable(self, peer: str, msg: Message, reason: str) -> None:
+        """On the event loop: `msg` to `peer` was refused or given up (as a post's failure is reported)."""
+        self._on_undeliverable(peer, msg, reason)
+
+    async def _admit_and_handle(self, peer: str, key: Any, msg: Message, then: Callable[[], None]) -> None:
+        slots = await self._handler_slots(peer)
+        then()
+        await self._handle(peer, key, msg, slots)
+
+    async def _admit_waiting(self, peer: str, msg: Message, then: Callable[[], None]) -> None:
+        bucket = self._buckets.setdefault(peer, TokenBucket(self.config.frames_per_second, self.config.frame_burst))
+        with self._shared:
+            wait = bucket.take(trio.current_time())
+        if wait > 0:
+            await trio.sleep(wait)
+        self._admit(peer, msg, await self._handler_slots(peer))
+        then()
+
+    async def _handler_slots(self, peer: str) -> tuple[trio.Semaphore, ...]:
+        peer_slots = self._peer_handlers.setdefault(peer, trio.Semaphore(self.config.max_handlers_per_peer))
+        await peer_slots.acquire()
+        try:
+            await self._handlers.acquire()
+        except BaseException:
+            peer_slots.release()
+            raise
+        return (peer_slots, self._handlers)
 
     # --- introspection -------------------------------------------------------------------------------------
 
@@ -959,6 +1065,11 @@ def as_sends(result: HandlerResult) -> tuple[Send, ...]:
     if not all(isinstance(s, Send) for s in sends):
         raise LocalProtocolError("a handler must return None, a Send or a sequence of Send")
     return sends
+
+
+def error_reply(msg: Message, code: str, message: str) -> Error:
+    """The `Error` a handler's failure sends back about `msg`."""
+    return _error_for(msg, code, message)
 
 
 def _error_for(msg: Message, code: str, message: str) -> Error:

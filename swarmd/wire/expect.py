@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from swarmd.wire.codec import WireTensor
-from swarmd.wire.messages import ExpertBatch, ExpertResult, Forward, Message, Token, need
+from swarmd.wire.messages import ExpertBatch, ExpertResult, Forward, Message, Token, Verified, need
 
 Expect = Callable[[Message], None]
 
@@ -57,6 +57,10 @@ class ExpectForward:
             _hidden(msg.hidden, "hidden", self.hidden_size, self.dtypes, self.max_rows)
         if msg.targets is not None:
             _token_ids(msg.targets, "targets", self.vocab_size)
+        if msg.draft is not None:
+            _token_ids(msg.draft.tokens, "drafted tokens", self.vocab_size)
+            if msg.draft.q_ids is not None:
+                _token_ids(msg.draft.q_ids, "draft distribution ids", self.vocab_size)
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,16 @@ class ExpectToken:
     def __call__(self, msg: Message) -> None:
         assert isinstance(msg, Token)
         need(msg.token < self.vocab_size, f"token {msg.token} outside the vocabulary of {self.vocab_size}",
+             "bad_token")
+
+
+@dataclass(frozen=True)
+class ExpectVerified:
+    vocab_size: int
+
+    def __call__(self, msg: Message) -> None:
+        assert isinstance(msg, Verified)
+        need(max(msg.tokens) < self.vocab_size, f"token {max(msg.tokens)} outside the vocabulary of {self.vocab_size}",
              "bad_token")
 
 

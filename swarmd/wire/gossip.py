@@ -71,6 +71,7 @@ class AssignmentStatus:
     state: AssignmentState = AssignmentState.IDLE
     progress: float = 0.0  # 0..1 while loading
     error: str = ""
+    fetch: tuple[int, int, float] = (0, 0, 0.0)  # weights being fetched: bytes so far, bytes in all, bytes/s
     # the loaded stage's KV slots: (slots, requests holding or waiting for one, version: changes with the second)
     kv: tuple[int, int, int] | None = None
 
@@ -85,6 +86,7 @@ class AssignmentStatus:
             "state": self.state.value,
             "progress": round(self.progress, 4),
             "error": self.error,
+            "fetch": {"bytes": self.fetch[0], "total": self.fetch[1], "rate": round(self.fetch[2], 1)},
         }
         if self.kv is not None:
             doc["kv"] = {"slots": self.kv[0], "used": self.kv[1], "version": self.kv[2]}
@@ -92,7 +94,7 @@ class AssignmentStatus:
 
     @staticmethod
     def from_json(doc: Any) -> AssignmentStatus:
-        keys = {"epoch", "layers", "experts", "state", "progress", "error"}
+        keys = {"epoch", "layers", "experts", "state", "progress", "error", "fetch"}
         _expect_keys(doc, keys | ({"kv"} if isinstance(doc, dict) and "kv" in doc else set()), "assignment")
         kv = None
         if "kv" in doc:
@@ -100,6 +102,10 @@ class AssignmentStatus:
             kv = (_int(doc["kv"]["slots"], "assignment.kv.slots"), _int(doc["kv"]["used"], "assignment.kv.used"),
                   _int(doc["kv"]["version"], "assignment.kv.version"))
         layers, experts, progress = doc["layers"], doc["experts"], doc["progress"]
+        _expect_keys(doc["fetch"], {"bytes", "total", "rate"}, "assignment.fetch")
+        rate = doc["fetch"]["rate"]
+        if not isinstance(rate, int | float) or isinstance(rate, bool) or not 0.0 <= rate < 1e15:
+            raise RemoteProtocolError("assignment.fetch.rate must be a non-negative number")
         if layers is not None and not (isinstance(layers, list) and len(layers) == 2):
             raise RemoteProtocolError("assignment.layers must be [start, end] or null")
         if doc["state"] not in ASSIGNMENT_STATES:
@@ -119,6 +125,8 @@ class AssignmentStatus:
             state=AssignmentState(doc["state"]),
             progress=float(progress),
             error=doc["error"][:300],
+            fetch=(_int(doc["fetch"]["bytes"], "assignment.fetch.bytes"), _int(doc["fetch"]["total"],
+                                                                              "assignment.fetch.total"), float(rate)),
             kv=kv,
         )
 
@@ -135,6 +143,7 @@ class Heartbeat:
     view: tuple[str, ...] = ()  # members the sender counts as not dead
     admitted: bool = False
     assignment: AssignmentStatus = field(default_factory=AssignmentStatus)
+    slots: dict[str, str] = field(default_factory=dict)  # a leader adopting a plan file's slots: slot -> peer id
 
     @property
     def peer_id(self) -> str:
@@ -182,6 +191,7 @@ def _body(msg: GossipMessage) -> tuple[str, dict[str, Any]]:
             "view": list(msg.view),
             "admitted": msg.admitted,
             "assignment": msg.assignment.to_json(),
+            "slots": dict(msg.slots),
         }
     if isinstance(msg, PlanAnnouncement):
         return "plan", {"term": msg.term, "plan": msg.plan.to_json()}
@@ -269,8 +279,8 @@ def _decode(data: bytes, swarm: str, origin: str | None) -> _Passed:
 
 
 def _decode_heartbeat(sender: str, body: Any) -> Heartbeat:
-    _expect_keys(body, {"descriptor", "seq", "term", "leader", "plan_epoch", "view", "admitted", "assignment"},
-                 "heartbeat")
+    _expect_keys(body, {"descriptor", "seq", "term", "leader", "plan_epoch", "view", "admitted", "assignment",
+                        "slots"}, "heartbeat")
     try:
         descriptor = NodeDescriptor.from_json(body["descriptor"])
     except PlanSchemaError as e:
@@ -282,6 +292,9 @@ def _decode_heartbeat(sender: str, body: Any) -> Heartbeat:
         raise RemoteProtocolError("heartbeat 'leader' must be a peer id or null")
     if not isinstance(view, list) or not all(isinstance(p, str) for p in view):
         raise RemoteProtocolError("heartbeat 'view' must be a list of peer ids")
+    slots = body["slots"]
+    if not isinstance(slots, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in slots.items()):
+        raise RemoteProtocolError("heartbeat 'slots' must map slot names to peer ids")
     return Heartbeat(
         descriptor=descriptor,
         seq=_int(body["seq"], "seq"),
@@ -291,6 +304,7 @@ def _decode_heartbeat(sender: str, body: Any) -> Heartbeat:
         view=tuple(view),
         admitted=bool(body["admitted"]),
         assignment=AssignmentStatus.from_json(body["assignment"]),
+        slots=slots,
     )
 
 

@@ -273,6 +273,7 @@ class Sampling:
     max_tokens: int = 0  # the last stage stops after this many tokens (0: when the context is full)
     stop_ids: tuple[int, ...] = ()  # tokens that end the generation (end of sequence / turn)
     trace: bool = False  # every node on the request's path records its spans (swarmd.observe.spans)
+    speculative: bool = False  # the head drafts: the last stage sends each step's tokens to the head, not stage 0
 
     def check(self) -> None:
         need(math.isfinite(self.temperature) and self.temperature >= 0, "sampling.temperature must be >= 0")
@@ -281,6 +282,36 @@ class Sampling:
         need(0 <= self.logprobs <= 20, "sampling.logprobs must be 0..20")
         need(self.max_tokens >= 0, "sampling.max_tokens must be >= 0")
         need(len(self.stop_ids) <= 64 and all(i >= 0 for i in self.stop_ids), "sampling.stop_ids: at most 64 ids >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    """The drafted tokens a verify step checks: the step's rows are the last accepted token, then these.
+
+    `q_ids` / `q_probs` give, per drafted position, the distribution the draft drew it from (the tokens it gives
+    mass to and their probabilities); without them each draft is deterministic (q one-hot). The last stage decides
+    with the speculative-sampling rule (`swarmd.inference.spec.acceptance`)."""
+
+    tokens: WireTensor  # int32 [k]
+    q_ids: WireTensor | None = None  # int32 [k, m]
+    q_probs: WireTensor | None = None  # float32 [k, m]
+
+    @property
+    def k(self) -> int:
+        return self.tokens.shape[0] if self.tokens.shape else 0
+
+    def check(self) -> None:
+        _check_rows(self.tokens, "draft.tokens", ndim=1, dtypes=_INTS)
+        need(1 <= self.k <= MAX_DRAFT, f"a draft holds 1 to {MAX_DRAFT} tokens")
+        need((self.q_ids is None) == (self.q_probs is None), "draft.q_ids and draft.q_probs go together")
+        if self.q_ids is not None and self.q_probs is not None:
+            _check_rows(self.q_ids, "draft.q_ids", ndim=2, dtypes=_INTS)
+            _check_rows(self.q_probs, "draft.q_probs", ndim=2, dtypes=frozenset({"float32"}))
+            need(self.q_ids.shape == self.q_probs.shape and self.q_ids.shape[0] == self.k,
+                 "draft.q_ids and draft.q_probs must be [k, m]", "bad_shape")
+
+
+MAX_DRAFT = 64
 
 
 @wire("forward")
@@ -308,6 +339,8 @@ class Forward(Message):
     sampling: Sampling | None = None
     targets: WireTensor | None = None  # int32 [rows - 1] with all_logits: the token each row predicts
     resume_of: str = ""  # the earlier attempt of this request whose KV caches the stages may keep
+    draft: Draft | None = None  # a verify step: rows are the last accepted token and these drafts
+    chain: bool = False  # a speculative request's head hands the loop back: the last stage sends on to stage 0
 
     def key(self) -> Key:
         return ("forward", self.request_id, self.step, self.hop)
@@ -332,6 +365,14 @@ class Forward(Message):
                  "resume_of must name another attempt (1 to 128 characters)")
             need(self.sampling is not None and self.start_pos == 0 and not self.all_logits,
                  "resume_of goes only on a moved request's first step, from position 0, without all_logits")
+        if self.draft is not None:
+            self.draft.check()
+            need(self.sampling is None and not self.all_logits and self.step > 0,
+                 "a draft goes only on a later step of a running request, without all_logits")
+            need(self.rows == self.draft.k + 1, "a verify step has one row more than its draft", "bad_shape")
+        if self.chain:
+            need(self.draft is None and self.sampling is None and self.step > 0,
+                 "chain goes only on a later step without a draft")
 
     @property
     def rows(self) -> int:
@@ -365,6 +406,64 @@ class Token(Message):
         need(self.token >= 0, "token must be >= 0")
         need(len(self.top_ids) == len(self.top_logprobs), "top_ids and top_logprobs differ in length")
         need(self.finish in FINISH_REASONS, f"finish must be one of {sorted(FINISH_REASONS)}")
+
+
+@wire("verified")
+@dataclass(frozen=True, slots=True)
+class Verified(Message):
+    """The last stage's answer to a speculative request's step (sent to the head, which drafts the next one): the
+    tokens of steps `step`, `step + 1`, ...: the drafted tokens the target accepted, then its own next token.
+
+    `drafted` is the number of tokens the step verified (0 for a step without a draft). With logprobs, each token's
+    log-prob and its top alternatives (`top_ids` / `top_logprobs`: `len(tokens)` groups of the same size, flat).
+    `finish` as on a `Token`: set when the last token ends the request."""
+
+    request_id: str
+    step: int
+    tokens: tuple[int, ...]
+    drafted: int = 0
+    logprobs: tuple[float, ...] = ()
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+    finish: str = ""
+    hop: int = 1
+
+    def key(self) -> Key:
+        return ("verified", self.request_id, self.step, self.hop)
+
+    def check(self) -> None:
+        _check_request(self.request_id, self.step, self.hop)
+        n = len(self.tokens)
+        need(1 <= n <= self.drafted + 1 and all(t >= 0 for t in self.tokens),
+             "verified carries 1 to drafted + 1 token ids >= 0")
+        need(0 <= self.drafted <= MAX_DRAFT, f"drafted must be 0..{MAX_DRAFT}")
+        need(len(self.logprobs) in (0, n), "logprobs: none or one per token")
+        need(len(self.top_ids) == len(self.top_logprobs) and len(self.top_ids) % n == 0,
+             "top_ids and top_logprobs: the same number of entries per token")
+        need(self.finish in FINISH_REASONS, f"finish must be one of {sorted(FINISH_REASONS)}")
+
+    def top(self, i: int) -> tuple[tuple[int, float], ...]:
+        """Token i's top alternatives, (id, log-prob) pairs."""
+        per = len(self.top_ids) // len(self.tokens)
+        return tuple(zip(self.top_ids[i * per:(i + 1) * per], self.top_logprobs[i * per:(i + 1) * per], strict=True))
+
+
+@wire("speculate")
+@dataclass(frozen=True, slots=True)
+class Speculate(Message):
+    """The head of a speculative request takes the loop back from the chain: the last stage (`hop`) sends the
+    request's next steps to the head (as `Verified`), which drafts them, instead of closing the loop at stage 0.
+    `step` is the last token the head had when it asked."""
+
+    request_id: str
+    step: int
+    hop: int
+
+    def key(self) -> Key:
+        return ("speculate", self.request_id, self.step, self.hop)
+
+    def check(self) -> None:
+        _check_request(self.request_id, self.step, self.hop)
 
 
 @wire("logprobs")
@@ -465,12 +564,12 @@ class ExpertBatch(Message):
 @wire("expert_result")
 @dataclass(frozen=True, slots=True)
 class ExpertResult(Message):
-    """The gated sum of a node's experts for each row of an `ExpertBatch`."""
+    """A node's expert outputs for an `ExpertBatch`: one row per selection it holds, in row-major order."""
 
     batch_id: str
     step: int
     block: int
-    hidden: WireTensor  # [m, hidden_size]
+    hidden: WireTensor  # [selections, hidden_size]
 
     @property
     def request_id(self) -> str:

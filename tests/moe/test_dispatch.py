@@ -35,11 +35,32 @@ def test_each_node_gets_one_part_with_only_the_rows_that_select_its_experts():
     assert len(parts) == 3  # messages for this layer and step: distinct nodes hit, not rows x k
 
 
-def test_combine_adds_each_nodes_gated_sums_into_its_rows():
+def test_combine_makes_each_rows_gated_sum_of_the_nodes_expert_outputs():
     c = call([[0, 1], [2, 0], [3, 2]])
     parts = split_by_node(c, HOLDERS, ReplicaChooser(lambda: 0.0).choose)
-    answers = [(p, np.full((len(p.rows), 4), i + 1, np.float32)) for i, p in enumerate(parts)]
-    assert combine(c, answers)[:, 0].tolist() == [1 + 2, 1, 1 + 3]
+    # node i answers 10 * (i + 1) + the expert's index for each selection it holds
+    answers = [(p, np.repeat((10 * (i + 1) + p.call.sel[p.call.sel >= 0])[:, None], 4, axis=1).astype(np.float32))
+               for i, p in enumerate(parts)]
+    assert combine(c, answers)[:, 0].tolist() == [0.5 * 10 + 0.5 * 21, 0.5 * 12 + 0.5 * 10, 0.5 * 33 + 0.5 * 12]
+
+
+def test_a_rows_sum_is_the_same_bits_however_its_experts_are_spread():
+    rng = np.random.default_rng(0)
+    sel = np.array([[3, 0, 2, 1], [1, 2, 0, 3]], np.int32)
+    c = ExpertCall(5, rng.standard_normal((2, 8)).astype(np.float32), sel,
+                   rng.uniform(0, 3, sel.shape).astype(np.float32))
+    outputs = {e: rng.standard_normal((2, 8)).astype(np.float32) * 10 ** e for e in range(4)}  # per expert, per row
+
+    def answer(p):
+        rows, k = np.nonzero(p.call.sel >= 0)
+        return np.stack([outputs[int(p.call.sel[r, j])][p.rows[r]] for r, j in zip(rows, k, strict=True)])
+
+    sums = []
+    for holders in ({e: ("a",) for e in range(4)}, {0: ("a",), 1: ("b",), 2: ("c",), 3: ("b",)},
+                    {0: ("c",), 1: ("a",), 2: ("a",), 3: ("b",)}):
+        parts = split_by_node(c, holders, ReplicaChooser(lambda: 0.0).choose)
+        sums.append(combine(c, [(p, answer(p)) for p in parts]))
+    assert all(np.array_equal(s, sums[0]) for s in sums[1:])
 
 
 def test_a_replica_is_chosen_by_latency_times_load_and_ties_follow_the_plan_order():
@@ -61,6 +82,16 @@ def test_a_failed_replica_is_avoided_until_it_answers_fast_again():
     chooser.finished("c", None)
     assert chooser.choose(("c", "b")) == "b"
     for _ in range(20):
+        chooser.finished("c", 0.001)
+    assert chooser.choose(("c", "b")) == "c"
+
+
+def test_a_failed_replica_stays_behind_a_holder_first_measured_slow_after_it_failed():
+    chooser = ReplicaChooser(lambda: 0.0)
+    chooser.finished("c", None)  # failed while nothing was measured yet
+    chooser.finished("b", 3.0)  # then b answered, slowly (its first batch compiled kernels)
+    assert chooser.choose(("c", "b")) == "b"
+    for _ in range(10):  # c answers fast again
         chooser.finished("c", 0.001)
     assert chooser.choose(("c", "b")) == "c"
 

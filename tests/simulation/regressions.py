@@ -36,4 +36,13 @@ REGRESSIONS: dict[str, Scenario] = {
         faults=(Fault(at=0.39, kind="delay", pick=33139, lasts=0.0, amount=0.186),
                 Fault(at=2.75, kind="partition", pick=25687, lasts=0.0, amount=0.029),
                 Fault(at=3.38, kind="crash_any", pick=61738, lasts=4.72, amount=0.123))),
+    # A black hole between a MoE stage and the only holder of some experts: the stage's step waited for their
+    # answer after the head had cancelled every request in it, and held the stage (and the requests' KV slots)
+    # until the expert call timed out. A step whose requests are all cancelled now stops waiting.
+    "a stage waiting on experts for cancelled requests": Scenario(
+        seed=781, model="moe", daemons=4, behind_nat=(1, 2), stages=3,
+        requests=(Request(at=0.33, head=3, prompt=(40, 41, 42), max_tokens=6, seed=449, temperature=0.8),
+                  Request(at=2.97, head=2, prompt=(7, 100, 7, 100, 9), max_tokens=4, seed=615, temperature=0.0),
+                  Request(at=2.38, head=0, prompt=(12, 13, 14, 15, 16, 17), max_tokens=4, seed=452, temperature=0.8)),
+        faults=(Fault(at=0.21, kind="black_hole", pick=15115, lasts=0.0, amount=0.089),)),
 }

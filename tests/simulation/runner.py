@@ -262,8 +262,9 @@ class Run:
             stage = node.assignment.stage if node.assignment is not None else None
             if stage is not None and stage.slots.request_ids():
                 left.append(f"KV slots held by {sorted(stage.slots.request_ids())}")
-            if p.router._pending:
-                left.append(f"MoE router waits for {len(p.router._pending)} batches")
+            if p.router._pending or p.router._hot:
+                left.append(f"MoE router waits for {len(p.router._pending)} batches and {len(p.router._hot)} "
+                            "batches of hot steps")
             if node.requests_in_flight:
                 left.append(f"{node.requests_in_flight} requests counted in flight")
             if left:

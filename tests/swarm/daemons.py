@@ -22,8 +22,9 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 class Daemon:
     def __init__(self, home: Path, model: Path | None, *, bench_file: Path | None = None, swarm: str = "test",
-                 extra: tuple[str, ...] = ()) -> None:
+                 extra: tuple[str, ...] = (), env: dict[str, str | None] | None = None) -> None:
         self.home, self.model, self.swarm, self.extra = home, model, swarm, extra
+        self.env = env or {}  # set in (or, with None, removed from) the daemon's environment
         self.home.mkdir(parents=True, exist_ok=True)
         if bench_file is not None:
             shutil.copy(bench_file, home / bench_file.name)
@@ -48,6 +49,11 @@ class Daemon:
             cmd += ["--bootstrap", b]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("SWARMD_BOOTSTRAP", None)
+        for key, value in self.env.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
         self.stdout_lines = []
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(self.log_path, "a"), text=True,
                                      env=env)

@@ -28,6 +28,12 @@ def read(monkeypatch) -> list[str]:
     return names
 
 
+@pytest.fixture
+def no_graph_cache(monkeypatch) -> None:
+    """Stages that are loaded and never run: no graph cache, whose fill would capture graphs after each load."""
+    monkeypatch.setenv("SWARMD_GRAPH_CACHE", "off")
+
+
 def blocks_in(names: list[str]) -> list[int]:
     return sorted({int(n.split(".")[1]) for n in names if n.startswith("blk.")})
 
@@ -53,6 +59,7 @@ def announce(epoch: int, *stages: Stage) -> PlanAnnouncement:
     return PlanAnnouncement(OTHER, 1, Plan(epoch=epoch, model=ModelRef("tiny"), stages=stages))
 
 
+@pytest.mark.usefixtures("no_graph_cache")
 async def test_the_assigned_blocks_are_loaded_then_released_when_the_plan_moves_them(tiny_model):
     model = served_model(str(tiny_model))
     a = Assignment(ME, model, "CPU", ComputeThread(), max_context=64, max_requests=1)
@@ -64,7 +71,8 @@ async def test_the_assigned_blocks_are_loaded_then_released_when_the_plan_moves_
             stage = await a.wait_ready()
             assert (stage.start, stage.end, stage.is_last) == (5, 8, True)
             assert a.status().to_json() == {"epoch": 1, "layers": [5, 8], "experts": {}, "state": "ready",
-                                            "progress": 1.0, "error": ""}
+                                            "progress": 1.0, "error": "", "fetch": {"bytes": 0, "total": 0,
+                                                                                      "rate": 0.0}}
             a.apply(announce(2, Stage(OTHER, (0, 5)), Stage(ME, (5, 8))))
             await trio.sleep(0.1)
             assert a.stage is stage and a.status().epoch == 2  # same blocks: nothing reloads
@@ -74,6 +82,7 @@ async def test_the_assigned_blocks_are_loaded_then_released_when_the_plan_moves_
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.usefixtures("no_graph_cache")
 async def test_a_range_that_grows_takes_the_loaded_blocks_over_and_reads_only_the_rest(tiny_model, read):
     model = served_model(str(tiny_model))
     a = Assignment(ME, model, "CPU", ComputeThread(), max_context=64, max_requests=1)
@@ -96,6 +105,7 @@ async def test_a_range_that_grows_takes_the_loaded_blocks_over_and_reads_only_th
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.usefixtures("no_graph_cache")
 async def test_with_reuse_off_a_grown_range_is_read_whole(tiny_model, read):
     model = served_model(str(tiny_model))
     a = Assignment(ME, model, "CPU", ComputeThread(), max_context=64, max_requests=1, reuse_blocks=False)
@@ -112,6 +122,7 @@ async def test_with_reuse_off_a_grown_range_is_read_whole(tiny_model, read):
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.usefixtures("no_graph_cache")
 async def test_a_load_that_fails_is_reported_with_its_reason(tiny_model):
     model = served_model(str(tiny_model))
     a = Assignment(ME, model, "CPU", ComputeThread(), max_context=64, max_requests=1)
@@ -155,4 +166,45 @@ async def test_with_warmup_a_stage_captures_every_decode_batch_size_before_it_is
             assert sorted({batch for batch, _ in stage._decode_jits}) == [1, 2]  # each batch size up to 2
             assert {scores for scores, _ in stage._prefill_jits} == {False, True}  # and prompt scoring
             assert len(stage.slots) == 0  # the throwaway requests are gone
+            nursery.cancel_scope.cancel()
+
+
+async def graphs_stored(stage, count: int) -> None:
+    for _ in range(2400):
+        if len(stage.graphs.stored) >= count:
+            return
+        await trio.sleep(0.05)
+    raise AssertionError(f"the graph cache was not filled: {stage.graphs.stored}")
+
+
+@pytest.mark.slow  # captures the stages' graphs
+async def test_a_stage_fills_the_graph_cache_once_ready_and_the_next_load_of_it_is_warm_when_ready(
+        tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("SWARMD_GRAPH_CACHE", str(tmp_path / "graphs"))
+    model = served_model(str(tiny_model))
+    first_graphs = ["prefill (blocks 5-7)", "decode, batch 1 (blocks 5-7)"]
+    grown_graphs = ["prefill (blocks 3-7)", "decode, batch 1 (blocks 3-7)"]
+    with trio.fail_after(240):
+        async with trio.open_nursery() as nursery:
+            cold = Assignment(ME, model, "CPU", ComputeThread(), max_context=64, max_requests=2)
+            await nursery.start(cold.run)
+            cold.apply(announce(1, Stage(OTHER, (0, 5)), Stage(ME, (5, 8))))
+            stage = await cold.wait_ready()
+            await graphs_stored(stage, 2)  # in the background, after ready
+            assert sorted(stage.graphs.stored) == sorted(first_graphs) and len(stage.slots) == 0
+            cold.apply(announce(2, Stage(OTHER, (0, 3)), Stage(ME, (3, 8))))  # a re-plan grows the range
+            await graphs_stored(await loaded(cold, (3, 8)), 2)
+
+            warm = Assignment(ME, model, "CPU", ComputeThread(), max_context=64, max_requests=2)
+            await nursery.start(warm.run)
+            warm.apply(announce(1, Stage(OTHER, (0, 5)), Stage(ME, (5, 8))))
+            stage = await warm.wait_ready()
+            assert sorted(stage.graphs.loaded) == sorted(first_graphs)  # loaded and run once before ready
+            assert list(stage._decode_jits) == [(1, (5, 8, False))]
+            warm.apply(announce(2, Stage(OTHER, (0, 3)), Stage(ME, (3, 8))))
+            grown = await loaded(warm, (3, 8))
+            assert sorted(grown.graphs.loaded) == sorted(grown_graphs) and grown.graphs.stored == []
+            assert grown.blk[5] is stage.blk[5]  # the blocks it held, taken over as before
+            await trio.sleep(0.5)
+            assert grown.graphs.stored == []  # nothing left to fill
             nursery.cancel_scope.cancel()

@@ -111,6 +111,7 @@ def test_every_state_can_start_a_load_and_only_loading_can_fail():
 
 def test_the_status_keeps_its_strings_on_the_wire():
     assert [s.value for s in AssignmentState] == ["idle", "loading", "ready", "standby", "failed"]
-    doc = {"epoch": 1, "layers": [0, 2], "experts": {}, "state": "standby", "progress": 1.0, "error": ""}
+    doc = {"epoch": 1, "layers": [0, 2], "experts": {}, "state": "standby", "progress": 1.0, "error": "",
+           "fetch": {"bytes": 0, "total": 0, "rate": 0.0}}
     status = AssignmentStatus.from_json(doc)
     assert status.state is AssignmentState.STANDBY and status.to_json() == doc

@@ -79,6 +79,16 @@ def test_stages_capture_every_graph_first_on_gpus_unless_told_otherwise():
     assert warms_up(True, "CPU") and not warms_up(False, "CUDA")
 
 
+def test_a_plan_files_slot_and_the_cluster_settings_have_their_config_keys(tmp_path):
+    path = tmp_path / "swarmd.toml"
+    path.write_text('plan = "kimi.json"\nslot = "r0-4090-0"\nclaim-timeout = 30\ndata-plane-port = 7400\n'
+                    'dial-map = ["127.0.0.1:4001=127.0.0.1:7001"]\nuplink-mbps = 100\n')
+    config = DaemonConfig().with_overrides(**load_config_file(path))
+    assert (config.slot, config.claim_timeout, config.data_plane_port) == ("r0-4090-0", 30.0, 7400)
+    assert config.dial_map == ("127.0.0.1:4001=127.0.0.1:7001",) and config.uplink_mbps == 100.0
+    with pytest.raises(UserError, match="data-plane port 70000 is not a TCP port"):
+        DaemonConfig(data_plane_port=70000)
+
 # --- each setting declared once ------------------------------------------------------------------------------
 
 

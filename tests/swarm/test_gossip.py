@@ -98,9 +98,21 @@ def test_a_descriptor_that_fails_its_schema_is_rejected():
 def test_a_heartbeat_for_someone_else_is_rejected():
     hb = heartbeat(B, 1)
     body = {"descriptor": hb.descriptor.to_json(), "seq": 1, "term": 0, "leader": None, "plan_epoch": 0,
-            "view": [], "admitted": True, "assignment": hb.assignment.to_json()}
+            "view": [], "admitted": True, "assignment": hb.assignment.to_json(), "slots": {}}
     part = cbor2.dumps([WIRE_VERSION, "hb", A, "s", body], canonical=True)
     data = cbor2.dumps({"v": WIRE_VERSION, "t": "hb", "from": A, "swarm": "s", "body": body,
                         "sig": SIGNER.sign(part)})
     with pytest.raises(RemoteProtocolError, match="sent a descriptor for"):
         decode(data, "s")
+
+
+def test_a_leaders_heartbeat_carries_its_slot_bindings_and_bad_ones_are_rejected():
+    from dataclasses import replace
+
+    hb = replace(heartbeat(A, 3, leader=A), slots={"gpu-0": A, "gpu-1": B})
+    assert decode(encode(hb, SIGNER, "s"), "s").slots == {"gpu-0": A, "gpu-1": B}
+    env = cbor2.loads(encode(hb, SIGNER, "s"))
+    env["body"]["slots"] = {"gpu-0": 7}
+    env["sig"] = SIGNER.sign(cbor2.dumps([env["v"], env["t"], A, "s", env["body"]], canonical=True))
+    with pytest.raises(RemoteProtocolError, match="'slots' must map slot names to peer ids"):
+        decode(cbor2.dumps(env), "s")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from planner.plan import ModelRef, Plan, Stage
+from planner.plan_file import PlanFile
 from swarmd.net.identity import load_or_create_identity, peer_id_of
 from tests.swarm.daemons import wait_until
 
@@ -37,3 +38,45 @@ def test_a_plan_file_for_another_model_is_one_line_at_start(daemons, tmp_path):
     d = daemons("d").start(extra=("--plan", str(path)))
     assert d.proc.wait(timeout=60) != 0
     assert "error: --plan" in d.log() and "the plan is for model kimi-k2" in d.log() and "Traceback" not in d.log()
+
+
+def plan_file(path, model) -> PlanFile:
+    from swarmd.cli.main import main
+
+    assert main(["plan", "--model", str(model), "--fleet", "2x3060", "--out", str(path)]) == 0
+    return PlanFile.loads(path.read_text())
+
+
+def test_each_slot_is_claimed_once_and_the_leader_names_the_ones_nobody_claimed(daemons, tmp_path, tiny_model):
+    pf = plan_file(tmp_path / "p.json", tiny_model)
+    first, second = pf.fleet.names
+    plan = ("--plan", str(tmp_path / "p.json"))
+    a = daemons("a").start(extra=(*plan, "--slot", first, "--claim-timeout", "2")).wait_ready()
+    note = wait_until(lambda: "not claimed within" in (a.status()["plan_error"] or "") and a.status()["plan_error"],
+                      30, "the leader to name the unclaimed slot")
+    assert note.startswith(f"slot(s) {second} of p.json not claimed within 2 s")
+
+    b = daemons("b").start(bootstrap=(a.addresses[0],), extra=(*plan, "--slot", first))  # a second claim of it
+    assert b.proc.wait(timeout=60) == 2
+    assert f"swarmd join: error: slot {first} of p.json is held by {a.peer_id}" in b.log()
+    assert f"(unclaimed: {second})" in b.log() and "Traceback" not in b.log()
+
+    c = daemons("c").start(bootstrap=(a.addresses[0],), extra=(*plan, "--slot", second)).wait_ready()
+    adopted = wait_until(lambda: a.status()["plan"], 60, "the plan with both slots bound")
+    peers = {first: a.peer_id, second: c.peer_id}
+    assert [s["peer_id"] for s in adopted["stages"]] == [peers[s.peer_id] for s in pf.plan.stages]
+    assert wait_until(lambda: c.status()["plan"] == adopted, 30, "c to run the bound plan")
+    shown = a.status_cli()
+    assert shown.returncode == 0 and "p.json, this daemon:" in shown.stdout and "2/2 claimed" in shown.stdout
+
+
+def test_an_unknown_slot_or_a_plan_file_for_another_model_is_one_line_at_start(daemons, tmp_path, tiny_model):
+    plan_file(tmp_path / "p.json", tiny_model)
+    d = daemons("d").start(extra=("--plan", str(tmp_path / "p.json"), "--slot", "gpu-7"))
+    assert d.proc.wait(timeout=60) == 2
+    assert "swarmd join: error: --slot gpu-7: p.json has no such slot; its slots are r0-3060-0, r0-3060-1" in d.log()
+    plan_file(tmp_path / "other.json", "synthetic-moe-small")
+    e = daemons("e").start(extra=("--plan", str(tmp_path / "other.json"), "--slot", "r0-3060-0"))
+    assert e.proc.wait(timeout=60) == 2
+    assert f"error: --plan {tmp_path / 'other.json'}: the plan is for model synthetic-moe-small" in e.log()
+    assert "Traceback" not in d.log() + e.log()

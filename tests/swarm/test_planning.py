@@ -122,3 +122,15 @@ def test_a_member_whose_load_failed_is_left_out_until_it_restarts():
     c.handle(Candidates((descriptor(ME), descriptor(A, incarnation=2))), now=5.0)
     [make] = c.tick(now=5.0 + LAN.replan_debounce)
     assert [n.peer_id for n in make.nodes] == [ME, A]
+
+
+def test_a_member_that_gains_memory_to_give_is_planned_for_though_no_one_joined():
+    c = leader_with(ME, A)
+    full = descriptor(A).__class__(**{**descriptor(A).__dict__, "memory_free": 0})
+    c.handle(Candidates((descriptor(ME), full)), now=1.0)
+    run_planner(c, c.tick(now=3.0)[0], now=3.0)
+    c.handle(Candidates((descriptor(ME), full)), now=4.0)
+    assert [a for a in c.tick(now=6.0) if isinstance(a, MakePlan)] == []  # nothing changed
+    c.handle(Candidates((descriptor(ME), descriptor(A))), now=7.0)  # its memory came free: it is ready now
+    [make] = c.tick(now=7.0 + LAN.replan_debounce)
+    assert make.epoch == 2 and [n.peer_id for n in make.nodes] == [ME, A]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable
 
 import trio
 
@@ -51,7 +52,8 @@ class MemoryNet:
     def wrap(self, fn) -> None:
         self.hub.wrap = None if fn is None else lambda src, dst, protocol, stream: fn(src, dst, stream)
 
-    async def add(self, name: str, config: TransportConfig | None = None) -> ActorTransport:
+    async def add(self, name: str, config: TransportConfig | None = None, *,
+                  on_undeliverable: Callable[[str, Message, str], None] | None = None) -> ActorTransport:
         await trio.lowlevel.checkpoint()
         endpoint = self.endpoints[name] = self.hub.endpoint(name)
         await self.nursery.start(endpoint.run)
@@ -63,7 +65,8 @@ class MemoryNet:
 
         endpoint.open_stream = open_stream  # type: ignore[method-assign]
         transport = self.transports[name] = await start_actor_transport(endpoint, self.nursery, config,
-                                                                        rng=random.Random(name))
+                                                                        rng=random.Random(name),
+                                                                        on_undeliverable=on_undeliverable)
         return transport
 
     async def break_links(self) -> None:

@@ -86,6 +86,7 @@ async def test_a_connection_reset_mid_transfer_is_retried_and_delivered_exactly_
     b.transport.route(Forward, got)
 
     async def reset_connections():
+        await got.wait_for(1)  # mid-transfer: the link is up (its first open may take a while on a busy machine)
         for _ in range(3):
             await trio.sleep(0.15)
             await b.network._disconnect(a.peer)  # closes the libp2p connection and any data-plane socket
@@ -257,3 +258,41 @@ async def test_the_data_plane_admits_only_connections_with_a_token_handed_out_ov
 
     await a.transport.send(b.peer, fwd(1))
     assert got.by_key == {fwd(1).key(): 1} and plane.connections(a.peer) == 1
+
+
+@pytest.mark.parametrize("tls", [False, True])
+async def test_the_hot_lane_runs_steps_on_a_data_plane_thread_and_keeps_libp2p_paths_on_the_event_loop(p2p, tls):
+    import threading
+
+    from swarmd.transport.lane import HotLane
+
+    a, b = [await p2p(seed, tls=tls) for seed in (1, 2)]
+    async with trio.open_nursery() as nursery:
+        lane_a = await nursery.start(HotLane(a.network, a.transport).run)
+        lane_b = await nursery.start(HotLane(b.network, b.transport).run)
+        threads: list[str] = []
+
+        def hot(peer, msg, reply):
+            threads.append(threading.current_thread().name)
+            return Send(peer, Token(msg.request_id, msg.step, msg.step, hop=1))
+
+        b.transport.route(Forward, Counts(reply_to=a.peer))
+        lane_b.route(Forward, hot)
+        tokens = Counts()
+        a.transport.route(Token, tokens)
+        step = 0
+        with trio.fail_after(20):
+            while step < 30 or (tls and lane_b.stats.sent < 5):  # (b opens its lane to a on its first answer)
+                if not lane_a.send(b.peer, fwd(step)):
+                    await a.transport.post(b.peer, fwd(step))
+                step += 1
+                await tokens.wait_for(step)
+        await eventually(lambda: lane_a.status()["lanes"] and all(
+            v["unacked"] == 0 for v in lane_a.status()["lanes"].values()))
+        if tls:  # the steps ran on the TLS stream's own thread, and the answers came back on b's lane
+            assert len(threads) >= 25 and set(threads) == {"swarmd-link"}
+            assert lane_b.stats.sent >= 5 and lane_a.stats.acked >= 25
+        else:  # libp2p streams cannot leave the event loop: the transport carried everything
+            assert threads == [] and "no data plane" in next(iter(lane_a.status()["lanes"].values()))["last_error"]
+        assert len(tokens.by_key) == step
+        nursery.cancel_scope.cancel()

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from models.sampling import SamplingParams
 from swarmd.config import Timings
 from swarmd.inference.head.admission import Admission, Closed, NotReady, QueueFull, Turn
 from swarmd.inference.head.hop_local import plan_move
@@ -47,12 +48,15 @@ from swarmd.inference.head.recovery import (
 from swarmd.inference.head.session import Event, Failed, HeadSession, TokenOut
 from swarmd.inference.head.slots import StageSlots
 from swarmd.inference.registry import ChainStatus, Registry
+from swarmd.inference.spec.head import DraftRefused, SpecError, SpecHead
+from swarmd.inference.spec.speculation import Speculation
 from swarmd.net.identity import short_id
 from swarmd.observe.spans import SpanRecorder
 from swarmd.observe.trace_collect import TraceCollector
-from swarmd.transport.transport import ActorTransport, DeliveryFailed, Refused
+from swarmd.spec_settings import SpecRequest, SpecSettings
+from swarmd.transport.transport import ActorTransport, DeliveryFailed, HandlerResult, Refused
 from swarmd.wire.codec import WireTensor
-from swarmd.wire.messages import Cancel, Error, Forward, Logprobs, Sampling, Token
+from swarmd.wire.messages import Cancel, Error, Forward, Logprobs, Sampling, Token, Verified
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +79,7 @@ def status_of(code: str) -> int:
 
 
 CLIENT_CODES = {"empty_prompt", "context_length_exceeded", "context_full", "bad_token", "bad_max_tokens",
-                "bad_logprobs", "bad_seed"}
+                "bad_logprobs", "bad_seed", "bad_speculate"}
 
 
 class HeadError(Exception):
@@ -99,6 +103,7 @@ class HeadRequest:
     logprobs: int = 0  # top alternatives per token; > 0 also returns each token's own log-prob
     prompt_scores: bool = False  # teacher forcing: log-probs of every prompt token too (echo)
     trace: bool = False
+    speculate: SpecRequest | None = None  # None: the daemon's default (`swarmd join --speculate`)
 
 
 @dataclass
@@ -144,6 +149,7 @@ class RequestHandle:
     on_first: Callable[[float], None] | None = None  # told the time to the first token (s)
     request: HeadRequest | None = None
     sampling: Sampling | None = None
+    spec: Speculation | None = None  # a speculative request: the head drafts every step after the prompt
     attempt: int = 0  # how often the request was sent anew (its stages know it as `wire_id`)
     moves: int = 0  # of those, how often it moved to a new chain (the others: a stage was busy)
     busy_retries: int = 0
@@ -214,6 +220,8 @@ class RequestHandle:
             said += f"; moving for {time.perf_counter() - move.noticed:.0f} s ({move.reason})"
             if move.waiting and not move.ready:
                 said += f", waiting: {move.waiting}"
+        elif self.recoveries:  # it moved, and the new chain said nothing since: why it moved is likely why
+            said += f"; moved after: {self.recoveries[-1].reason}"
         return said
 
     def record(self, name: str, start: float, end: float, **args: Any) -> None:
@@ -242,8 +250,10 @@ class HeadService:
                  in_flight: Callable[[int], None] = lambda delta: None,
                  leaving: Callable[[], bool] = lambda: False, hop_local: bool = True,
                  capacity: Callable[[], Mapping[str, StageSlots | None]] = dict, max_queued: int = 256,
-                 blocking: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync) -> None:
+                 blocking: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync,
+                 speculation: SpecHead | None = None) -> None:
         self.peer_id = peer_id
+        self.speculation = speculation or SpecHead(peer_id, SpecSettings())
         self._blocking = blocking  # loads the tokenizer off the event loop (a worker thread; inline in simulations)
         self.hop_local = hop_local  # moves keep the KV caches of the stages that stay (False: full replays)
         self.transport = transport
@@ -342,6 +352,7 @@ class HeadService:
         try:
             model = await self.model()
             check_request(req, model)
+            speculate = await self.check_speculation(req, model)
         except BaseException:
             self.close_turn(turn)
             raise
@@ -355,6 +366,16 @@ class HeadService:
         if recorder is not None:
             recorder.trace(request_id)
         handle.timing.opened = turn.arrived
+        if speculate.on and not req.prompt_scores:
+            params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=seed)
+            try:
+                drafter = await self.speculation.drafter(speculate, request_id, req.prompt_ids, params, seed,
+                                                         model.tokenizer.tokens, model.max_context)
+            except BaseException:
+                self.close_turn(turn)
+                raise
+            handle.spec = Speculation(speculate, drafter, prompt_len=len(req.prompt_ids),
+                                      max_tokens=max(req.max_tokens, 1), max_context=model.max_context)
         self.stats["requests"] += 1
         sent, crashed = False, False
         try:
@@ -369,6 +390,8 @@ class HeadService:
             raise
         finally:
             handle.closed = True
+            if handle.spec is not None:
+                self.speculation.close(handle.spec)
             for attempt in range(handle.attempt + 1):
                 self.requests.pop(attempt_id(request_id, attempt), None)
             self.close_turn(turn)
@@ -385,7 +408,8 @@ class HeadService:
         ids = np.asarray(req.prompt_ids, dtype=np.int32)
         sampling = Sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=handle.seed,
                             logprobs=req.logprobs, max_tokens=max(req.max_tokens, 1),
-                            stop_ids=tuple(sorted(model.tokenizer.stop_ids)), trace=handle.recorder is not None)
+                            stop_ids=tuple(sorted(model.tokenizer.stop_ids)), trace=handle.recorder is not None,
+                            speculative=handle.spec is not None)
         handle.sampling = sampling
         targets = WireTensor.from_array(ids[1:]) if req.prompt_scores else None
         msg = Forward(handle.request_id, 0, 0, 0, self.peer_id, tokens=WireTensor.from_array(ids),
@@ -472,8 +496,8 @@ class HeadService:
             while True:
                 if handle.moves >= MAX_MOVES:
                     self._spawn(self._cancel_chain, handle.wire_id, handle.registry, "moved")
-                    raise HeadError("unreachable", f"moved {MAX_MOVES} times and the chain still does not hold it",
-                                    503)
+                    raise HeadError("unreachable", f"moved {MAX_MOVES} times and the chain still does not hold it "
+                                                   f"(last: {reason})", 503)
                 registry = await self.wait_ready(give_up_when_too_small=True, on_wait=recovery.wait_says)
                 if handle.session.ended or handle.closed:
                     return  # leaving `open` cancels the attempt on its chain
@@ -563,13 +587,34 @@ class HeadService:
 
     # --- messages from the chain ----------------------------------------------------------------------------
 
-    async def on_token(self, peer: str, msg: Token) -> None:
+    async def on_token(self, peer: str, msg: Token) -> HandlerResult:
         handle = self.requests.get(msg.request_id)
         if handle is not None:
             start = time.perf_counter()
+            before = len(handle.session.tokens)
             events = handle.session.on_token(msg)  # in step order, detokenised, stop strings found
             handle.record("head.detokenize", start, time.perf_counter(), step=msg.step)
             handle.push(events)
+            if handle.spec is not None and msg.request_id == handle.wire_id:  # the chain drives a speculative one
+                return self.speculation.on_chain_token(handle, msg, handle.session.tokens[before:])
+        return None
+
+    async def on_verified(self, peer: str, msg: Verified) -> HandlerResult:
+        """A speculative request's step came back: its tokens go to the session, and the next step to stage 0."""
+        handle = self.requests.get(msg.request_id)
+        if handle is None or handle.spec is None or msg.request_id != handle.wire_id:
+            return None  # not headed here, or an earlier attempt's (the request moved: its replay continues it)
+        return await self.speculation.on_verified(handle, msg)
+
+    async def check_speculation(self, req: HeadRequest, model: ModelInfo) -> SpecSettings:
+        """The speculation `req` runs with; HeadError (400) when it asks for what this daemon cannot do."""
+        try:
+            settings = self.speculation.settings(req.speculate)
+            if settings.draft_model is not None:
+                await self.speculation.draft_model(settings.draft_model, model.tokenizer.tokens, model.max_context)
+        except (SpecError, DraftRefused) as e:
+            raise HeadError("bad_speculate", str(e), 400) from None
+        return settings
 
     async def trace(self, handle: RequestHandle) -> list[dict[str, Any]]:
         """The request's Chrome trace events from every node on its path ([] when it is not traced)."""

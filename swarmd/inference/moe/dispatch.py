@@ -3,7 +3,8 @@
 `split_by_node` picks one holder per selected expert (`ReplicaChooser`: lowest observed latency
 times load, the Plan's nearest-first order breaking ties) and groups the experts by node, so each
 node gets one batched `ExpertCall` per layer and step with just the rows that select its experts;
-`combine` adds the nodes' gated sums back into one (rows, dim) answer. `unserved` and
+`combine` makes one (rows, dim) answer of the nodes' expert outputs, each row's summed in the order of its
+selections (`models.expert_shard.gated_sum`), so the sum is the same bits wherever the experts live. `unserved` and
 `give_up_reason` decide what a router does when a selected expert has no usable holder (every one is
 dead or failed): wait for a plan that places it on a live node, or fail the step.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from models.expert_shard import gated_sum
 from models.moe import ExpertCall, rows_for
 
 
@@ -35,13 +37,21 @@ class ReplicaChooser:
     latency: dict[str, float] = field(default_factory=dict)
     in_flight: dict[str, int] = field(default_factory=dict)
     sampled_at: dict[str, float] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)  # peers whose latest call failed
 
     def estimate(self, peer: str) -> float:
-        """The peer's latency as believed now (seconds)."""
-        if peer not in self.latency:
-            return self.prior_s
+        """The peer's latency as believed now (seconds). A peer whose latest call failed stays the failure
+        penalty times slower than the slowest peer that answers, also one measured after it failed (relaxing
+        with the same half-life)."""
+        own = self._relaxed(peer, self.latency.get(peer, self.prior_s))
+        if peer not in self.failed:
+            return own
+        answering = [self._relaxed(p, lat) for p, lat in self.latency.items() if p not in self.failed]
+        return max(own, self._relaxed(peer, max(answering, default=self.prior_s) * self.failure_penalty))
+
+    def _relaxed(self, peer: str, latency: float) -> float:
         age = max(0.0, self.clock() - self.sampled_at.get(peer, self.clock()))
-        return self.prior_s + (self.latency[peer] - self.prior_s) * 0.5 ** (age / self.half_life_s)
+        return self.prior_s + (latency - self.prior_s) * 0.5 ** (age / self.half_life_s)
 
     def cost(self, peer: str) -> float:
         return self.estimate(peer) * (1 + self.in_flight.get(peer, 0))
@@ -61,8 +71,10 @@ class ReplicaChooser:
         old = self.estimate(peer)
         if seconds is None:  # worse than the slowest peer that answers, until it answers fast again
             self.latency[peer] = max([old, *(self.estimate(p) for p in self.latency)]) * self.failure_penalty
+            self.failed.add(peer)
         else:
             self.latency[peer] = (1 - self.alpha) * old + self.alpha * seconds
+            self.failed.discard(peer)
         self.sampled_at[peer] = self.clock()
 
 
@@ -93,11 +105,15 @@ def split_by_node(call: ExpertCall, holders: Mapping[int, tuple[str, ...]],
 
 
 def combine(call: ExpertCall, answers: Iterable[tuple[NodePart, np.ndarray]]) -> np.ndarray:
-    """The layer's answer: each row's sum over the nodes' gated sums."""
-    out = np.zeros(call.rows.shape, np.float32)
+    """The layer's answer from the nodes' expert outputs (each node's: one per selected pair of its part, in
+    row-major order): each row's gated sum in the order of its selections, wherever its experts live."""
+    n, k = call.sel.shape
+    per = np.zeros((n, k, call.rows.shape[1]), np.float32)
     for part, answer in answers:
-        out[part.rows] += answer.astype(np.float32)
-    return out
+        mine = np.zeros((n, k), bool)
+        mine[part.rows] = part.call.sel >= 0
+        per[mine] = answer.astype(np.float32)
+    return gated_sum(call, per[call.sel >= 0])
 
 
 def tokens_per_expert(call: ExpertCall) -> dict[int, int]:

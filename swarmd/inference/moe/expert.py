@@ -2,18 +2,24 @@
 
 An `ExpertBatch` carries the rows one router sends this node for one MoE block and step, each row with
 the experts (held here) it selected and their gates; the answer, an `ExpertResult` back to the sender,
-is each row's gated sum over those experts, computed on the daemon's compute thread by the loaded
-`models.expert_shard.ExpertShard`. A repeated batch is answered from the transport's cache, never computed twice.
+is each selected expert's output for its row (one per selection, in row-major order; the router makes the
+rows' gated sums), computed on the daemon's compute thread by the loaded `models.expert_shard.ExpertShard`.
+A repeated batch is answered from the transport's cache, never computed twice.
 
 A batch that names traced requests (`ExpertBatch.traced`) starts their traces here and records, per request,
 `expert.batch` (handler started -> answer ready; the router's `moe.call` and it share a flow id and make one
 NTP-style clock sample), inside it `expert.queue` (waiting for the shard and the compute thread) and
 `expert.forward` (the experts' compute).
+
+On the hot lane (`swarmd.transport.lane`) a batch is computed on the reader thread it arrived on (`take_hot`),
+when the shard holds its experts and tinygrad is free, and its answer goes back on the lane at once; anything
+else (a shard still loading, a busy compute thread, a traced request) takes `on_batch` on the event loop.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -45,6 +51,7 @@ class ExpertActor:
         self.compute_seconds = 0.0
         self.tokens: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))  # block -> expert -> rows
         self.recorder: SpanRecorder | None = None  # spans of traced requests
+        self._stats_lock = threading.Lock()  # the counts, kept by the event loop and the lane's readers
 
     async def on_batch(self, peer: str, msg: ExpertBatch) -> HandlerResult:
         from models.moe import ExpertCall
@@ -61,17 +68,45 @@ class ExpertActor:
                                     step=msg.step, hop=msg.block))
         call = ExpertCall(msg.block, msg.hidden.to_array("float32"), sel, msg.gates.to_array("float32"))
         started = time.perf_counter()
-        answer, computing, computed = await self.compute.run(_timed, clock, shard.compute, call)
-        self.compute_seconds += time.perf_counter() - started
-        self.batches += 1
-        self.rows += len(sel)
-        for e in sel[sel >= 0].tolist():
-            self.tokens[msg.block][int(e)] += 1
+        answer, computing, computed = await self.compute.run(_timed, clock, shard.expert_outputs, call)
+        self._count(msg.block, sel, time.perf_counter() - started)
         result = ExpertResult(msg.batch_id, msg.step, msg.block,
                               WireTensor.from_array(answer.astype(np.float32), self.wire_dtype))
         if msg.traced and self.recorder is not None:
             self._record(peer, msg, sel, received, computing, computed, clock())
         return Send(peer, result)
+
+    def take_hot(self, peer: str, msg: ExpertBatch, reply: Any) -> Any:
+        """On a lane's reader thread: compute the batch here if the shard holds its experts and tinygrad is
+        free; else DECLINE (`on_batch` on the event loop)."""
+        from models.moe import ExpertCall
+        from swarmd.transport.lane import DECLINE
+
+        if msg.traced:
+            return DECLINE
+        shard = self._shard()
+        sel = msg.expert_ids.to_array().astype(np.int32)
+        if shard is None or not set(sel[sel >= 0].tolist()) <= set(shard.holds(msg.block)):
+            return DECLINE
+        if not self.compute.hold():
+            return DECLINE
+        started = time.perf_counter()
+        try:
+            answer = shard.expert_outputs(ExpertCall(msg.block, msg.hidden.to_array("float32"), sel,
+                                                     msg.gates.to_array("float32")))
+        finally:
+            self.compute.release()
+        self._count(msg.block, sel, time.perf_counter() - started)
+        return Send(peer, ExpertResult(msg.batch_id, msg.step, msg.block,
+                                       WireTensor.from_array(answer.astype(np.float32), self.wire_dtype)))
+
+    def _count(self, block: int, sel: np.ndarray, seconds: float) -> None:
+        with self._stats_lock:
+            self.compute_seconds += seconds
+            self.batches += 1
+            self.rows += len(sel)
+            for e in sel[sel >= 0].tolist():
+                self.tokens[block][int(e)] += 1
 
     def _record(self, peer: str, msg: ExpertBatch, sel: np.ndarray, received: float, computing: float,
                 computed: float, answered: float) -> None:
@@ -102,9 +137,11 @@ class ExpertActor:
     def status(self) -> dict[str, Any]:
         shard = self._shard()
         held = {} if shard is None else {str(b): list(es) for b, es in sorted(shard.experts.items())}
-        return {"held": held, "batches": self.batches, "rows": self.rows,
-                "compute_ms": round(self.compute_seconds * 1e3, 1),
-                "tokens": {str(b): {str(e): n for e, n in sorted(by.items())} for b, by in sorted(self.tokens.items())}}
+        with self._stats_lock:
+            return {"held": held, "batches": self.batches, "rows": self.rows,
+                    "compute_ms": round(self.compute_seconds * 1e3, 1),
+                    "tokens": {str(b): {str(e): n for e, n in sorted(by.items())}
+                               for b, by in sorted(self.tokens.items())}}
 
 
 def _timed(clock: Callable[[], float], compute: Callable[[Any], np.ndarray], call: Any) -> tuple[np.ndarray, float, float]:

@@ -54,6 +54,18 @@ class LocalExperts:
         self._answered.append(LocalAnswer(call, start, self.clock()))
         return out
 
+    def part(self, call: Any) -> np.ndarray | None:
+        """On the thread that holds tinygrad: the expert outputs (one per selected pair, row-major) for the part of
+        a layer's call that the router gave this daemon (a hot step's fan-out; counted by the router), or None if
+        the shard cannot."""
+        shard = self._shard()
+        if shard is None or not holds_every_selected(shard.holds(call.layer), call.sel):
+            return None
+        try:
+            return shard.expert_outputs(call)
+        except Exception:  # the router asks again and reports what went wrong
+            return None
+
     @property
     def answered(self) -> bool:
         """Whether calls answered here wait to be counted."""

@@ -3,8 +3,8 @@
 For each MoE block and step the stage hands it one `ExpertCall` (every row of the batch with its
 selected experts and gates). The router picks one holder per selected expert (observed latency times
 load, `swarmd.inference.moe.dispatch`), sends **one `ExpertBatch` per node** with just that node's rows and
-experts, gathers the `ExpertResult`s and adds them up: the gate-weighted sum the stage adds to its
-residual stream. Frames are retried over dropped links and de-duplicated by the transport; a node
+experts, gathers the `ExpertResult`s (each selected expert's output) and makes each row's gate-weighted
+sum in the order of its selections (`dispatch.combine`): what the stage adds to its residual stream. Frames are retried over dropped links and de-duplicated by the transport; a node
 that refuses, cannot be reached or does not answer in time is avoided and its experts are asked of
 another holder, while any is left.
 
@@ -23,12 +23,20 @@ For traced requests among the rows (`traced`: request id -> step) it records, on
 `moe.call` minus `moe.send`. The expert records its side under the same flow id (`swarmd.inference.moe.expert`).
 A call that this daemon's own shard answers whole never reaches the router: the stage computes it in place
 (`swarmd.inference.moe.local`) and the router only counts it (`record_local`; its `moe.fan_out` has no messages).
+
+A hot step (a stage's decode step on a lane's reader thread, `swarmd.inference.stage.actor`) calls `fan_out`
+on that thread instead: the batches to every remote node leave at once on the lane, this daemon's own part is
+computed meanwhile, and the answers are summed into one buffer (`swarmd.inference.moe.fan_out.FanOut`) by
+whichever thread brings them. Only what goes wrong comes to the event loop: a part whose node refused, died,
+lost its link or stayed silent for `result_timeout` is asked again by `call` above, with all its care.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
+import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
@@ -48,7 +56,8 @@ from swarmd.inference.moe.dispatch import (
     tokens_per_expert,
     unserved,
 )
-from swarmd.inference.moe.local import LocalAnswer
+from swarmd.inference.moe.fan_out import FanOut
+from swarmd.inference.moe.local import LocalAnswer, LocalExperts
 from swarmd.net.identity import short_id
 from swarmd.observe.spans import SpanRecorder, flow_id
 from swarmd.transport.transport import DeliveryFailed, Refused
@@ -76,6 +85,16 @@ class _Pending:
     answer: np.ndarray | None = None
     error: str | None = None
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)  # cancelled when the peer dies
+
+
+@dataclass
+class _HotPart:
+    """A batch of a hot step's fan-out, waiting for its answer."""
+
+    fan: FanOut
+    part: NodePart
+    started: float  # perf_counter, for the replica chooser
+    at: float  # the event loop's clock, for `result_timeout`
 
 
 @dataclass
@@ -107,10 +126,21 @@ class MoERouter:
         self._count = 0
         self._pending: dict[str, _Pending] = {}
         self.recorder: SpanRecorder | None = None  # spans of traced requests
+        self.lane: Any = None  # the hot lane (`swarmd.transport.lane.HotLane`) hot steps send their batches on
+        self._hot: dict[str, _HotPart] = {}  # batch id -> a hot fan-out's batch awaiting its answer
+        self._hot_lock = threading.Lock()
+        self._hot_ids = itertools.count(1)
+        self._hot_done: deque[tuple[Any, float, int, int]] = deque(maxlen=4096)  # (call, s, messages, nodes)
+        self._nursery: trio.Nursery | None = None
 
     async def call(self, call: Any, traced: Mapping[str, int] | None = None) -> np.ndarray:
         """The gate-weighted expert sum for every row of `call` (a models.moe.ExpertCall); `traced`: the
         traced requests among its rows and their steps, whose spans are recorded here and on the experts."""
+        return combine(call, await self._gather(call, traced))
+
+    async def _gather(self, call: Any, traced: Mapping[str, int] | None = None) -> list[tuple[NodePart, np.ndarray]]:
+        """Every selected pair's expert output for `call`, as (the node's part, its outputs) per node that
+        answered."""
         started = time.perf_counter()
         traced = dict(traced or {}) if self.recorder is not None else {}
         span_start = self.recorder.clock() if traced and self.recorder is not None else 0.0
@@ -145,7 +175,7 @@ class MoERouter:
         span_end = self.recorder.clock() if traced and self.recorder is not None else 0.0
         self._record_call(call, time.perf_counter() - started, traced, span_start, span_end, messages=messages,
                           nodes=len({p.peer for p, _ in answers}))
-        return combine(call, answers)
+        return answers
 
     def record_local(self, answer: LocalAnswer, traced: Mapping[str, int]) -> None:
         """Count a call the stage had this daemon's own shard answer on the compute thread
@@ -205,6 +235,10 @@ class MoERouter:
             if pending.peer == peer and not pending.done.is_set():
                 pending.error = "the node is dead"
                 pending.scope.cancel()
+        with self._hot_lock:
+            lost = [b for b, e in self._hot.items() if e.part.peer == peer]
+        for batch_id in lost:
+            self._hot_failed(batch_id, "the node is dead")
 
     def link_lost(self, peer: str) -> None:
         """The stream to `peer` broke or could not be opened (the transport still retries): a batch waiting on
@@ -215,6 +249,11 @@ class MoERouter:
                     pending.call, self._holders(pending.call.layer), self.dead | {peer}):
                 pending.error = "the link to the node broke (a replica is asked)"
                 pending.scope.cancel()
+        with self._hot_lock:
+            lost = [b for b, e in self._hot.items() if e.part.peer == peer and not unserved(
+                e.part.call, self._holders(e.part.call.layer), self.dead | {peer})]
+        for batch_id in lost:
+            self._hot_failed(batch_id, "the link to the node broke (a replica is asked)")
 
     async def _ask(self, part: NodePart, results: dict[str, np.ndarray | str], traced: Mapping[str, int]) -> None:
         self._count += 1
@@ -250,6 +289,10 @@ class MoERouter:
                 self.recorder.add(rid, "moe.send", thread, ready, max(acked, ready), step=step, **args)
                 self.recorder.add(rid, "moe.call", thread, ready, end, step=step, answered=pending.answer is not None,
                                   flow=flow_id(msg.key()), **args)
+        want = (int((part.call.sel >= 0).sum()), part.call.rows.shape[1])
+        if pending.answer is not None and pending.answer.shape != want:
+            pending.error = f"answer of shape {pending.answer.shape}, expected {want} (one row per selection)"
+            pending.answer = None
         if pending.answer is not None:
             self.chooser.finished(part.peer, time.perf_counter() - started)
             results[part.peer] = pending.answer
@@ -257,7 +300,155 @@ class MoERouter:
             self.chooser.finished(part.peer, None)
             results[part.peer] = pending.error or f"no answer within {self.result_timeout:.0f} s"
 
+    # --- a hot step's fan-out (from a lane's reader thread) -------------------------------------------------
+
+    def fan_out(self, call: Any, local: LocalExperts | None) -> FanOut | None:
+        """On a hot step's thread, tinygrad held: one batch per remote holder of `call`'s experts sent at once,
+        this daemon's part computed here meanwhile; the `FanOut` completes as the answers come in. None when a
+        selected expert has no live holder (the worker's `call` waits for a plan that places it)."""
+        holders = self._holders(call.layer)
+        dead = frozenset(self.dead)
+        if self.lane is None or unserved(call, holders, dead):
+            return None
+        me = self.transport.local_peer
+        parts = split_by_node(call, holders, lambda hs: self.chooser.choose(hs, dead))
+        fan = FanOut.of(call, len(parts))
+        fan.started = time.perf_counter()
+        remote = [p for p in parts if p.peer != me]
+        for part in remote:
+            self._send_hot(fan, part)
+        for part in parts:
+            if part.peer == me:
+                answer = local.part(part.call) if local is not None else None
+                if answer is None:  # the shard is not loaded yet, say: its expert actor waits for it
+                    self._send_hot(fan, part)
+                else:
+                    fan.add([(part, answer)])
+        fan.messages, fan.nodes = len(remote), len(parts)
+        return fan
+
+    def finished_hot(self, fan: FanOut) -> None:
+        """A hot fan-out's answer was taken (any thread): counted in the layer's stats by the event loop."""
+        self._hot_done.append((fan.call, time.perf_counter() - fan.started, fan.messages, fan.nodes))
+
+    def _send_hot(self, fan: FanOut, part: NodePart) -> None:
+        n = next(self._hot_ids)
+        batch_id = f"moe-{self._prefix}-h{n}"
+        msg = ExpertBatch(batch_id, n, part.call.layer, WireTensor.from_array(part.call.rows.astype(np.float32),
+                                                                              self.wire_dtype),
+                          WireTensor.from_array(part.call.sel.astype(np.int32)),
+                          WireTensor.from_array(part.call.gates.astype(np.float32)))
+        with self._hot_lock:
+            self._hot[batch_id] = _HotPart(fan, part, time.perf_counter(), self.lane.now())
+        self.chooser.started(part.peer)
+        if not self.lane.send(part.peer, msg):
+            self.lane.to_loop(self._send_by_transport, part.peer, msg)
+
+    def _send_by_transport(self, peer: str, msg: ExpertBatch) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(self._deliver, peer, msg)
+
+    async def _deliver(self, peer: str, msg: ExpertBatch) -> None:
+        try:
+            await self.transport.send(peer, msg)
+        except (DeliveryFailed, Refused) as e:
+            self._hot_failed(msg.batch_id, str(e))
+
+    def take_hot_result(self, peer: str, msg: ExpertResult, reply: Any) -> Any:
+        """The lane's handler of `ExpertResult`s: a hot fan-out's answer is added where it arrives; any other
+        goes to `on_result` on the event loop."""
+        from swarmd.transport.lane import DECLINE
+
+        entry = self._take_hot(msg.batch_id, peer)
+        if entry is None:
+            return DECLINE
+        self._hot_answer(peer, entry, msg)
+        return None
+
+    def _take_hot(self, batch_id: str, peer: str | None = None) -> _HotPart | None:
+        with self._hot_lock:
+            entry = self._hot.get(batch_id)
+            if entry is None or (peer is not None and entry.part.peer != peer):
+                return None
+            return self._hot.pop(batch_id)
+
+    def _hot_answer(self, peer: str, entry: _HotPart, msg: ExpertResult) -> None:
+        answer = msg.hidden.to_array("float32")
+        pairs = int((entry.part.call.sel >= 0).sum())
+        if answer.shape != (pairs, entry.fan.call.rows.shape[1]):
+            self.lane.to_loop(self._ask_again, entry, f"answered {list(answer.shape)} for {pairs} selections")
+            return
+        self.chooser.finished(peer, time.perf_counter() - entry.started)
+        entry.fan.add([(entry.part, answer)])
+
+    def _hot_failed(self, batch_id: str, reason: str) -> None:
+        """On the event loop: a hot fan-out's batch got no answer; its experts are asked again by `call`."""
+        entry = self._take_hot(batch_id)
+        if entry is not None:
+            self._ask_again(entry, reason)
+
+    def _ask_again(self, entry: _HotPart, reason: str) -> None:
+        part = entry.part
+        self.chooser.finished(part.peer, None)
+        log.warning("experts %s of block %d: %s did not answer (%s); asking again", list(part.experts),
+                    part.call.layer, short_id(part.peer), reason)
+        if self._nursery is None:
+            entry.fan.fail(ExpertsUnavailable("the daemon is stopping"))
+            return
+        self._nursery.start_soon(self._answer_again, entry)
+
+    async def _answer_again(self, entry: _HotPart) -> None:
+        fan, part = entry.fan, entry.part
+        try:
+            answers = await self._gather(_restrict(fan.call, set(part.experts)))
+        except ExpertsUnavailable as e:
+            fan.fail(e)
+        except Exception as e:  # the step fails for its requests; the daemon goes on
+            log.exception("asking again for experts %s of block %d failed", list(part.experts), part.call.layer)
+            fan.fail(ExpertsUnavailable(f"{type(e).__name__}: {e}"))
+        else:
+            fan.add(answers)
+
+    def given_up(self, peer: str, msg: Any, reason: str) -> None:
+        """The transport gave up a message: a hot fan-out's batch among them is asked again."""
+        if isinstance(msg, ExpertBatch):
+            self._hot_failed(msg.batch_id, reason)
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """The nursery of the router's own asking (hot parts asked again), and its look for hot parts that
+        outstayed `result_timeout`; the stats of hot calls are counted here, off the threads that made them."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started(self)
+            try:
+                while True:
+                    await trio.sleep(min(1.0, self.result_timeout / 4))
+                    self._count_hot()
+                    now = trio.current_time()
+                    with self._hot_lock:
+                        late = [b for b, e in self._hot.items() if now - e.at >= self.result_timeout]
+                    for batch_id in late:
+                        self._hot_failed(batch_id, f"no answer within {self.result_timeout:.0f} s")
+            finally:
+                self._nursery = None
+
+    def _count_hot(self) -> None:
+        while self._hot_done:
+            call, seconds, messages, nodes = self._hot_done.popleft()
+            stats = self.layers[call.layer]
+            stats.fan_out_ms.append(seconds * 1e3)
+            stats.messages += messages
+            stats.nodes_hit += nodes
+            stats.calls += 1
+            stats.rows += len(call.rows)
+            for expert, n in tokens_per_expert(call).items():
+                stats.tokens[expert] += n
+
     async def on_result(self, peer: str, msg: ExpertResult) -> None:
+        entry = self._take_hot(msg.batch_id, peer)
+        if entry is not None:  # a hot fan-out's answer the transport carried
+            self._hot_answer(peer, entry, msg)
+            return
         pending = self._pending.get(msg.batch_id)
         if pending is None or pending.peer != peer:
             return  # late (already asked elsewhere) or not ours: nothing waits for it
@@ -268,6 +459,9 @@ class MoERouter:
 
     def on_error(self, msg: Error) -> bool:
         """An Error about one of our batches (the expert refused it): fail that part; True if it was ours."""
+        if msg.request_id in self._hot:
+            self._hot_failed(msg.request_id, f"{msg.code}: {msg.message}")
+            return True
         pending = self._pending.get(msg.request_id)
         if pending is None:
             return False
@@ -276,6 +470,7 @@ class MoERouter:
         return True
 
     def status(self) -> dict[str, Any]:
+        self._count_hot()
         out = {}
         for block, s in sorted(self.layers.items()):
             lat = sorted(s.fan_out_ms)

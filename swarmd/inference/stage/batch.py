@@ -74,6 +74,12 @@ def run_batch(jobs: Sequence[Job], frees: Sequence[tuple[Any, str]]) -> Generato
             except KVCacheFull as e:
                 job.error = ("kv_cache_full", f"stage {_stage_name(job.model)}: {e} (retry when a request ends)")
                 continue
+        elif job.work.rollback is not None:  # the drafts a verify step wrote and the target rejected
+            try:
+                job.model.rollback(job.work.request_id, job.work.rollback)
+            except ModelError as e:
+                job.error = ("model_error", f"stage {_stage_name(job.model)}: {e}")
+                continue
         ready.append(job)
     if not ready:
         return
@@ -101,7 +107,7 @@ def _forward(jobs: Sequence[Job]) -> Generator[Any, Any, None]:
     for j in jobs:
         rows = j.take or j.rows_left
         inputs.append(StageInput(j.work.request_id, j.work.start_pos + j.offset, j.work.data[j.offset:j.offset + rows],
-                                 j.work.all_logits and model.is_last))
+                                 j.work.all_logits and model.is_last, verify=j.work.verify))
     started = time.perf_counter()
     outputs = yield from model.forward_steps(inputs)
     computed = time.perf_counter()
@@ -131,6 +137,8 @@ def sample_step(logits: np.ndarray, work: Work) -> Sampled:
     s = work.sampling
     assert s is not None
     params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
+    if work.draft is not None:
+        return verify_step(logits, work, params)
     last = logits[-1] if logits.ndim == 2 else logits
     token = sample(last, params, seed=s.seed, step=work.step)
     logprob: float | None = None
@@ -142,6 +150,26 @@ def sample_step(logits: np.ndarray, work: Work) -> Sampled:
         return Sampled(token, logprob, top)
     lps, ids, tops = score_rows(logits[:-1], work.targets, s.logprobs)
     return Sampled(token, logprob, top, lps, ids, tops)
+
+
+def verify_step(logits: np.ndarray, work: Work, params: Any) -> Sampled:
+    """The last stage's part of a verify step: which drafts the target accepts, and the token after them."""
+    from models.sampling import token_logprob, top_logprobs
+    from swarmd.inference.spec.acceptance import DraftDistribution, verify
+
+    s, draft = work.sampling, work.draft
+    assert s is not None and draft is not None
+    q = None
+    if draft.q_ids is not None and draft.q_probs is not None:
+        ids, probs = draft.q_ids.to_array(), draft.q_probs.to_array()
+        q = [DraftDistribution(ids[i], probs[i]) for i in range(draft.k)]
+    verdict = verify(logits, [int(t) for t in draft.tokens.to_array()], params, seed=s.seed, step=work.step, q=q)
+    logprobs: tuple[float, ...] = ()
+    tops: tuple[tuple[tuple[int, float], ...], ...] = ()
+    if s.logprobs:
+        logprobs = tuple(token_logprob(logits[i], t) for i, t in enumerate(verdict.tokens))
+        tops = tuple(tuple(top_logprobs(logits[i], s.logprobs)) for i in range(len(verdict.tokens)))
+    return Sampled(verdict.tokens[-1], tokens=verdict.tokens, logprobs=logprobs, tops=tops)
 
 
 def score_rows(logits: np.ndarray, targets: np.ndarray | None, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

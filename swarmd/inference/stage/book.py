@@ -34,7 +34,7 @@ import numpy as np
 from swarmd.errors import LocalProtocolError, RemoteProtocolError
 from swarmd.inference.head.hop_local import SentRows, keep_positions
 from swarmd.wire.codec import WireTensor
-from swarmd.wire.messages import Error, Forward, Logprobs, Message, Sampling, Token
+from swarmd.wire.messages import Draft, Error, Forward, Logprobs, Message, Sampling, Token, Verified
 
 
 class StageRefusal(RemoteProtocolError):
@@ -59,6 +59,13 @@ class Work:
     sampling: Sampling | None = None  # last stage
     adopt: str = ""  # the KV slot is this earlier attempt's, its first `start_pos` positions kept
     resume_of: str = ""  # the request continues this attempt: send the next stage every row from position 0
+    draft: Draft | None = None  # a verify step: the rows after the first are these drafted tokens
+    chain: bool = False  # a speculative request's head hands the loop back to the chain from this step on
+    rollback: int | None = None  # the cache holds positions past `start_pos` (rejected drafts): drop them first
+
+    @property
+    def verify(self) -> bool:
+        return self.draft is not None
 
     @property
     def rows(self) -> int:
@@ -75,6 +82,11 @@ class Sampled:
     prompt_logprobs: np.ndarray | None = None  # float32 [rows - 1], with all_logits
     prompt_top_ids: np.ndarray | None = None  # int32 [rows - 1, k]
     prompt_top_logprobs: np.ndarray | None = None  # float32 [rows - 1, k]
+    # a verify step: the tokens of steps step, step + 1, ... (accepted drafts, then the target's own), each
+    # token's log-prob and top alternatives when asked for
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    tops: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 class RequestPhase(enum.Enum):
@@ -116,6 +128,8 @@ class RequestState:
     epoch: int
     sampling: Sampling
     position: int = 0  # tokens this stage's cache holds for the request
+    floor: int = 0  # a speculative request's next step may start from here (positions before it are accepted)
+    drives: bool = False  # a speculative request's head drafts its steps (else the chain closes the loop itself)
     step: int = -1  # the last step this stage has run (or is running)
     phase: RequestPhase = RequestPhase.WAITING
     last_active: float = 0.0
@@ -225,8 +239,16 @@ class StageBook:
                 raise StageRefusal("bad_position", "a request's first step must start at position 0")
             position = 0
         else:
-            position = self._ready(msg.request_id, msg.step).position
-            if msg.start_pos != position:
+            state = self._ready(msg.request_id, msg.step)
+            position = state.position
+            if state.sampling.speculative:  # the step may start before the cache's end: drafts were rejected
+                if not state.floor <= msg.start_pos <= position:
+                    raise StageRefusal("bad_position", f"step {msg.step} starts at position {msg.start_pos}; this "
+                                                       f"stage holds {position} tokens of request {msg.request_id}, "
+                                                       f"{state.floor} of them accepted")
+            elif msg.draft is not None:
+                raise StageRefusal("bad_draft", f"request {msg.request_id} was not started as a speculative one")
+            elif msg.start_pos != position:
                 raise StageRefusal("bad_position", f"step {msg.step} starts at position {msg.start_pos}; this "
                                                    f"stage holds {position} tokens of request {msg.request_id}")
         if msg.start_pos + len(data) > self.max_context:
@@ -235,16 +257,19 @@ class StageBook:
         start, adopt = msg.start_pos, ""
         if first:
             state = RequestState(msg.request_id, msg.head, msg.epoch, msg.sampling or Sampling(), last_active=now,
-                                 sent=None if self.is_last else SentRows(self.max_context))
+                                 sent=None if self.is_last else SentRows(self.max_context),
+                                 drives=msg.sampling is not None and msg.sampling.speculative)
             start = self._adopt(msg.resume_of, state, len(data)) if msg.resume_of else 0
             adopt = msg.resume_of if start else ""
             self.requests[msg.request_id] = state
             self.version += 1
         state = self.requests[msg.request_id]
         targets = msg.targets.to_array().astype(np.int32) if msg.targets is not None else None
+        rollback = msg.start_pos if not first and msg.start_pos < state.position else None
         return self._begin(state, Work(msg.request_id, msg.step, start, data[start - msg.start_pos:], first,
                                        msg.all_logits, targets, state.sampling if self.is_last else None,
-                                       adopt=adopt, resume_of=msg.resume_of), now)
+                                       adopt=adopt, resume_of=msg.resume_of, draft=msg.draft, rollback=rollback,
+                                       chain=msg.chain), now)
 
     def _adopt(self, old_id: str, state: RequestState, total: int) -> int:
         """Take over what this stage holds of the attempt `old_id` (idle, not cancelled) for `state`: the
@@ -289,7 +314,9 @@ class StageBook:
         if state is None or state.cancelled:
             raise StageRefusal("unknown_request", f"request {request_id} is not running here (finished, "
                                                   "cancelled or timed out)")
-        if state.busy or step != state.step + 1:
+        # a speculative request's steps advance by the tokens each pass yielded
+        ahead = step > state.step if state.sampling.speculative else step == state.step + 1
+        if state.busy or not ahead:
             raise StageRefusal("out_of_order", f"step {step} of request {request_id} arrived while this stage "
                                                f"{'runs' if state.busy else 'has run'} step {state.step}")
         return state
@@ -318,6 +345,7 @@ class StageBook:
         state = self.requests[work.request_id]
         state.last_active = now
         state.position = work.start_pos + work.rows
+        state.floor = work.start_pos + 1 if work.verify else state.position  # a verify step's drafts may be rejected
         if self._fire(state, RequestEvent.COMPLETE) is RequestPhase.GONE:  # cancelled while the model ran it
             return []
         if not self.is_last:
@@ -330,8 +358,12 @@ class StageBook:
             return [Out(next_peer, Forward(work.request_id, work.step, self.hop + 1, start, state.head,
                                            hidden=hidden, epoch=state.epoch, all_logits=work.all_logits,
                                            sampling=state.sampling if work.new else None, targets=targets,
-                                           resume_of=work.resume_of))]
+                                           resume_of=work.resume_of, draft=work.draft, chain=work.chain))]
         assert isinstance(output, Sampled)
+        if work.chain:
+            state.drives = False
+        if state.sampling.speculative and state.drives:
+            return [Out(state.head, self._verified(work, output, state))]
         out: list[Out] = []
         if output.prompt_logprobs is not None:
             assert output.prompt_top_ids is not None and output.prompt_top_logprobs is not None
@@ -348,6 +380,35 @@ class StageBook:
         out.append(Out(state.head, Token(work.request_id, work.step, output.token, output.logprob, ids, lps, hop=1,
                                          finish=finish)))
         return out
+
+    def _verified(self, work: Work, output: Sampled, state: RequestState) -> Verified:
+        """A speculative request's step, for its head: the tokens it yielded, up to the one that ends the request."""
+        if work.verify:
+            tokens, logprobs, tops = output.tokens, output.logprobs, output.tops
+        else:
+            tokens = (output.token,)
+            logprobs = () if output.logprob is None else (output.logprob,)
+            tops = (output.top,)
+        finish, n = "", 0
+        for i, token in enumerate(tokens):
+            n = i + 1
+            # the cache as decoding one token at a time would hold it when this token is sampled
+            held = work.start_pos + (i if work.verify else work.rows - 1) + 1
+            finish = finish_reason(token, work.step + i, held, state.sampling, self.max_context)
+            if finish:
+                break
+        top = [t for per in tops[:n] for t in per] if state.sampling.logprobs else []
+        return Verified(work.request_id, work.step, tuple(tokens[:n]), drafted=work.draft.k if work.draft else 0,
+                        logprobs=tuple(logprobs[:n]), top_ids=tuple(i for i, _ in top),
+                        top_logprobs=tuple(p for _, p in top), finish=finish)
+
+    def drive(self, request_id: str) -> bool:
+        """A speculative request's head takes the loop back: its next steps go to the head (False: not here)."""
+        state = self.requests.get(request_id)
+        if state is None or not self.is_last or not state.sampling.speculative:
+            return False
+        state.drives = True
+        return True
 
     def fail(self, work: Work, code: str, message: str) -> Out | None:
         """The model could not run `work`, or its output could not be built: the request ends here; the head is

@@ -37,12 +37,14 @@ class Job:
     started: float = 0.0
     ended: float = 0.0
     computed: float = 0.0  # the model's forward was done (sampling, on the last stage, comes after)
+    arrived: float = 0.0  # a hot step's bytes came off the socket (the lane's reader), before `received`
     done: trio.Event = field(default_factory=trio.Event)
     output: np.ndarray | Sampled | None = None
     error: tuple[str, str] | None = None  # (code, message)
     batch: int = 1
     group: list[Job] = field(default_factory=list)  # the jobs of the batch it ran in (itself included)
     sends: tuple[Send, ...] | None = None  # its outputs, once built (with the rest of its batch's)
+    reply: Any = None  # a lane frame's later answer (`swarmd.transport.lane.Reply`): a hot step the worker finishes
     offset: int = 0  # rows of `work` the model has run (a long prefill runs a chunk per batch)
     take: int = 0  # rows it runs in the batch it is in (0: all the rest)
     parts: list[np.ndarray] = field(default_factory=list)  # outputs of its earlier chunks that the step returns
@@ -61,4 +63,9 @@ class Batch:
     answer: tuple[bool, Any] = (False, None)  # advance's (done, next question)
     error: BaseException | None = None
     arrived: trio.Event = field(default_factory=trio.Event)
+    hot: bool = False  # started by a lane's reader thread (`StageActor.take_hot`), which records it
+    resume: tuple[Any, BaseException | None] | None = None  # a hot step's expert answer (or error) the worker
+    # resumes it with
+    asking: trio.CancelScope | None = None  # the worker's wait for the step's remote experts
+    fan: Any = None  # the hot fan-out (moe.fan_out.FanOut) the step waits on
     settled: bool = False  # its jobs were woken, or put back for their next chunk

@@ -1,0 +1,1 @@
+"""Speculative decoding over the pipeline: the head drafts, the chain verifies several positions in one pass."""

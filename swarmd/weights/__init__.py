@@ -1,0 +1,1 @@
+"""Weights through the swarm: manifests' chunks fetched from and served to peers."""

@@ -1,0 +1,139 @@
+"""DeepSeek-V3 / Kimi-K2 style models (GGUF architecture `deepseek2`) against the independent float32 numpy
+reference (tests/reference/np_deepseek2.py): multi-head latent attention with the compressed latent cached
+per request, YaRN RoPE, sigmoid routing with a selection bias (and groups), a shared expert, a leading dense
+block; files in both forms of the latent's up-projection, float and Q4_0, and llama.cpp's arithmetic."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from reference import np_deepseek2 as ref
+from tiny_deepseek2 import TinyDeepSeek2, joined_kv_b, tiny_deepseek2_weights, write_deepseek2_gguf
+
+from models.expert_shard import ExpertShard
+from models.gguf.header import read_header
+from models.gguf.loader import stage_tensor_names
+from models.stage import StageInput, StageModel
+
+pytestmark = pytest.mark.slow  # compiles kernels
+
+SPEC = TinyDeepSeek2()
+PROMPT = np.array([1, 5, 9, 33, 2, 70, 11, 4, 60, 3])
+DECODED = [7, 8, 90]
+F32_TOL = 1e-4
+
+
+def q4_0(weights: dict[str, np.ndarray]) -> dict[str, str]:
+    """Every matrix in Q4_0, experts included, but the router (as llama.cpp's quantizer leaves it)."""
+    return {n: "Q4_0" for n, v in weights.items() if v.ndim >= 2 and v.shape[-1] % 32 == 0 and "gate_inp" not in n}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("deepseek2")
+    w = tiny_deepseek2_weights(SPEC, seed=3)
+    groups = replace(SPEC, groups=4, groups_used=2)  # DeepSeek-V3's group-limited routing
+    return {"split": write_deepseek2_gguf(base / "split.gguf", SPEC, w),
+            "kv_b": write_deepseek2_gguf(base / "kv_b.gguf", SPEC, joined_kv_b(w, SPEC)),
+            "q4_0": write_deepseek2_gguf(base / "q4.gguf", SPEC, w, quant=q4_0(w)),
+            "groups": write_deepseek2_gguf(base / "groups.gguf", groups, tiny_deepseek2_weights(groups, seed=4))}
+
+
+def reference_logits(path: Path) -> np.ndarray:
+    config, weights = ref.load(path)
+    return ref.forward(config, weights, [*PROMPT.tolist(), *DECODED])
+
+
+def run(model: StageModel, rid: str = "a") -> np.ndarray:
+    """Prefill's logits for every prompt position, then each decoded token's."""
+    model.add_request(rid)
+    out = [model.forward([StageInput(rid, 0, PROMPT, all_logits=True)])[0]]
+    for j, t in enumerate(DECODED):
+        out.append(model.forward([StageInput(rid, len(PROMPT) + j, np.array([t]))])[0][None])
+    model.free_request(rid)
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("form", ["split", "kv_b", "groups"])
+def test_a_deepseek2_gguf_computes_what_the_numpy_reference_computes(files, form):
+    """Prefill and decode through the latent cache (absorbed queries) equal the reference's decompressed
+    multi-head attention; the legacy `attn_kv_b` form loads as the split one."""
+    model = StageModel.from_gguf(files[form], max_context=64, max_requests=2, dtype="float32")
+    assert model.kv.layers[0].shape[-1] == SPEC.kv_lora + SPEC.rope  # only the latent is cached
+    np.testing.assert_allclose(run(model), reference_logits(files[form]), atol=F32_TOL, rtol=0)
+
+
+def test_q4_0_experts_stay_quantized_and_compute_the_dequantized_reference(files):
+    model = StageModel.from_gguf(files["q4_0"], max_context=64, max_requests=1, dtype="quantized")
+    assert model.weight_dtype == "quantized"
+    shard = model.expert_shard
+    assert shard is not None and shard.weights[1][0].shape == (SPEC.n_experts, 2 * SPEC.expert_ffn, SPEC.dim)
+    experts = 3 * SPEC.n_experts * SPEC.expert_ffn * SPEC.dim * (SPEC.n_blocks - 1)
+    assert shard.weight_bytes() == pytest.approx(experts * 18 / 32)  # 4-bit codes and a float16 scale per 32
+    np.testing.assert_allclose(run(model), reference_logits(files["q4_0"]), atol=1e-3, rtol=0)
+
+
+def test_ggml_numerics_follow_the_reference_where_its_top_two_are_apart(files):
+    model = StageModel.from_gguf(files["q4_0"], max_context=64, max_requests=1, numerics="ggml")
+    got, want = run(model), reference_logits(files["q4_0"])
+    err = np.abs(got - want).max()
+    assert err < 0.05 * np.abs(want).max()
+    top2 = np.sort(want, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 2 * err
+    assert clear.sum() >= len(want) // 2
+    assert (got.argmax(-1) == want.argmax(-1))[clear].all()
+
+
+def test_requests_at_different_positions_decode_in_one_batch_as_alone(files):
+    model = StageModel.from_gguf(files["split"], max_context=64, max_requests=2, dtype="float32")
+    alone = run(model, "solo")
+    model.add_request("a")
+    model.add_request("b")
+    model.forward([StageInput("a", 0, PROMPT)])
+    model.forward([StageInput("b", 0, PROMPT[:4])])
+    for j, t in enumerate(DECODED):
+        a, b = model.forward([StageInput("a", len(PROMPT) + j, np.array([t])),
+                              StageInput("b", 4 + j, np.array([PROMPT[4 + j]]))])
+        np.testing.assert_allclose(a, alone[len(PROMPT) + j], atol=F32_TOL, rtol=0)
+    np.testing.assert_allclose(b, alone[4 + len(DECODED) - 1], atol=F32_TOL, rtol=0)
+
+
+def test_stages_and_spread_experts_give_the_single_process_bits(files):
+    """One arithmetic: two stages without their experts, the experts spread over three shards and summed as
+    the router sums them, give exactly the whole model's logits (llama.cpp's numerics, Q4_0)."""
+    from swarmd.inference.moe.dispatch import ReplicaChooser, combine, split_by_node
+
+    path = files["q4_0"]
+    whole = run(StageModel.from_gguf(path, max_context=64, max_requests=1, numerics="ggml"))
+    first = StageModel.from_gguf(path, 0, 2, max_context=64, max_requests=1, numerics="ggml", local_experts=False)
+    last = StageModel.from_gguf(path, 2, 3, max_context=64, max_requests=1, numerics="ggml", local_experts=False)
+    spread = [list(range(0, 16, 3)), list(range(1, 16, 3)), list(range(2, 16, 3))]
+    shards = {name: ExpertShard.from_gguf(path, {1: es, 2: es}, numerics="ggml")
+              for name, es in zip("abc", spread, strict=True)}
+    holders = {e: (name,) for name, es in zip("abc", spread, strict=True) for e in es}
+
+    def experts(call):
+        parts = split_by_node(call, holders, ReplicaChooser().choose)
+        return combine(call, [(p, shards[p.peer].expert_outputs(p.call)) for p in parts])
+
+    out = []
+    for stage in (first, last):
+        stage.add_request("r")
+    hidden = first.forward([StageInput("r", 0, PROMPT)], experts=experts)[0]
+    out.append(last.forward([StageInput("r", 0, hidden, all_logits=True)], experts=experts)[0])
+    for j, t in enumerate(DECODED):
+        hidden = first.forward([StageInput("r", len(PROMPT) + j, np.array([t]))], experts=experts)[0]
+        out.append(last.forward([StageInput("r", len(PROMPT) + j, hidden)], experts=experts)[0][None])
+    np.testing.assert_array_equal(np.concatenate(out), whole)
+
+
+def test_a_stage_reads_only_its_own_tensors(files):
+    header = read_header(files["split"])
+    names = stage_tensor_names(header, 1, 2, SPEC.n_blocks, routed=False)
+    assert all(n.startswith("blk.1.") for n in names) and "blk.1.attn_k_b.weight" in names
+    assert not any("_exps" in n for n in names)
+    legacy = stage_tensor_names(read_header(files["kv_b"]), 0, 1, SPEC.n_blocks)
+    assert "blk.0.attn_kv_b.weight" in legacy and "token_embd.weight" in legacy and "output.weight" not in legacy

@@ -1,0 +1,213 @@
+"""The hot lane on the in-memory network, in virtual time: messages run on the lane's reader, answers go back on
+the lane, and whatever the lane cannot carry (not open yet, declined, a broken stream) is carried by the
+actor transport, each message handled once."""
+
+from __future__ import annotations
+
+import numpy as np
+import trio
+
+from swarmd.net.framing import HEADER
+from swarmd.net.seam import detachable
+from swarmd.transport.lane import DECLINE, LANE_PROTOCOL, LATER, HotLane
+from swarmd.transport.transport import Send
+from swarmd.wire import Error, Forward, Hello, Token, WireTensor, decode, encode
+from swarmd.wire.binary import decode_body, encode_frame
+from swarmd.wire.expect import ExpectForward
+from tests.transport.memnet import MemoryNet
+
+HIDDEN = 8
+
+
+def fwd(step: int, request_id: str = "req") -> Forward:
+    return Forward(request_id, step, 1, step, "head", hidden=WireTensor.from_array(np.full((1, HIDDEN), step, np.float32)))
+
+
+class Pair:
+    """Daemons a and b with a transport and a lane each: b runs Forwards (hot, or on its event loop) and
+    answers a with a Token per step."""
+
+    def __init__(self, net: MemoryNet) -> None:
+        self.net = net
+        self.hot: list[int] = []  # steps b ran on its lane's reader
+        self.loop: list[int] = []  # steps b's transport handler ran
+        self.tokens: list[int] = []  # steps a got a Token for
+        self.decide = lambda msg: None  # b's hot handler: None = run it, else what to answer
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        self.a = await self.net.add("a")
+        self.b = await self.net.add("b")
+        self.lane_a = await nursery.start(HotLane(self.net.endpoints["a"], self.a).run)
+        self.lane_b = await nursery.start(HotLane(self.net.endpoints["b"], self.b).run)
+
+        def hot(peer, msg, reply):
+            verdict = self.decide(msg)
+            if verdict is not None:
+                return verdict
+            self.hot.append(msg.step)
+            return Send(peer, Token(msg.request_id, msg.step, 100 + msg.step))
+
+        async def on_loop(peer, msg):
+            self.loop.append(msg.step)
+            return Send(peer, Token(msg.request_id, msg.step, 100 + msg.step))
+
+        async def on_token(peer, msg):
+            self.tokens.append(msg.step)
+
+        self.b.route(Forward, on_loop, expect=ExpectForward(hop=1, hidden_size=HIDDEN, vocab_size=10))
+        self.lane_b.route(Forward, hot)
+        self.a.route(Token, on_token)
+
+    async def send(self, step: int) -> None:
+        if not self.lane_a.send("b", fwd(step)):
+            await self.a.post("b", fwd(step))
+
+    async def until(self, n: int) -> None:
+        with trio.fail_after(30):
+            while len(self.tokens) < n:  # noqa: ASYNC110 - handlers append as frames land
+                await trio.sleep(0.01)
+
+
+async def test_once_the_lane_is_open_steps_run_on_its_reader_and_their_answers_come_back_on_it(nursery,
+                                                                                              autojump_clock):
+    p = Pair(MemoryNet(nursery))
+    await p.start(nursery)
+    await p.send(0)  # no lane yet: the transport carries it, and the lane opens meanwhile
+    await p.until(1)
+    for step in range(1, 6):
+        await p.send(step)
+        await p.until(step + 1)
+    assert p.loop == [0] and p.hot == [1, 2, 3, 4, 5] and p.tokens == [0, 1, 2, 3, 4, 5]
+    assert p.lane_b.stats.hot == 5 and p.lane_a.stats.acked == 0  # acks are gathered, not written between steps
+    await trio.sleep(p.lane_b.config.ack_delay)
+    assert p.lane_a.stats.acked == 5  # and then every lane frame was acked
+    assert p.lane_b.stats.sent >= 4  # the answers went back on b's own lane to a
+
+
+async def test_a_declined_step_runs_on_the_event_loop_and_is_acked_once_admitted(nursery, autojump_clock):
+    p = Pair(MemoryNet(nursery))
+    await p.start(nursery)
+    await p.send(0)
+    await p.until(1)
+    p.decide = lambda msg: DECLINE if msg.step == 2 else None
+    for step in (1, 2, 3):
+        await p.send(step)
+        await p.until(step + 1)
+    assert p.hot == [1, 3] and p.loop == [0, 2]
+    await trio.sleep(1)
+    assert p.lane_a.status()["lanes"]["b"]["unacked"] == 0
+
+
+async def test_a_later_answer_is_sent_and_acked_when_it_is_given(nursery, autojump_clock):
+    p = Pair(MemoryNet(nursery))
+    await p.start(nursery)
+    await p.send(0)
+    await p.until(1)
+    replies = []
+
+    def later(msg):
+        return LATER
+
+    p.decide = later
+    p.lane_b._routes[Forward] = lambda peer, msg, reply: replies.append((peer, msg, reply)) or LATER
+    await p.send(1)
+    with trio.fail_after(5):
+        while not replies:  # noqa: ASYNC110
+            await trio.sleep(0.01)
+    assert p.tokens == [0] and p.lane_a.status()["lanes"]["b"]["unacked"] == 1
+    peer, msg, reply = replies[0]
+    reply.done(Send(peer, Token(msg.request_id, msg.step, 7)))
+    await p.until(2)
+    await trio.sleep(0.5)
+    assert p.lane_a.status()["lanes"]["b"]["unacked"] == 0
+
+
+async def test_frames_on_a_broken_lane_go_by_the_transport_and_each_step_runs_once(nursery, autojump_clock):
+    p = Pair(MemoryNet(nursery))
+    await p.start(nursery)
+    await p.send(0)
+    await p.until(1)
+    p.net.hub.set_delay("a", "b", 0.05)  # frames in flight long enough for a reset to catch them
+    for step in range(1, 4):
+        await p.send(step)
+    p.net.hub.reset("a", "b")  # every stream between them breaks, the lanes too
+    await p.until(4)
+    for step in range(4, 8):
+        await p.send(step)
+    await p.until(8)
+    ran = p.hot + p.loop
+    assert sorted(ran) == list(range(8)) and len(ran) == len(set(ran))  # each step once, whoever carried it
+    assert sorted(set(p.tokens)) == list(range(8))
+    assert p.lane_a.stats.lost >= 1 and p.lane_a.stats.fell_back >= 1
+
+
+async def test_a_step_that_came_by_both_paths_runs_once_and_the_repeat_gets_the_cached_answer(nursery,
+                                                                                              autojump_clock):
+    p = Pair(MemoryNet(nursery))
+    await p.start(nursery)
+    await p.send(0)
+    await p.until(1)
+    assert p.lane_a.send("b", fwd(1))
+    await p.until(2)
+    await p.a.post("b", fwd(1))  # the same step again, by the transport (a lost ack, say)
+    await trio.sleep(1)
+    assert p.hot == [1] and p.loop == [0] and p.tokens == [0, 1]
+    assert p.b.stats.duplicates == 1 and p.b.stats.replays == 1  # its answer sent again (a drops the repeat)
+
+
+async def test_a_path_that_cannot_detach_keeps_every_message_on_the_transport(nursery, autojump_clock):
+    net = MemoryNet(nursery)
+    net.wrap = lambda src, dst, stream: _Undetachable(stream)
+    p = Pair(net)
+    await p.start(nursery)
+    for step in range(4):
+        await p.send(step)
+        await p.until(step + 1)
+    await trio.sleep(1)
+    assert p.loop == [0, 1, 2, 3] and p.hot == []
+    assert "no data plane" in p.lane_a.status()["lanes"]["b"]["last_error"]
+
+
+async def test_a_bad_lane_frame_is_answered_with_an_error_and_the_lane_goes_on(nursery, autojump_clock):
+    p = Pair(MemoryNet(nursery))
+    await p.start(nursery)
+    stream = await p.net.endpoints["a"].open_stream("b", LANE_PROTOCOL, bulk=True)
+    await stream.write(encode(Hello(1 << 20)))
+    await _frame(stream)  # b's hello
+    wide = Forward("req", 1, 1, 1, "head", hidden=WireTensor.from_array(np.zeros((1, HIDDEN + 1), np.float32)))
+    await stream.write(encode_frame(wide, 5))  # the wrong width for b's model
+    answer = decode(await _frame(stream))
+    assert answer.seq == 5 and isinstance(answer.msg, Error) and answer.msg.code == "bad_shape"
+    await stream.write(encode_frame(fwd(1), 6))
+    assert decode_body(await _frame(stream)).seq == 6  # acked: the lane is still open
+    assert p.hot == [1] and p.lane_b.stats.bad_frames == 1
+
+
+async def _frame(stream) -> bytes:
+    buf = b""
+    while len(buf) < 4 or len(buf) < 4 + HEADER.unpack(buf[:4])[0]:
+        buf += await stream.read(1 << 16)
+    return buf[4:]
+
+
+class _Undetachable:
+    """A stream whose path cannot be taken off the event loop (as a libp2p stream)."""
+
+    def __init__(self, stream) -> None:
+        self._s = stream
+
+    async def read(self, n):
+        return await self._s.read(n)
+
+    async def write(self, data):
+        await self._s.write(data)
+
+    async def close(self):
+        await self._s.close()
+
+    async def reset(self):
+        await self._s.reset()
+
+
+def test_memory_streams_detach_and_wrapped_ones_do_not():
+    assert not detachable(_Undetachable(None))
