@@ -51,7 +51,8 @@ class DaemonSwarm:
             d.start(bootstrap=(first.addresses[0],))
         for d in self.daemons[1:]:
             d.wait_ready(60)
-        self.wait_chain(len(self.daemons), timeout)
+        plan = Plan.loads(self.plan_file.read_text())
+        self.wait_chain(len(plan.stages), timeout, stages={s.peer_id for s in plan.stages})
         return self
 
     @property
@@ -61,9 +62,10 @@ class DaemonSwarm:
     def pipeline(self, i: int = 0) -> dict[str, Any]:
         return httpx.get(f"{self.running[i].api}/api/v0/pipeline", timeout=10).json()
 
-    def wait_chain(self, n: int, timeout: float = 300.0) -> dict[str, Any]:
-        """Until every daemon agrees on a plan of `n` stages, one per running daemon, all loaded."""
-        alive = {d.peer_id for d in self.running}
+    def wait_chain(self, n: int, timeout: float = 300.0, *, stages: set[str] | None = None) -> dict[str, Any]:
+        """Until every daemon agrees on a plan of `n` stages, all loaded: one per running daemon, or on the peers
+        `stages` (a plan whose other daemons hold experts only)."""
+        alive = stages if stages is not None else {d.peer_id for d in self.running}
 
         def ready() -> dict[str, Any] | None:
             for d in self.running:
