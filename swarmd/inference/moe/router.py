@@ -417,6 +417,8 @@ class MoERouter:
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """The nursery of the router's own asking (hot parts asked again), and its look for hot parts that
         outstayed `result_timeout`; the stats of hot calls are counted here, off the threads that made them."""
+        # the event loop's clock, which a hot step's thread reads too (trio.current_time works on the loop only)
+        self.chooser.clock = trio.lowlevel.current_clock().current_time
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started(self)
