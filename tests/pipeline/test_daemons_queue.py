@@ -73,7 +73,7 @@ def swarm(tmp_path_factory, bench_file, ref):  # the reference first: its compil
                         extra=("--max-context", str(CONTEXT), "--memory-limit", MEMORY_LIMIT, "--warmup"))
     swarm.daemons[SMALL_QUEUE].extra += ("--max-queued", "8")
     try:
-        yield swarm.start()
+        yield swarm.start(timeout=900)  # --warmup captures a graph per decode batch size first
     finally:
         swarm.stop()
 
