@@ -16,7 +16,7 @@ the median of the rounds' decode tokens/s as the head measured it. Join-to-ready
 behind NAT to the founder seeing every stage of the plan loaded, and to the home's link to the other home being
 hole-punched (direct) or known relayed.
 
-    flock /work/tools/cpu.lock .venv/bin/python scripts/bench_nat.py --rounds 5 --tokens 32
+    .venv/bin/python scripts/bench_nat.py --rounds 5 --tokens 32
 """
 
 from __future__ import annotations
