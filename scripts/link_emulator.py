@@ -14,7 +14,6 @@ Each command gets one JSON line back.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict, fields
 from functools import partial
@@ -23,7 +22,7 @@ from pathlib import Path
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from swarmd.testing.linkemu import Link, LinkConfig
+from swarmd.testing.linkemu import Link, LinkConfig, json_lines_handler
 
 
 def parse_link(spec: str) -> tuple[str, int, str, int]:
@@ -51,20 +50,7 @@ def apply(links: dict[str, Link], cmd: dict) -> dict:
 
 
 async def control(links: dict[str, Link], port: int) -> None:
-    async def handle(stream: trio.SocketStream) -> None:
-        buf = b""
-        async with stream:
-            async for data in stream:
-                buf += data
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    try:
-                        reply = apply(links, json.loads(line))
-                    except (ValueError, TypeError) as e:
-                        reply = {"error": str(e)}
-                    await stream.send_all(json.dumps(reply).encode() + b"\n")
-
-    await trio.serve_tcp(handle, port, host="127.0.0.1")
+    await trio.serve_tcp(json_lines_handler(partial(apply, links)), port, host="127.0.0.1")
 
 
 async def main_async(args: argparse.Namespace) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import trio
 
 from swarmd.cluster.wan import HOST, EmulatedLink
-from swarmd.testing.linkemu import Link, LinkConfig
+from swarmd.testing.linkemu import Link, LinkConfig, json_lines_handler
 
 
 def load_links(path: Path) -> list[EmulatedLink]:
@@ -40,22 +40,9 @@ def command(links: dict[str, tuple[EmulatedLink, Link]], cmd: Any) -> dict[str, 
 
 
 async def serve_control(links: dict[str, tuple[EmulatedLink, Link]], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    async def handle(stream: trio.SocketStream) -> None:
-        buf = b""
-        async with stream:
-            async for data in stream:
-                buf += data
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    try:
-                        reply = command(links, json.loads(line))
-                    except ValueError as e:
-                        reply = {"error": str(e)}
-                    await stream.send_all(json.dumps(reply).encode() + b"\n")
-
     listeners = await trio.open_tcp_listeners(0, host=HOST)
     task_status.started(listeners[0].socket.getsockname()[1])
-    await trio.serve_listeners(handle, listeners)
+    await trio.serve_listeners(json_lines_handler(partial(command, links)), listeners)
 
 
 async def run(specs: list[EmulatedLink]) -> None:

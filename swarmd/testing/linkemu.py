@@ -13,10 +13,12 @@ to the daemon's real port. Every setting can change while connections are open.
 
 from __future__ import annotations
 
+import json
 import random
 import socket
 import struct
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -191,3 +193,22 @@ class Link:
             nursery.start_soon(read)
             nursery.start_soon(write)
 
+
+def json_lines_handler(answer: Callable[[Any], dict[str, Any]]) -> Callable[[trio.SocketStream], Awaitable[None]]:
+    """A control connection's handler: each line a JSON command, each answered by one JSON line (`answer`'s
+    reply, or {"error": ...} for a line that is not a command `answer` takes)."""
+
+    async def handle(stream: trio.SocketStream) -> None:
+        buf = b""
+        async with stream:
+            async for data in stream:
+                buf += data
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    try:
+                        reply = answer(json.loads(line))
+                    except (ValueError, TypeError) as e:
+                        reply = {"error": str(e)}
+                    await stream.send_all(json.dumps(reply).encode() + b"\n")
+
+    return handle
