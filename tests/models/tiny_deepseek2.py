@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.models.tiny_gguf import finish
+
 
 @dataclass(frozen=True)
 class TinyDeepSeek2:
@@ -138,15 +140,4 @@ def write_deepseek2_gguf(path: Path, spec: TinyDeepSeek2, weights: dict[str, np.
     tokens = [f"<t{i}>" for i in range(s.vocab)]
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
-    for name, data in weights.items():
-        qtype = (quant or {}).get(name)
-        if qtype is None:
-            writer.add_tensor(name, data)
-        else:
-            q = gguf.GGMLQuantizationType[qtype]
-            writer.add_tensor(name, gguf.quants.quantize(data, q), raw_dtype=q)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish(writer, path, weights, quant)

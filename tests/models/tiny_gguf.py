@@ -76,18 +76,7 @@ def write_gguf(path: Path, spec: TinySpec, weights: dict[str, np.ndarray], *, ar
     for key, add in keys.items():
         if key not in omit:
             add()
-    for name, data in weights.items():
-        qtype = (quant or {}).get(name)
-        if qtype is None:
-            writer.add_tensor(name, data)
-        else:
-            q = gguf.GGMLQuantizationType[qtype]
-            writer.add_tensor(name, gguf.quants.quantize(data, q), raw_dtype=q)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish(writer, path, weights, quant)
 
 
 @dataclass(frozen=True)
@@ -151,6 +140,13 @@ def write_moe_gguf(path: Path, spec: TinySpec, moe: TinyMoE, weights: dict[str, 
     writer.add_expert_weights_scale(moe.scale)
     writer.add_expert_weights_norm(moe.norm)
     writer.add_expert_gating_func(gguf.ExpertGatingFuncType(moe.gating))
+    return finish(writer, path, weights, quant)
+
+
+def finish(writer, path: Path, weights: dict[str, np.ndarray], quant: dict[str, str] | None) -> Path:
+    """Add `weights` (those named in `quant` quantised to that GGML type) to `writer` and write the file."""
+    import gguf
+
     for name, data in weights.items():
         qtype = (quant or {}).get(name)
         if qtype is None:
