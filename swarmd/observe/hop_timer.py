@@ -11,10 +11,14 @@ its handler starts (`handling`). From those:
 
 Metrics see every frame: bytes each way by message type, and the send-to-ack latency. Spans are recorded
 only for requests the `SpanRecorder` traces; a `Forward` whose sampling asks for a trace starts one.
+
+The transport calls it on the event loop, the hot lane (`swarmd.transport.lane`) from its readers' threads: each
+call holds one lock. The lane numbers its frames on its own and tells them with negative seqs.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Protocol
 
@@ -38,8 +42,26 @@ class HopTimer:
         self.now = recorder.clock if recorder is not None else time.perf_counter
         self._out: dict[tuple[str, int], tuple[Key | None, str, float, int, str]] = {}
         self._in: dict[Key, tuple[str, float]] = {}  # traced frames checked (sender, when), handler not started
+        self._lock = threading.Lock()
 
     def encoded(self, peer: str, seq: int, msg: Message, started: float, nbytes: int) -> None:
+        with self._lock:
+            self._encoded(peer, seq, msg, started, nbytes)
+
+    def settled(self, peer: str, seq: int, acked: bool) -> None:
+        with self._lock:
+            self._settled(peer, seq, acked)
+
+    def decoded(self, peer: str, msg: Message, started: float, nbytes: int) -> None:
+        with self._lock:
+            self._decoded(peer, msg, started, nbytes)
+
+    def handling(self, msg: Message) -> None:
+        if self._in:
+            with self._lock:
+                self._handling(msg)
+
+    def _encoded(self, peer: str, seq: int, msg: Message, started: float, nbytes: int) -> None:
         end = self.now()
         if len(self._out) >= MAX_OPEN:
             self._out.clear()
@@ -52,7 +74,7 @@ class HopTimer:
             rec.add(rid, "hop.serialise", f"send -> {peer[-6:]}", started, end, msg=msg.TAG,
                     step=key[2] if key else 0, hop=key[3] if key else 0, to=peer, bytes=nbytes)
 
-    def settled(self, peer: str, seq: int, acked: bool) -> None:
+    def _settled(self, peer: str, seq: int, acked: bool) -> None:
         entry = self._out.pop((peer, seq), None)
         if entry is None:
             return
@@ -66,7 +88,7 @@ class HopTimer:
             rec.add(rid, "hop.send", f"send -> {peer[-6:]}", ready, now, msg=tag, step=key[2], hop=key[3], to=peer,
                     bytes=nbytes, acked=acked, flow=flow_id(key))
 
-    def decoded(self, peer: str, msg: Message, started: float, nbytes: int) -> None:
+    def _decoded(self, peer: str, msg: Message, started: float, nbytes: int) -> None:
         end = self.now()
         if self.counters is not None:
             self.counters.frame_received(msg.TAG, nbytes)
@@ -89,9 +111,7 @@ class HopTimer:
             self._in.clear()
         self._in[key] = (peer, end)
 
-    def handling(self, msg: Message) -> None:
-        if not self._in:
-            return
+    def _handling(self, msg: Message) -> None:
         key = msg.key()
         entry = self._in.pop(key, None) if key else None
         if entry is not None and self.recorder is not None and key is not None:

@@ -257,8 +257,13 @@ class HotLane:
             if not link.pending:
                 link.liveness.heard(now)  # the wait for an ack starts now, not at the last answer
             link.pending[seq] = _Sent(msg, now)
+        obs = self.transport.observer
+        started = obs.now() if obs is not None else 0.0
+        data = encode_frame(msg, seq)
+        if obs is not None:  # (before the write: the ack may come back before this thread goes on)
+            obs.encoded(peer, -seq, msg, started, len(data))
         try:
-            self._write(wire, encode_frame(msg, seq))
+            self._write(wire, data)
         except StreamClosed as e:
             self._lost(link, wire, str(e))
         else:
@@ -310,11 +315,13 @@ class HotLane:
                 return
             link.wire = None
             link.last_error = reason[:300]
+            seqs = list(link.pending)
             taken = [s.msg for s in link.pending.values()]
             link.pending.clear()
             link.retry_at = self.now() + self.config.retry.backoff(link.failures, self._rng)
             link.failures += 1
         wire.close_now(reason)
+        self._settled(link.peer, seqs, acked=False)
         self.stats.lost += 1
         log.debug("lane to %s lost: %s (%d frames to the transport)", short_id(link.peer), reason, len(taken))
         if taken:
@@ -394,6 +401,8 @@ class HotLane:
 
     def _on_frame(self, link: _In, body: bytes) -> None:
         self.stats.received += 1
+        obs = self.transport.observer
+        started = obs.now() if obs is not None else 0.0
         try:
             env = decode_body(body)
             msg = env.msg
@@ -411,6 +420,8 @@ class HotLane:
             self._bad_frame(link, e)
             return
         seq, peer = env.seq, link.peer
+        if obs is not None:  # (a traced request's trace starts here: its handler then declines the hot path)
+            obs.decoded(peer, msg, started, len(body))
         verdict = self.transport.begin(peer, msg, self.now())
         if verdict is None:  # over the peer's rate: the event loop waits it out, then acks
             self.stats.declined += 1
@@ -485,6 +496,7 @@ class HotLane:
         msg = env.msg
         now = self.now()
         refused: _Sent | None = None
+        acked = False
         with link.lock:
             if link.wire is not wire:
                 return
@@ -492,15 +504,24 @@ class HotLane:
             if isinstance(msg, Ack):
                 if link.pending.pop(env.seq, None) is not None:
                     self.stats.acked += 1
+                    acked = True
             elif isinstance(msg, Error) and env.seq:
                 refused = link.pending.pop(env.seq, None)
             elif isinstance(msg, Error):
                 raise StreamClosed(f"{msg.code}: {msg.message}")
             elif not isinstance(msg, Pong):
                 raise StreamClosed(f"unexpected {msg.TAG} on a lane we opened")
+        if acked or refused is not None:
+            self._settled(link.peer, [env.seq], acked=acked)
         if refused is not None and isinstance(msg, Error):
             log.info("%s refused lane frame %d: %s: %s", short_id(link.peer), env.seq, msg.code, msg.message)
             self.to_loop(self.transport.undeliverable, link.peer, refused.msg, f"{msg.code}: {msg.message}")
+
+    def _settled(self, peer: str, seqs: list[int], *, acked: bool) -> None:
+        obs = self.transport.observer
+        if obs is not None:
+            for seq in seqs:
+                obs.settled(peer, -seq, acked)
 
     def _check_liveness(self, link: _Out, wire: DetachedStream) -> float | None:
         """On the outbound reader: ping a silent peer, give the lane up when the ping goes unanswered."""

@@ -87,7 +87,8 @@ Opener = Callable[[str], Awaitable[Stream]]
 
 class FrameObserver(Protocol):
     """Told about every actor frame (timing, bytes; `swarmd.observe.hop_timer`). `now()` is its clock; the calls are
-    synchronous and must be cheap: they sit on the path of every hop."""
+    synchronous and must be cheap: they sit on the path of every hop. The hot lane calls it from its readers'
+    threads too, with its frames' seqs negated (its own numbering)."""
 
     def now(self) -> float: ...
 
