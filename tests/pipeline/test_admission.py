@@ -108,3 +108,16 @@ async def test_a_request_put_back_by_a_busy_stage_waits_until_that_stage_reports
     chain.slots["s0"] = StageSlots(2, 1, 1)  # its next report: one slot free
     with trio.fail_after(0.5):
         assert await admission.wait_turn(turn) == REGISTRY
+
+
+async def test_status_shows_the_stages_latest_reports_with_no_request_waiting(nursery, autojump_clock):
+    chain = Chain(slots=2)
+    admission = await nursery.start(chain.admission().run)
+    chain.slots["s0"] = StageSlots(2, 2, 1)  # another head's two requests hold stage 0
+    turn = admission.admit("a")
+    with trio.move_on_after(5):
+        await admission.wait_turn(turn)
+    assert admission.status()["stages"][0]["used"] == 2
+    admission.close(turn)
+    chain.slots["s0"] = StageSlots(2, 0, 2)  # they ended; nothing waits here any more
+    assert admission.status()["stages"][0]["used"] == 0

@@ -213,6 +213,7 @@ class Admission:
     def status(self) -> dict[str, Any]:
         """For `swarmd status` and /api/v0/pipeline: the queue and the chain's slots as this head sees them."""
         registry = self._registry()
+        self.view.report(self._capacity())  # (else it is refreshed only while requests wait)
         return {
             "max_queued": self.queue.max_queued, "queued": self.queue.depth, "running": self.queue.running,
             "refused": self.queue.refused, "retry_after_s": self.queue.retry_after(trio.current_time()),
