@@ -80,10 +80,10 @@ async def test_hostile_streams_on_every_protocol_leave_the_daemon_serving_others
             honest = await start_member(nursery, tmp_path / "honest", key=key, bootstrap=(victim,))
             v_transport = await start_actor_transport(victim.net, nursery)
             h_transport = await start_actor_transport(honest.net, nursery)
-            got: list[Forward] = []
+            got: list[tuple[str, Forward]] = []
 
             async def stage(peer, msg):
-                got.append(msg)
+                got.append((str(peer), msg))
 
             v_transport.route(Forward, stage)
             await eventually(lambda: victim.peer_id in honest.swarm.membership.live(), 20, "honest joins victim")
@@ -119,7 +119,8 @@ async def test_hostile_streams_on_every_protocol_leave_the_daemon_serving_others
                 await write_frame(probe, b"8 bytes!")
                 assert await read_frame(probe, 8) == b"8 bytes!"
                 await h_transport.send(victim.peer_id, forward(1), within=10)
-                assert [m.step for m in got] == [1]
+                # (a mutated frame from `evil` may still decode to a well-formed activation: that one is served)
+                assert [m.step for peer, m in got if peer == str(honest.peer_id)] == [1]
                 assert victim.net.gate.stats["strikes"] > 0  # what was refused was counted against the sender
                 await silent.aclose()
 
