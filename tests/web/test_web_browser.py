@@ -147,7 +147,6 @@ def test_the_chat_answers_what_submit_prompt_answers(swarm, page):
     assert re.search(r"\d+ tokens · [\d.]+ tokens/s", page.text_content("#chat-stats"))
 
 
-@pytest.mark.xfail(reason="known failure after the round's merges: the page's waterfall of the chat's traced request does not appear within 30 s; open in the web page issue", strict=False)
 def test_the_waterfall_of_the_chats_traced_request_lists_every_daemon_and_downloads_as_perfetto_json(swarm, page):
     page.wait_for_function("() => document.querySelectorAll('#waterfall .wf-node').length >= 4", timeout=30_000)
     chosen = page.input_value("#trace-select")
