@@ -59,8 +59,6 @@ class ExpectForward:
             _token_ids(msg.targets, "targets", self.vocab_size)
         if msg.draft is not None:
             _token_ids(msg.draft.tokens, "drafted tokens", self.vocab_size)
-            if msg.draft.q_ids is not None:
-                _token_ids(msg.draft.q_ids, "draft distribution ids", self.vocab_size)
 
 
 @dataclass(frozen=True)

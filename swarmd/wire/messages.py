@@ -286,15 +286,10 @@ class Sampling:
 
 @dataclass(frozen=True, slots=True)
 class Draft:
-    """The drafted tokens a verify step checks: the step's rows are the last accepted token, then these.
-
-    `q_ids` / `q_probs` give, per drafted position, the distribution the draft drew it from (the tokens it gives
-    mass to and their probabilities); without them each draft is deterministic (q one-hot). The last stage decides
-    with the speculative-sampling rule (`swarmd.inference.spec.acceptance`)."""
+    """The drafted tokens a verify step checks: the step's rows are the last accepted token, then these. The last
+    stage accepts each that is the token the target draws at its step (`swarmd.inference.spec.acceptance`)."""
 
     tokens: WireTensor  # int32 [k]
-    q_ids: WireTensor | None = None  # int32 [k, m]
-    q_probs: WireTensor | None = None  # float32 [k, m]
 
     @property
     def k(self) -> int:
@@ -303,12 +298,6 @@ class Draft:
     def check(self) -> None:
         _check_rows(self.tokens, "draft.tokens", ndim=1, dtypes=_INTS)
         need(1 <= self.k <= MAX_DRAFT, f"a draft holds 1 to {MAX_DRAFT} tokens")
-        need((self.q_ids is None) == (self.q_probs is None), "draft.q_ids and draft.q_probs go together")
-        if self.q_ids is not None and self.q_probs is not None:
-            _check_rows(self.q_ids, "draft.q_ids", ndim=2, dtypes=_INTS)
-            _check_rows(self.q_probs, "draft.q_probs", ndim=2, dtypes=frozenset({"float32"}))
-            need(self.q_ids.shape == self.q_probs.shape and self.q_ids.shape[0] == self.k,
-                 "draft.q_ids and draft.q_probs must be [k, m]", "bad_shape")
 
 
 MAX_DRAFT = 64

@@ -1,6 +1,6 @@
-"""The last stage's decision on a verify step (`acceptance.verify`): greedy keeps exactly the tokens decoding one at a
-time gives; sampling keeps the target's distribution (a chi-square test over many seeded draws), whatever the draft;
-every decision replays from (seed, step)."""
+"""The last stage's decision on a verify step (`acceptance.verify`): a pass yields exactly the tokens decoding one at
+a time draws at its steps, greedy or sampled, whatever the drafts; so sampling keeps the target's distribution (a
+chi-square test over many seeded draws) and every decision replays from (seed, step)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from models.sampling import SamplingParams, sample, sample_probs
-from swarmd.inference.spec.acceptance import DraftDistribution, verify
+from swarmd.inference.spec.acceptance import verify
 
 GREEDY = SamplingParams()
 WARM = SamplingParams(temperature=0.8)
@@ -35,6 +35,17 @@ def test_a_pass_decides_the_same_every_time_it_is_run(seed, k):
     logits = rng.standard_normal((k + 1, 7))
     draft = [int(t) for t in rng.integers(0, 7, k)]
     assert verify(logits, draft, WARM, seed=seed, step=3) == verify(logits, draft, WARM, seed=seed, step=3)
+
+
+@given(st.integers(0, 2**32), st.integers(0, 6), st.integers(0, 100))
+def test_a_sampled_pass_yields_the_tokens_plain_sampling_draws_at_its_steps_whatever_the_drafts(seed, k, step):
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((k + 1, 5)) * 2
+    plain = [sample(row, WARM, seed=seed, step=step + i) for i, row in enumerate(logits)]
+    draft = [plain[i] if rng.random() < 0.7 else int(rng.integers(5)) for i in range(k)]
+    verdict = verify(logits, draft, WARM, seed=seed, step=step)
+    m = next((i for i in range(k) if draft[i] != plain[i]), k)
+    assert verdict.accepted == m and list(verdict.tokens) == plain[:m + 1]
 
 
 def test_without_drafts_the_token_is_the_one_plain_sampling_draws():
@@ -60,16 +71,12 @@ def assert_distributed_as(counts: np.ndarray, p: np.ndarray) -> None:
     assert stat < chi_square_bound(int(keep.sum()) - 1), (stat, obs, exp)
 
 
-def sparse(p: np.ndarray, top: int) -> DraftDistribution:
-    ids = np.argsort(-p)[:top]
-    return DraftDistribution(ids.astype(np.int32), (p[ids] / p[ids].sum()).astype(np.float32))
-
-
 def check_sampler(logits: np.ndarray, draft_logits: np.ndarray | None, draws: int = 20000) -> None:
     """Tokens of a 2-draft pass over many seeds: the first is distributed as the target's p0, the second (when the
-    first draft was accepted) as p1; drafts deterministic (None) or drawn from the draft model's q."""
+    first draft was accepted) as p1; drafts deterministic (None) or drawn from the draft model's q. A fixed draft
+    is accepted as often as the target draws it."""
     p = [sample_probs(row, WARM) for row in logits]
-    qs = None if draft_logits is None else [sparse(sample_probs(row, WARM), 8) for row in draft_logits]
+    qs = None if draft_logits is None else [sample_probs(row, WARM) for row in draft_logits]
     firsts = np.zeros(logits.shape[1], np.int64)
     seconds = np.zeros(logits.shape[1], np.int64)
     fixed = [int(np.argsort(-p[0])[1]), int(np.argmax(p[1]))]  # a plausible but not the likeliest first draft
@@ -78,13 +85,14 @@ def check_sampler(logits: np.ndarray, draft_logits: np.ndarray | None, draws: in
             draft = fixed
         else:
             rng = np.random.default_rng([seed, 99])
-            draft = [int(rng.choice(q.ids, p=q.probs / q.probs.sum())) for q in qs]
-        verdict = verify(logits, draft, WARM, seed=seed, step=4, q=qs)
+            draft = [int(rng.choice(q.size, p=q)) for q in qs]
+        verdict = verify(logits, draft, WARM, seed=seed, step=4)
         firsts[verdict.tokens[0]] += 1
         if verdict.accepted >= 1 and draft[0] == (fixed[0] if qs is None else draft[0]):
             seconds[verdict.tokens[1]] += 1
     assert_distributed_as(firsts, p[0])
     if qs is None:  # row 1's logits were computed after the fixed first draft: its tokens follow p1
+        assert abs(seconds.sum() / draws - p[0][fixed[0]]) < 4 * math.sqrt(p[0][fixed[0]] / draws)
         assert seconds.sum() > 1000
         assert_distributed_as(seconds, p[1])
 

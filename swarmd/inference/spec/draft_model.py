@@ -3,9 +3,10 @@
 The draft model is the whole model in one `models.stage.StageModel` on the head's compute thread, with a KV slot per
 request that drafts with it. A `ModelDrafter` keeps that slot in step with the request: before each proposal it
 rolls the cache back to the longest prefix it shares with the accepted tokens and feeds what follows (one verify-
-style call: every row as a one-position step), then decodes k tokens one at a time. Greedy requests draft the draft
-model's argmax (deterministic); sampled ones draw from its distribution, cut to its `TOP_Q` most likely tokens (so
-that q travels in a few numbers), seeded per (request, step), and send that q with the draft.
+style call: every row as a one-position step), then decodes k tokens one at a time. Each drafted token is drawn as
+`models.sampling.sample` draws the target's at that step (the argmax for greedy requests; for sampled ones the same
+random number of (request seed, step)), so where the two models agree the target accepts it
+(`swarmd.inference.spec.acceptance`).
 
 A draft model must have the target's vocabulary (the same token strings, in the same order): `load_draft_model`
 refuses any other with a clear error.
@@ -21,14 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from models.sampling import SamplingParams, sample, sample_probs
-from swarmd.inference.spec.acceptance import DraftDistribution, step_draw
+from models.sampling import SamplingParams, sample
 from swarmd.inference.spec.drafting import EMPTY, Proposal
 
 log = logging.getLogger(__name__)
 
-TOP_Q = 16  # a sampled draft's distribution is cut to this many tokens
-DRAFT_DRAW = 3  # the purpose of a step's draw of the drafted token (beside acceptance's)
 PREFILL_FROM = 8  # this many tokens or more to catch up with go through a prefill, fewer as one-position rows
 
 
@@ -122,28 +120,13 @@ class ModelDrafter:
         logits = out[-1] if out.ndim == 2 else out
         self.fed = list(self.context)
         tokens: list[int] = []
-        qs: list[DraftDistribution] = []
         for i in range(k):
-            token, q = self._choose(logits, step + i)
+            token = sample(logits, self.params, seed=self.seed, step=step + i)
             tokens.append(token)
-            if q is not None:
-                qs.append(q)
             if i + 1 < k:
                 logits = stage.forward([StageInput(self.request_id, len(self.fed), np.asarray([token], np.int32))])[0]
                 self.fed.append(token)
-        return Proposal(tuple(tokens), tuple(qs) if qs else None)
-
-    def _choose(self, logits: np.ndarray, step: int) -> tuple[int, DraftDistribution | None]:
-        if self.params.greedy:
-            return sample(logits, self.params, seed=self.seed, step=step), None
-        p = sample_probs(logits, self.params)
-        top = np.argsort(-p, kind="stable")[:TOP_Q]
-        top = top[p[top] > 0]
-        probs = p[top] / p[top].sum()
-        cdf = np.cumsum(probs)
-        u = step_draw(self.seed, step, DRAFT_DRAW).random() * cdf[-1]
-        pick = int(min(np.searchsorted(cdf, u, side="right"), len(top) - 1))
-        return int(top[pick]), DraftDistribution(top.astype(np.int32), probs.astype(np.float32))
+        return Proposal(tuple(tokens))
 
     def close(self) -> None:
         if self.slot:

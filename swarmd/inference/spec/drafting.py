@@ -2,8 +2,7 @@
 
 `NgramSource` (prompt lookup, `swarmd.inference.spec.ngram`) and `ModelDrafter` (a small draft model with the
 target's vocabulary, `swarmd.inference.spec.draft_model`) both follow `Drafter`: they are told the tokens the
-target accepted, in order, and asked for up to k proposals, each with the distribution it was drawn from when it
-was drawn at random (None: deterministic).
+target accepted, in order, and asked for up to k proposals.
 """
 
 from __future__ import annotations
@@ -12,14 +11,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from swarmd.inference.spec.acceptance import DraftDistribution
 from swarmd.inference.spec.ngram import NgramDrafter
 
 
 @dataclass(frozen=True)
 class Proposal:
     tokens: tuple[int, ...]
-    q: tuple[DraftDistribution, ...] | None = None  # per token, when drawn at random
 
 
 EMPTY = Proposal(())

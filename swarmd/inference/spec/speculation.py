@@ -156,15 +156,6 @@ def verify_forward(request_id: str, step: int, start_pos: int, head: str, last: 
     rows = np.asarray((last, *proposal.tokens), dtype=np.int32)
     draft = None
     if proposal.tokens:
-        q_ids = q_probs = None
-        if proposal.q is not None:
-            width = max(len(q.ids) for q in proposal.q)
-            ids = np.zeros((len(proposal.q), width), np.int32)
-            probs = np.zeros((len(proposal.q), width), np.float32)
-            for i, q in enumerate(proposal.q):
-                ids[i, :len(q.ids)] = q.ids
-                probs[i, :len(q.probs)] = q.probs
-            q_ids, q_probs = WireTensor.from_array(ids), WireTensor.from_array(probs)
-        draft = Draft(WireTensor.from_array(rows[1:]), q_ids, q_probs)
+        draft = Draft(WireTensor.from_array(rows[1:]))
     return Forward(request_id, step, 0, start_pos, head, tokens=WireTensor.from_array(rows), epoch=epoch, draft=draft,
                    chain=chain)

@@ -155,15 +155,11 @@ def sample_step(logits: np.ndarray, work: Work) -> Sampled:
 def verify_step(logits: np.ndarray, work: Work, params: Any) -> Sampled:
     """The last stage's part of a verify step: which drafts the target accepts, and the token after them."""
     from models.sampling import token_logprob, top_logprobs
-    from swarmd.inference.spec.acceptance import DraftDistribution, verify
+    from swarmd.inference.spec.acceptance import verify
 
     s, draft = work.sampling, work.draft
     assert s is not None and draft is not None
-    q = None
-    if draft.q_ids is not None and draft.q_probs is not None:
-        ids, probs = draft.q_ids.to_array(), draft.q_probs.to_array()
-        q = [DraftDistribution(ids[i], probs[i]) for i in range(draft.k)]
-    verdict = verify(logits, [int(t) for t in draft.tokens.to_array()], params, seed=s.seed, step=work.step, q=q)
+    verdict = verify(logits, [int(t) for t in draft.tokens.to_array()], params, seed=s.seed, step=work.step)
     logprobs: tuple[float, ...] = ()
     tops: tuple[tuple[tuple[int, float], ...], ...] = ()
     if s.logprobs:
