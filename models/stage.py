@@ -174,7 +174,7 @@ class StageModel:
         from `reuse` (by default all that `reuse.parts_for(...)` allows: the realised blocks both hold, and the
         embedding / head when both have it, shared, not copied). `source` names where the weights came from
         (file and dtype, or seed), so that only a stage of the same weights hands its parts over.
-        `experts_in_graph`: an MLA stage holding its routed experts runs them inside its own graph (no host
+        `experts_in_graph`: a MoE stage holding its routed experts runs them inside its own graph (no host
         round trip per MoE block: the fast path on GPUs) instead of through its shard as a swarm does."""
         from tinygrad import Device, Tensor, nn
         from tinygrad.llm.model import MLATransformerBlock, TransformerBlock
@@ -202,10 +202,11 @@ class StageModel:
         self.hidden_size, self.vocab_size = config.dim, config.vocab_size
         self.moe_blocks = [i for i in range(start, end) if is_moe_block(config, i)]
         self.local_experts = local_experts or not self.moe_blocks
-        # MLA models run their routed experts through an ExpertShard even when they are the stage's own, so
-        # that one process and a swarm compute them alike (the graph is cut after each router either way)
+        # a stage runs its own routed experts through an ExpertShard, as a swarm's expert holders do, so that one
+        # process and a swarm compute them alike (the graph is cut after each router either way; tinygrad.llm's
+        # in-graph experts round differently and turn near-ties into other tokens)
         self.mla = is_mla(config)
-        self.shards_experts = self.mla and bool(self.moe_blocks) and self.local_experts
+        self.shards_experts = bool(self.moe_blocks) and self.local_experts
         self.experts_in_graph = experts_in_graph and self.shards_experts
         self.source = source
         if held is None:
