@@ -16,4 +16,4 @@ done
 # captured graphs the tests and their daemons share (empty on a fresh checkout, kept between local runs)
 export SWARMD_GRAPH_CACHE="${SWARMD_GRAPH_CACHE:-$PWD/.test-graphs}"
 export PYTHONHASHSEED=0  # a simulation seed replays exactly in any process
-exec .venv/bin/python -m pytest -q ${args[@]+"${args[@]}"}
+exec .venv/bin/python -m pytest -q --durations=15 ${args[@]+"${args[@]}"}
