@@ -45,6 +45,8 @@ def matvec(x: Tensor, w: Tensor) -> Tensor:
     from tinygrad.uop.ops import Ops
 
     out_features, in_features = w.shape
+    if tensor_core_rows(x.device, x.shape[0], w):
+        return tensor_core_matmul(x, w)
     if (gpu := gpu_matvec_opts(x.device, x.shape[0], out_features, in_features)) is not None:
         # the options split one merged reduction axis; a dequantised block's axes stay apart
         dense = w.uop.base.op is Ops.BUFFER
@@ -55,6 +57,31 @@ def matvec(x: Tensor, w: Tensor) -> Tensor:
     else:
         view = next(((in_features // s, s) for s in (16, 8, 4) if in_features % s == 0), (in_features, 1))
     return _split_matvec(x, w, view=view, opts=cpu_matvec_opts(x.device, out_features, len(view)))
+
+
+TENSOR_CORE_MIN_ROWS = 64  # from this many rows (a prefill chunk, a big verify batch) a GPU uses its tensor cores
+
+
+def tensor_core_rows(device: str, rows: object, w: Tensor) -> bool:
+    """Whether x (rows, in) @ w.T runs as `tensor_core_matmul`: on a GPU, with many rows (a known count), a dense
+    float16 matrix. `SWARMD_TENSOR_CORES=0` turns it off (for side-by-side measurements)."""
+    import os
+
+    from tinygrad import dtypes
+    from tinygrad.uop.ops import Ops
+
+    return (device.split(":")[0] in GPU_DEVICES and isinstance(rows, int) and rows >= TENSOR_CORE_MIN_ROWS
+            and w.dtype == dtypes.float16 and w.uop.base.op is Ops.BUFFER
+            and os.environ.get("SWARMD_TENSOR_CORES", "1") != "0")
+
+
+def tensor_core_matmul(x: Tensor, w: Tensor) -> Tensor:
+    """x (rows, in) @ w.T with float16 inputs and float32 accumulation: the shape of product tinygrad gives to
+    the tensor cores (a matrix-matrix kernel, where the matvec's split reduction leaves them idle). The
+    activations are rounded to float16 first, as the weights already are."""
+    from tinygrad import dtypes
+
+    return x.cast(dtypes.float16).matmul(w.transpose(), dtype=dtypes.float32)
 
 
 def cpu_matvec_opts(device: str, out_features: int, n_reduce: int) -> tuple | None:
