@@ -15,6 +15,7 @@ The merged Chrome trace is kept in a `TraceStore` (the latest 20, bounded in siz
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -52,6 +53,7 @@ class TraceCollector:
         self.traces = traces if traces is not None else TraceStore()
         self._waiting: dict[tuple[str, int], tuple[float, trio.Event, list[TraceSpans]]] = {}
         self._settled: dict[str, trio.Event] = {}
+        self._token: trio.lowlevel.TrioToken | None = None  # the event loop's, for acks heard on a lane's thread
         recorder.on_settled = self._on_settled
 
     # --- a stage answers ------------------------------------------------------------------------------------
@@ -59,6 +61,7 @@ class TraceCollector:
     async def on_query(self, peer: str, msg: TraceQuery) -> Send:
         received = self.recorder.clock()
         if self.recorder.inflight.get(msg.request_id):
+            self._token = trio.lowlevel.current_trio_token()
             settled = self._settled.setdefault(msg.request_id, trio.Event())
             with trio.move_on_after(SETTLE_TIMEOUT):
                 await settled.wait()
@@ -68,9 +71,11 @@ class TraceCollector:
                                      hop=msg.hop))
 
     def _on_settled(self, request_id: str) -> None:
+        """From any thread (the hot lane hears acks on its readers'): wake the query waiting for the request."""
         settled = self._settled.get(request_id)
-        if settled is not None:
-            settled.set()
+        if settled is not None and self._token is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                self._token.run_sync_soon(settled.set)
 
     async def on_spans(self, peer: str, msg: TraceSpans) -> None:
         waiting = self._waiting.get((msg.request_id, msg.hop))
