@@ -84,6 +84,44 @@ async def test_once_the_lane_is_open_steps_run_on_its_reader_and_their_answers_c
     assert p.lane_b.stats.sent >= 4  # the answers went back on b's own lane to a
 
 
+async def test_the_transports_observer_hears_every_lane_frame_sent_acked_and_received(nursery, autojump_clock):
+    p = Pair(MemoryNet(nursery))
+    await p.start(nursery)
+    sent: list[tuple[int, str, int]] = []
+    settled: list[tuple[int, bool]] = []
+    received: list[tuple[str, int]] = []
+
+    class Observer:
+        def now(self) -> float:
+            return 0.0
+
+        def encoded(self, peer, seq, msg, started, nbytes) -> None:
+            sent.append((seq, msg.TAG, nbytes))
+
+        def settled(self, peer, seq, acked) -> None:
+            settled.append((seq, acked))
+
+        def decoded(self, peer, msg, started, nbytes) -> None:
+            received.append((msg.TAG, nbytes))
+
+        def handling(self, msg) -> None:
+            pass
+
+    p.a.observer = Observer()
+    p.b.observer = Observer()
+    await p.send(0)  # by the transport: the lane opens meanwhile
+    await p.until(1)
+    for step in range(1, 4):
+        await p.send(step)
+        await p.until(step + 1)
+    await trio.sleep(1)  # the acks gathered on the lanes go back
+    lane_sent = [(seq, tag) for seq, tag, n in sent if seq < 0]  # the lane numbers its frames on its own
+    assert ("forward" in {tag for _, tag in lane_sent}) and ("token" in {tag for _, tag in lane_sent})
+    assert all(n > 0 for _, _, n in sent)
+    assert sorted(seq for seq, _ in lane_sent) == sorted(seq for seq, acked in settled if seq < 0 and acked)
+    assert [tag for tag, _ in received].count("forward") == 4 and [tag for tag, _ in received].count("token") == 4
+
+
 async def test_a_declined_step_runs_on_the_event_loop_and_is_acked_once_admitted(nursery, autojump_clock):
     p = Pair(MemoryNet(nursery))
     await p.start(nursery)
