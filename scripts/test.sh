@@ -3,17 +3,27 @@
 #   ./scripts/test.sh           the whole suite (what CI runs)
 #   ./scripts/test.sh --quick   the inner loop: units, property tests, the fault simulation's seeds and one
 #                               real-process smoke test (tests marked slow, but for the smoke test, are left out)
-# Every other argument goes to pytest (e.g. tests/simulation --seed 7).
+# Every other argument goes to pytest (e.g. tests/simulation --seed 7). Without test paths the fault simulation's
+# seeds run in a second pytest on every core (pytest-xdist), after the rest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
 .venv/bin/ruff check .
 .venv/bin/lint-imports
 args=()
+paths=no
 for arg in "$@"; do
   if [ "$arg" = --quick ]; then args+=(-m "not slow or smoke"); else args+=("$arg"); fi
+  case "$arg" in tests*) paths=yes ;; esac
 done
 # captured graphs the tests and their daemons share (empty on a fresh checkout, kept between local runs)
 export SWARMD_GRAPH_CACHE="${SWARMD_GRAPH_CACHE:-$PWD/.test-graphs}"
 export PYTHONHASHSEED=0  # a simulation seed replays exactly in any process
-exec .venv/bin/python -m pytest -q --durations=15 ${args[@]+"${args[@]}"}
+pytest=(.venv/bin/python -m pytest -q --durations=15)
+if [ "$paths" = yes ]; then
+  exec "${pytest[@]}" ${args[@]+"${args[@]}"}
+fi
+status=0
+"${pytest[@]}" --ignore=tests/simulation ${args[@]+"${args[@]}"} || status=$?
+"${pytest[@]}" -n auto tests/simulation ${args[@]+"${args[@]}"} || status=$((status ? status : $?))
+exit "$status"
