@@ -3,8 +3,9 @@
 #   ./scripts/test.sh           the whole suite (what CI runs)
 #   ./scripts/test.sh --quick   the inner loop: units, property tests, the fault simulation's seeds and one
 #                               real-process smoke test (tests marked slow, but for the smoke test, are left out)
-# Every other argument goes to pytest (e.g. tests/simulation --seed 7). Without test paths the fault simulation's
-# seeds run in a second pytest on every core (pytest-xdist), after the rest.
+# Every other argument goes to pytest (e.g. tests/simulation --seed 7). Without test paths the quick tier runs on
+# every core (pytest-xdist); the whole suite runs its real-process tests one at a time, then the fault
+# simulation's seeds on every core.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
@@ -12,8 +13,9 @@ cd "$(dirname "$0")/.."
 .venv/bin/lint-imports
 args=()
 paths=no
+quick=no
 for arg in "$@"; do
-  if [ "$arg" = --quick ]; then args+=(-m "not slow or smoke"); else args+=("$arg"); fi
+  if [ "$arg" = --quick ]; then args+=(-m "not slow or smoke"); quick=yes; else args+=("$arg"); fi
   case "$arg" in tests*) paths=yes ;; esac
 done
 # captured graphs the tests and their daemons share (empty on a fresh checkout, kept between local runs)
@@ -22,6 +24,9 @@ export PYTHONHASHSEED=0  # a simulation seed replays exactly in any process
 pytest=(.venv/bin/python -m pytest -q --durations=15)
 if [ "$paths" = yes ]; then
   exec "${pytest[@]}" ${args[@]+"${args[@]}"}
+fi
+if [ "$quick" = yes ]; then
+  exec "${pytest[@]}" -n auto ${args[@]+"${args[@]}"}
 fi
 rest=0 seeds=0
 "${pytest[@]}" --ignore=tests/simulation ${args[@]+"${args[@]}"} || rest=$?
