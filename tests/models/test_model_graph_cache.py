@@ -271,3 +271,19 @@ def test_a_stored_graph_that_refuses_its_first_inputs_is_captured_again_and_stor
     out = jit(Tensor(np.arange(64, dtype=np.int32)).realize())  # int32 inputs: tinygrad refuses the stored graph
     np.testing.assert_array_equal(out.numpy(), np.arange(64) + 1)
     assert stored == [jit]  # captured for these inputs, and handed over to be stored
+
+
+def test_graphs_built_with_other_kernel_choices_have_another_key(monkeypatch, tmp_path):
+    from models.tinygrad_ext.graph_cache import environment
+
+    monkeypatch.delenv("SWARMD_TENSOR_CORES", raising=False)
+    monkeypatch.delenv("SWARMD_MATVEC_OPTS", raising=False)
+    plain = environment("CPU")
+    monkeypatch.setenv("SWARMD_TENSOR_CORES", "0")
+    assert environment("CPU") != plain
+    table = tmp_path / "opts.json"
+    table.write_text("{}")
+    monkeypatch.setenv("SWARMD_MATVEC_OPTS", str(table))
+    keyed = environment("CPU")
+    table.write_text('{"1": [["UNROLL", 0, 4]]}')
+    assert environment("CPU") != keyed  # the table's content, not its path
