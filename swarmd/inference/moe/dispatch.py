@@ -64,6 +64,10 @@ class ReplicaChooser:
     def started(self, peer: str) -> None:
         self.in_flight[peer] = self.in_flight.get(peer, 0) + 1
 
+    def dropped(self, peer: str) -> None:
+        """A call to `peer` is awaited no more (its answer is not wanted): no longer in flight, no verdict on it."""
+        self.in_flight[peer] = max(0, self.in_flight.get(peer, 0) - 1)
+
     def finished(self, peer: str, seconds: float | None) -> None:
         """A call to `peer` ended: after `seconds`, or failed (None)."""
         self.in_flight[peer] = max(0, self.in_flight.get(peer, 0) - 1)

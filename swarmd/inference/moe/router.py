@@ -328,7 +328,13 @@ class MoERouter:
         return fan
 
     def finished_hot(self, fan: FanOut) -> None:
-        """A hot fan-out's answer was taken (any thread): counted in the layer's stats by the event loop."""
+        """A hot fan-out's answer was taken (any thread): counted in the layer's stats by the event loop. Parts it
+        still awaited (it failed, or its step was given up) are awaited no more: a late answer is dropped."""
+        with self._hot_lock:
+            left = [b for b, e in self._hot.items() if e.fan is fan]
+            dropped = [self._hot.pop(b).part.peer for b in left]
+        for peer in dropped:
+            self.chooser.dropped(peer)
         self._hot_done.append((fan.call, time.perf_counter() - fan.started, fan.messages, fan.nodes))
 
     def _send_hot(self, fan: FanOut, part: NodePart) -> None:
