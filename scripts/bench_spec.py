@@ -3,10 +3,13 @@
 
     .venv/bin/python scripts/bench_spec.py --rounds 3 --tokens 48 --delay-ms 10
 
-N daemons (default 4) serve smollm2-moe-8x2, each behind its own emulated link (`scripts/link_emulator.py`,
+N daemons (default 4) serve `--model` (smollm2-moe-8x2 by default), each behind its own emulated link (`scripts/link_emulator.py`,
 activations on libp2p streams so that every hop crosses it; see scripts/bench_wan.py). Daemon 0 holds stage 0
 and heads every request, started with `--speculate ngram --draft-tokens K`; each request picks its mode with the
-`speculate` field: off, ngram, or model:smollm2-135m (the dense model drafting for its MoE split). Rounds are
+`speculate` field: off, ngram, or model:smollm2-135m (the dense model drafting for its MoE split; left out when
+`--model smollm2-135m` is served, which would draft for itself). smollm2-moe-8x2 keeps 2 of the 8 parts of each
+MLP and writes no coherent text, so its output rarely repeats its context and prompt lookup finds nothing to draft:
+`--model smollm2-135m` (the dense model, 4 dense stages) measures ngram on text a model really writes. Rounds are
 interleaved: every round runs every prompt of every set in every mode, one request at a time.
 
 Sets: code editing (prompts whose answer rewrites code the prompt shows) and chat (questions through the chat
@@ -43,10 +46,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_wan import Emulator, free_ports  # noqa: E402
 from local_swarm import LocalSwarm, say  # noqa: E402
 
-MODEL = "smollm2-moe-8x2"
-DRAFT = "model:smollm2-135m"
+DRAFT_MODEL = "smollm2-135m"
+DRAFT = f"model:{DRAFT_MODEL}"
 N_BLOCKS = 30
-N_EXPERTS = 8
+N_EXPERTS = {"smollm2-moe-8x2": 8, "smollm2-135m": 0}  # the models this bench serves: routed experts per block
 
 CODE_EDITING = (
     "Rename the variable x to value.\n\nBefore:\n```python\ndef scale(x, factor):\n    y = x * factor\n"
@@ -68,7 +71,7 @@ CHAT = (
 SETS = {"code editing": ("prompt", CODE_EDITING), "chat": ("chat", CHAT)}
 
 
-def start(n: int, context: int, draft_tokens: int, bandwidth_mbit: float) -> tuple[LocalSwarm, Emulator]:
+def start(model: str, n: int, context: int, draft_tokens: int, bandwidth_mbit: float) -> tuple[LocalSwarm, Emulator]:
     """N daemons with an even plan, each behind an emulated link; daemon 0 speculates."""
     import tempfile
 
@@ -82,14 +85,15 @@ def start(n: int, context: int, draft_tokens: int, bandwidth_mbit: float) -> tup
         peers.append(peer_id_of(load_or_create_identity(base / f"daemon-{i}")))
     bounds = [round(i * N_BLOCKS / n) for i in range(n + 1)]
     # each stage's daemon holds its blocks' experts (every block of the model is a MoE block)
-    experts = {b: {e: (p,) for e in range(N_EXPERTS)} for i, p in enumerate(peers) for b in range(bounds[i], bounds[i + 1])}
-    plan = Plan(1, ModelRef(MODEL), tuple(Stage(p, (bounds[i], bounds[i + 1]), (stage_actor(i),))
+    experts = {b: {e: (p,) for e in range(N_EXPERTS[model])} for i, p in enumerate(peers)
+               for b in range(bounds[i], bounds[i + 1])} if N_EXPERTS[model] else {}
+    plan = Plan(1, ModelRef(model), tuple(Stage(p, (bounds[i], bounds[i + 1]), (stage_actor(i),))
                                           for i, p in enumerate(peers)), experts=experts)
     (base / "plan.json").write_text(plan.dumps())
     listen, front = free_ports(n), free_ports(n)
     emu = Emulator({f"d{i}": (front[i], listen[i]) for i in range(n)}, bandwidth_mbit)
     spec = ("--speculate", "ngram", "--draft-tokens", str(draft_tokens))
-    swarm = LocalSwarm(n, model=MODEL, base=base, swarm="benchspec", first_extra=("--plan", str(base / "plan.json")),
+    swarm = LocalSwarm(n, model=model, base=base, swarm="benchspec", first_extra=("--plan", str(base / "plan.json")),
                        extra=("--max-context", str(context), "--max-requests", "4"),
                        listen_of=lambda i: f"/ip4/127.0.0.1/tcp/{listen[i]}",
                        extra_of=lambda i: ("--announce", f"/ip4/127.0.0.1/tcp/{front[i]}", "--data-plane", "libp2p",
@@ -120,9 +124,11 @@ def generate(api: str, kind: str, text: str, tokens: int, speculate: dict[str, A
     raise RuntimeError("the stream ended early")
 
 
-def modes(draft_tokens: int) -> dict[str, dict[str, Any]]:
-    return {"off": {"mode": "off"}, "ngram": {"mode": "ngram", "draft_tokens": draft_tokens},
-            "draft model": {"mode": DRAFT, "draft_tokens": draft_tokens}}
+def modes(model: str, draft_tokens: int) -> dict[str, dict[str, Any]]:
+    out = {"off": {"mode": "off"}, "ngram": {"mode": "ngram", "draft_tokens": draft_tokens}}
+    if model != DRAFT_MODEL:
+        out["draft model"] = {"mode": DRAFT, "draft_tokens": draft_tokens}
+    return out
 
 
 class Tally:
@@ -180,12 +186,12 @@ def run_rounds(api: str, tally: Tally, sets: dict[str, tuple[str, tuple[str, ...
                         + (f", {s['accepted']}/{s['drafted']} accepted in {s['passes']} passes" if s else ""))
 
 
-def warm_up(api: str, draft_tokens: int, tokens: int) -> None:
+def warm_up(api: str, model: str, draft_tokens: int, tokens: int) -> None:
     """Compile every verify size a run will use (each padded batch size captures its graphs once) and load the
     draft model, before anything is timed."""
     ks = sorted({1, 3, 7, draft_tokens} & set(range(1, draft_tokens + 1)))
     for k in ks:
-        for mode in ("ngram", DRAFT):
+        for mode in ("ngram", DRAFT) if model != DRAFT_MODEL else ("ngram",):
             got = generate(api, "prompt", CODE_EDITING[0], tokens, {"mode": mode, "draft_tokens": k,
                                                                      "adaptive": False})
             say(f"warm-up {mode} k={k}: {got['timings']['decode_tokens_per_s']} tok/s")
@@ -207,6 +213,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=sorted(N_EXPERTS), default="smollm2-moe-8x2")
     p.add_argument("--daemons", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=48)
@@ -214,23 +221,27 @@ def main() -> int:
     p.add_argument("--delay-ms", type=float, default=10.0)
     p.add_argument("--bandwidth-mbit", type=float, default=100.0)
     p.add_argument("--loopback-rounds", type=int, default=2, help="rounds at 0 ms (0: none)")
-    p.add_argument("--far-delay-ms", type=float, default=0.0, help="also the draft model at fixed k at this delay")
+    p.add_argument("--far-delay-ms", type=float, default=0.0, help="also the draft model at fixed k at this delay "
+                   f"(not with --model {DRAFT_MODEL})")
     p.add_argument("--far-k", default="2,4,7", help="the fixed k of the --far-delay-ms rounds")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of the tables")
     p.add_argument("--json-out", type=Path, metavar="FILE", help="also write the results as JSON to FILE (the "
                    "acceptance scale_kimi.py --acceptance reads, e.g. docs/data/spec_acceptance.json)")
     args = p.parse_args()
+    if args.far_delay_ms and args.model == DRAFT_MODEL:
+        p.error(f"--far-delay-ms measures the draft model, which --model {DRAFT_MODEL} would be drafting for itself")
+    by_set = modes(args.model, args.draft_tokens)
     results: dict[str, Any] = {"command": " ".join(sys.argv[1:])}
-    swarm, emu = start(args.daemons, args.context, args.draft_tokens, args.bandwidth_mbit)
+    swarm, emu = start(args.model, args.daemons, args.context, args.draft_tokens, args.bandwidth_mbit)
     try:
         api = swarm.daemons[0].api
         emu.set_delay(0)
-        warm_up(api, args.draft_tokens, 12)
+        warm_up(api, args.model, args.draft_tokens, 12)
         emu.set_delay(args.delay_ms)
         wan = Tally()
-        run_rounds(api, wan, SETS, modes(args.draft_tokens), args.rounds, args.tokens, f"{args.delay_ms:g} ms")
-        results["wan"] = [wan.row(s, m) for s in SETS for m in modes(args.draft_tokens)]
+        run_rounds(api, wan, SETS, by_set, args.rounds, args.tokens, f"{args.delay_ms:g} ms")
+        results["wan"] = [wan.row(s, m) for s in SETS for m in by_set]
         results["mismatches"] = list(wan.mismatches)
         if args.loopback_rounds:
             emu.set_delay(0)
@@ -264,7 +275,7 @@ def main() -> int:
     print(f"Command: `.venv/bin/python scripts/bench_spec.py {results['command']}`  ")
     print(f"Machine: {platform.machine()}, Python {platform.python_version()}; {load}  ")
     print(f"Date: {time.strftime('%Y-%m-%d %H:%M %Z')}\n")
-    print(f"{args.daemons} daemons, {args.delay_ms:g} ms one way per link, one stream, {args.tokens} tokens a request:\n")
+    print(f"{args.model} on {args.daemons} daemons, {args.delay_ms:g} ms one way per link, one stream, {args.tokens} tokens a request:\n")
     print(table(results["wan"]))
     if "loopback" in results:
         print("\nLoopback (0 ms), chat set:\n")
