@@ -3,6 +3,8 @@ namespaces), as users would run them, serving SmolLM2 in three stages.
 
 - NATs that drop unsolicited connections (most home routers): one swarm with one leader; the pipeline answers
   with exactly `swarmd run`'s text; the two NATed daemons end up hole-punched (their link is direct).
+- NATs whose routers answer unsolicited connections with a RST (hole punching cannot work): the swarm forms and
+  answers over the relay all the same, and the link between the NATed pair says relayed.
 - `swarmd doctor` names each daemon's situation.
 Each scenario's daemons serve all of its tests (module-scoped); the namespaces and veths are removed after them,
 whatever happened.
@@ -70,3 +72,33 @@ def test_doctor_names_the_public_founder_and_the_hole_punched_homes(dropping):
     assert home["situation"].startswith("behind NAT (its NAT drops unsolicited connections): hole-punched"), home
     reach = next(c for c in home["checks"] if c["name"] == "reachability")
     assert reach["status"] == "warn" and "forward TCP port 4001" in reach["fix"]
+
+
+@pytest.fixture(scope="module")
+def resetting(tmp_path_factory, bench_file, reference, dropping):  # after the dropping NATs are gone
+    dropping.stop()
+    swarm = NatSwarm(tmp_path_factory.mktemp("rst"), bench_file, "rst")
+    try:
+        yield swarm.start()
+    finally:
+        swarm.stop()
+
+
+def test_behind_nats_that_answer_with_rst_the_swarm_answers_over_the_relay(resetting, reference):
+    code, result, err = resetting.submit(2, PROMPT, N_TOKENS)
+    assert code == 0, err + resetting.logs()
+    assert result["text"] == reference
+    link = wait_until(lambda: (lk := resetting.link(1, 2))["path"] == "relayed" and "failed" in lk["reason"] and lk,
+                      120, "a relayed link whose hole punching failed")
+    assert "through relay" in link["reason"]
+    assert resetting.link(2, 1)["path"] == "relayed"
+
+
+def test_doctor_names_the_rst_nat_and_the_relayed_link(resetting):
+    code, home = resetting.daemons[1].doctor()
+    assert code == 0, home
+    assert "answers unsolicited connections with RST" in home["situation"] and "relayed" in home["situation"], home
+    relay = next(c for c in home["checks"] if c["name"] == "relay reservations")
+    assert relay["status"] == "ok", relay
+    reach = next(c for c in home["checks"] if c["name"] == "reachability")
+    assert "hole punching cannot work" in reach["line"]
