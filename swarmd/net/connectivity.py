@@ -477,7 +477,7 @@ def data_plane_config(listen: Sequence[str], announce: Sequence[str], port: int 
 
     bind = "127.0.0.1"
     for a in listen:
-        if not is_circuit(a) and tcp_port_of(a) and (ip := ip_of(a)):
+        if not is_circuit(a) and tcp_port_of(a) is not None and (ip := ip_of(a)):  # port 0 (any) included
             bind = ip
             break
     host = ""

@@ -92,6 +92,12 @@ def test_the_data_plane_listens_where_libp2p_listens_and_names_the_announced_hos
     assert data_plane_config(["/ip4/127.0.0.1/tcp/0"], ()).bind_host == "127.0.0.1"
 
 
+def test_the_data_plane_listens_beside_a_listener_on_any_free_port():
+    # swarmd join's default listen address: the data plane must not fall back to loopback for it
+    assert data_plane_config(["/ip4/0.0.0.0/tcp/0"], ()).bind_host == "0.0.0.0"
+    assert data_plane_config(["/ip4/10.71.0.3/tcp/0"], ()).bind_host == "10.71.0.3"
+
+
 def test_the_data_plane_is_offered_only_where_a_peers_dial_can_arrive():
     from swarmd.net.connectivity import data_plane_refusal
     from swarmd.net.reachability import UNKNOWN, Verdict
