@@ -45,10 +45,10 @@ REGRESSIONS: dict[str, Scenario] = {
                   Request(at=2.97, head=2, prompt=(7, 100, 7, 100, 9), max_tokens=4, seed=615, temperature=0.0),
                   Request(at=2.38, head=0, prompt=(12, 13, 14, 15, 16, 17), max_tokens=4, seed=452, temperature=0.8)),
         faults=(Fault(at=0.21, kind="black_hole", pick=15115, lasts=0.0, amount=0.089),)),
-    # A reset of the link between a MoE stage and an expert holder while the stage's hot step waited on that
-    # holder's answer: the head cancelled the request, the step stopped waiting and failed, and the part it had
-    # asked stayed awaited in the router until the expert call's timeout. A hot fan-out's parts are now awaited
-    # no more once its answer (or failure) is taken. Found by the 10,000-seed sweep (seeds 1917 and 2180).
+    # A crashed head and a link reset while a MoE stage's hot step waited on an expert holder's answer: the head
+    # cancelled the request, the step stopped waiting and failed, and the part it had asked stayed awaited in the
+    # router until the expert call's timeout. A hot fan-out's parts are now awaited no more once its answer (or
+    # failure) is taken. Found by a longer sweep (seeds 1917 and 2180).
     "a hot fan-out part left awaited after its step was given up": Scenario(
         seed=1917, model="moe", daemons=3, behind_nat=(), stages=2,
         requests=(Request(at=1.76, head=2, prompt=(99,), max_tokens=8, seed=856, temperature=0.0),
