@@ -129,6 +129,18 @@ def test_unknown_requests_and_full_contexts_are_refused():
     assert e.value.code == "bad_token"
 
 
+def test_a_step_sent_for_a_plan_older_than_the_stages_blocks_is_refused_so_that_the_head_moves_it():
+    # the step's hidden state came from a chain cut for plan 3; this stage has held its blocks since plan 4 (it
+    # restarted, or was re-planned, at the same hop): its first block need not be where that chain's stage 0 ended
+    b = book(1, since_epoch=4)
+    for check in (b.must_wait, lambda msg: b.on_forward(msg, 1.0)):
+        with pytest.raises(StageRefusal) as e:
+            check(prefill(1))
+        assert e.value.code == "stale_plan" and "epoch 3" in str(e.value) and "since epoch 4" in str(e.value)
+    assert not b.requests and not b.reserved
+    assert book(1, since_epoch=3).on_forward(prefill(1), 1.0).new  # sent for the plan it holds its blocks under
+
+
 def test_a_cancel_frees_at_once_unless_the_model_is_running_the_request():
     b = book(1)
     idle = b.on_forward(prefill(1, rid="idle"), 1.0)

@@ -56,4 +56,16 @@ REGRESSIONS: dict[str, Scenario] = {
         faults=(Fault(at=0.54, kind="delay", pick=42567, lasts=0.0, amount=0.109),
                 Fault(at=0.55, kind="crash_head", pick=22148, lasts=1.54, amount=0.163),
                 Fault(at=2.93, kind="reset", pick=59565, lasts=4.69, amount=0.092))),
+    # A stage frozen mid-prefill sent its output, after the thaw, to the peer that had been the next stage; that
+    # peer had restarted and held other blocks at the same hop under a newer plan, computed them on it and sent
+    # a token that was wrong, and the head's replay went on from it. A stage now refuses a step sent for a plan
+    # older than the one it has held its blocks under (`stale_plan`), and the head moves the request.
+    "a step computed by a stage re-planned under it": Scenario(
+        seed=6635, model="dense", daemons=3, behind_nat=(), stages=3,
+        requests=(Request(at=0.78, head=2, prompt=(99,), max_tokens=6, seed=903, temperature=0.0),
+                  Request(at=2.4, head=1, prompt=(99,), max_tokens=6, seed=308, temperature=0.0)),
+        faults=(Fault(at=1.7, kind="freeze", pick=18452, lasts=3.82, amount=0.098),
+                Fault(at=1.7, kind="reset", pick=50557, lasts=3.34, amount=0.02),
+                Fault(at=2.06, kind="crash_head", pick=25181, lasts=2.51, amount=0.097),
+                Fault(at=2.35, kind="crash_any", pick=10828, lasts=0.0, amount=0.109))),
 }

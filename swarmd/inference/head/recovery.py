@@ -29,7 +29,7 @@ from swarmd.wire.messages import Forward, Sampling
 # Stage errors that say the request's chain is gone or changed under it (not that the request is wrong):
 # the head moves the request instead of failing it.
 CHAIN_ERRORS = frozenset({"not_ready", "unknown_request", "wrong_hop", "not_a_stage", "out_of_order", "bad_position",
-                          "duplicate_request", "unreachable", "resume_failed"})
+                          "duplicate_request", "unreachable", "resume_failed", "stale_plan"})
 MAX_MOVES = 8  # a request moved this often without progress fails: the swarm is not settling
 
 

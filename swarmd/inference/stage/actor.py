@@ -465,7 +465,7 @@ class StageActor:
             version = self.book.version + 1 if self.book is not None else 0  # a head sees the change
             self.book = StageBook(loaded.hop, loaded.registry.n_stages, min(self.max_context, loaded.model.max_context),
                                   loaded.model.vocab_size, self.wire_dtype, slots=loaded.model.max_requests,
-                                  version=version)
+                                  version=version, since_epoch=loaded.registry.epoch)
             self._book_key = key
             self._admit_in_line()  # those waiting for the old stage's slots leave the line
             self._model = loaded.model

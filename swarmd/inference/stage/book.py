@@ -177,6 +177,7 @@ class StageBook:
     in_line: dict[str, str] = field(default_factory=dict)  # request id -> head: first steps waiting for a slot
     reserved: set[str] = field(default_factory=set)  # taken from `waiting`: their slot is held for them
     version: int = 0  # changes whenever `used` may have
+    since_epoch: int = 0  # the plan epoch since which this stage has held its blocks at this hop
 
     @property
     def is_first(self) -> bool:
@@ -197,6 +198,7 @@ class StageBook:
         """Whether this request's first step must wait for a slot (every slot taken, or others wait first);
         StageRefusal `busy` when too many wait already. A moved request continuing an attempt this stage holds
         idle takes that attempt's slot over and never waits."""
+        self._check_plan(msg)
         first = msg.step == 0 or msg.sampling is not None
         if not first or msg.request_id in self.reserved or msg.request_id in self.requests:
             return False
@@ -226,7 +228,17 @@ class StageBook:
 
     # --- messages in -> work ------------------------------------------------------------------------------
 
+    def _check_plan(self, msg: Forward) -> None:
+        """A step sent for a plan older than this stage's blocks came through a chain cut elsewhere: its hidden
+        state need not start at this stage's first block (a stage that restarted, or was re-planned, with the
+        same hop). StageRefusal `stale_plan`: the head moves the request to the current chain."""
+        if msg.epoch < self.since_epoch:
+            raise StageRefusal("stale_plan", f"step {msg.step} of {msg.request_id} was sent for plan epoch "
+                                             f"{msg.epoch}; this stage has held its blocks since epoch "
+                                             f"{self.since_epoch}")
+
     def on_forward(self, msg: Forward, now: float) -> Work:
+        self._check_plan(msg)
         self.reserved.discard(msg.request_id)  # the slot held for it is now its own, or free again if refused
         data = self._rows(msg)
         # A request's first Forward is step 0, or a later step carrying the sampling settings: the head moved
