@@ -3,8 +3,8 @@
 
     .venv/bin/python scripts/bench_spec.py --rounds 3 --tokens 48 --delay-ms 10
 
-N daemons (default 4) serve `--model` (smollm2-moe-8x2 by default), each behind its own emulated link (`scripts/link_emulator.py`,
-activations on libp2p streams so that every hop crosses it; see scripts/bench_wan.py). Daemon 0 holds stage 0
+N daemons (default 4) serve `--model` (smollm2-moe-8x2 by default), each behind its own emulated link
+(`scripts/link_emulator.py`, activations on libp2p streams so that every hop crosses it; see scripts/bench_wan.py). Daemon 0 holds stage 0
 and heads every request, started with `--speculate ngram --draft-tokens K`; each request picks its mode with the
 `speculate` field: off, ngram, or model:smollm2-135m (the dense model drafting for its MoE split; left out when
 `--model smollm2-135m` is served, which would draft for itself). smollm2-moe-8x2 keeps 2 of the 8 parts of each
@@ -275,7 +275,8 @@ def main() -> int:
     print(f"Command: `.venv/bin/python scripts/bench_spec.py {results['command']}`  ")
     print(f"Machine: {platform.machine()}, Python {platform.python_version()}; {load}  ")
     print(f"Date: {time.strftime('%Y-%m-%d %H:%M %Z')}\n")
-    print(f"{args.model} on {args.daemons} daemons, {args.delay_ms:g} ms one way per link, one stream, {args.tokens} tokens a request:\n")
+    print(f"{args.model} on {args.daemons} daemons, {args.delay_ms:g} ms one way per link, one stream, "
+          f"{args.tokens} tokens a request:\n")
     print(table(results["wan"]))
     if "loopback" in results:
         print("\nLoopback (0 ms), chat set:\n")

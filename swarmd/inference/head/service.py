@@ -70,8 +70,8 @@ BUSY_CODES = frozenset({"busy", "kv_cache_full"})  # a stage had no KV slot: the
 # The HTTP status of a failure code, where it is not a plain bad request (400). 503: the swarm cannot serve;
 # 429: it is busy (the client may retry after a while).
 STATUS = {"leaving": 503, "swarm_too_small": 503, "not_ready": 503, "unreachable": 503, "timeout": 504, "internal": 500,
-          "model_error": 500, "unknown_request": 502, "out_of_order": 502, "not_a_stage": 503, "wrong_hop": 503, "stale_plan": 503,
-          "queue_full": 429, "busy": 429, "kv_cache_full": 429}
+          "model_error": 500, "unknown_request": 502, "out_of_order": 502, "not_a_stage": 503, "wrong_hop": 503,
+          "stale_plan": 503, "queue_full": 429, "busy": 429, "kv_cache_full": 429}
 
 
 def status_of(code: str) -> int:
