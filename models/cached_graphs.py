@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from tinygrad import TinyJit
 from tinygrad.engine.jit import JitError
 
+from models.kernels.matvec import tensor_cores_on
 from models.tinygrad_ext import graph_cache
 
 if TYPE_CHECKING:
@@ -244,7 +245,7 @@ def _common(owner: Any, source: str) -> dict[str, Any] | None:
     if model is None:
         return None
     return {"model": model, "config": repr(owner.config), "code": code_fingerprint(), "matvec_opts": _matvec_opts(),
-            **graph_cache.environment(owner.device)}
+            "tensor_cores": tensor_cores_on(), **graph_cache.environment(owner.device)}
 
 
 def _matvec_opts() -> str | None:

@@ -62,17 +62,21 @@ def matvec(x: Tensor, w: Tensor) -> Tensor:
 TENSOR_CORE_MIN_ROWS = 64  # from this many rows (a prefill chunk, a big verify batch) a GPU uses its tensor cores
 
 
-def tensor_core_rows(device: str, rows: object, w: Tensor) -> bool:
-    """Whether x (rows, in) @ w.T runs as `tensor_core_matmul`: on a GPU, with many rows (a known count), a dense
-    float16 matrix. `SWARMD_TENSOR_CORES=0` turns it off (for side-by-side measurements)."""
+def tensor_cores_on() -> bool:
+    """`SWARMD_TENSOR_CORES=0` turns `tensor_core_matmul` off (for side-by-side measurements)."""
     import os
 
+    return os.environ.get("SWARMD_TENSOR_CORES", "1") != "0"
+
+
+def tensor_core_rows(device: str, rows: object, w: Tensor) -> bool:
+    """Whether x (rows, in) @ w.T runs as `tensor_core_matmul`: on a GPU, with many rows (a known count), a dense
+    float16 matrix, unless `tensor_cores_on()` says no."""
     from tinygrad import dtypes
     from tinygrad.uop.ops import Ops
 
     return (device.split(":")[0] in GPU_DEVICES and isinstance(rows, int) and rows >= TENSOR_CORE_MIN_ROWS
-            and w.dtype == dtypes.float16 and w.uop.base.op is Ops.BUFFER
-            and os.environ.get("SWARMD_TENSOR_CORES", "1") != "0")
+            and w.dtype == dtypes.float16 and w.uop.base.op is Ops.BUFFER and tensor_cores_on())
 
 
 def tensor_core_matmul(x: Tensor, w: Tensor) -> Tensor:

@@ -125,28 +125,11 @@ def environment(device: str) -> dict[str, Any]:
                                          codegen.IMAGE, codegen.DISABLE_FAST_IDIV, codegen.TRANSCENDENTAL,
                                          codegen.ALLOW_TF32, BEAM, JIT, JIT_BATCH_SIZE)}
     env = {"tinygrad": version("tinygrad"), "settings": settings, "jitbeam": getenv("JITBEAM", BEAM.value),
-           "kernel_choices": _kernel_choices(),
            "device": device, "renderer": f"{type(renderer).__qualname__} {renderer.target!r}",
            "float4": getattr(renderer, "supports_float4", None), "machine": platform.machine()}
     if device.split(":")[0] == "CPU":
         env |= {"cpu": _cpu_identity(), "threads": CPU_COUNT.value}
     return env
-
-
-# swarmd's own settings that change which kernels a graph holds (models.kernels.matvec)
-KERNEL_ENV = ("SWARMD_TENSOR_CORES", "SWARMD_MATVEC_OPTS")
-
-
-def _kernel_choices() -> dict[str, str | None]:
-    """KERNEL_ENV's values; for SWARMD_MATVEC_OPTS (a file) its content."""
-    out: dict[str, str | None] = {k: os.environ.get(k) for k in KERNEL_ENV}
-    path = out["SWARMD_MATVEC_OPTS"]
-    if path:
-        try:
-            out["SWARMD_MATVEC_OPTS"] = Path(path).read_text()
-        except OSError:
-            pass  # matvec reports the unreadable file itself
-    return out
 
 
 @functools.cache

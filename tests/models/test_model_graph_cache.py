@@ -273,17 +273,19 @@ def test_a_stored_graph_that_refuses_its_first_inputs_is_captured_again_and_stor
     assert stored == [jit]  # captured for these inputs, and handed over to be stored
 
 
-def test_graphs_built_with_other_kernel_choices_have_another_key(monkeypatch, tmp_path):
-    from models.tinygrad_ext.graph_cache import environment
+def test_graphs_built_with_other_kernel_choices_have_another_key(graphs_dir, monkeypatch, tmp_path):
+    def key() -> dict:  # of a stage made now (a stage reads the settings as its graphs are keyed)
+        made = stage()  # held while keyed: its graphs refer to it weakly
+        return made.graphs.key_of(("decode", 1, (0, 3, False)))
 
     monkeypatch.delenv("SWARMD_TENSOR_CORES", raising=False)
     monkeypatch.delenv("SWARMD_MATVEC_OPTS", raising=False)
-    plain = environment("CPU")
+    plain = key()
     monkeypatch.setenv("SWARMD_TENSOR_CORES", "0")
-    assert environment("CPU") != plain
+    assert key() != plain
     table = tmp_path / "opts.json"
     table.write_text("{}")
     monkeypatch.setenv("SWARMD_MATVEC_OPTS", str(table))
-    keyed = environment("CPU")
+    keyed = key()
     table.write_text('{"1": [["UNROLL", 0, 4]]}')
-    assert environment("CPU") != keyed  # the table's content, not its path
+    assert key() != keyed  # the table's content, not its path
