@@ -70,7 +70,7 @@ class ReplicaChooser:
 
     def finished(self, peer: str, seconds: float | None) -> None:
         """A call to `peer` ended: after `seconds`, or failed (None)."""
-        self.in_flight[peer] = max(0, self.in_flight.get(peer, 0) - 1)
+        self.dropped(peer)
         old = self.estimate(peer)
         if seconds is None:  # worse than the slowest peer that answers, until it answers fast again
             self.latency[peer] = max([old, *(self.estimate(p) for p in self.latency)]) * self.failure_penalty

@@ -32,6 +32,7 @@ class FanOut:
     started: float = 0.0  # perf_counter when the batches left
     messages: int = 0  # batches sent to other nodes
     nodes: int = 0  # nodes asked, this one included
+    asked: list[str] = field(default_factory=list)  # the batch ids of its parts sent as `ExpertBatch`es
 
     @classmethod
     def of(cls, call: Any, parts: int) -> FanOut:

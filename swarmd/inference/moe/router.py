@@ -331,9 +331,8 @@ class MoERouter:
         """A hot fan-out's answer was taken (any thread): counted in the layer's stats by the event loop. Parts it
         still awaited (it failed, or its step was given up) are awaited no more: a late answer is dropped."""
         with self._hot_lock:
-            left = [b for b, e in self._hot.items() if e.fan is fan]
-            dropped = [self._hot.pop(b).part.peer for b in left]
-        for peer in dropped:
+            left = [e for e in (self._hot.pop(b, None) for b in fan.asked) if e is not None]
+        for peer in (e.part.peer for e in left):
             self.chooser.dropped(peer)
         self._hot_done.append((fan.call, time.perf_counter() - fan.started, fan.messages, fan.nodes))
 
@@ -344,6 +343,7 @@ class MoERouter:
                                                                               self.wire_dtype),
                           WireTensor.from_array(part.call.sel.astype(np.int32)),
                           WireTensor.from_array(part.call.gates.astype(np.float32)))
+        fan.asked.append(batch_id)
         with self._hot_lock:
             self._hot[batch_id] = _HotPart(fan, part, time.perf_counter(), self.lane.now())
         self.chooser.started(part.peer)
