@@ -4,8 +4,9 @@ captured on their first call and stored there (`models.tinygrad_ext.graph_cache`
 A graph is stored under a key made of everything it depends on: the model (the GGUF's sha256, or the seed),
 the owner's shape (config, block range or experts held, numerics, weight dtype, context, KV slots, prefill
 chunk, attention tile, segments), the graph (prefill with or without every position's logits, decode batch
-size, expert rows), the code that builds graphs (a hash of this package's sources), tinygrad and the
-machine (`graph_cache.environment`), and the signature of the buffers it binds to. The buffers bound are
+size, expert rows), the code that builds graphs (a hash of this package's sources), swarmd's kernel choices
+(`SWARMD_TENSOR_CORES`, the `SWARMD_MATVEC_OPTS` table's hash), tinygrad and the machine
+(`graph_cache.environment`), and the signature of the buffers it binds to. The buffers bound are
 every tensor the owner holds (weights under their GGUF names, fused projections, GGML blocks, KV cache,
 RoPE table), found by walking its attributes; a graph that reads anything else is not stored.
 
