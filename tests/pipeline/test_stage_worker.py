@@ -10,9 +10,11 @@ import numpy as np
 import trio
 
 from swarmd.inference.compute import ComputeThread
+from swarmd.inference.registry import Registry
 from swarmd.inference.stage.actor import StageActor
 from swarmd.inference.stage.book import Work
-from swarmd.inference.stage.job import Batch, Job
+from swarmd.inference.stage.job import Batch, Job, Loaded
+from swarmd.wire import Forward, Sampling, WireTensor
 
 
 async def nothing_to_post(sends) -> None:
@@ -76,7 +78,8 @@ def queued(stage: StageActor, model: RecordingModel, rows: int, *request_ids: st
     """Jobs of `request_ids` queued on the stage, which also holds requests `others` (elsewhere in the chain)."""
     stage._model = model  # the stage's current model
     stage.book = SimpleNamespace(requests=dict.fromkeys((*request_ids, *others)))  # the requests it holds
-    jobs = [Job(Work(rid, 1, 4, np.zeros((rows, 8), np.float32)), model=model) for rid in request_ids]
+    jobs = [Job(Work(rid, 1, 4, np.zeros((rows, 8), np.float32)), model=model, book=stage.book)
+            for rid in request_ids]
     stage._jobs += jobs
     return jobs
 
@@ -118,6 +121,42 @@ async def test_prefills_slow_steps_partial_batches_and_a_stage_with_inlining_off
         stage._launch()
         await wait_done(jobs)
         assert model.threads == ["swarmd-compute"], (inline_step_s, rows, took, others)
+
+
+class SlotModel(RecordingModel):
+    """A RecordingModel with KV slots."""
+
+    max_requests, max_context, vocab_size = 4, 64, 100
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slots: set[str] = set()
+
+    def add_request(self, request_id: str) -> None:
+        self.slots.add(request_id)
+
+    def free_request(self, request_id: str) -> None:
+        self.slots.discard(request_id)
+
+
+async def test_a_step_queued_for_a_request_its_stage_dropped_reserves_no_kv_slot():
+    old, new = SlotModel(), SlotModel()
+    registry = Registry(1, ("S0", "S1"), ((0, 4), (4, 8)), {})
+    loaded = [Loaded(old, 1, registry)]
+    stage = StageActor(lambda: loaded[0], compute=ComputeThread(), max_context=64, wire_dtype=None,
+                       idle_timeout=60, post_all=nothing_to_post)
+    _, book = stage._book()
+    prompt = Forward("r", 0, 1, 0, "H", hidden=WireTensor.from_array(np.ones((3, 8), np.float32)),
+                     sampling=Sampling(max_tokens=4), epoch=1)
+    job = Job(book.on_forward(prompt, now=0.0), old, loaded[0], book)
+    stage._jobs.append(job)  # its prefill waits for the batch ahead of it (a MoE step waiting for its experts)
+    loaded[0] = Loaded(new, 1, registry)  # a new plan: the stage's model is replaced before the prefill runs
+    stage._book()  # the old book's requests are gone, their KV caches to be freed
+    stage._launch()
+    await wait_done([job])
+    assert old.slots == set() and old.threads == []  # freed with the old book: the step must not take a slot again
+    assert stage._outputs(job) is None  # and it sends nothing: the request is lost here
+    stage.compute.close()
 
 
 async def test_a_busy_compute_thread_is_never_joined_by_a_step_on_the_event_loop():

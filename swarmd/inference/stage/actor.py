@@ -516,7 +516,7 @@ class StageActor:
         """What a finished job sends: the next stage's input or the sampled token, or its error to the head."""
         work, loaded, book = job.work, job.loaded, job.book
         assert loaded is not None and book is not None
-        if book is not self.book or work.request_id not in book.requests:
+        if self._let_go(job):
             return None  # the stage was replaced meanwhile (a new plan): the request is lost here
         if job.error is not None:
             out = book.fail(work, *job.error)
@@ -553,6 +553,11 @@ class StageActor:
         else:
             self._to_loop(self._admit_in_line)
 
+    def _let_go(self, job: Job) -> bool:
+        """Whether `job`'s book no longer holds its request (or is no longer the stage's): its KV cache is freed,
+        or queued to be, and its outputs are nobody's."""
+        return job.book is None or job.book is not self.book or job.work.request_id not in job.book.requests
+
     def _take_batch(self) -> list[Job]:
         """Every queued job of one model, one per request (a request's next step waits for the next batch).
 
@@ -560,6 +565,17 @@ class StageActor:
         one prefill chunk (`prefill_chunk` rows, one call of the model's prefill graph, whatever the rows); the
         rest of that prompt, and other prompts, run in the batches after it, each with the decode steps queued
         by then."""
+        # A step queued for a request its book has let go since (the stage was replaced: the book's CLEAR) is not
+        # run: the free of its KV cache comes first in the batch, so its add_request would take a slot for good.
+        kept: list[Job] = []
+        for job in self._jobs:
+            if self._let_go(job):
+                job.done.set()  # its handler sends nothing
+            else:
+                kept.append(job)
+        self._jobs = kept
+        if not kept:
+            return []
         model = self._jobs[0].model
         prefilling = {j.work.request_id for j in self._jobs if j.rows_left > 1}
         chunk = getattr(model, "prefill_chunk", 0)
