@@ -68,4 +68,17 @@ REGRESSIONS: dict[str, Scenario] = {
                 Fault(at=1.7, kind="reset", pick=50557, lasts=3.34, amount=0.02),
                 Fault(at=2.06, kind="crash_head", pick=25181, lasts=2.51, amount=0.097),
                 Fault(at=2.35, kind="crash_any", pick=10828, lasts=0.0, amount=0.109))),
+    # A MoE stage's step waited for experts on a hung holder while the prefill of another request queued behind
+    # it; a new plan replaced the stage's model, its book let the request go and queued its KV cache's free. The
+    # next batch of the old model freed it, then ran the queued prefill, which took a slot nobody would free. A
+    # queued step whose request its book no longer holds is now dropped before it runs.
+    "a queued prefill of a request its replaced stage had let go": Scenario(
+        seed=8387, model="moe", daemons=4, behind_nat=(),
+        requests=(Request(at=1.47, head=2, prompt=(12, 13, 14, 15, 16, 17), max_tokens=4, seed=615, temperature=0.0),
+                  Request(at=2.73, head=1, prompt=(1, 2, 3, 4), max_tokens=6, seed=973, temperature=0.0),
+                  Request(at=2.88, head=0, prompt=(12, 13, 14, 15, 16, 17), max_tokens=6, seed=860, temperature=0.0),
+                  Request(at=2.14, head=2, prompt=(250, 3), max_tokens=8, seed=819, temperature=0.8)),
+        faults=(Fault(at=0.71, kind="reset", pick=28381, lasts=0.0, amount=0.137),
+                Fault(at=0.93, kind="black_hole", pick=6578, lasts=0.0, amount=0.188),
+                Fault(at=2.48, kind="freeze", pick=32364, lasts=0.0, amount=0.086))),
 }
