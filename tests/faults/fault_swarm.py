@@ -44,7 +44,7 @@ class LinkEmulator:
         for name, target in targets.items():
             cmd += ["--link", f"{name}={self.ports[name]}:127.0.0.1:{target}"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "a"))
-        wait_until(self._listening, 30, "the link emulator's control port")
+        wait_until(self._listening, 120, "the link emulator's control port")
 
     def _listening(self) -> bool:
         try:
