@@ -79,9 +79,9 @@ def tinygrad_cpu_is_stuck(wait: float = 10.0) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On several workers (`-n`; the whole suite runs `--dist loadfile`: a module's swarm starts once) a worker
-    takes the modules of slow tests first, then the simulation's seeds, then the rest: the long units start
-    early and the short ones fill the end."""
+    """On several workers (`-n`; `WORKERS=N ./scripts/test.sh` runs `--dist loadfile`: a module's swarm starts
+    once) a worker takes the modules of slow tests first, then the simulation's seeds, then the rest: the long
+    units start early and the short ones fill the end."""
     if hasattr(config, "workerinput"):
         items.sort(key=lambda item: (item.get_closest_marker("slow") is None,
                                      not item.nodeid.startswith("tests/simulation/")))
