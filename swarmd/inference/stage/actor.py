@@ -460,6 +460,7 @@ class StageActor:
                 old = self._model
                 for rid in self.book.clear():
                     self._free(old, rid)
+                self._drop_queued()
                 log.info("stage %d of %d now (blocks %d-%d); requests of the old stage dropped", loaded.hop,
                          loaded.registry.n_stages, loaded.model.start, loaded.model.end - 1)
             version = self.book.version + 1 if self.book is not None else 0  # a head sees the change
@@ -516,7 +517,7 @@ class StageActor:
         """What a finished job sends: the next stage's input or the sampled token, or its error to the head."""
         work, loaded, book = job.work, job.loaded, job.book
         assert loaded is not None and book is not None
-        if self._let_go(job):
+        if book is not self.book or work.request_id not in book.requests:
             return None  # the stage was replaced meanwhile (a new plan): the request is lost here
         if job.error is not None:
             out = book.fail(work, *job.error)
@@ -553,10 +554,13 @@ class StageActor:
         else:
             self._to_loop(self._admit_in_line)
 
-    def _let_go(self, job: Job) -> bool:
-        """Whether `job`'s book no longer holds its request (or is no longer the stage's): its KV cache is freed,
-        or queued to be, and its outputs are nobody's."""
-        return job.book is None or job.book is not self.book or job.work.request_id not in job.book.requests
+    def _drop_queued(self) -> None:
+        """With `_lock` held, the book just cleared (every queued step is its): the steps do not run, their
+        handlers send nothing. The next batch frees the requests' KV caches first, so a step run after that
+        would take a slot nobody frees."""
+        for job in self._jobs:
+            job.done.set()
+        self._jobs = []
 
     def _take_batch(self) -> list[Job]:
         """Every queued job of one model, one per request (a request's next step waits for the next batch).
@@ -565,17 +569,6 @@ class StageActor:
         one prefill chunk (`prefill_chunk` rows, one call of the model's prefill graph, whatever the rows); the
         rest of that prompt, and other prompts, run in the batches after it, each with the decode steps queued
         by then."""
-        # A step queued for a request its book has let go since (the stage was replaced: the book's CLEAR) is not
-        # run: the free of its KV cache comes first in the batch, so its add_request would take a slot for good.
-        kept: list[Job] = []
-        for job in self._jobs:
-            if self._let_go(job):
-                job.done.set()  # its handler sends nothing
-            else:
-                kept.append(job)
-        self._jobs = kept
-        if not kept:
-            return []
         model = self._jobs[0].model
         prefilling = {j.work.request_id for j in self._jobs if j.rows_left > 1}
         chunk = getattr(model, "prefill_chunk", 0)
