@@ -194,11 +194,11 @@ def held_tensors(owner: Any) -> dict[str, Tensor]:
 
 def describe(name: tuple) -> str:
     """A graph's name as people read it: "prefill (blocks 0-29)", "prefill, every position's logits (...)",
-    "decode, batch 4 (...)", "experts of block 3, 4 slots of 2 rows"; a segment that ends at a MoE router says so."""
+    "decode, batch 4 (...)", "experts, 4 slots of 2 rows"; a segment that ends at a MoE router says so."""
     kind, *rest = name
     if kind == "experts":
-        layer, slots, rows = rest
-        return f"experts of block {layer}, {slots} slots of {rows} rows"
+        slots, rows = rest[:2]
+        return f"experts, {slots} slots of {rows} rows"
     if kind not in ("prefill", "decode"):
         return " ".join(map(str, name))
     first, end, cut = rest[1]

@@ -2,8 +2,8 @@
 
 `ExpertShard` does, for a batch of rows, the work of the experts those rows selected, not of every expert held:
 the selected (row, expert) pairs are laid out on the host as slots of one expert each (`dispatch`), and one
-jitted graph per layer and layout gathers the slots' expert matrices by index inside its kernels
-(`models.kernels.gathered.gathered_matvec`), so only the chosen experts' bytes are read and GGML-block experts stay
+jitted graph per layout (the layer's matrices are its inputs: every layer shares it) gathers the slots' expert
+matrices by index inside its kernels (`models.kernels.gathered.gathered_matvec`), so only the chosen experts' bytes are read and GGML-block experts stay
 quantised. A node answers one output per selection; `models.moe.gated_sum` makes each row's sum in the order of
 its selections, wherever the experts live. A stage holding its experts can run them inside its own graph
 (`ExpertShard.in_graph`). Held 8 vs 384 experts: docs/BENCHMARKS.md, "Kimi-class MoE".
@@ -11,6 +11,7 @@ its selections, wherever the experts live. A stage holding its experts can run t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -41,7 +42,7 @@ class ExpertShard:
 
     A call does the work of the experts its rows selected, not of every expert held: the selected (row,
     expert) pairs are laid out on the host as slots of one expert each (`dispatch`), and one jitted graph per
-    layer and layout gathers the slots' expert matrices by index inside its kernels (only the chosen
+    layout, shared by the layers, gathers the slots' expert matrices by index inside its kernels (only the chosen
     experts' bytes are read). Each pair's output is the same whichever node computes it and whatever else is
     in its call (the kernels' reductions are pinned), and a row's outputs are summed in the order of its
     selections (`gated_sum`), so the sum does not depend on where the experts live."""
@@ -68,7 +69,7 @@ class ExpertShard:
             local = np.full(config.num_experts, -1, np.int32)
             local[list(es)] = np.arange(len(es), dtype=np.int32)
             self._local[layer] = local
-        self._jits: dict[tuple[int, int, int], TinyJit] = {}
+        self._jits: dict[tuple, TinyJit] = {}  # (slots, rows per slot, the weights' shapes) -> graph
         self._inputs = HeldInputs(self.device)
         self.source = source
         self.graphs = cached_graphs.for_experts(self)
@@ -154,10 +155,12 @@ class ExpertShard:
         x[place[:, 0], place[:, 1]] = call.rows[row]
         idx = np.full(n_slots, slots[0], np.int32)
         idx[:len(slots)] = slots
-        key = (call.layer, n_slots, per_slot)
-        if key not in self._jits:
-            self._jits[key] = self.graphs.jit(("experts", *key), functools.partial(self._step, call.layer))
-        res = self._jits[key](self._inputs(x, slot=0), self._inputs(idx, slot=1))
+        gate_up, down = self.weights[call.layer]
+        weights = (*_tensors(gate_up), *_tensors(down))
+        key = (n_slots, per_slot, tuple((t.shape, t.dtype.name) for t in weights))
+        if key not in self._jits:  # one graph for every layer whose experts have these shapes
+            self._jits[key] = self.graphs.jit(("experts", *key), functools.partial(self._step, gate_up, down))
+        res = self._jits[key](self._inputs(x, slot=0), self._inputs(idx, slot=1), *weights)
         return read_back(res)[place[:, 0], place[:, 1]]
 
     def in_graph(self, layer: int, x: Tensor, gates: Tensor, sel: Tensor) -> Tensor:
@@ -174,9 +177,13 @@ class ExpertShard:
         out = gathered_matvec((g.silu() * u).contiguous(), down, idx, ggml=ggml).float().reshape(b, t, k, dim)
         return (out * gates.unsqueeze(-1)).sum(axis=2)
 
-    def _step(self, layer: int, x: Tensor, idx: Tensor) -> Tensor:
-        """Each slot's expert (gathered by index) on the slot's rows: x (slots, rows, dim) -> same shape."""
-        gate_up, down = self.weights[layer]
+    def _step(self, like_gate_up: Tensor | BlockQuantized, like_down: Tensor | BlockQuantized, x: Tensor, idx: Tensor,
+              *weights: Tensor) -> Tensor:
+        """Each slot's expert (gathered by index) on the slot's rows: x (slots, rows, dim) -> same shape. The
+        layer's matrices come in as the jit's inputs (`weights`, the tensors of a gate+up and a down stack laid
+        out as `like_gate_up` and `like_down`), so that one captured graph serves every layer."""
+        n = len(_tensors(like_gate_up))
+        gate_up, down = _rebuilt(like_gate_up, weights[:n]), _rebuilt(like_down, weights[n:])
         ggml = self.numerics == "ggml"
         g, u = gathered_matvec(x, gate_up, idx, ggml=ggml).chunk(2, dim=-1)
         return gathered_matvec((g.silu() * u).contiguous(), down, idx, ggml=ggml).float().realize()
@@ -195,6 +202,22 @@ def dispatch(local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         within[order] = np.arange(pairs) - np.repeat(np.cumsum(counts) - counts, counts)
         return experts.astype(np.int32), np.stack([slot_of, within], axis=1)
     return local.astype(np.int32), np.stack([np.arange(pairs), np.zeros(pairs, np.int64)], axis=1)
+
+
+def _tensors(w: Tensor | BlockQuantized) -> tuple[Tensor, ...]:
+    """The tensors a matrix stack is made of: itself, or a GGML block stack's codes, scales (and offsets)."""
+    from models.kernels.quant import BlockQuantized
+
+    return tuple(w.buffers()) if isinstance(w, BlockQuantized) else (w,)
+
+
+def _rebuilt(like: Tensor | BlockQuantized, tensors: Sequence[Tensor]) -> Tensor | BlockQuantized:
+    """A stack laid out as `like`, made of `tensors` (as `_tensors` lists them)."""
+    from models.kernels.quant import BlockQuantized
+
+    if not isinstance(like, BlockQuantized):
+        return tensors[0]
+    return dataclasses.replace(like, q=tensors[0], d=tensors[1], m=tensors[2] if like.m is not None else None)
 
 
 def _bucket(n: int) -> int:

@@ -228,7 +228,7 @@ def test_an_expert_shard_replays_its_stored_graphs(graphs_dir):
     expected = first(call)
     second = ExpertShard.random(config, 5, {1: [0, 2, 3]}, dtype="float32")
     np.testing.assert_array_equal(second(call), expected)
-    assert first.graphs.stored == second.graphs.loaded == ["experts of block 1, 4 slots of 2 rows"]
+    assert first.graphs.stored == second.graphs.loaded == ["experts, 4 slots of 2 rows"]
 
 
 SCRIPT = """
