@@ -9,6 +9,7 @@ import pytest
 import trio
 
 from swarmd.inference.head.service import HeadError, HeadRequest
+from swarmd.inference.head.session import TokenOut
 from swarmd.spec_settings import SpecRequest
 from tests.swarm.tiny_model import write_tiny_llama
 from tests.twin_swarm import stage_daemons, twin_swarm
@@ -85,8 +86,8 @@ async def test_drafting_heads_generate_token_for_token_what_swarmd_run_generates
     assert max(d.pipeline.status()["stage"]["largest_batch"] for d in stage_daemons(twin, daemons)) >= 2
 
 
-async def test_a_request_that_says_off_is_not_speculated_and_a_bad_one_is_refused(nursery, tmp_path, models,
-                                                                                  reference, autojump_clock):
+async def test_a_request_chooses_its_own_speculation_and_a_bad_choice_is_refused(nursery, tmp_path, models,
+                                                                                 reference, autojump_clock):
     _twin, daemons = await twin_swarm(nursery, tmp_path, models["target"], 2, max_context=CONTEXT,
                                      per_daemon={0: {"speculate": "ngram"}})
     head = daemons[0].pipeline.head
@@ -95,6 +96,12 @@ async def test_a_request_that_says_off_is_not_speculated_and_a_bad_one_is_refuse
         async for _ in handle:
             pass
     assert head.speculation.stats.passes == 0
+    # a draft model the daemon was not started with, loaded for the request that names it
+    drafter = SpecRequest(f"model:{models['target']}", draft_tokens=3)
+    async with head.open(HeadRequest(tuple(PROMPTS[0]), N_TOKENS, speculate=drafter)) as handle:
+        assert handle.spec is not None and handle.spec.settings.mode == f"model:{models['target']}"
+        tokens = [e.token_id async for e in handle if isinstance(e, TokenOut)]
+    assert tokens == reference[0] and head.speculation.stats.accepted > 0
     for asked, words in ((SpecRequest(draft_tokens=9), "1 to 4"),
                          (SpecRequest(f"model:{models['alien']}"), "another vocabulary"),
                          (SpecRequest("model:/nowhere/missing.gguf"), "missing.gguf")):
