@@ -20,9 +20,10 @@ import contextlib
 import functools
 import hashlib
 import logging
+import re
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,8 +41,10 @@ log = logging.getLogger("models.cached_graphs")
 
 # attributes of a stage or shard that hold no weights: its jits (whose outputs belong to the graphs), the
 # step inputs (whose buffers are replaced as shapes come), and this object
-NOT_HELD = frozenset({"_decode_jits", "_prefill_jits", "_jits", "_inputs", "graphs"})
+NOT_HELD = frozenset({"_decode_jits", "_prefill_jits", "_jits", "_inputs", "graphs", "_shared"})
 MAX_DEPTH = 6
+# a held tensor's path that belongs to one block: its weights, fused projections, GGML blocks, KV cache, experts
+BLOCK_PATH = re.compile(r"^(?:blk|_qkv|_gate_up|kv\.layers|_blocks\.blk|expert_shard\.weights)\.(\d+)(?=\.|$)")
 
 
 class NotCached(Exception):
@@ -70,15 +73,14 @@ class CachedGraphs:
     def enabled(self) -> bool:
         return self.cache is not None and self._identity() is not None
 
-    def jit(self, name: tuple, fn: Callable[..., Any]) -> TinyJit:
+    def jit(self, name: tuple, fn: Callable[..., Any], verify: Callable[[Any], bool] | None = None) -> StoringJit:
         """The jit for graph `name` computing `fn`: the stored graph bound to this owner, or a jit that
-        captures on its first call and then stores what it captured."""
+        captures on its first call and then stores what it captured. A graph that `verify` refuses once
+        captured is neither stored nor shared (`StoringJit.refused`)."""
         if not self.enabled:
             if self._only_cached:
                 raise NotCached(describe(name))
-            from models.tinygrad_ext.jit import capturing_jit
-
-            return capturing_jit(fn)
+            return StoringJit(fn, lambda _jit: None, verify=verify)
         assert self.cache is not None
         key = self.key_of(name)
         started = time.perf_counter()
@@ -89,7 +91,7 @@ class CachedGraphs:
                       time.perf_counter() - started)
         elif self._only_cached:
             raise NotCached(describe(name))
-        return StoringJit(fn, functools.partial(self._store, name), captured)
+        return StoringJit(fn, functools.partial(self._store, name), captured, verify=verify)
 
     def has(self, name: tuple) -> bool:
         return self.enabled and self.cache is not None and self.cache.has(self.key_of(name))
@@ -133,12 +135,16 @@ class CachedGraphs:
 
 class StoringJit(TinyJit):
     """A TinyJit that replays a stored graph, or captures on its first call (as `capturing_jit`) and hands
-    itself to `on_capture`. A stored graph that refuses its first inputs (tinygrad's JitError: it was made
-    for other shapes) is captured again instead, and stored over the entry."""
+    itself to `on_capture` (unless `verify` refuses the captured graph: then `refused` is set). A stored graph
+    that refuses its first inputs (tinygrad's JitError: it was made for other shapes) is captured again
+    instead, and stored over the entry."""
 
-    def __init__(self, fn: Callable[..., Any], on_capture: Callable[[TinyJit], None], captured: Any = None) -> None:
+    def __init__(self, fn: Callable[..., Any], on_capture: Callable[[TinyJit], None], captured: Any = None,
+                 verify: Callable[[Any], bool] | None = None) -> None:
         super().__init__(fn)
-        self.on_capture = on_capture
+        self.on_capture, self.verify = on_capture, verify
+        self.refused = False
+        self.checked: dict[Any, list[UOp]] = {}  # see replay()
         self.untried = captured is not None
         if captured is not None:
             self.captured, self.cnt = captured, 2  # replays from the first call
@@ -159,8 +165,25 @@ class StoringJit(TinyJit):
         with graph_cache.capturing_without_estimates():
             ret = super().__call__(*args, **kwargs)
         if self.captured is not None:
-            self.on_capture(self)
+            if self.verify is not None and not self.verify(self.captured):
+                self.refused = True
+            else:
+                self.on_capture(self)
         return ret
+
+    def replay(self, key: Any, inputs: Sequence[Tensor | UOp]) -> Any:
+        """The graph on `inputs` (tensors, then bound variables). The first call under `key` goes through TinyJit,
+        which checks every input (tens of microseconds each); later ones replay on the buffers it checked then,
+        with the variables' new values. Under one key the tensors must stay the same buffers in the same views."""
+        from tinygrad import Tensor
+
+        bufs = self.checked.get(key)
+        if bufs is None or self.captured is None:
+            ret = self(*inputs)
+            if self.captured is not None and not self.refused:
+                self.checked[key] = [t.uop.base for t in inputs if isinstance(t, Tensor)]
+            return ret
+        return self.captured(bufs, {v.expr: val for v, val in (u.unbind() for u in inputs if not isinstance(u, Tensor))})
 
 
 def held_tensors(owner: Any) -> dict[str, Tensor]:
@@ -192,6 +215,35 @@ def held_tensors(owner: Any) -> dict[str, Tensor]:
     return out
 
 
+def block_of(path: str) -> int | None:
+    """The block a held tensor's path belongs to (`blk.3.attn_q.weight`, `_qkv.3`, `kv.layers.3`, ...); None for
+    the owner's own (embedding, head, RoPE table)."""
+    m = BLOCK_PATH.match(path)
+    return int(m.group(1)) if m else None
+
+
+def block_buffers(owner: Any, block: int) -> tuple[list[str], list[UOp]]:
+    """The device buffers of `owner`'s tensors of `block` (its routed experts aside), named with the block's
+    number left out (`blk.N.attn_q.weight#0`) and in the order of those names: the same for blocks alike."""
+    parts = []
+    for path, t in held_tensors(owner).items():
+        m = BLOCK_PATH.match(path)
+        if m and int(m.group(1)) == block and not path.startswith("expert_shard."):
+            parts.append((path[:m.start(1)] + "N" + path[m.end(1):], t))
+    named = sorted((n, u) for n, u in graph_cache.named_buffers(parts).items() if u.is_realized)
+    return [n for n, _ in named], [u for _, u in named]
+
+
+def reads_no_block_buffer(owner: Any, captured: Any) -> bool:
+    """Whether a captured graph reaches the buffers of `owner`'s blocks only through its inputs: it holds none
+    of them itself (weights, KV cache), so it computes any block whose buffers it is given."""
+    from tinygrad.uop.ops import Ops
+
+    blocks = {u for path, t in held_tensors(owner).items() if block_of(path) is not None
+              for u in t.uop.toposort() if u.op is Ops.BUFFER}
+    return not any(u.op is Ops.BUFFER and u in blocks for u in captured.linear.toposort())
+
+
 def describe(name: tuple) -> str:
     """A graph's name as people read it: "prefill (blocks 0-29)", "prefill, every position's logits (...)",
     "decode, batch 4 (...)", "experts, 4 slots of 2 rows"; a segment that ends at a MoE router says so."""
@@ -201,11 +253,13 @@ def describe(name: tuple) -> str:
         return f"experts, {slots} slots of {rows} rows"
     if kind not in ("prefill", "decode"):
         return " ".join(map(str, name))
-    first, end, cut = rest[1]
     if kind == "prefill":
         text = "prefill, every position's logits" if rest[0] else "prefill"
     else:
         text = f"decode, batch {rest[0]}"
+    if rest[1][0] == "block":
+        return f"{text} (one block to its router, for each block alike)"
+    first, end, cut = rest[1]
     blocks = f"blocks {first}-{end - 1}" if end > first else "the head alone"
     return f"{text} ({blocks}{', to the router' if cut else ''})"
 

@@ -28,9 +28,9 @@ from models.moe import EXPERT_TENSORS, ExpertCall, gated_sum, is_moe_block
 from models.tinygrad_ext.jit import HeldInputs, read_back
 
 if TYPE_CHECKING:
-    from tinygrad import Tensor, TinyJit
-    from tinygrad.uop.ops import UOp
+    from tinygrad import Tensor
 
+    from models.cached_graphs import StoringJit
     from models.kernels.quant import BlockQuantized
 
 
@@ -70,10 +70,7 @@ class ExpertShard:
             local = np.full(config.num_experts, -1, np.int32)
             local[list(es)] = np.arange(len(es), dtype=np.int32)
             self._local[layer] = local
-        self._jits: dict[tuple, TinyJit] = {}  # (slots, rows per slot, the weights' shapes) -> graph
-        # (graph key, layer) -> the input buffers of that layer's calls, once TinyJit has checked them: a replay
-        # then skips TinyJit's check of every input on every call (tens of microseconds each)
-        self._checked: dict[tuple[tuple, int], list[UOp]] = {}
+        self._jits: dict[tuple, StoringJit] = {}  # (slots, rows per slot, the weights' shapes) -> graph
         self._inputs = HeldInputs(self.device)
         self.source = source
         self.graphs = cached_graphs.for_experts(self)
@@ -164,14 +161,7 @@ class ExpertShard:
         key = (n_slots, per_slot, tuple((t.shape, t.dtype.name) for t in weights))
         if key not in self._jits:  # one graph for every layer whose experts have these shapes
             self._jits[key] = self.graphs.jit(("experts", *key), functools.partial(self._step, gate_up, down))
-        jit, inputs = self._jits[key], (self._inputs(x, slot=0), self._inputs(idx, slot=1), *weights)
-        checked = self._checked.get((key, call.layer))
-        if checked is not None and jit.captured is not None:
-            res = jit.captured(checked, {})  # the buffers TinyJit checked on this layer's first call (no variables)
-        else:
-            res = jit(*inputs)
-            if jit.captured is not None:
-                self._checked[(key, call.layer)] = [t.uop.base for t in inputs]
+        res = self._jits[key].replay(call.layer, (self._inputs(x, slot=0), self._inputs(idx, slot=1), *weights))
         return read_back(res)[place[:, 0], place[:, 1]]
 
     def in_graph(self, layer: int, x: Tensor, gates: Tensor, sel: Tensor) -> Tensor:

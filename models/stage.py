@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Generator, Iterator, Sequence
+import hashlib
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,7 +59,7 @@ from models.moe import (
 from models.tinygrad_ext.jit import HeldInputs, read_back
 
 if TYPE_CHECKING:
-    from tinygrad import Tensor, TinyJit
+    from tinygrad import Tensor
     from tinygrad.uop.ops import UOp
 
 __all__ = ["NUMERICS", "SERVING_NUMERICS", "ExpertCall", "KVCacheFull", "StageInput", "StageModel", "run_numerics",
@@ -285,10 +286,12 @@ class StageModel:
             KVPool(range(start, end), max_requests, config.n_kv_heads, max_context, config.head_dim,
                    self.device, pad_rows=pad, dtype=kv_dtype)
         self.slots = SlotTable(max_requests)
-        self._decode_jits: dict[tuple[int, Segment], TinyJit] = {}
-        self._prefill_jits: dict[tuple[bool, Segment], TinyJit] = {}
+        self._decode_jits: dict[tuple[int, Any], cached_graphs.StoringJit] = {}  # (batch, _segment_graph key)
+        self._prefill_jits: dict[tuple[bool, Any], cached_graphs.StoringJit] = {}
         self._inputs = HeldInputs(self.device)
         self.segments = self._cut_segments()
+        self._shared: dict[Segment, tuple[tuple, tuple[Tensor, ...]]] | None = None  # made on first use
+        self._unshared: set[tuple] = set()  # shared graphs that turned out to read a block's buffer of their own
         self.graphs = cached_graphs.for_stage(self)  # jitted graphs: from the graph cache, or captured and stored
 
     # ----- construction -----
@@ -542,6 +545,28 @@ class StageModel:
             first = m + 1
         return [*segments, (first, self.end, False)]
 
+    def _segment_graph(self, seg: Segment) -> tuple[Any, tuple[Tensor, ...]]:
+        """The key of segment `seg`'s graph and the block buffers that graph takes as inputs. A segment of one MoE
+        block cut at its router (but the first stage's first, which embeds the tokens) shares its graph with the
+        stage's other blocks alike, their buffers its inputs: one capture, not one per block. Any other segment
+        has a graph of its own (key: the segment)."""
+        if self._shared is None:
+            from tinygrad import Tensor
+
+            self._shared = {}
+            for first, end, cut in self.segments:
+                if cut and end - first == 1 and not (self.is_first and first == self.start):
+                    names, buffers = cached_graphs.block_buffers(self, first)
+                    alike = repr((block_config(self.config, first), names, [(u.dtype, u.arg) for u in buffers]))
+                    self._shared[(first, end, cut)] = (("block", hashlib.sha256(alike.encode()).hexdigest()[:16]),
+                                                       tuple(Tensor(u) for u in buffers))
+        shared = self._shared.get(seg)
+        return (seg, ()) if shared is None or shared[0] in self._unshared else shared
+
+    def _verify_shared(self, graph: Any) -> Callable[[Any], bool] | None:
+        """For a shared graph: the check that it reads no block's buffer but through its inputs."""
+        return functools.partial(cached_graphs.reads_no_block_buffer, self) if graph[0] == "block" else None
+
     def _run_segments(self, rows: np.ndarray, n_real: int, jit_of, args) -> Generator[ExpertCall, np.ndarray, Any]:
         """Run the segments in turn on `rows`; after a cut, ask for the layer's experts on the first
         `n_real` rows and add their answer to the residual stream."""
@@ -550,7 +575,14 @@ class StageModel:
             first, end, cut = seg
             if first == end and not self.is_last:
                 continue  # nothing to run: the residual stream (with the experts' answer) is the output
-            res = jit_of(seg)(self._input(rows), *args)
+            graph, buffers = self._segment_graph(seg)
+            jit = jit_of(seg, graph)
+            res = jit.replay(seg, (self._input(rows), *args, *buffers))
+            if jit.refused:  # it holds this block's own buffers (computed right for it): every block gets its own
+                self._unshared.add(graph)
+                for jits in (self._decode_jits, self._prefill_jits):
+                    for key in [k for k in jits if k[1] == graph]:
+                        del jits[key]
             if not cut:
                 continue
             x, normed, gates, sel = (read_back(t) for t in res)
@@ -578,11 +610,12 @@ class StageModel:
         tvars = [UOp.variable(f"tiles{b}", 1, -(-self.max_context // tile)).bind(p // tile + 1)
                  for b, p in enumerate(starts)] if tile else []
 
-        def jit_of(seg: Segment) -> TinyJit:
-            if (batch, seg) not in self._decode_jits:
-                self._decode_jits[(batch, seg)] = self.graphs.jit(("decode", batch, seg),
-                                                                  functools.partial(self._decode_step, seg))
-            return self._decode_jits[(batch, seg)]
+        def jit_of(seg: Segment, graph: Any) -> cached_graphs.StoringJit:
+            if (batch, graph) not in self._decode_jits:
+                self._decode_jits[(batch, graph)] = self.graphs.jit(("decode", batch, graph),
+                                                                    functools.partial(self._decode_step, seg),
+                                                                    self._verify_shared(graph))
+            return self._decode_jits[(batch, graph)]
 
         res = yield from self._run_segments(rows, len(real), jit_of, [*svars, *pvars, *tvars])
         # the last stage gives each request's logits (vocab,), or (T, vocab) when verifying; the others its
@@ -605,11 +638,12 @@ class StageModel:
 
         chunk, n, slot = self.prefill_chunk, len(it.data), self.slots.slot(it.request_id)
 
-        def jit_of(seg: Segment) -> TinyJit:
-            key = (it.all_logits, seg)
+        def jit_of(seg: Segment, graph: Any) -> cached_graphs.StoringJit:
+            key = (it.all_logits, graph)
             if key not in self._prefill_jits:
                 self._prefill_jits[key] = self.graphs.jit(("prefill", *key),
-                                                          functools.partial(self._prefill_step, seg, all_logits=it.all_logits))
+                                                          functools.partial(self._prefill_step, seg, all_logits=it.all_logits),
+                                                          self._verify_shared(graph))
             return self._prefill_jits[key]
 
         svar = UOp.variable("slot0", 0, self.kv.scratch_slot).bind(slot)
@@ -627,8 +661,12 @@ class StageModel:
 
     # ----- the jitted graphs -----
 
-    def _decode_step(self, seg: Segment, inp: Tensor, *variables: UOp) -> Tensor | tuple[Tensor, ...]:
+    def _decode_step(self, seg: Segment, inp: Tensor, *args: UOp | Tensor) -> Tensor | tuple[Tensor, ...]:
+        """`args`: the variables, then the block's buffers of a shared graph (the blocks read them as their own)."""
+        from tinygrad import Tensor
+
         first, end, cut = seg
+        variables = [a for a in args if not isinstance(a, Tensor)]
         batch = inp.shape[0]
         slots, starts, tiles = variables[:batch], variables[batch:2 * batch], variables[2 * batch:]
         x = self.token_embd(inp).float() if self.is_first and first == self.start else inp
@@ -645,7 +683,7 @@ class StageModel:
             return self._head(self.output_norm(x).reshape(batch, -1)).realize()
         return x.reshape(batch, self.hidden_size).realize()
 
-    def _prefill_step(self, seg: Segment, inp: Tensor, slot: UOp, start: UOp, ntok: UOp, *,
+    def _prefill_step(self, seg: Segment, inp: Tensor, slot: UOp, start: UOp, ntok: UOp, *_buffers: Tensor,
                       all_logits: bool) -> Tensor | tuple[Tensor, ...]:
         """One chunk of `prefill_chunk` rows, the first `ntok` real. The padding rows run too (a concrete
         row count compiles to ~3x faster kernels than a symbolic one); they come after the real rows,
