@@ -302,6 +302,7 @@ def work_swarmd(args) -> dict:
             step_times.append(time.perf_counter() - t)
         out[f"b{batch}_step_s"] = statistics.median(step_times)
         out[f"b{batch}_tok_s"] = batch / out[f"b{batch}_step_s"]
+        out[f"b{batch}_tokens"] = [tokens[r] for r in group]  # greedy picks so far: equal across engines or not
     if os.environ.get("BENCH_PROFILE") and args.out:
         out["profile"] = profile_decode(model, rids[0], pos[rids[0]], tokens[rids[0]],
                                         Path(args.out, f"profile-{args.arch}-{args.tag}.txt"))
