@@ -8,7 +8,8 @@ asks for scalar loads, which clang turns into 8-wide conversions and FMAs.
 On GPUs tinygrad's matvec heuristic does not fire for float32 activations times float16 weights (the
 product holds a cast), and its fallback gives each thread whole rows: a few thousand threads for a
 4096-wide layer, a tenth of an H200's bandwidth. There the reduction is split over a thread group
-instead, with options measured per shape by scripts/bench_gpu.py (`GPU_MATVEC_OPTS`).
+instead, with options measured per shape by scripts/bench_gpu.py (`GPU_MATVEC_OPTS`). Products of 8 rows or more
+with a dense float16 matrix (decode batches, prefill chunks) go to the tensor cores instead (`tensor_core_matmul`).
 """
 
 from __future__ import annotations
