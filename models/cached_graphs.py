@@ -5,9 +5,9 @@ A graph is stored under a key made of everything it depends on: the model (the G
 the owner's shape (config, block range or experts held, numerics, weight dtype, context, KV slots, prefill
 chunk, attention tile, segments), the graph (prefill with or without every position's logits, decode batch
 size, expert rows), the code that builds graphs (a hash of this package's sources), swarmd's kernel choices
-(`SWARMD_TENSOR_CORES`, the `SWARMD_MATVEC_OPTS` table's hash), tinygrad and the machine
-(`graph_cache.environment`), and the signature of the buffers it binds to. The buffers bound are
-every tensor the owner holds (weights under their GGUF names, fused projections, GGML blocks, KV cache,
+(`SWARMD_TENSOR_CORES`, `SWARMD_TENSOR_CORE_MIN_ROWS`, `SWARMD_TENSOR_CORE_SPLIT`, the `SWARMD_MATVEC_OPTS` table's
+hash), tinygrad and the machine (`graph_cache.environment`), and the signature of the buffers it binds to. The
+buffers bound are every tensor the owner holds (weights under their GGUF names, fused projections, GGML blocks, KV cache,
 RoPE table), found by walking its attributes; a graph that reads anything else is not stored.
 
 `warm_from_cache(stage)` runs a stage's warm-up only when the cache holds every graph it needs (a load
@@ -20,6 +20,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import os
 import re
 import time
 import weakref
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from tinygrad import TinyJit
 from tinygrad.engine.jit import JitError
 
-from models.kernels.matvec import tensor_cores_on
+from models.kernels.matvec import tensor_core_min_rows, tensor_cores_on
 from models.tinygrad_ext import graph_cache
 
 if TYPE_CHECKING:
@@ -300,7 +301,8 @@ def _common(owner: Any, source: str) -> dict[str, Any] | None:
     if model is None:
         return None
     return {"model": model, "config": repr(owner.config), "code": code_fingerprint(), "matvec_opts": _matvec_opts(),
-            "tensor_cores": tensor_cores_on(), **graph_cache.environment(owner.device)}
+            "tensor_cores": tensor_cores_on(), "tensor_core_min_rows": tensor_core_min_rows(),
+            "tensor_core_split": os.environ.get("SWARMD_TENSOR_CORE_SPLIT"), **graph_cache.environment(owner.device)}
 
 
 def _matvec_opts() -> str | None:

@@ -15,7 +15,8 @@ Each part runs in its own subprocess (a clean device and environment each; a fai
 
 Engines are separated by ';'. An engine name may carry environment settings for its process after a
 colon (`swarmd:JIT=2,BEAM=2`);
-`BENCH_BATCHES=1/8` limits its batch sizes, `BENCH_PROFILE=1` writes one batch-1 decode step's
+`BENCH_BATCHES=1/8` limits its batch sizes, `BENCH_AB=NAME=VALUE` decodes each batch size with that setting
+too, from the same state, before the engine's own (a side-by-side in one process), `BENCH_PROFILE=1` writes one batch-1 decode step's
 per-kernel device times (tinygrad DEBUG=2) under --out. `--matvec ARCH` first searches the GPU
 matvec kernel's options on ARCH's shapes and hands the best per batch size to the swarmd engines
 (models/kernels/matvec.py `SWARMD_MATVEC_OPTS`; `swarmd:SWARMD_MATVEC_OPTS=` keeps tinygrad's heuristics).
@@ -232,7 +233,6 @@ def prompt_ids(n: int, vocab: int, offset: int = 0):
 
 def work_swarmd(args) -> dict:
     """StageModel.random on the default device: prefill of a prompt, then decode at each batch size."""
-    import numpy as np
     from tinygrad import Device
     from tinygrad.helpers import JIT
 
@@ -272,40 +272,73 @@ def work_swarmd(args) -> dict:
         prefill(rid, b)
     tokens = {rid: 1 + b for b, rid in enumerate(rids)}
     pos = dict.fromkeys(rids, prompt)
+    # BENCH_AB=NAME=VALUE: each batch size is first decoded with that setting too ("a_" keys), then again from the
+    # same tokens and positions (the same KV rows rewritten) with the engine's own: one load, picks compared directly
+    ab = dict([os.environ["BENCH_AB"].split("=", 1)]) if os.environ.get("BENCH_AB") else None
     for batch in batches:
         group = rids[:batch]
-
-        def step(group=group) -> None:
-            res = model.forward([StageInput(r, pos[r], np.array([tokens[r]])) for r in group])
-            for r, logits in zip(group, res, strict=True):
-                tokens[r], pos[r] = int(logits.argmax()), pos[r] + 1
-
-        t = time.perf_counter()
-        try:
-            for _ in range(WARM_STEPS):
-                step()
-        except Exception as e:  # graph capture failed: say why, then decode without graphs
-            if JIT.value >= 2:
-                raise
-            out.setdefault("graph_errors", []).append(f"batch {batch}: {type(e).__name__}: {e}"[:300])
-            traceback.print_exc()
-            JIT.value = 2
-            model._decode_jits.clear()
-            out["jit"] = 2
-            for _ in range(WARM_STEPS):
-                step()
-        out[f"b{batch}_compile_s"] = time.perf_counter() - t
-        step_times = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            step()
-            step_times.append(time.perf_counter() - t)
-        out[f"b{batch}_step_s"] = statistics.median(step_times)
-        out[f"b{batch}_tok_s"] = batch / out[f"b{batch}_step_s"]
+        start = dict(tokens), dict(pos)
+        for prefix, env in ([("a_", ab)] if ab else []) + [("", {})]:
+            tokens.update(start[0])
+            pos.update(start[1])
+            own = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            model._decode_jits.clear()  # built again under this setting
+            try:
+                decode_batch(model, out, prefix, batch, group, tokens, pos, steps)
+            finally:
+                for k, v in own.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        if ab:
+            out[f"b{batch}_tokens_equal"] = out[f"a_b{batch}_tokens"] == out[f"b{batch}_tokens"]
+        if args.out:  # what is measured so far survives a worker cut by its timeout
+            Path(args.out, f"swarmd-{args.arch}-{args.tag}.json").write_text(json.dumps(out, default=str))
     if os.environ.get("BENCH_PROFILE") and args.out:
         out["profile"] = profile_decode(model, rids[0], pos[rids[0]], tokens[rids[0]],
                                         Path(args.out, f"profile-{args.arch}-{args.tag}.txt"))
     return out
+
+
+def decode_batch(model, out: dict, prefix: str, batch: int, group: list[str], tokens: dict, pos: dict,
+                 steps: int) -> None:
+    """Warm-up steps (graph capture), then `steps` timed decode steps of the requests in `group` together,
+    feeding each its greedy pick; the figures go to out under `prefix`."""
+    import numpy as np
+    from tinygrad.helpers import JIT
+
+    from models.stage import StageInput
+
+    def step() -> None:
+        res = model.forward([StageInput(r, pos[r], np.array([tokens[r]])) for r in group])
+        for r, logits in zip(group, res, strict=True):
+            tokens[r], pos[r] = int(logits.argmax()), pos[r] + 1
+
+    t = time.perf_counter()
+    try:
+        for _ in range(WARM_STEPS):
+            step()
+    except Exception as e:  # graph capture failed: say why, then decode without graphs
+        if JIT.value >= 2:
+            raise
+        out.setdefault("graph_errors", []).append(f"batch {batch}: {type(e).__name__}: {e}"[:300])
+        traceback.print_exc()
+        JIT.value = 2
+        model._decode_jits.clear()
+        out["jit"] = 2
+        for _ in range(WARM_STEPS):
+            step()
+    out[f"{prefix}b{batch}_compile_s"] = time.perf_counter() - t
+    step_times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        step_times.append(time.perf_counter() - t)
+    out[f"{prefix}b{batch}_step_s"] = statistics.median(step_times)
+    out[f"{prefix}b{batch}_tok_s"] = batch / out[f"{prefix}b{batch}_step_s"]
+    out[f"{prefix}b{batch}_tokens"] = [tokens[r] for r in group]  # greedy picks so far
 
 
 def profile_decode(model, rid: str, pos: int, token: int, path: Path) -> dict:
@@ -506,6 +539,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a few matvec candidates only (checks)")
     p.add_argument("--timeout", type=float, default=420)
     p.add_argument("--out", default="")
+    p.add_argument("--no-facts", dest="facts", action="store_false",
+                   help="skip the device facts and copy bandwidth (no roofline column)")
     p.add_argument("--worker", default="")
     p.add_argument("--arch", default="")
     p.add_argument("--tag", default="")
@@ -522,7 +557,7 @@ def main() -> None:
     common = ["--batches", ",".join(map(str, args.batches)), "--prompt", str(args.prompt), "--steps", str(args.steps),
               "--prefill-chunk", str(args.prefill_chunk), "--copy-mib", str(args.copy_mib)] + \
              (["--out", str(out)] if out else []) + (["--quick"] if args.quick else [])
-    facts = spawn(["--worker", "facts", *common], {}, args.timeout, log)
+    facts = spawn(["--worker", "facts", *common], {}, args.timeout, log) if args.facts else {}
     print("facts", json.dumps(facts), flush=True)
     results: dict = {"facts": facts, "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "runs": []}
     if args.matvec:

@@ -8,7 +8,8 @@ asks for scalar loads, which clang turns into 8-wide conversions and FMAs.
 On GPUs tinygrad's matvec heuristic does not fire for float32 activations times float16 weights (the
 product holds a cast), and its fallback gives each thread whole rows: a few thousand threads for a
 4096-wide layer, a tenth of an H200's bandwidth. There the reduction is split over a thread group
-instead, with options measured per shape by scripts/bench_gpu.py (`GPU_MATVEC_OPTS`).
+instead, with options measured per shape by scripts/bench_gpu.py (`GPU_MATVEC_OPTS`). Products of 8 rows or more
+with a dense float16 matrix (decode batches, prefill chunks) go to the tensor cores instead (`tensor_core_matmul`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,11 @@ def matvec(x: Tensor, w: Tensor) -> Tensor:
     return _split_matvec(x, w, view=view, opts=cpu_matvec_opts(x.device, out_features, len(view)))
 
 
-TENSOR_CORE_MIN_ROWS = 64  # from this many rows (a prefill chunk, a big verify batch) a GPU uses its tensor cores
+# From this many rows a GPU multiplies by a dense float16 matrix on its tensor cores: decode batches of 8 and more,
+# prefill chunks, verify batches. CUDA's tile (m16n8k16) takes the rows on its 8-wide side below 64 rows.
+TENSOR_CORE_MIN_ROWS = 8
+TENSOR_CORE_ROW_STEP = 8  # below 64 rows, the row count must be a multiple of the tile's 8-wide side
+TENSOR_CORE_MANY_ROWS = 64  # from here the rows go on the tile's 16-wide side, as for prefill
 
 
 def tensor_cores_on() -> bool:
@@ -69,23 +74,69 @@ def tensor_cores_on() -> bool:
     return os.environ.get("SWARMD_TENSOR_CORES", "1") != "0"
 
 
+def tensor_core_min_rows() -> int:
+    """The fewest rows that use `tensor_core_matmul`: `SWARMD_TENSOR_CORE_MIN_ROWS` (64 gives back the rule
+    where only prefill chunks used them, for side-by-side measurements), else `TENSOR_CORE_MIN_ROWS`."""
+    import os
+
+    return int(os.environ.get("SWARMD_TENSOR_CORE_MIN_ROWS") or TENSOR_CORE_MIN_ROWS)
+
+
 def tensor_core_rows(device: str, rows: object, w: Tensor) -> bool:
-    """Whether x (rows, in) @ w.T runs as `tensor_core_matmul`: on a GPU, with many rows (a known count), a dense
-    float16 matrix, unless `tensor_cores_on()` says no."""
+    """Whether x (rows, in) @ w.T runs as `tensor_core_matmul`: on a GPU, with enough rows (a known count; below
+    `TENSOR_CORE_MANY_ROWS` a multiple of `TENSOR_CORE_ROW_STEP`), a dense float16 matrix, unless
+    `tensor_cores_on()` says no."""
     from tinygrad import dtypes
     from tinygrad.uop.ops import Ops
 
-    return (device.split(":")[0] in GPU_DEVICES and isinstance(rows, int) and rows >= TENSOR_CORE_MIN_ROWS
+    return (device.split(":")[0] in GPU_DEVICES and isinstance(rows, int) and rows >= tensor_core_min_rows()
+            and (rows >= TENSOR_CORE_MANY_ROWS or rows % TENSOR_CORE_ROW_STEP == 0)
             and w.dtype == dtypes.float16 and w.uop.base.op is Ops.BUFFER and tensor_cores_on())
 
 
 def tensor_core_matmul(x: Tensor, w: Tensor) -> Tensor:
     """x (rows, in) @ w.T with float16 inputs and float32 accumulation: the shape of product tinygrad gives to
     the tensor cores (a matrix-matrix kernel, where the matvec's split reduction leaves them idle). The
-    activations are rounded to float16 first, as the weights already are."""
+    activations are rounded to float16 first, as the weights already are.
+
+    Fewer than `TENSOR_CORE_MANY_ROWS` rows (a decode batch) go as w @ x.T, which puts them on the tile's 8-wide
+    side, and the reduction is split in `split_k` parts, each its own set of warps (tinygrad does not split a
+    tensor-core reduction over a thread group): one warp per tile of 16 outputs would leave most of the GPU idle
+    on a weight-bound product. The parts are summed in float32 by a second kernel."""
     from tinygrad import dtypes
 
-    return x.cast(dtypes.float16).matmul(w.transpose(), dtype=dtypes.float32)
+    rows, width = x.shape
+    if rows >= TENSOR_CORE_MANY_ROWS:
+        return x.cast(dtypes.float16).matmul(w.transpose(), dtype=dtypes.float32)
+    xh = x.cast(dtypes.float16)
+    parts = split_k(w.shape[0], width)
+    if parts == 1:
+        return w.matmul(xh.transpose(), dtype=dtypes.float32).transpose()
+    ws = w.reshape(w.shape[0], parts, width // parts).permute(1, 0, 2)  # (parts, out, width / parts)
+    xs = xh.reshape(rows, parts, width // parts).permute(1, 2, 0)  # (parts, width / parts, rows)
+    return ws.matmul(xs, dtype=dtypes.float32).contiguous().sum(0).transpose()
+
+
+def split_k(out: int, width: int) -> int:
+    """Parts of the reduction of a decode batch's tensor-core product with an (out, width) matrix:
+    `SWARMD_TENSOR_CORE_SPLIT` (for searches), else enough that tiles of 64 outputs times parts come to about
+    `TENSOR_CORE_BLOCKS`, at most 32; lowered until each part is whole tiles of 16."""
+    import os
+
+    parts = int(os.environ.get("SWARMD_TENSOR_CORE_SPLIT") or 0)
+    if not parts:
+        parts = 1
+        while parts < 32 and out // 64 * parts * 2 <= TENSOR_CORE_BLOCKS:
+            parts *= 2
+    while parts > 1 and width % (16 * parts):
+        parts //= 2
+    return parts
+
+
+# Tiles of 64 outputs times reduction parts that fill an H200 with a decode batch's tensor-core product
+# (scripts/bench_tensor_core_rows.py, Llama-3.1-8B shapes at 8, 16 and 32 rows: qkv gets 16 parts, attention
+# output and down 32, gate_up 4, the head 1; a layer's four products within 8 % of each one's best split).
+TENSOR_CORE_BLOCKS = 2048
 
 
 def cpu_matvec_opts(device: str, out_features: int, n_reduce: int) -> tuple | None:

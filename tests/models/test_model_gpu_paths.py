@@ -1,5 +1,6 @@
 """The code paths written for GPUs, checked on the CPU: decode attention over whole cache tiles, the
-CUDA graph launch-dimension fix, and architectures built from their public shapes."""
+CUDA graph launch-dimension fix, which products go to the tensor cores and the split-reduction form of a decode
+batch's one, and architectures built from their public shapes."""
 
 import ctypes
 
@@ -8,6 +9,7 @@ import pytest
 
 from models.config import config_from_arch
 from models.errors import ModelError
+from models.kernels.matvec import split_k, tensor_core_matmul, tensor_core_rows
 from models.stage import StageInput, StageModel
 from models.tinygrad_ext.cuda_graph import add_kernel_node_with_nonzero_dims
 from planner.arch import BUILTIN_ARCHS, ArchSpec
@@ -37,6 +39,38 @@ def decode_logits(tile: int) -> np.ndarray:
 def test_decode_attention_over_cache_tiles_equals_attention_over_the_exact_length():
     exact, tiled = decode_logits(tile=0), decode_logits(tile=8)
     assert np.abs(exact - tiled).max() < 1e-4 * np.abs(exact).max()
+
+
+def test_decode_batches_of_eight_rows_and_more_and_prefill_chunks_use_the_tensor_cores_on_gpus(monkeypatch):
+    from tinygrad import Tensor, dtypes
+
+    monkeypatch.delenv("SWARMD_TENSOR_CORE_MIN_ROWS", raising=False)
+    monkeypatch.delenv("SWARMD_TENSOR_CORES", raising=False)
+    w = Tensor.empty(64, 32, dtype=dtypes.float16).realize()
+    on = [rows for rows in (1, 2, 4, 8, 12, 16, 32, 48, 64, 100, 512) if tensor_core_rows("CUDA", rows, w)]
+    assert on == [8, 16, 32, 48, 64, 100, 512]  # below 64 rows, multiples of the tile's 8-wide side
+    assert not tensor_core_rows("CPU", 32, w)
+    assert not tensor_core_rows("CUDA", 32, Tensor.empty(64, 32, dtype=dtypes.float32).realize())
+    monkeypatch.setenv("SWARMD_TENSOR_CORE_MIN_ROWS", "64")  # the earlier rule: prefill chunks only
+    assert [rows for rows in (8, 32, 64) if tensor_core_rows("CUDA", rows, w)] == [64]
+
+
+@pytest.mark.parametrize("rows", [8, 32, 64])
+def test_a_tensor_core_product_with_its_reduction_in_parts_equals_the_plain_product(rows):
+    from tinygrad import Tensor
+
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((rows, 256)).astype(np.float32), rng.standard_normal((48, 256)).astype(np.float16)
+    assert split_k(48, 256) > 1  # below 64 rows the reduction goes in parts
+    out = tensor_core_matmul(Tensor(x), Tensor(w)).numpy()
+    want = x.astype(np.float16).astype(np.float32) @ w.astype(np.float32).T
+    assert out.shape == (rows, 48)
+    assert np.abs(out - want).max() < 2e-3 * np.abs(want).max()  # float16 products, float32 sums
+
+
+def test_a_decode_batch_product_is_split_into_more_parts_the_fewer_outputs_it_has():
+    assert [split_k(out, 4096) for out in (4096, 6144, 28672, 128256)] == [32, 16, 4, 1]
+    assert split_k(4096, 64) == 4 and split_k(4096, 24) == 1  # whole tiles of 16 per part
 
 
 class Params(ctypes.Structure):

@@ -280,7 +280,11 @@ def test_graphs_built_with_other_kernel_choices_have_another_key(graphs_dir, mon
 
     monkeypatch.delenv("SWARMD_TENSOR_CORES", raising=False)
     monkeypatch.delenv("SWARMD_MATVEC_OPTS", raising=False)
+    monkeypatch.delenv("SWARMD_TENSOR_CORE_MIN_ROWS", raising=False)
     plain = key()
+    monkeypatch.setenv("SWARMD_TENSOR_CORE_MIN_ROWS", "64")
+    assert key() != plain
+    monkeypatch.delenv("SWARMD_TENSOR_CORE_MIN_ROWS")
     monkeypatch.setenv("SWARMD_TENSOR_CORES", "0")
     assert key() != plain
     table = tmp_path / "opts.json"
