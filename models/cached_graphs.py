@@ -20,7 +20,6 @@ import contextlib
 import functools
 import hashlib
 import logging
-import os
 import re
 import time
 import weakref
@@ -31,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from tinygrad import TinyJit
 from tinygrad.engine.jit import JitError
 
-from models.kernels.matvec import tensor_core_min_rows, tensor_cores_on
+from models.kernels.matvec import tensor_core_min_rows, tensor_core_split, tensor_cores_on
 from models.tinygrad_ext import graph_cache
 
 if TYPE_CHECKING:
@@ -223,16 +222,19 @@ def block_of(path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def block_buffers(owner: Any, block: int) -> tuple[list[str], list[UOp]]:
-    """The device buffers of `owner`'s tensors of `block` (its routed experts aside), named with the block's
-    number left out (`blk.N.attn_q.weight#0`) and in the order of those names: the same for blocks alike."""
-    parts = []
+def block_buffers(owner: Any) -> dict[int, tuple[list[str], list[UOp]]]:
+    """Per block, the device buffers of `owner`'s tensors of that block (its routed experts aside), named with the
+    block's number left out (`blk.N.attn_q.weight#0`) and in the order of those names: the same for blocks alike."""
+    parts: dict[int, list[tuple[str, Tensor]]] = {}
     for path, t in held_tensors(owner).items():
         m = BLOCK_PATH.match(path)
-        if m and int(m.group(1)) == block and not path.startswith("expert_shard."):
-            parts.append((path[:m.start(1)] + "N" + path[m.end(1):], t))
-    named = sorted((n, u) for n, u in graph_cache.named_buffers(parts).items() if u.is_realized)
-    return [n for n, _ in named], [u for _, u in named]
+        if m and not path.startswith("expert_shard."):
+            parts.setdefault(int(m.group(1)), []).append((path[:m.start(1)] + "N" + path[m.end(1):], t))
+    out = {}
+    for block, ts in parts.items():
+        named = sorted((n, u) for n, u in graph_cache.named_buffers(ts).items() if u.is_realized)
+        out[block] = ([n for n, _ in named], [u for _, u in named])
+    return out
 
 
 def reads_no_block_buffer(owner: Any, captured: Any) -> bool:
@@ -302,7 +304,7 @@ def _common(owner: Any, source: str) -> dict[str, Any] | None:
         return None
     return {"model": model, "config": repr(owner.config), "code": code_fingerprint(), "matvec_opts": _matvec_opts(),
             "tensor_cores": tensor_cores_on(), "tensor_core_min_rows": tensor_core_min_rows(),
-            "tensor_core_split": os.environ.get("SWARMD_TENSOR_CORE_SPLIT"), **graph_cache.environment(owner.device)}
+            "tensor_core_split": tensor_core_split(), **graph_cache.environment(owner.device)}
 
 
 def _matvec_opts() -> str | None:

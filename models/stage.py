@@ -554,9 +554,10 @@ class StageModel:
             from tinygrad import Tensor
 
             self._shared = {}
+            held = cached_graphs.block_buffers(self)
             for first, end, cut in self.segments:
                 if cut and end - first == 1 and not (self.is_first and first == self.start):
-                    names, buffers = cached_graphs.block_buffers(self, first)
+                    names, buffers = held[first]
                     alike = repr((block_config(self.config, first), names, [(u.dtype, u.arg) for u in buffers]))
                     self._shared[(first, end, cut)] = (("block", hashlib.sha256(alike.encode()).hexdigest()[:16]),
                                                        tuple(Tensor(u) for u in buffers))

@@ -117,13 +117,19 @@ def tensor_core_matmul(x: Tensor, w: Tensor) -> Tensor:
     return ws.matmul(xs, dtype=dtypes.float32).contiguous().sum(0).transpose()
 
 
+def tensor_core_split() -> int:
+    """`SWARMD_TENSOR_CORE_SPLIT`: the parts of every decode batch's tensor-core reduction (for searches); 0: `split_k`
+    picks them."""
+    import os
+
+    return int(os.environ.get("SWARMD_TENSOR_CORE_SPLIT") or 0)
+
+
 def split_k(out: int, width: int) -> int:
     """Parts of the reduction of a decode batch's tensor-core product with an (out, width) matrix:
     `SWARMD_TENSOR_CORE_SPLIT` (for searches), else enough that tiles of 64 outputs times parts come to about
     `TENSOR_CORE_BLOCKS`, at most 32; lowered until each part is whole tiles of 16."""
-    import os
-
-    parts = int(os.environ.get("SWARMD_TENSOR_CORE_SPLIT") or 0)
+    parts = tensor_core_split()
     if not parts:
         parts = 1
         while parts < 32 and out // 64 * parts * 2 <= TENSOR_CORE_BLOCKS:

@@ -49,10 +49,12 @@ def test_one_block_segments_share_a_graph_and_compute_the_bits_of_a_graph_per_bl
 def test_a_shared_graph_that_reads_a_blocks_own_buffer_is_refused_and_every_block_gets_its_own(monkeypatch):
     buffers = cached_graphs.block_buffers
 
-    def without_the_kv_cache(owner, block):  # the KV cache not among the inputs: the graph holds block 2's own
-        names, bufs = buffers(owner, block)
-        kept = [(n, u) for n, u in zip(names, bufs, strict=True) if not n.startswith("kv.")]
-        return [n for n, _ in kept], [u for _, u in kept]
+    def without_the_kv_cache(owner):  # the KV cache not among the inputs: the graph holds block 2's own
+        out = {}
+        for block, (names, bufs) in buffers(owner).items():
+            kept = [(n, u) for n, u in zip(names, bufs, strict=True) if not n.startswith("kv.")]
+            out[block] = ([n for n, _ in kept], [u for _, u in kept])
+        return out
 
     monkeypatch.setattr(cached_graphs, "block_buffers", without_the_kv_cache)
     expected = serve(stage(shared=False))
