@@ -41,7 +41,8 @@ log = logging.getLogger("models.cached_graphs")
 
 # attributes of a stage or shard that hold no weights: its jits (whose outputs belong to the graphs), the
 # step inputs (whose buffers are replaced as shapes come), and this object
-NOT_HELD = frozenset({"_decode_jits", "_prefill_jits", "_jits", "_inputs", "graphs", "_shared"})
+NOT_HELD = frozenset({"_decode_jits", "_prefill_jits", "_jits", "_inputs", "graphs", "_shared", "_held_blocks",
+                      "_block_owned"})
 MAX_DEPTH = 6
 # a held tensor's path that belongs to one block: its weights, fused projections, GGML blocks, KV cache, experts
 BLOCK_PATH = re.compile(r"^(?:blk|_qkv|_gate_up|kv\.layers|_blocks\.blk|expert_shard\.weights)\.(\d+)(?=\.|$)")
@@ -222,13 +223,14 @@ def block_of(path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def block_buffers(owner: Any) -> dict[int, tuple[list[str], list[UOp]]]:
-    """Per block, the device buffers of `owner`'s tensors of that block (its routed experts aside), named with the
-    block's number left out (`blk.N.attn_q.weight#0`) and in the order of those names: the same for blocks alike."""
+def block_buffers(owner: Any, *, experts: bool = False) -> dict[int, tuple[list[str], list[UOp]]]:
+    """Per block, the device buffers of `owner`'s tensors of that block (the routed experts its shard holds only
+    with `experts`), named with the block's number left out (`blk.N.attn_q.weight#0`) and in the order of those
+    names: the same for blocks alike."""
     parts: dict[int, list[tuple[str, Tensor]]] = {}
     for path, t in held_tensors(owner).items():
         m = BLOCK_PATH.match(path)
-        if m and not path.startswith("expert_shard."):
+        if m and (experts or not path.startswith("expert_shard.")):
             parts.setdefault(int(m.group(1)), []).append((path[:m.start(1)] + "N" + path[m.end(1):], t))
     out = {}
     for block, ts in parts.items():
@@ -237,13 +239,20 @@ def block_buffers(owner: Any) -> dict[int, tuple[list[str], list[UOp]]]:
     return out
 
 
+def block_owned(owner: Any) -> set[UOp]:
+    """Every buffer behind a tensor of one of `owner`'s blocks: weights, KV cache, the experts of its shard."""
+    from tinygrad.uop.ops import Ops
+
+    return {u for path, t in held_tensors(owner).items() if block_of(path) is not None
+            for u in t.uop.toposort() if u.op is Ops.BUFFER}
+
+
 def reads_no_block_buffer(owner: Any, captured: Any) -> bool:
     """Whether a captured graph reaches the buffers of `owner`'s blocks only through its inputs: it holds none
     of them itself (weights, KV cache), so it computes any block whose buffers it is given."""
     from tinygrad.uop.ops import Ops
 
-    blocks = {u for path, t in held_tensors(owner).items() if block_of(path) is not None
-              for u in t.uop.toposort() if u.op is Ops.BUFFER}
+    blocks = block_owned(owner)
     return not any(u.op is Ops.BUFFER and u in blocks for u in captured.linear.toposort())
 
 

@@ -56,7 +56,7 @@ from models.moe import (
     routed_experts,
     shared_experts,
 )
-from models.tinygrad_ext.jit import HeldInputs, read_back
+from models.tinygrad_ext.jit import HeldInputs, RecordedCalls, capturing, read_back
 
 if TYPE_CHECKING:
     from tinygrad import Tensor
@@ -291,6 +291,8 @@ class StageModel:
         self._inputs = HeldInputs(self.device)
         self.segments = self._cut_segments()
         self._shared: dict[Segment, tuple[tuple, tuple[Tensor, ...]]] | None = None  # made on first use
+        self._held_blocks: dict[bool, dict[int, tuple[list[str], list[UOp]]]] = {}  # see _block_buffers
+        self._block_owned: set[UOp] | None = None  # cached_graphs.block_owned(self), found once
         self._unshared: set[tuple] = set()  # shared graphs that turned out to read a block's buffer of their own
         self.graphs = cached_graphs.for_stage(self)  # jitted graphs: from the graph cache, or captured and stored
 
@@ -554,15 +556,54 @@ class StageModel:
             from tinygrad import Tensor
 
             self._shared = {}
-            held = cached_graphs.block_buffers(self)
             for first, end, cut in self.segments:
                 if cut and end - first == 1 and not (self.is_first and first == self.start):
-                    names, buffers = held[first]
-                    alike = repr((block_config(self.config, first), names, [(u.dtype, u.arg) for u in buffers]))
-                    self._shared[(first, end, cut)] = (("block", hashlib.sha256(alike.encode()).hexdigest()[:16]),
-                                                       tuple(Tensor(u) for u in buffers))
+                    self._shared[(first, end, cut)] = (("block", self._block_kind(first, experts=False)),
+                                                       tuple(Tensor(u) for u in self._block_buffers(experts=False)[first][1]))
         shared = self._shared.get(seg)
         return (seg, ()) if shared is None or shared[0] in self._unshared else shared
+
+    def _block_buffers(self, *, experts: bool) -> dict[int, tuple[list[str], list[UOp]]]:
+        """Per block, its buffers' names and buffers (`cached_graphs.block_buffers`), found once."""
+        if experts not in self._held_blocks:
+            self._held_blocks[experts] = cached_graphs.block_buffers(self, experts=experts)
+        return self._held_blocks[experts]
+
+    def _block_kind(self, i: int, *, experts: bool) -> str:
+        """What block i's graph depends on but its buffers (those of its experts in this stage's shard with
+        `experts`): blocks of one kind compute alike on their own buffers."""
+        names, buffers = self._block_buffers(experts=experts)[i]
+        alike = repr((block_config(self.config, i), i in self.moe_blocks, names, [(u.dtype, u.arg) for u in buffers]))
+        return hashlib.sha256(alike.encode()).hexdigest()[:16]
+
+    def _through_blocks(self, first: int, end: int, x: Tensor, cut: bool, block: Callable[[int, Tensor, bool], Any]) -> Any:
+        """x through blocks first..end-1, `block(i, x, cut)` building block i (with `cut` the last returns its
+        router's outputs). While a graph is captured, a block of a kind built before in this graph records that
+        block's calls again on its own buffers (`RecordedCalls`) instead of being built: the graph building and
+        scheduling of one block per kind, not of every block. The last block is built, so that its output flows
+        into what follows unstored, as it would (a GPU compiler may fuse its last sum with what reads it). A
+        recorded block whose calls read a block's buffer that is not among its own (`_block_buffers`) is not
+        repeated."""
+        recorded: dict[str, tuple[RecordedCalls, list[UOp], UOp, Any] | None] = {}
+        for i in range(first, end):
+            x = x.realize()
+            kind = self._block_kind(i, experts=True) if capturing() and i < end - 1 else None
+            if kind is None or recorded.get(kind, ...) is None:
+                x = block(i, x, cut and i == end - 1)
+                continue
+            if kind in recorded:
+                calls, params, xin, out = recorded[kind]
+                mine = self._block_buffers(experts=True)[i][1]
+                x = calls.again({**dict(zip(params, mine, strict=True)), xin: x.uop.base}, out)
+                continue
+            xin, params = x.uop.base, self._block_buffers(experts=True)[i][1]
+            out, calls = RecordedCalls.record(functools.partial(block, i, x, False))
+            if self._block_owned is None:
+                self._block_owned = cached_graphs.block_owned(self)
+            only_its_own = (calls.buffers() & self._block_owned) <= set(params)
+            recorded[kind] = (calls, params, xin, out) if only_its_own else None
+            x = out
+        return x
 
     def _verify_shared(self, graph: Any) -> Callable[[Any], bool] | None:
         """For a shared graph: the check that it reads no block's buffer but through its inputs."""
@@ -676,8 +717,7 @@ class StageModel:
         for p in starts[1:]:
             angles = angles.cat(self._rope[p:p + 1])
         angles = angles.reshape(batch, 1, 1, -1).realize()
-        for i in range(first, end):
-            x = self._block(i, x.realize(), slots, starts, 1, angles, tiles, cut=cut and i == end - 1)
+        x = self._through_blocks(first, end, x, cut, lambda i, h, cut: self._block(i, h, slots, starts, 1, angles, tiles, cut=cut))
         if cut:
             return tuple(t.reshape(batch, -1).realize() for t in x)
         if self.is_last:
@@ -695,8 +735,7 @@ class StageModel:
         x: Any = self.token_embd(inp).float() if self.is_first and first == self.start else inp
         x = x.reshape(1, chunk, self.hidden_size)
         angles = self._rope[start:start + chunk].reshape(1, 1, chunk, -1)
-        for i in range(first, end):
-            x = self._block(i, x.realize(), (slot,), (start,), chunk, angles, cut=cut and i == end - 1)
+        x = self._through_blocks(first, end, x, cut, lambda i, h, cut: self._block(i, h, (slot,), (start,), chunk, angles, cut=cut))
         if cut:
             return tuple(t.reshape(chunk, -1).realize() for t in x)
         if not self.is_last:

@@ -1,14 +1,15 @@
-"""tinygrad's TinyJit, capturing on its first call."""
+"""tinygrad's TinyJit, capturing on its first call; the calls of one piece of a capture, recorded again on other buffers."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 if TYPE_CHECKING:
     from tinygrad import Tensor, TinyJit
+    from tinygrad.uop.ops import UOp
 
 
 def capturing_jit(fn: Callable[..., Any]) -> TinyJit:
@@ -65,3 +66,63 @@ def read_back(t: Tensor) -> np.ndarray:
     for v in reversed(views):
         out = out.reshape(v.shape) if v.op is Ops.RESHAPE else out.transpose(v.arg)
     return np.ascontiguousarray(out)
+
+
+def capturing() -> bool:
+    """Whether a TinyJit is capturing its graph on this thread now."""
+    from tinygrad.engine.realize import capturing as jits
+
+    return bool(jits)
+
+
+class RecordedCalls:
+    """The calls a capturing TinyJit recorded while one piece of its function ran (`record`), to be recorded
+    again on other buffers (`again`): a stage's blocks alike then cost one block's graph building and
+    scheduling, most of a capture's time, and a substitution each for the others. The graph comes out as if
+    each block had been built: the same kernels on each block's own buffers, in the same order."""
+
+    def __init__(self, calls: list[UOp], made: set[UOp]) -> None:
+        self.calls = calls  # the LINEARs scheduled while recording
+        self.made = made  # the buffers those calls made (intermediates, outputs): fresh ones on each repeat
+
+    @classmethod
+    def record(cls, build: Callable[[], Tensor]) -> tuple[Tensor, RecordedCalls]:
+        """`build()` realized inside the capture, and the calls it added. Only while `capturing()`."""
+        from tinygrad.engine.realize import capturing as jits
+
+        jit = jits[0]
+        before = len(jit._linears)
+        out = build().realize()
+        calls = jit._linears[before:]
+        earlier = {u for lin in jit._linears[:before] for u in _buffers_of(lin)}
+        return out, cls(calls, {u for lin in calls for u in _buffers_of(lin) if u not in earlier and not _held(u)})
+
+    def buffers(self) -> set[UOp]:
+        """Every buffer the recorded calls read or write."""
+        return {u for lin in self.calls for u in _buffers_of(lin)}
+
+    def again(self, swap: Mapping[UOp, UOp], out: Tensor) -> Tensor:
+        """Add the recorded calls to the capture again, on `swap`'s buffers for its keys and on fresh buffers for
+        those the calls made; returns `out` (a tensor the recorded calls computed) as the new calls compute it."""
+        from tinygrad.engine.realize import capturing as jits
+        from tinygrad.tensor import Tensor
+        from tinygrad.uop.ops import UOp
+
+        mapping = {**{u: UOp.new_buffer(u.device, u.arg, u.dtype) for u in self.made}, **swap}
+        jit = jits[0]
+        for lin in self.calls:
+            jit._linears.append(lin.substitute(mapping, walk=True))
+        return Tensor(out.uop.substitute(mapping, walk=True))
+
+
+def _buffers_of(linear: UOp) -> list[UOp]:
+    from tinygrad.uop.ops import Ops
+
+    return [u for call in linear.src for s in call.src[1:] for u in s.toposort() if u.op is Ops.BUFFER]
+
+
+def _held(u: UOp) -> bool:
+    """A buffer that exists outside the graph (weights, caches, the jit's inputs): it has a device buffer."""
+    from tinygrad.uop.ops import buffers
+
+    return u in buffers

@@ -49,9 +49,9 @@ def test_one_block_segments_share_a_graph_and_compute_the_bits_of_a_graph_per_bl
 def test_a_shared_graph_that_reads_a_blocks_own_buffer_is_refused_and_every_block_gets_its_own(monkeypatch):
     buffers = cached_graphs.block_buffers
 
-    def without_the_kv_cache(owner):  # the KV cache not among the inputs: the graph holds block 2's own
+    def without_the_kv_cache(owner, **kw):  # the KV cache not among the inputs: the graph holds block 2's own
         out = {}
-        for block, (names, bufs) in buffers(owner).items():
+        for block, (names, bufs) in buffers(owner, **kw).items():
             kept = [(n, u) for n, u in zip(names, bufs, strict=True) if not n.startswith("kv.")]
             out[block] = ([n for n, _ in kept], [u for _, u in kept])
         return out
