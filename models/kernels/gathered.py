@@ -40,7 +40,7 @@ def gathered_matvec(x: Tensor, w, idx: Tensor, *, ggml: bool = False) -> Tensor:
     view: tuple[int, ...] = (in_features // 32, 2, 16) if quantized and in_features % 32 == 0 else \
         next(((in_features // s, s) for s in (16, 8, 4) if in_features % s == 0), (in_features, 1))
     view = tuple(d for d in view[:-1] if d > 1) + view[-1:]  # an axis of one would vanish from the kernel
-    opts = gathered_opts(x.device, out_features, len(view))
+    opts = gathered_opts(x.device, out_features, view, merged=not quantized)
 
     @function
     def kernel(x: Tensor, mats: Tensor) -> Tensor:
@@ -101,19 +101,32 @@ def block_matvec(x: Tensor, blocks, idx: Tensor | None = None) -> Tensor:
 GATHERED_GPU_OPTS: tuple[tuple[str, int, int], ...] = (('UNROLL', 0, 4), ('GROUP', 0, 32))
 
 
-def gathered_opts(device: str, out_features: int, n_reduce: int) -> tuple | None:
-    """Pinned options of `gathered_matvec`: matvec's on the CPU, `GATHERED_GPU_OPTS` on GPUs
-    (`SWARMD_GATHERED_OPTS`, a JSON list of [op, axis, amount], overrides them, for searches)."""
+def gathered_opts(device: str, out_features: int, reduce: tuple[int, ...], *, merged: bool = True) -> tuple | None:
+    """Pinned options of `gathered_matvec`, whose reduction runs over the axes `reduce` (one axis in the kernel
+    when `merged`, as a dense matrix's): matvec's on the CPU, `GATHERED_GPU_OPTS` on GPUs (`SWARMD_GATHERED_OPTS`,
+    a JSON list of [op, axis, amount], overrides them, for searches). Where their splits do not divide the axes
+    they split in turn (narrow models), tinygrad's heuristics: tinygrad would refuse the kernel."""
     import json
+    import math
     import os
 
     from tinygrad.codegen.opt import Opt, OptOps
 
     if device.split(":")[0] not in GPU_DEVICES:
-        return cpu_matvec_opts(device, out_features, n_reduce)
+        return cpu_matvec_opts(device, out_features, len(reduce))
     table = json.loads(os.environ["SWARMD_GATHERED_OPTS"]) if os.environ.get("SWARMD_GATHERED_OPTS") \
         else GATHERED_GPU_OPTS
-    return tuple(Opt(OptOps[op], axis, arg) for op, axis, arg in table) or None
+    opts = tuple(Opt(OptOps[op], axis, arg) for op, axis, arg in table)
+    reduce_ops = (OptOps.GROUP, OptOps.GROUPTOP, OptOps.UNROLL)
+    reduce = (math.prod(reduce),) if merged else reduce
+
+    def split(ops: tuple, axis: int) -> int:
+        return math.prod(o.arg or 1 for o in opts if o.op in ops and o.axis == axis)
+
+    fits = out_features % split((OptOps.LOCAL, OptOps.UPCAST), 0) == 0 and all(
+        axis < len(reduce) and reduce[axis] % split(reduce_ops, axis) == 0
+        for axis in {o.axis for o in opts if o.op in reduce_ops})
+    return opts if fits and opts else None
 
 
 def block_opts(n_blocks: int, shape: tuple[int, int, int]) -> tuple:

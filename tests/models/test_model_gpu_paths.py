@@ -1,6 +1,6 @@
 """The code paths written for GPUs, checked on the CPU: decode attention over whole cache tiles, the
 CUDA graph launch-dimension fix, which products go to the tensor cores and the split-reduction form of a decode
-batch's one, and architectures built from their public shapes."""
+batch's one, the gathered experts' kernel options, and architectures built from their public shapes."""
 
 import ctypes
 
@@ -9,6 +9,7 @@ import pytest
 
 from models.config import config_from_arch
 from models.errors import ModelError
+from models.kernels.gathered import GATHERED_GPU_OPTS, gathered_opts
 from models.kernels.matvec import split_k, tensor_core_matmul, tensor_core_rows
 from models.stage import StageInput, StageModel
 from models.tinygrad_ext.cuda_graph import add_kernel_node_with_nonzero_dims
@@ -97,6 +98,14 @@ def test_a_graph_node_refused_for_another_reason_is_not_retried():
     status = add_kernel_node_with_nonzero_dims(lambda *a: calls.append(a) or 1, None, None, None, 0,
                                                ctypes.byref(params))
     assert status == 1 and len(calls) == 1
+
+
+def test_the_gathered_experts_pinned_options_apply_where_they_divide_the_reduction_and_heuristics_elsewhere():
+    pinned = gathered_opts("CUDA", 14336, (256, 16))  # a 4096-wide float16 expert input, one axis in the kernel
+    assert [(o.op.name, o.axis, o.arg) for o in pinned] == [tuple(o) for o in GATHERED_GPU_OPTS]
+    assert gathered_opts("CUDA", 32, (4, 16)) is None  # 64 wide: an unroll of 4 leaves 16, no group of 32
+    assert gathered_opts("CUDA", 1536, (36, 16)) is None  # SmolLM2's 576: 144 after the unroll
+    assert gathered_opts("CPU", 32, (4, 16)) is not None  # the CPU's own options, whatever the width
 
 
 def test_builtin_dense_architectures_give_their_configurations():
