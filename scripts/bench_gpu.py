@@ -199,7 +199,7 @@ def work_matvec(args) -> dict:
             cands = cands[:5] if args.quick else cands
             for cand in cands:
                 opts = None if cand is None else tuple(Opt(OptOps[a], b, c) for a, b, c in cand)
-                if opts is not None and not opts_fit(opts, rows, o, i):
+                if opts is not None and not opts_fit(opts, (o, rows), (i,)):
                     continue
                 try:
                     t = time_matvec(_split_matvec, x, ws, opts)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from models.kernels import ggml_numerics
-from models.kernels.matvec import GPU_DEVICES, cpu_matvec_opts
+from models.kernels.matvec import GPU_DEVICES, cpu_matvec_opts, opts_fit
 
 if TYPE_CHECKING:
     from tinygrad import Tensor
@@ -117,15 +117,7 @@ def gathered_opts(device: str, out_features: int, reduce: tuple[int, ...], *, me
     table = json.loads(os.environ["SWARMD_GATHERED_OPTS"]) if os.environ.get("SWARMD_GATHERED_OPTS") \
         else GATHERED_GPU_OPTS
     opts = tuple(Opt(OptOps[op], axis, arg) for op, axis, arg in table)
-    reduce_ops = (OptOps.GROUP, OptOps.GROUPTOP, OptOps.UNROLL)
-    reduce = (math.prod(reduce),) if merged else reduce
-
-    def split(ops: tuple, axis: int) -> int:
-        return math.prod(o.arg or 1 for o in opts if o.op in ops and o.axis == axis)
-
-    fits = out_features % split((OptOps.LOCAL, OptOps.UPCAST), 0) == 0 and all(
-        axis < len(reduce) and reduce[axis] % split(reduce_ops, axis) == 0
-        for axis in {o.axis for o in opts if o.op in reduce_ops})
+    fits = opts_fit(opts, (out_features,), (math.prod(reduce),) if merged else reduce)
     return opts if fits and opts else None
 
 

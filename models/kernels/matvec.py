@@ -17,6 +17,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from tinygrad import Tensor
 
 
@@ -198,22 +200,23 @@ def gpu_matvec_opts(device: str, rows: int, out_features: int, in_features: int)
     if bucket is None:
         return ()
     opts = tuple(Opt(OptOps[op], axis, arg) for op, axis, arg in table[bucket])
-    return opts if opts_fit(opts, rows, out_features, in_features) else ()
+    return opts if opts_fit(opts, (out_features, rows), (in_features,)) else ()
 
 
-def opts_fit(opts: tuple, rows: int, out_features: int, in_features: int) -> bool:
-    """Whether each axis's splits divide it (tinygrad would refuse or pad the kernel otherwise)."""
+def opts_fit(opts: tuple, outputs: Sequence[int], reduces: Sequence[int]) -> bool:
+    """Whether each axis's splits divide it: LOCAL and UPCAST on output axis k (of sizes `outputs`), GROUP,
+    GROUPTOP and UNROLL on reduce axis k (of sizes `reduces`), taken in turn; tinygrad would refuse or pad the kernel
+    otherwise. Options on axes not given are not checked."""
     import math
 
     from tinygrad.codegen.opt import OptOps
 
     def split(ops: tuple, axis: int) -> int:
-        return math.prod(o.arg for o in opts if o.op in ops and o.axis == axis)
+        return math.prod(o.arg or 1 for o in opts if o.op in ops and o.axis == axis)  # 0: the whole axis
 
     reduce_ops = (OptOps.GROUP, OptOps.GROUPTOP, OptOps.UNROLL)
-    return (out_features % split((OptOps.LOCAL, OptOps.UPCAST), 0) == 0
-            and rows % split((OptOps.LOCAL, OptOps.UPCAST), 1) == 0
-            and in_features % split(reduce_ops, 0) == 0)
+    return (all(n % split((OptOps.LOCAL, OptOps.UPCAST), k) == 0 for k, n in enumerate(outputs))
+            and all(n % split(reduce_ops, k) == 0 for k, n in enumerate(reduces)))
 
 
 GPU_DEVICES = ("CUDA", "NV", "AMD", "HIP", "METAL", "CL", "NULL")
