@@ -1,4 +1,4 @@
-"""Fixtures for model tests: tiny GGUF models written in the test."""
+"""Fixtures for model tests: tiny GGUF models written in the test, and block buffers that leave the KV cache out."""
 
 from __future__ import annotations
 
@@ -39,3 +39,21 @@ def tiny_quantized_gguf(tmp_path_factory, tiny_spec) -> Path:
     quant = {n: BLOCK_KINDS[n.split(".")[2]] for n in weights if n.startswith("blk.") and n.split(".")[2] in BLOCK_KINDS}
     path = tmp_path_factory.mktemp("gguf") / "tiny-q.gguf"
     return write_gguf(path, tiny_spec, weights, quant=quant | {"token_embd.weight": "Q8_0"})
+
+
+@pytest.fixture
+def kv_cache_left_out_of_block_buffers(monkeypatch) -> None:
+    """`cached_graphs.block_buffers` as if a block's KV cache were not among its buffers: a graph made from a
+    block's buffers then reads one of the block's own all the same."""
+    from models import cached_graphs
+
+    buffers = cached_graphs.block_buffers
+
+    def without_the_kv_cache(owner, **kw):
+        out = {}
+        for block, (names, bufs) in buffers(owner, **kw).items():
+            kept = [(n, u) for n, u in zip(names, bufs, strict=True) if not n.startswith("kv.")]
+            out[block] = ([n for n, _ in kept], [u for _, u in kept])
+        return out
+
+    monkeypatch.setattr(cached_graphs, "block_buffers", without_the_kv_cache)

@@ -10,7 +10,6 @@ import pytest
 from tiny_deepseek2 import TinyDeepSeek2, tiny_deepseek2_weights, write_deepseek2_gguf
 from tinygrad.llm.model import TransformerConfig
 
-from models import cached_graphs
 from models import stage as stage_module
 from models.catalog.moe_writer import SYNTHETIC_MOE
 from models.stage import StageInput, StageModel
@@ -100,17 +99,8 @@ def test_a_moe_stage_cut_at_its_routers_builds_each_segments_blocks(monkeypatch)
     assert recorded == every and set(every) == {0, 1, 2}
 
 
-def test_a_block_whose_kv_cache_is_not_among_its_buffers_is_built_every_time(monkeypatch):
-    buffers = cached_graphs.block_buffers
-
-    def without_the_kv_cache(owner, **kw):
-        out = {}
-        for block, (names, bufs) in buffers(owner, **kw).items():
-            kept = [(n, u) for n, u in zip(names, bufs, strict=True) if not n.startswith("kv.")]
-            out[block] = ([n for n, _ in kept], [u for _, u in kept])
-        return out
-
-    monkeypatch.setattr(cached_graphs, "block_buffers", without_the_kv_cache)
+def test_a_block_whose_kv_cache_is_not_among_its_buffers_is_built_every_time(kv_cache_left_out_of_block_buffers,
+                                                                             monkeypatch):
     got, expected, recorded, every = served_both_ways(
         lambda: StageModel.random(DENSE, 7, 0, 5, max_context=32, max_requests=2, dtype="float32"), monkeypatch)
     assert_same_bits(got, expected)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models import cached_graphs
 from models.catalog.moe_writer import SYNTHETIC_MOE
 from models.stage import StageInput, StageModel
 
@@ -46,17 +45,8 @@ def test_one_block_segments_share_a_graph_and_compute_the_bits_of_a_graph_per_bl
     assert not shared._unshared
 
 
-def test_a_shared_graph_that_reads_a_blocks_own_buffer_is_refused_and_every_block_gets_its_own(monkeypatch):
-    buffers = cached_graphs.block_buffers
-
-    def without_the_kv_cache(owner, **kw):  # the KV cache not among the inputs: the graph holds block 2's own
-        out = {}
-        for block, (names, bufs) in buffers(owner, **kw).items():
-            kept = [(n, u) for n, u in zip(names, bufs, strict=True) if not n.startswith("kv.")]
-            out[block] = ([n for n, _ in kept], [u for _, u in kept])
-        return out
-
-    monkeypatch.setattr(cached_graphs, "block_buffers", without_the_kv_cache)
+def test_a_shared_graph_that_reads_a_blocks_own_buffer_is_refused_and_every_block_gets_its_own(
+        kv_cache_left_out_of_block_buffers):  # the KV cache not among the inputs: the graph holds block 2's own
     expected = serve(stage(shared=False))
     refused = stage()
     got = serve(refused)
