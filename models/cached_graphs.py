@@ -3,7 +3,7 @@ captured on their first call and stored there (`models.tinygrad_ext.graph_cache`
 
 A graph is stored under a key made of everything it depends on: the model (the GGUF's sha256, or the seed),
 the owner's shape (config, block range or experts held, numerics, weight dtype, context, KV slots, prefill
-chunk, attention tile, segments), the graph (prefill with or without every position's logits, decode batch
+chunk, attention tile and batching, segments), the graph (prefill with or without every position's logits, decode batch
 size, expert rows), the code that builds graphs (a hash of this package's sources), swarmd's kernel choices
 (`SWARMD_TENSOR_CORES`, `SWARMD_TENSOR_CORE_MIN_ROWS`, `SWARMD_TENSOR_CORE_SPLIT`, the `SWARMD_MATVEC_OPTS` table's
 hash), tinygrad and the machine (`graph_cache.environment`), and the signature of the buffers it binds to. The
@@ -336,7 +336,8 @@ def _stage_key(stage: Any) -> dict[str, Any] | None:
     return {**common, "owner": "stage", "blocks": [stage.start, stage.end], "numerics": stage.numerics,
             "weights": stage.weight_dtype, "local_experts": stage.local_experts, "max_context": stage.max_context,
             "max_requests": stage.max_requests, "prefill_chunk": stage.prefill_chunk,
-            "attention_tile": stage.attention_tile, "segments": [list(s) for s in stage.segments]}
+            "attention_tile": stage.attention_tile,
+            "batched_attention": stage.batched_attention, "segments": [list(s) for s in stage.segments]}
 
 
 def _experts_key(shard: Any) -> dict[str, Any] | None:

@@ -42,6 +42,13 @@ from models.errors import ModelError
 from models.expert_shard import ExpertShard
 from models.gguf.loader import StageParts
 from models.kernels import ggml_numerics
+from models.kernels.attention import (
+    batched_attention_on,
+    decode_rows_at,
+    store_decode_rows,
+    tiled_attention,
+    tiles_for,
+)
 from models.kernels.gathered import block_matvec
 from models.kernels.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_renderer
 from models.kernels.quant import BlockQuantized
@@ -197,8 +204,9 @@ class StageModel:
             from models.tinygrad_ext.cuda_graph import fix_symbolic_launch_dims
 
             fix_symbolic_launch_dims()
-        # decode attention over whole tiles of the cache (see _tiled_attention); on by default on GPUs
+        # decode attention over whole tiles of the cache (models.kernels.attention); on by default on GPUs
         self.attention_tile = (128 if on_gpu else 0) if attention_tile is None else attention_tile
+        self.batched_attention = batched_attention_on()
         self.config = replace(config, max_context=max_context)
         self.hidden_size, self.vocab_size = config.dim, config.vocab_size
         self.moe_blocks = [i for i in range(start, end) if is_moe_block(config, i)]
@@ -275,7 +283,7 @@ class StageModel:
 
         freq_factors = None if factors is None else factors.float().numpy()
         # a prefill chunk's padding rows, and the last attention tile, may reach past the context
-        tiled = -(-max_context // self.attention_tile) * self.attention_tile if self.attention_tile else 0
+        tiled = self._most_tiles(prefill_chunk) * self.attention_tile
         pad = max(prefill_chunk, tiled - max_context)
         rows = max_context + pad
         self._rope = Tensor(rope_table(self.config, rows, freq_factors), device=self.device).realize()
@@ -648,9 +656,13 @@ class StageModel:
         starts = [it.start_pos + j for it, j in real] + [0] * pad
         svars = [UOp.variable(f"slot{b}", 0, self.kv.scratch_slot).bind(s) for b, s in enumerate(slots)]
         pvars = [UOp.variable(f"pos{b}", 0, self.max_context - 1).bind(p) for b, p in enumerate(starts)]
-        tile = self.attention_tile
-        tvars = [UOp.variable(f"tiles{b}", 1, -(-self.max_context // tile)).bind(p // tile + 1)
-                 for b, p in enumerate(starts)] if tile else []
+        tile, most_tiles = self.attention_tile, self._most_tiles(1)
+        if not tile:
+            tvars = []
+        elif self.batched_attention:  # one cache length for the batch: the longest
+            tvars = [UOp.variable("tiles", 1, most_tiles).bind(tiles_for(max(starts), tile))]
+        else:
+            tvars = [UOp.variable(f"tiles{b}", 1, most_tiles).bind(tiles_for(p, tile)) for b, p in enumerate(starts)]
 
         def jit_of(seg: Segment, graph: Any) -> cached_graphs.StoringJit:
             if (batch, graph) not in self._decode_jits:
@@ -668,6 +680,12 @@ class StageModel:
             out.append(res[b].copy() if self.is_last and not it.verify else res[b:b + n].copy())
             b += n
         return out
+
+    def _most_tiles(self, rows: int) -> int:
+        """The most attention tiles a step of `rows` rows per request reads (positions up to max_context - 2
+        + rows); 0 without tiles."""
+        tile = self.attention_tile
+        return tiles_for(self.max_context - 2 + rows, tile) if tile else 0
 
     def _bucket(self, n: int) -> int:
         """Decode batches are padded to a power of two (capped at max_requests, unless verify rows make more):
@@ -689,13 +707,16 @@ class StageModel:
             return self._prefill_jits[key]
 
         svar = UOp.variable("slot0", 0, self.kv.scratch_slot).bind(slot)
+        tile, most_tiles = self.attention_tile, self._most_tiles(chunk)
         outs = []
         for lo in range(0, n, chunk):
             part = it.data[lo:lo + chunk]
             padded = np.concatenate([part, np.zeros((chunk - len(part), *part.shape[1:]), dtype=part.dtype)])
             sp = UOp.variable("start", 0, self.max_context - 1).bind(it.start_pos + lo)
             nt = UOp.variable("ntok", 1, chunk).bind(len(part))
-            res = yield from self._run_segments(padded, len(part), jit_of, [svar, sp, nt])
+            # the tiles hold the padding rows too (their attention must see rows, though it is thrown away)
+            tv = [UOp.variable("tiles", 1, most_tiles).bind(tiles_for(it.start_pos + lo + chunk - 1, tile))] if tile else []
+            res = yield from self._run_segments(padded, len(part), jit_of, [svar, sp, nt, *tv])
             outs.append(res[0].copy() if self.is_last and not it.all_logits else res[:len(part)].copy())
         if self.is_last and not it.all_logits:
             return outs[-1]
@@ -717,25 +738,33 @@ class StageModel:
         for p in starts[1:]:
             angles = angles.cat(self._rope[p:p + 1])
         angles = angles.reshape(batch, 1, 1, -1).realize()
-        x = self._through_blocks(first, end, x, cut, lambda i, h, cut: self._block(i, h, slots, starts, 1, angles, tiles, cut=cut))
+        # a batch attending together writes its new KV rows by these slots and positions (models.kernels.attention)
+        together = len(tiles) == 1 and batch > 1 and not self.mla
+        rows_at = decode_rows_at(slots, starts, self.device).realize() if together else None
+        x = self._through_blocks(first, end, x, cut,
+                                 lambda i, h, cut: self._block(i, h, slots, starts, 1, angles, tiles, rows_at, cut=cut))
         if cut:
             return tuple(t.reshape(batch, -1).realize() for t in x)
         if self.is_last:
             return self._head(self.output_norm(x).reshape(batch, -1)).realize()
         return x.reshape(batch, self.hidden_size).realize()
 
-    def _prefill_step(self, seg: Segment, inp: Tensor, slot: UOp, start: UOp, ntok: UOp, *_buffers: Tensor,
-                      all_logits: bool) -> Tensor | tuple[Tensor, ...]:
+    def _prefill_step(self, seg: Segment, inp: Tensor, *args: UOp | Tensor, all_logits: bool) -> Tensor | tuple[Tensor, ...]:
         """One chunk of `prefill_chunk` rows, the first `ntok` real. The padding rows run too (a concrete
         row count compiles to ~3x faster kernels than a symbolic one); they come after the real rows,
         so the causal mask hides them, and the KV rows they write lie past the request's length, where
-        every later step writes before it reads."""
+        every later step writes before it reads. `args`: the slot, start, ntok and (with attention tiles)
+        tiles variables, then the block's buffers of a shared graph."""
+        from tinygrad import Tensor
+
         first, end, cut = seg
+        variables = [a for a in args if not isinstance(a, Tensor)]
+        (slot, start, ntok), tiles = variables[:3], variables[3:]
         chunk = self.prefill_chunk
         x: Any = self.token_embd(inp).float() if self.is_first and first == self.start else inp
         x = x.reshape(1, chunk, self.hidden_size)
         angles = self._rope[start:start + chunk].reshape(1, 1, chunk, -1)
-        x = self._through_blocks(first, end, x, cut, lambda i, h, cut: self._block(i, h, (slot,), (start,), chunk, angles, cut=cut))
+        x = self._through_blocks(first, end, x, cut, lambda i, h, cut: self._block(i, h, (slot,), (start,), chunk, angles, tiles, cut=cut))
         if cut:
             return tuple(t.reshape(chunk, -1).realize() for t in x)
         if not self.is_last:
@@ -758,7 +787,7 @@ class StageModel:
         return matvec(h, w)
 
     def _block(self, i: int, x: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,
-               angles: Tensor, tiles: Sequence[UOp] = (), *, cut: bool = False) -> Any:
+               angles: Tensor, tiles: Sequence[UOp] = (), rows_at: Tensor | None = None, *, cut: bool = False) -> Any:
         """One block for `len(slots)` requests of T tokens each: x (B, T, dim) -> (B, T, dim). With
         `cut` (a MoE block whose experts live elsewhere) it returns (residual with the shared experts
         added, FFN-normed input, gates, selected experts) instead."""
@@ -772,7 +801,7 @@ class StageModel:
         if self.mla:
             h = x + deepseek2.attention(self, i, normed, slots, starts, T, angles, project)
         else:
-            h = x + self._attention(i, normed, slots, starts, T, angles, tiles, project)
+            h = x + self._attention(i, normed, slots, starts, T, angles, tiles, rows_at, project)
         normed = self._norm(blk.ffn_norm, h)
         if i not in self.moe_blocks:
             ffn = blk.config.hidden_dim  # a leading dense block of a MoE model has its own width
@@ -796,13 +825,12 @@ class StageModel:
         return h + routed_experts(blk, normed, gates, sel)
 
     def _attention(self, i: int, x: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,
-                   angles: Tensor, tiles: Sequence[UOp], project) -> Tensor:
+                   angles: Tensor, tiles: Sequence[UOp], rows_at: Tensor | None, project) -> Tensor:
         """Block i's grouped-query attention of x (B, T, dim), attention-normed, through the requests' KV slots."""
         from tinygrad import Tensor
 
         c, kv = self.config, self.kv.layers[i]
         batch = x.shape[0]
-        decode = isinstance(T, int) and T == 1
         q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         q, k, v = project(self._qkv[i], x, "qkv").split([q_dim, kv_dim, kv_dim], dim=-1)
         q = q.reshape(batch, T, c.n_heads, c.head_dim).transpose(1, 2)
@@ -811,25 +839,35 @@ class StageModel:
         cos, sin = angles.chunk(2, dim=-1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         # write each request's new rows into its own slot, then read its cache back through the stores
-        stores = [kv[:, s:s + 1, :, p:p + T, :].uop.store(k[b:b + 1].stack(v[b:b + 1]).cast(kv.dtype).uop)
-                  for b, (s, p) in enumerate(zip(slots, starts, strict=True))]
-        cache = Tensor(kv.uop.after(*stores))
-        outs = []
-        for b, (s, p) in enumerate(zip(slots, starts, strict=True)):
-            if decode and tiles:
-                outs.append(self._tiled_attention(q[b:b + 1], cache, s, p, tiles[b]))
-                continue
-            keys, values = cache[0, s:s + 1, :, 0:p + T, :], cache[1, s:s + 1, :, 0:p + T, :]
-            mask = None
-            if not decode:  # causal within the chunk; a decoded token attends to the whole cache
-                mask = Tensor.full((1, 1, T, p + T), float("-inf"), device=self.device, buffer=False).triu(p + 1)
-            if self.numerics == "ggml":
-                outs.append(ggml_numerics.attention(q[b:b + 1], keys, values, mask))
-            else:
-                outs.append(q[b:b + 1].scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True))
-        attn = outs[0].cat(*outs[1:]) if batch > 1 else outs[0]
+        if rows_at is not None:  # a batch attending together: one kernel writes every request's rows
+            cache = store_decode_rows(kv, k.stack(v, dim=1).reshape(batch, 2, c.n_kv_heads, c.head_dim), rows_at)
+        else:
+            stores = [kv[:, s:s + 1, :, p:p + T, :].uop.store(k[b:b + 1].stack(v[b:b + 1]).cast(kv.dtype).uop)
+                      for b, (s, p) in enumerate(zip(slots, starts, strict=True))]
+            cache = Tensor(kv.uop.after(*stores))
+        if tiles:  # one tiles variable for the batch (or a prefill chunk's request), or one per request
+            tiled = functools.partial(tiled_attention, tile=self.attention_tile, positions=self._positions,
+                                      n_kv_heads=c.n_kv_heads)
+            outs = [tiled(q, cache, slots, starts, tiles[0])] if len(tiles) == 1 else \
+                [tiled(q[b:b + 1], cache, [s], [p], t) for b, (s, p, t) in enumerate(zip(slots, starts, tiles, strict=True))]
+        else:
+            outs = [self._exact_attention(q[b:b + 1], cache, s, p, T) for b, (s, p) in enumerate(zip(slots, starts, strict=True))]
+        attn = Tensor.cat(*outs) if len(outs) > 1 else outs[0]
         return project(self.blk[i].attn_output.weight, attn.transpose(1, 2).reshape(batch, T, q_dim),
                        "attn_output.weight")
+
+    def _exact_attention(self, q: Tensor, cache: Tensor, slot: UOp, pos: UOp, T: int | UOp) -> Tensor:
+        """One request's T tokens, q (1, heads, T, head_dim), over rows [0, pos + T) of its slot: causal within
+        a prefill chunk; a decoded token attends to the whole cache."""
+        from tinygrad import Tensor
+
+        keys, values = cache[0, slot:slot + 1, :, 0:pos + T, :], cache[1, slot:slot + 1, :, 0:pos + T, :]
+        mask = None
+        if not (isinstance(T, int) and T == 1):
+            mask = Tensor.full((1, 1, T, pos + T), float("-inf"), device=self.device, buffer=False).triu(pos + 1)
+        if self.numerics == "ggml":
+            return ggml_numerics.attention(q, keys, values, mask)
+        return q.scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True)
 
     def _norm(self, norm, x: Tensor) -> Tensor:
         """RMSNorm, its sum of squares over a whole thread group on GPUs (tinygrad gives it 16 threads).
@@ -842,23 +880,3 @@ class StageModel:
             return norm(x)
         sq = gpu_reduce(lambda t: t.square().sum(-1, keepdim=True), (("GROUPTOP", 0, group),), x)
         return x * (sq / x.shape[-1] + norm.eps).rsqrt() * norm.weight
-
-    def _tiled_attention(self, q: Tensor, cache: Tensor, slot: UOp, pos: UOp, tiles: UOp) -> Tensor:
-        """One decoded token's attention, q (1, heads, 1, head_dim), over its cache read as `tiles`
-        whole tiles of rows, the rows past `pos` masked. A length of pos+1 rows is a reduction axis
-        tinygrad cannot split over threads (nothing divides it), so softmax and the weighted sum ran
-        on a few dozen threads; tiles x 128 rows split (measured on an H200: docs/BENCHMARKS.md)."""
-        import math
-
-        c, tile = self.config, self.attention_tile
-        kvh, group, hd = c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim
-        keys = cache[0, slot:slot + 1, :, 0:tiles * tile, :].reshape(1, kvh, 1, tiles, tile, hd)
-        values = cache[1, slot:slot + 1, :, 0:tiles * tile, :].reshape(1, kvh, 1, tiles, tile, hd)
-        scores = (q.reshape(1, kvh, group, 1, 1, hd) * keys).sum(-1) * (1 / math.sqrt(hd))
-        visible = self._positions[0:tiles * tile].reshape(tiles, tile) <= pos
-        scores = visible.where(scores, -math.inf).contiguous()
-        weights = (scores - scores.max((-2, -1), keepdim=True)).exp()
-        total = weights.sum((-2, -1))
-        group = (("GROUPTOP", 0, math.gcd(16, tile)),)  # divides tiles x tile rows whatever the tile count
-        out = gpu_reduce(lambda w, v: (w.unsqueeze(-1) * v).sum((-3, -2)), group, weights, values)
-        return (out / total.unsqueeze(-1)).reshape(1, c.n_heads, 1, hd)

@@ -70,6 +70,15 @@ def assert_same_bits(got: list[np.ndarray], expected: list[np.ndarray]) -> None:
         np.testing.assert_array_equal(a, b)
 
 
+def test_blocks_of_a_decode_batch_attending_together_repeat_on_their_own_kv_cache(monkeypatch):
+    monkeypatch.delenv("SWARMD_BATCHED_ATTENTION", raising=False)
+    got, expected, recorded, _ = served_both_ways(  # attention over cache tiles, as on GPUs
+        lambda: StageModel.random(DENSE, 7, 1, 4, max_context=32, max_requests=2, dtype="float32", attention_tile=8),
+        monkeypatch)
+    assert_same_bits(got, expected)
+    assert recorded == {1: 3, 3: 3}
+
+
 @pytest.mark.parametrize("bounds", [(0, 5), (1, 4), (2, 5)])
 def test_dense_blocks_are_built_once_per_graph_and_compute_the_bits_of_every_block_built(bounds, monkeypatch):
     got, expected, recorded, every = served_both_ways(
