@@ -206,7 +206,6 @@ class StageModel:
             fix_symbolic_launch_dims()
         # decode attention over whole tiles of the cache (models.kernels.attention); on by default on GPUs
         self.attention_tile = (128 if on_gpu else 0) if attention_tile is None else attention_tile
-        self.batched_attention = batched_attention_on()
         self.config = replace(config, max_context=max_context)
         self.hidden_size, self.vocab_size = config.dim, config.vocab_size
         self.moe_blocks = [i for i in range(start, end) if is_moe_block(config, i)]
@@ -659,7 +658,7 @@ class StageModel:
         tile, most_tiles = self.attention_tile, self._most_tiles(1)
         if not tile:
             tvars = []
-        elif self.batched_attention:  # one cache length for the batch: the longest
+        elif batched_attention_on():  # one cache length for the batch: the longest
             tvars = [UOp.variable("tiles", 1, most_tiles).bind(tiles_for(max(starts), tile))]
         else:
             tvars = [UOp.variable(f"tiles{b}", 1, most_tiles).bind(tiles_for(p, tile)) for b, p in enumerate(starts)]

@@ -16,7 +16,7 @@ Each part runs in its own subprocess (a clean device and environment each; a fai
 Engines are separated by ';'. An engine name may carry environment settings for its process after a
 colon (`swarmd:JIT=2,BEAM=2`);
 `BENCH_BATCHES=1/8` limits its batch sizes, `BENCH_AB=NAME=VALUE` decodes each batch size with that setting
-too, from the same state, before the engine's own (a side-by-side in one process), `BENCH_PROFILE=1` writes one batch-1 decode step's
+too, from the same state, before the engine's own (a side-by-side in one process), `BENCH_PROFILE=N` writes one batch-N decode step's
 per-kernel device times (tinygrad DEBUG=2) under --out. `--matvec ARCH` first searches the GPU
 matvec kernel's options on ARCH's shapes and hands the best per batch size to the swarmd engines
 (models/kernels/matvec.py `SWARMD_MATVEC_OPTS`; `swarmd:SWARMD_MATVEC_OPTS=` keeps tinygrad's heuristics).
@@ -297,8 +297,8 @@ def work_swarmd(args) -> dict:
         if args.out:  # what is measured so far survives a worker cut by its timeout
             Path(args.out, f"swarmd-{args.arch}-{args.tag}.json").write_text(json.dumps(out, default=str))
     if os.environ.get("BENCH_PROFILE") and args.out:
-        out["profile"] = profile_decode(model, rids[0], pos[rids[0]], tokens[rids[0]],
-                                        Path(args.out, f"profile-{args.arch}-{args.tag}.txt"))
+        group = rids[:int(os.environ["BENCH_PROFILE"])]
+        out["profile"] = profile_decode(model, group, pos, tokens, Path(args.out, f"profile-{args.arch}-{args.tag}.txt"))
     return out
 
 
@@ -341,8 +341,9 @@ def decode_batch(model, out: dict, prefix: str, batch: int, group: list[str], to
     out[f"{prefix}b{batch}_tokens"] = [tokens[r] for r in group]  # greedy picks so far
 
 
-def profile_decode(model, rid: str, pos: int, token: int, path: Path) -> dict:
-    """One batch-1 decode step run eagerly with every kernel timed; the log and a summary by kernel name."""
+def profile_decode(model, group: list[str], pos: dict, tokens: dict, path: Path) -> dict:
+    """One decode step of the requests in `group` run eagerly with every kernel timed; the log and a summary by
+    kernel name."""
     import re
 
     import numpy as np
@@ -353,9 +354,9 @@ def profile_decode(model, rid: str, pos: int, token: int, path: Path) -> dict:
     buf = io.StringIO()
     with Context(DEBUG=2, JIT=0), contextlib.redirect_stdout(buf):
         model._decode_jits.clear()
-        model.forward([StageInput(rid, pos, np.array([token]))])  # compiles
+        model.forward([StageInput(r, pos[r], np.array([tokens[r]])) for r in group])  # compiles
         GlobalCounters.reset()
-        model.forward([StageInput(rid, pos + 1, np.array([token]))])
+        model.forward([StageInput(r, pos[r] + 1, np.array([tokens[r]])) for r in group])
     model._decode_jits.clear()
     text = buf.getvalue()
     path.write_text(text)

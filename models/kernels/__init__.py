@@ -1,1 +1,1 @@
-"""Kernels written for tinygrad: decode matvecs, quantised weights, llama.cpp's numerics."""
+"""Kernels written for tinygrad: decode matvecs, attention over cache tiles, quantised weights, llama.cpp's numerics."""
