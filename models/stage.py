@@ -43,7 +43,7 @@ from models.expert_shard import ExpertShard
 from models.gguf.loader import StageParts
 from models.kernels import ggml_numerics
 from models.kernels.attention import (
-    batched_attention_on,
+    batched_kv_write_on,
     decode_rows_at,
     store_decode_rows,
     tiled_attention,
@@ -656,12 +656,7 @@ class StageModel:
         svars = [UOp.variable(f"slot{b}", 0, self.kv.scratch_slot).bind(s) for b, s in enumerate(slots)]
         pvars = [UOp.variable(f"pos{b}", 0, self.max_context - 1).bind(p) for b, p in enumerate(starts)]
         tile, most_tiles = self.attention_tile, self._most_tiles(1)
-        if not tile:
-            tvars = []
-        elif batched_attention_on():  # one cache length for the batch: the longest
-            tvars = [UOp.variable("tiles", 1, most_tiles).bind(tiles_for(max(starts), tile))]
-        else:
-            tvars = [UOp.variable(f"tiles{b}", 1, most_tiles).bind(tiles_for(p, tile)) for b, p in enumerate(starts)]
+        tvars = [UOp.variable(f"tiles{b}", 1, most_tiles).bind(tiles_for(p, tile)) for b, p in enumerate(starts)] if tile else []
 
         def jit_of(seg: Segment, graph: Any) -> cached_graphs.StoringJit:
             if (batch, graph) not in self._decode_jits:
@@ -737,9 +732,9 @@ class StageModel:
         for p in starts[1:]:
             angles = angles.cat(self._rope[p:p + 1])
         angles = angles.reshape(batch, 1, 1, -1).realize()
-        # a batch attending together writes its new KV rows by these slots and positions (models.kernels.attention)
-        together = len(tiles) == 1 and batch > 1 and not self.mla
-        rows_at = decode_rows_at(slots, starts, self.device).realize() if together else None
+        # a batch on a GPU writes its new KV rows in one kernel, by these slots and positions (models.kernels.attention)
+        one_write = tiles and batch > 1 and not self.mla and batched_kv_write_on()
+        rows_at = decode_rows_at(slots, starts, self.device).realize() if one_write else None
         x = self._through_blocks(first, end, x, cut,
                                  lambda i, h, cut: self._block(i, h, slots, starts, 1, angles, tiles, rows_at, cut=cut))
         if cut:
@@ -838,17 +833,16 @@ class StageModel:
         cos, sin = angles.chunk(2, dim=-1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         # write each request's new rows into its own slot, then read its cache back through the stores
-        if rows_at is not None:  # a batch attending together: one kernel writes every request's rows
+        if rows_at is not None:  # one kernel writes every request's rows
             cache = store_decode_rows(kv, k.stack(v, dim=1).reshape(batch, 2, c.n_kv_heads, c.head_dim), rows_at)
         else:
             stores = [kv[:, s:s + 1, :, p:p + T, :].uop.store(k[b:b + 1].stack(v[b:b + 1]).cast(kv.dtype).uop)
                       for b, (s, p) in enumerate(zip(slots, starts, strict=True))]
             cache = Tensor(kv.uop.after(*stores))
-        if tiles:  # one tiles variable for the batch (or a prefill chunk's request), or one per request
+        if tiles:  # each request over whole tiles of its cache
             tiled = functools.partial(tiled_attention, tile=self.attention_tile, positions=self._positions,
                                       n_kv_heads=c.n_kv_heads)
-            outs = [tiled(q, cache, slots, starts, tiles[0])] if len(tiles) == 1 else \
-                [tiled(q[b:b + 1], cache, [s], [p], t) for b, (s, p, t) in enumerate(zip(slots, starts, tiles, strict=True))]
+            outs = [tiled(q[b:b + 1], cache, s, p, t) for b, (s, p, t) in enumerate(zip(slots, starts, tiles, strict=True))]
         else:
             outs = [self._exact_attention(q[b:b + 1], cache, s, p, T) for b, (s, p) in enumerate(zip(slots, starts, strict=True))]
         attn = Tensor.cat(*outs) if len(outs) > 1 else outs[0]

@@ -17,7 +17,7 @@ Engines are separated by ';'. An engine name may carry environment settings for 
 colon (`swarmd:JIT=2,BEAM=2`);
 `BENCH_BATCHES=1/8` limits its batch sizes, `BENCH_AB=NAME=VALUE` decodes each batch size with that setting
 too, from the same state, before the engine's own (a side-by-side in one process), `BENCH_PROFILE=N` writes one batch-N decode step's
-per-kernel device times (tinygrad DEBUG=2) under --out. `--matvec ARCH` first searches the GPU
+and one prefill's per-kernel device times (tinygrad DEBUG=2) under --out. `--matvec ARCH` first searches the GPU
 matvec kernel's options on ARCH's shapes and hands the best per batch size to the swarmd engines
 (models/kernels/matvec.py `SWARMD_MATVEC_OPTS`; `swarmd:SWARMD_MATVEC_OPTS=` keeps tinygrad's heuristics).
 """
@@ -299,6 +299,8 @@ def work_swarmd(args) -> dict:
     if os.environ.get("BENCH_PROFILE") and args.out:
         group = rids[:int(os.environ["BENCH_PROFILE"])]
         out["profile"] = profile_decode(model, group, pos, tokens, Path(args.out, f"profile-{args.arch}-{args.tag}.txt"))
+        out["profile_prefill"] = profile_prefill(model, rids[-1], prompt_ids(prompt, arch.vocab, 7),
+                                                 Path(args.out, f"profile-prefill-{args.arch}-{args.tag}.txt"))
     return out
 
 
@@ -344,29 +346,52 @@ def decode_batch(model, out: dict, prefix: str, batch: int, group: list[str], to
 def profile_decode(model, group: list[str], pos: dict, tokens: dict, path: Path) -> dict:
     """One decode step of the requests in `group` run eagerly with every kernel timed; the log and a summary by
     kernel name."""
-    import re
-
     import numpy as np
-    from tinygrad.helpers import Context, GlobalCounters
 
     from models.stage import StageInput
+
+    def step(ahead: int) -> None:
+        model.forward([StageInput(r, pos[r] + ahead, np.array([tokens[r]])) for r in group])
+
+    return profiled(model, step, path)
+
+
+def profile_prefill(model, rid: str, prompt, path: Path) -> dict:
+    """One prefill of `prompt` as request `rid` (its cache is overwritten) run eagerly with every kernel timed,
+    as `profile_decode`."""
+    from models.stage import StageInput
+
+    def step(_ahead: int) -> None:
+        model.forward([StageInput(rid, 0, prompt)])
+
+    return profiled(model, step, path)
+
+
+def profiled(model, step, path: Path) -> dict:
+    """`step(0)` to compile, then `step(1)` with every kernel timed (tinygrad DEBUG=2, no jit)."""
+    import re
+
+    from tinygrad.helpers import Context, GlobalCounters
 
     buf = io.StringIO()
     with Context(DEBUG=2, JIT=0), contextlib.redirect_stdout(buf):
         model._decode_jits.clear()
-        model.forward([StageInput(r, pos[r], np.array([tokens[r]])) for r in group])  # compiles
+        model._prefill_jits.clear()
+        step(0)
         GlobalCounters.reset()
-        model.forward([StageInput(r, pos[r] + 1, np.array([tokens[r]])) for r in group])
+        mark = len(buf.getvalue())
+        step(1)
     model._decode_jits.clear()
+    model._prefill_jits.clear()
     text = buf.getvalue()
     path.write_text(text)
     by_name: dict[str, list[float]] = {}
-    for line in text.splitlines()[-4000:]:
+    for line in text[mark:].splitlines():
         m = re.search(r"\s(\S+)\s+arg\s.*\btm\s+([\d.]+)(us|ms|s)", line)
         if m:
             scale = {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(3)]
             by_name.setdefault(re.sub(r"\x1b\[[0-9;]*m", "", m.group(1)), []).append(float(m.group(2)) * scale)
-    top = sorted(((sum(v), len(v), k) for k, v in by_name.items()), reverse=True)[:12]
+    top = sorted(((sum(v), len(v), k) for k, v in by_name.items()), reverse=True)[:15]
     return {"kernel_s": GlobalCounters.time_sum_s, "kernels": sum(len(v) for v in by_name.values()),
             "top": [[k, n, round(s * 1e6, 1)] for s, n, k in top]}
 

@@ -1,70 +1,63 @@
-"""Attention over whole tiles of a stage's KV cache, for a batch of requests in their own slots.
+"""Attention over whole tiles of a stage's KV cache, and a decode batch's KV write in one kernel.
 
 A length of pos+1 rows is a reduction axis tinygrad cannot split over threads (nothing divides it), so softmax
 and the weighted sum ran on a few dozen threads; `tiles` x `tile` rows split (docs/BENCHMARKS.md). The rows past
-each request's position are masked. Decode steps and prefill chunks (on GPUs) attend so.
+each token's position are masked. Decode steps and prefill chunks attend so on GPUs, each request on its own
+kernels (a batch read through one concatenation of per-slot views was 2-11x slower on an H200: a gated load per
+request at every element).
 
-A decode batch's requests sit in their own KV slots at their own positions. With `batched_attention_on()` the
-whole batch runs as one set of kernels: each row reads its slot through a concatenation of per-slot views (a
-gated load per request, one read of each row's cache) over the batch's longest cache, in tiles. Otherwise each
-request runs its own kernels over its own length.
+A decode batch's requests sit in their own KV slots at their own positions; a store per request is B kernels.
+With `batched_kv_write_on()` one kernel writes them all, its slots and positions read from a small tensor.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from models.kernels.matvec import gpu_reduce
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from tinygrad import Tensor
     from tinygrad.uop.ops import UOp
 
 
-def batched_attention_on() -> bool:
-    """`SWARMD_BATCHED_ATTENTION=0` gives each request of a decode batch its own attention kernels (for
-    side-by-side measurements)."""
-    return os.environ.get("SWARMD_BATCHED_ATTENTION", "1") != "0"
+def batched_kv_write_on() -> bool:
+    """`SWARMD_BATCHED_KV_WRITE=0` gives each request of a decode batch its own KV store kernel (for side-by-side
+    measurements)."""
+    return os.environ.get("SWARMD_BATCHED_KV_WRITE", "1") != "0"
 
 
-def tiled_attention(q: Tensor, cache: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], tiles: UOp, *,
-                    tile: int, positions: Tensor, n_kv_heads: int) -> Tensor:
-    """q (B, heads, T, head_dim): T tokens of each of B requests over `cache` (2, slots, kv_heads, rows,
-    head_dim). Token t of row b sits at position starts[b] + t and attends to rows [0, starts[b] + t] of slot
-    slots[b] (its own row included: its K/V are stored first), read as `tiles` whole tiles of `tile` rows
-    (enough for the longest). `positions` is arange over the cache's rows. Returns (B, heads, T, head_dim)."""
-    from tinygrad import Tensor
-
-    batch, n_heads, T, hd = q.shape
+def tiled_attention(q: Tensor, cache: Tensor, slot: UOp, start: UOp, tiles: UOp, *, tile: int, positions: Tensor,
+                    n_kv_heads: int) -> Tensor:
+    """q (1, heads, T, head_dim): T tokens of one request over `cache` (2, slots, kv_heads, rows, head_dim).
+    Token t sits at position start + t and attends to rows [0, start + t] of `slot` (its own row included: its
+    K/V are stored first), read as `tiles` whole tiles of `tile` rows. `positions` is arange over the cache's
+    rows. Returns (1, heads, T, head_dim)."""
+    _, n_heads, T, hd = q.shape
     kvh, group, rows = n_kv_heads, n_heads // n_kv_heads, tiles * tile
-    shape = (1, kvh, group, T, tiles, tile)
 
-    # each request's rows are read and broadcast over its query heads and tokens before the batch is put
-    # together: an elementwise op (the concatenation) under a broadcast would be stored to a buffer first
-    def per_slot(cache: Tensor, kind: int) -> Tensor:
-        return Tensor.cat(*[cache[kind, s:s + 1, :, 0:rows, :].reshape(1, kvh, 1, 1, tiles, tile, hd)
-                            .expand(*shape, hd) for s in slots])
+    def rows_of(cache: Tensor, kind: int) -> Tensor:
+        return cache[kind, slot:slot + 1, :, 0:rows, :].reshape(1, kvh, 1, 1, tiles, tile, hd)
 
-    scores = (q.reshape(batch, kvh, group, T, 1, 1, hd) * per_slot(cache, 0)).sum(-1) * (1 / math.sqrt(hd))
+    scores = (q.reshape(1, kvh, group, T, 1, 1, hd) * rows_of(cache, 0)).sum(-1) * (1 / math.sqrt(hd))
     rows_at = positions[0:rows].reshape(1, 1, 1, 1, tiles, tile)
-    last = positions[0:T].reshape(1, 1, 1, T, 1, 1) if T > 1 else 0  # each token's offset in its chunk
-    visible = Tensor.cat(*[(rows_at <= last + p).expand(shape) for p in starts])
-    scores = visible.where(scores, -math.inf).contiguous()
+    offset = positions[0:T].reshape(1, 1, 1, T, 1, 1) if T > 1 else 0  # each token's place in its chunk
+    scores = (rows_at <= offset + start).where(scores, -math.inf).contiguous()
     weights = (scores - scores.max((-2, -1), keepdim=True)).exp()
     total = weights.sum((-2, -1))
 
     def weighted(w: Tensor, c: Tensor) -> Tensor:
-        return (w.unsqueeze(-1) * per_slot(c, 1)).sum((-3, -2))
+        return (w.unsqueeze(-1) * rows_of(c, 1)).sum((-3, -2))
 
     if T == 1:  # few outputs: the sum over rows split over a thread group (it divides tiles x tile rows)
-        # the values are read from the cache inside the weighted sum's kernel (not copied out of it first)
         out = gpu_reduce(weighted, (("GROUPTOP", 0, math.gcd(16, tile)),), weights, cache)
     else:
         out = weighted(weights, cache)
-    return (out / total.unsqueeze(-1)).reshape(batch, n_heads, T, hd)
+    return (out / total.unsqueeze(-1)).reshape(1, n_heads, T, hd)
 
 
 def decode_rows_at(slots: Sequence[UOp], starts: Sequence[UOp], device: str) -> Tensor:
