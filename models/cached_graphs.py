@@ -5,7 +5,7 @@ A graph is stored under a key made of everything it depends on: the model (the G
 the owner's shape (config, block range or experts held, numerics, weight dtype, context, KV slots, prefill
 chunk, attention tile, segments), the graph (prefill with or without every position's logits, decode batch
 size, expert rows), the code that builds graphs (a hash of this package's sources), swarmd's kernel choices
-(`SWARMD_TENSOR_CORES`, `SWARMD_TENSOR_CORE_MIN_ROWS`, `SWARMD_TENSOR_CORE_SPLIT`, `SWARMD_BATCHED_KV_WRITE`, the `SWARMD_MATVEC_OPTS` table's
+(`SWARMD_TENSOR_CORES`, `SWARMD_TENSOR_CORE_MIN_ROWS`, `SWARMD_TENSOR_CORE_SPLIT`, the `SWARMD_MATVEC_OPTS` table's
 hash), tinygrad and the machine (`graph_cache.environment`), and the signature of the buffers it binds to. The
 buffers bound are every tensor the owner holds (weights under their GGUF names, fused projections, GGML blocks, KV cache,
 RoPE table), found by walking its attributes; a graph that reads anything else is not stored.
@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 from tinygrad import TinyJit
 from tinygrad.engine.jit import JitError
 
-from models.kernels.attention import batched_kv_write_on
 from models.kernels.matvec import tensor_core_min_rows, tensor_core_split, tensor_cores_on
 from models.tinygrad_ext import graph_cache
 
@@ -337,8 +336,7 @@ def _stage_key(stage: Any) -> dict[str, Any] | None:
     return {**common, "owner": "stage", "blocks": [stage.start, stage.end], "numerics": stage.numerics,
             "weights": stage.weight_dtype, "local_experts": stage.local_experts, "max_context": stage.max_context,
             "max_requests": stage.max_requests, "prefill_chunk": stage.prefill_chunk,
-            "attention_tile": stage.attention_tile,
-            "batched_kv_write": batched_kv_write_on(), "segments": [list(s) for s in stage.segments]}
+            "attention_tile": stage.attention_tile, "segments": [list(s) for s in stage.segments]}
 
 
 def _experts_key(shard: Any) -> dict[str, Any] | None:

@@ -42,13 +42,7 @@ from models.errors import ModelError
 from models.expert_shard import ExpertShard
 from models.gguf.loader import StageParts
 from models.kernels import ggml_numerics
-from models.kernels.attention import (
-    batched_kv_write_on,
-    decode_rows_at,
-    store_decode_rows,
-    tiled_attention,
-    tiles_for,
-)
+from models.kernels.attention import tiled_decode_attention
 from models.kernels.gathered import block_matvec
 from models.kernels.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_renderer
 from models.kernels.quant import BlockQuantized
@@ -282,7 +276,7 @@ class StageModel:
 
         freq_factors = None if factors is None else factors.float().numpy()
         # a prefill chunk's padding rows, and the last attention tile, may reach past the context
-        tiled = self._most_tiles(prefill_chunk) * self.attention_tile
+        tiled = -(-max_context // self.attention_tile) * self.attention_tile if self.attention_tile else 0
         pad = max(prefill_chunk, tiled - max_context)
         rows = max_context + pad
         self._rope = Tensor(rope_table(self.config, rows, freq_factors), device=self.device).realize()
@@ -655,8 +649,9 @@ class StageModel:
         starts = [it.start_pos + j for it, j in real] + [0] * pad
         svars = [UOp.variable(f"slot{b}", 0, self.kv.scratch_slot).bind(s) for b, s in enumerate(slots)]
         pvars = [UOp.variable(f"pos{b}", 0, self.max_context - 1).bind(p) for b, p in enumerate(starts)]
-        tile, most_tiles = self.attention_tile, self._most_tiles(1)
-        tvars = [UOp.variable(f"tiles{b}", 1, most_tiles).bind(tiles_for(p, tile)) for b, p in enumerate(starts)] if tile else []
+        tile = self.attention_tile
+        tvars = [UOp.variable(f"tiles{b}", 1, -(-self.max_context // tile)).bind(p // tile + 1)
+                 for b, p in enumerate(starts)] if tile else []
 
         def jit_of(seg: Segment, graph: Any) -> cached_graphs.StoringJit:
             if (batch, graph) not in self._decode_jits:
@@ -674,12 +669,6 @@ class StageModel:
             out.append(res[b].copy() if self.is_last and not it.verify else res[b:b + n].copy())
             b += n
         return out
-
-    def _most_tiles(self, rows: int) -> int:
-        """The most attention tiles a step of `rows` rows per request reads (positions up to max_context - 2
-        + rows); 0 without tiles."""
-        tile = self.attention_tile
-        return tiles_for(self.max_context - 2 + rows, tile) if tile else 0
 
     def _bucket(self, n: int) -> int:
         """Decode batches are padded to a power of two (capped at max_requests, unless verify rows make more):
@@ -701,16 +690,13 @@ class StageModel:
             return self._prefill_jits[key]
 
         svar = UOp.variable("slot0", 0, self.kv.scratch_slot).bind(slot)
-        tile, most_tiles = self.attention_tile, self._most_tiles(chunk)
         outs = []
         for lo in range(0, n, chunk):
             part = it.data[lo:lo + chunk]
             padded = np.concatenate([part, np.zeros((chunk - len(part), *part.shape[1:]), dtype=part.dtype)])
             sp = UOp.variable("start", 0, self.max_context - 1).bind(it.start_pos + lo)
             nt = UOp.variable("ntok", 1, chunk).bind(len(part))
-            # the tiles hold the padding rows too (their attention must see rows, though it is thrown away)
-            tv = [UOp.variable("tiles", 1, most_tiles).bind(tiles_for(it.start_pos + lo + chunk - 1, tile))] if tile else []
-            res = yield from self._run_segments(padded, len(part), jit_of, [svar, sp, nt, *tv])
+            res = yield from self._run_segments(padded, len(part), jit_of, [svar, sp, nt])
             outs.append(res[0].copy() if self.is_last and not it.all_logits else res[:len(part)].copy())
         if self.is_last and not it.all_logits:
             return outs[-1]
@@ -732,33 +718,25 @@ class StageModel:
         for p in starts[1:]:
             angles = angles.cat(self._rope[p:p + 1])
         angles = angles.reshape(batch, 1, 1, -1).realize()
-        # a batch on a GPU writes its new KV rows in one kernel, by these slots and positions (models.kernels.attention)
-        one_write = tiles and batch > 1 and not self.mla and batched_kv_write_on()
-        rows_at = decode_rows_at(slots, starts, self.device).realize() if one_write else None
-        x = self._through_blocks(first, end, x, cut,
-                                 lambda i, h, cut: self._block(i, h, slots, starts, 1, angles, tiles, rows_at, cut=cut))
+        x = self._through_blocks(first, end, x, cut, lambda i, h, cut: self._block(i, h, slots, starts, 1, angles, tiles, cut=cut))
         if cut:
             return tuple(t.reshape(batch, -1).realize() for t in x)
         if self.is_last:
             return self._head(self.output_norm(x).reshape(batch, -1)).realize()
         return x.reshape(batch, self.hidden_size).realize()
 
-    def _prefill_step(self, seg: Segment, inp: Tensor, *args: UOp | Tensor, all_logits: bool) -> Tensor | tuple[Tensor, ...]:
+    def _prefill_step(self, seg: Segment, inp: Tensor, slot: UOp, start: UOp, ntok: UOp, *_buffers: Tensor,
+                      all_logits: bool) -> Tensor | tuple[Tensor, ...]:
         """One chunk of `prefill_chunk` rows, the first `ntok` real. The padding rows run too (a concrete
         row count compiles to ~3x faster kernels than a symbolic one); they come after the real rows,
         so the causal mask hides them, and the KV rows they write lie past the request's length, where
-        every later step writes before it reads. `args`: the slot, start, ntok and (with attention tiles)
-        tiles variables, then the block's buffers of a shared graph."""
-        from tinygrad import Tensor
-
+        every later step writes before it reads."""
         first, end, cut = seg
-        variables = [a for a in args if not isinstance(a, Tensor)]
-        (slot, start, ntok), tiles = variables[:3], variables[3:]
         chunk = self.prefill_chunk
         x: Any = self.token_embd(inp).float() if self.is_first and first == self.start else inp
         x = x.reshape(1, chunk, self.hidden_size)
         angles = self._rope[start:start + chunk].reshape(1, 1, chunk, -1)
-        x = self._through_blocks(first, end, x, cut, lambda i, h, cut: self._block(i, h, (slot,), (start,), chunk, angles, tiles, cut=cut))
+        x = self._through_blocks(first, end, x, cut, lambda i, h, cut: self._block(i, h, (slot,), (start,), chunk, angles, cut=cut))
         if cut:
             return tuple(t.reshape(chunk, -1).realize() for t in x)
         if not self.is_last:
@@ -781,7 +759,7 @@ class StageModel:
         return matvec(h, w)
 
     def _block(self, i: int, x: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,
-               angles: Tensor, tiles: Sequence[UOp] = (), rows_at: Tensor | None = None, *, cut: bool = False) -> Any:
+               angles: Tensor, tiles: Sequence[UOp] = (), *, cut: bool = False) -> Any:
         """One block for `len(slots)` requests of T tokens each: x (B, T, dim) -> (B, T, dim). With
         `cut` (a MoE block whose experts live elsewhere) it returns (residual with the shared experts
         added, FFN-normed input, gates, selected experts) instead."""
@@ -795,7 +773,7 @@ class StageModel:
         if self.mla:
             h = x + deepseek2.attention(self, i, normed, slots, starts, T, angles, project)
         else:
-            h = x + self._attention(i, normed, slots, starts, T, angles, tiles, rows_at, project)
+            h = x + self._attention(i, normed, slots, starts, T, angles, tiles, project)
         normed = self._norm(blk.ffn_norm, h)
         if i not in self.moe_blocks:
             ffn = blk.config.hidden_dim  # a leading dense block of a MoE model has its own width
@@ -819,7 +797,7 @@ class StageModel:
         return h + routed_experts(blk, normed, gates, sel)
 
     def _attention(self, i: int, x: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,
-                   angles: Tensor, tiles: Sequence[UOp], rows_at: Tensor | None, project) -> Tensor:
+                   angles: Tensor, tiles: Sequence[UOp], project) -> Tensor:
         """Block i's grouped-query attention of x (B, T, dim), attention-normed, through the requests' KV slots."""
         from tinygrad import Tensor
 
@@ -833,14 +811,11 @@ class StageModel:
         cos, sin = angles.chunk(2, dim=-1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         # write each request's new rows into its own slot, then read its cache back through the stores
-        if rows_at is not None:  # one kernel writes every request's rows
-            cache = store_decode_rows(kv, k.stack(v, dim=1).reshape(batch, 2, c.n_kv_heads, c.head_dim), rows_at)
-        else:
-            stores = [kv[:, s:s + 1, :, p:p + T, :].uop.store(k[b:b + 1].stack(v[b:b + 1]).cast(kv.dtype).uop)
-                      for b, (s, p) in enumerate(zip(slots, starts, strict=True))]
-            cache = Tensor(kv.uop.after(*stores))
-        if tiles:  # each request over whole tiles of its cache
-            tiled = functools.partial(tiled_attention, tile=self.attention_tile, positions=self._positions,
+        stores = [kv[:, s:s + 1, :, p:p + T, :].uop.store(k[b:b + 1].stack(v[b:b + 1]).cast(kv.dtype).uop)
+                  for b, (s, p) in enumerate(zip(slots, starts, strict=True))]
+        cache = Tensor(kv.uop.after(*stores))
+        if tiles:  # a decode step on a GPU: each request over whole tiles of its cache
+            tiled = functools.partial(tiled_decode_attention, tile=self.attention_tile, positions=self._positions,
                                       n_kv_heads=c.n_kv_heads)
             outs = [tiled(q[b:b + 1], cache, s, p, t) for b, (s, p, t) in enumerate(zip(slots, starts, tiles, strict=True))]
         else:

@@ -70,9 +70,8 @@ def assert_same_bits(got: list[np.ndarray], expected: list[np.ndarray]) -> None:
         np.testing.assert_array_equal(a, b)
 
 
-def test_blocks_writing_a_decode_batchs_kv_rows_in_one_kernel_repeat_on_their_own_kv_cache(monkeypatch):
-    monkeypatch.delenv("SWARMD_BATCHED_KV_WRITE", raising=False)
-    got, expected, recorded, _ = served_both_ways(  # attention over cache tiles and the KV write, as on GPUs
+def test_blocks_attending_over_cache_tiles_repeat_on_their_own_kv_cache(monkeypatch):
+    got, expected, recorded, _ = served_both_ways(  # decode attention over cache tiles, as on GPUs
         lambda: StageModel.random(DENSE, 7, 1, 4, max_context=32, max_requests=2, dtype="float32", attention_tile=8),
         monkeypatch)
     assert_same_bits(got, expected)
