@@ -26,15 +26,15 @@ def tiled_decode_attention(q: Tensor, cache: Tensor, slot: UOp, pos: UOp, tiles:
     _, n_heads, _, hd = q.shape
     kvh, group, rows = n_kv_heads, n_heads // n_kv_heads, tiles * tile
 
-    def rows_of(cache: Tensor, kind: int) -> Tensor:
-        return cache[kind, slot:slot + 1, :, 0:rows, :].reshape(1, kvh, 1, tiles, tile, hd)
+    def rows_of(kv: Tensor, kind: int) -> Tensor:
+        return kv[kind, slot:slot + 1, :, 0:rows, :].reshape(1, kvh, 1, tiles, tile, hd)
 
     scores = (q.reshape(1, kvh, group, 1, 1, hd) * rows_of(cache, 0)).sum(-1) * (1 / math.sqrt(hd))
     scores = (positions[0:rows].reshape(tiles, tile) <= pos).where(scores, -math.inf).contiguous()
     weights = (scores - scores.max((-2, -1), keepdim=True)).exp()
     total = weights.sum((-2, -1))
     # few outputs: the sum over rows split over a thread group (it divides tiles x tile rows whatever the count);
-    # the values are read from the cache inside that kernel, not copied out of it first
-    out = gpu_reduce(lambda w, c: (w.unsqueeze(-1) * rows_of(c, 1)).sum((-3, -2)),
+    # it takes the whole cache and reads the request's values inside its kernel (a view would be copied first)
+    out = gpu_reduce(lambda w, kv: (w.unsqueeze(-1) * rows_of(kv, 1)).sum((-3, -2)),
                      (("GROUPTOP", 0, math.gcd(16, tile)),), weights, cache)
     return (out / total.unsqueeze(-1)).reshape(1, n_heads, 1, hd)

@@ -236,7 +236,8 @@ def _override_table() -> dict[int, tuple] | None:
 
 def gpu_reduce(reduce_fn, opts: tuple[tuple[str, int, int], ...], *xs: Tensor) -> Tensor:
     """`reduce_fn(*xs)` as its own kernel with the given options on GPUs (tinygrad's heuristics leave a
-    reduction with few outputs, or a symbolic length, to a few dozen threads); as is elsewhere."""
+    reduction with few outputs, or a symbolic length, to a few dozen threads); as is elsewhere. Each input is
+    made contiguous first, so a view is copied: pass the buffer it views and take the view in `reduce_fn`."""
     from tinygrad import function
     from tinygrad.codegen.opt import Opt, OptOps
 
