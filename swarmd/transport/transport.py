@@ -44,7 +44,7 @@ import random
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import trio
 
@@ -199,6 +199,10 @@ class TransportStats:
 
 class _LinkBroken(Exception):
     pass
+
+
+class _NotAdmitted(_LinkBroken):
+    """The transport's nursery is closing (the daemon stops): a frame read now is neither handled nor acked."""
 
 
 class _Stopping(Exception):
@@ -399,7 +403,10 @@ class ActorTransport:
         except BaseException:
             peer_slots.release()
             raise
-        self._admit(self.local_peer, msg, (peer_slots, self._handlers))
+        try:
+            self._admit(self.local_peer, msg, (peer_slots, self._handlers))
+        except _NotAdmitted as e:
+            raise DeliveryFailed(self.local_peer, msg, str(e)) from None
 
     def _post_nowait(self, peer: str, msg: Message) -> bool:
         """Queue without waiting; False when the window is full (used for replays, which are best effort)."""
@@ -894,16 +901,21 @@ class ActorTransport:
             link.scope.cancel()
 
     def _admit(self, peer: str, msg: Message, slots: tuple[trio.Semaphore, ...]) -> None:
-        """Deliver `msg` unless its key was seen; no await between the check and the mark."""
-        assert self._nursery is not None
+        """Deliver `msg` unless its key was seen; no await between the check and the mark. Raises _NotAdmitted
+        (the slots given back) once the transport stops."""
+        if self._nursery is None:
+            self._refuse_admission(slots)
         key = msg.key()
         with self._shared:
             seen, cached = self._dedupe.begin(key, trio.current_time()) if key else (Seen.NEW, None)
             if seen is Seen.NEW and isinstance(msg, Cancel):
                 self._dedupe.close(msg.request_id, trio.current_time())
         if seen is Seen.NEW:
+            try:
+                self._nursery.start_soon(self._handle, peer, key, msg, slots)
+            except RuntimeError:  # the nursery is closed to new arrivals: it waits for the last handlers
+                self._refuse_admission(slots)
             self.stats.delivered += 1
-            self._nursery.start_soon(self._handle, peer, key, msg, slots)
             return
         for s in slots:
             s.release()
@@ -971,6 +983,12 @@ class ActorTransport:
         with self._shared:
             self._dedupe.finish(key, sends, sum(_approx_size(s.msg) for s in sends))
 
+    @staticmethod
+    def _refuse_admission(slots: tuple[trio.Semaphore, ...]) -> NoReturn:
+        for s in slots:
+            s.release()
+        raise _NotAdmitted("the transport is stopping (the daemon stops)")
+
     def admit_begun(self, peer: str, key: Any, msg: Message, then: Callable[[], None]) -> None:
         """On the event loop: run the handler of a message `begin` marked new (the lane's reader declined to
         run it itself); `then()` once it is admitted (the lane acks it then)."""
@@ -1010,7 +1028,10 @@ class ActorTransport:
             wait = bucket.take(trio.current_time())
         if wait > 0:
             await trio.sleep(wait)
-        self._admit(peer, msg, await self._handler_slots(peer))
+        try:
+            self._admit(peer, msg, await self._handler_slots(peer))
+        except _NotAdmitted:
+            return
         then()
 
     async def _handler_slots(self, peer: str) -> tuple[trio.Semaphore, ...]:

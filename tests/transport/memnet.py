@@ -1,7 +1,8 @@
 """ActorTransports on the in-memory twin of the network (`swarmd.testing.memory_network`), for fast tests
 in virtual time: the transports, links and streams are the daemon's own; only the wire is in memory.
 
-`MemoryNet(nursery)` starts its hub; `await net.add(name, config)` makes an endpoint and a transport on it.
+`MemoryNet(nursery)` starts its hub; `await net.add(name, config)` makes an endpoint and a transport on it
+(`nursery=` runs the transport in a test's own nursery, to stop it while its endpoint still serves links).
 A test can take a peer off the wire (`down`: dials to it fail; `unserved`: dials succeed and nobody
 answers), break every stream, wrap the dialer's ends, count dials, and open a raw link into a transport to
 write frames by hand.
@@ -52,8 +53,10 @@ class MemoryNet:
     def wrap(self, fn) -> None:
         self.hub.wrap = None if fn is None else lambda src, dst, protocol, stream: fn(src, dst, stream)
 
-    async def add(self, name: str, config: TransportConfig | None = None, *,
+    async def add(self, name: str, config: TransportConfig | None = None, *, nursery: trio.Nursery | None = None,
                   on_undeliverable: Callable[[str, Message, str], None] | None = None) -> ActorTransport:
+        """An endpoint `name` and its transport; the transport's tasks in `nursery` (the net's by default), so
+        that a test can stop it alone."""
         await trio.lowlevel.checkpoint()
         endpoint = self.endpoints[name] = self.hub.endpoint(name)
         await self.nursery.start(endpoint.run)
@@ -64,7 +67,7 @@ class MemoryNet:
             return await inner(peer, protocol, bulk=bulk)
 
         endpoint.open_stream = open_stream  # type: ignore[method-assign]
-        transport = self.transports[name] = await start_actor_transport(endpoint, self.nursery, config,
+        transport = self.transports[name] = await start_actor_transport(endpoint, nursery or self.nursery, config,
                                                                         rng=random.Random(name),
                                                                         on_undeliverable=on_undeliverable)
         return transport

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -340,6 +341,40 @@ async def test_a_failing_handler_answers_with_an_error_message_and_the_daemon_ca
     assert "ValueError" in errors.got[0][1].message
     assert [m.step for _, m in tokens.got] == [3]
     assert b.stats.handler_errors == 1
+
+
+async def test_a_frame_admitted_as_the_transport_stops_ends_its_link_not_the_daemon(net, autojump_clock, caplog):
+    # The daemon stops while its last handler finishes. The frame waiting for that handler's slot is admitted
+    # just as the transport's nursery closes (before or after the transport has seen it close, in either
+    # order): it is neither handled nor acked, its link closes, and nothing is logged as an error.
+    await net.add("a")
+    release, handled = trio.Event(), []
+
+    async def finishing(peer, msg):
+        handled.append(msg.key())
+        with trio.CancelScope(shield=True):
+            await release.wait()
+
+    async def daemon(*, task_status=trio.TASK_STATUS_IGNORED):
+        async with trio.open_nursery() as tasks:
+            b = await net.add("b", TransportConfig(max_handlers_per_peer=1), nursery=tasks)
+            b.route(Forward, finishing)
+            task_status.started((b, tasks.cancel_scope))
+
+    b, stop = await net.nursery.start(daemon)
+    link = await net.raw_link("a", "b")
+    await link.send(fwd(1), 1)
+    assert (await link.reply()).seq == 1
+    stop.cancel()
+    await trio.sleep(0.01)
+    assert b.running  # its nursery waits for the finishing handler
+    await link.send(fwd(2), 2)  # waits for the handler's slot
+    await trio.sleep(0.01)
+    release.set()
+    assert await link.reply() is None  # closed, not acked
+    assert not b.running
+    assert handled == [fwd(1).key()] and b.stats.delivered == 1
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 async def test_after_a_cancel_late_frames_of_that_request_are_dropped(net, autojump_clock):
