@@ -14,6 +14,7 @@ from typing import Any
 import trio
 
 from swarmd.net.identity import short_id
+from swarmd.tasks import spawn
 from swarmd.wire.messages import Error, Forward, Message, Token, request_id_of
 
 log = logging.getLogger("swarmd.pipeline")
@@ -43,8 +44,8 @@ class ReportUndeliverable:
         step = int(getattr(msg, "step", 0))
         error = Error("unreachable", f"{short_id(self.peer_id)} could not deliver {msg.TAG} to {short_id(peer)}: "
                                      f"{reason}", request_id=rid, step=step, hop=int(getattr(msg, "hop", 0)))
-        self.reported += 1
-        self._nursery.start_soon(self._tell, head, error)
+        if spawn(self._nursery, self._tell, head, error):
+            self.reported += 1
 
     async def _tell(self, head: str, error: Error) -> None:
         try:

@@ -66,6 +66,7 @@ from swarmd.net.reachability import (
 from swarmd.net.relay import RelayClient, RelayLimits
 from swarmd.net.seam import LinkInfo, LinkPath, PeerUnreachable
 from swarmd.net.streams import Libp2pStream
+from swarmd.tasks import spawn
 
 log = logging.getLogger("swarmd.connectivity")
 
@@ -215,8 +216,7 @@ class Connectivity:
 
     def _moved_direct(self, peer: str) -> None:
         """Hole punching worked: close the relayed connections, so the links to `peer` reopen on the direct one."""
-        if self._nursery is not None:
-            self._nursery.start_soon(self._close_relayed, peer)
+        spawn(self._nursery, self._close_relayed, peer)
 
     async def _close_relayed(self, peer: str, grace: float = 1.0) -> None:
         from libp2p.peer.id import ID

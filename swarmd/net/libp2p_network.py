@@ -43,6 +43,7 @@ from swarmd.net.seam import GossipMessage, LinkInfo, LinkPath, PeerUnreachable, 
 from swarmd.net.stream_guard import StreamGuard
 from swarmd.net.streams import Libp2pStream, close_quietly, read_frame, write_frame
 from swarmd.net.tls_plane import MAX_HANDSHAKE_FRAME, PLANE_PROTOCOL, DataPlane, DataPlaneConfig, Offer
+from swarmd.tasks import spawn
 
 if TYPE_CHECKING:
     from libp2p.abc import INotifee
@@ -431,8 +432,7 @@ class Libp2pNetwork:
         return self._disconnect_recv
 
     def hang_up(self, peer_id: str) -> None:
-        if self._nursery is not None:
-            self._nursery.start_soon(self._disconnect, peer_id)
+        spawn(self._nursery, self._disconnect, peer_id)
 
     def discovered(self) -> trio.MemoryReceiveChannel[tuple[str, list[str]]]:
         """Peers found by mDNS (only with --mdns): (peer id, addresses)."""
@@ -448,8 +448,7 @@ class Libp2pNetwork:
         if self.pubsub is not None:
             with contextlib.suppress(Exception):
                 self.pubsub.add_to_blacklist(self._id(peer_id))
-        if self._nursery is not None:
-            self._nursery.start_soon(self._disconnect, peer_id, HANG_UP_DELAY)
+        spawn(self._nursery, self._disconnect, peer_id, HANG_UP_DELAY)
 
     async def _disconnect(self, peer_id: str, delay: float = 0.0) -> None:
         await trio.sleep(delay)

@@ -64,6 +64,7 @@ from swarmd.swarm.planning import (
     PlanRejected,
     PublishPlan,
 )
+from swarmd.tasks import spawn
 from swarmd.transport.delivery import RetryPolicy
 from swarmd.wire.gossip import (
     AssignmentState,
@@ -360,8 +361,7 @@ class SwarmService:
 
     # --- tasks --------------------------------------------------------------------------------
     def _spawn(self, fn, *args) -> None:
-        if self._nursery is not None:
-            self._nursery.start_soon(fn, *args)
+        spawn(self._nursery, fn, *args)
 
     async def _tick_loop(self) -> None:
         period = min(0.25, self.timings.heartbeat_interval / 4)

@@ -37,7 +37,6 @@ that has posted its result itself (with `post_all`, together with other messages
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import random
@@ -55,6 +54,7 @@ from swarmd.net.identity import short_id
 from swarmd.net.rates import TokenBucket
 from swarmd.net.seam import Stream
 from swarmd.net.streams import close_quietly
+from swarmd.tasks import spawn
 from swarmd.transport.delivery import (
     DedupeTable,
     Health,
@@ -911,9 +911,7 @@ class ActorTransport:
             if seen is Seen.NEW and isinstance(msg, Cancel):
                 self._dedupe.close(msg.request_id, trio.current_time())
         if seen is Seen.NEW:
-            try:
-                self._nursery.start_soon(self._handle, peer, key, msg, slots)
-            except RuntimeError:  # the nursery is closed to new arrivals: it waits for the last handlers
+            if not spawn(self._nursery, self._handle, peer, key, msg, slots):
                 self._refuse_admission(slots)
             self.stats.delivered += 1
             return
@@ -992,18 +990,13 @@ class ActorTransport:
     def admit_begun(self, peer: str, key: Any, msg: Message, then: Callable[[], None]) -> None:
         """On the event loop: run the handler of a message `begin` marked new (the lane's reader declined to
         run it itself); `then()` once it is admitted (the lane acks it then)."""
-        if self._nursery is None:
-            return
-        self.stats.delivered += 1
-        with contextlib.suppress(RuntimeError):  # the nursery is closing: the daemon stops
-            self._nursery.start_soon(self._admit_and_handle, peer, key, msg, then)
+        if spawn(self._nursery, self._admit_and_handle, peer, key, msg, then):
+            self.stats.delivered += 1
 
     def admit_from_lane(self, peer: str, msg: Message, then: Callable[[], None]) -> None:
         """On the event loop: admit `msg` as a link's dispatcher does (waiting for the peer's rate and the
         handler limits), then `then()`."""
-        if self._nursery is not None:
-            with contextlib.suppress(RuntimeError):  # the nursery is closing: the daemon stops
-                self._nursery.start_soon(self._admit_waiting, peer, msg, then)
+        spawn(self._nursery, self._admit_waiting, peer, msg, then)
 
     def _on_undeliverable(self, peer: str, msg: Message, reason: str) -> None:
         self._report_undeliverable(peer, msg, reason)

@@ -54,6 +54,7 @@ from swarmd.net.identity import short_id
 from swarmd.observe.spans import SpanRecorder
 from swarmd.observe.trace_collect import TraceCollector
 from swarmd.spec_settings import SpecRequest, SpecSettings
+from swarmd.tasks import spawn
 from swarmd.transport.transport import ActorTransport, DeliveryFailed, HandlerResult, Refused
 from swarmd.wire.codec import WireTensor
 from swarmd.wire.messages import Cancel, Error, Forward, Logprobs, Sampling, Token, Verified
@@ -445,14 +446,8 @@ class HeadService:
                 nursery.start_soon(tell, hop, peer)
 
     def _spawn(self, fn: Any, *args: Any) -> bool:
-        """Start `fn` in the head's nursery; False once the daemon is stopping (the nursery is closed)."""
-        if self._nursery is None:
-            return False
-        try:
-            self._nursery.start_soon(fn, *args)
-        except RuntimeError:  # closed to new tasks: the daemon stops, and the stages forget on their own
-            return False
-        return True
+        """Start `fn` in the head's nursery; False once the daemon is stopping (the stages forget on their own)."""
+        return spawn(self._nursery, fn, *args)
 
     # --- moving requests to a new chain ---------------------------------------------------------------------
 

@@ -60,6 +60,7 @@ from swarmd.inference.moe.fan_out import FanOut
 from swarmd.inference.moe.local import LocalAnswer, LocalExperts
 from swarmd.net.identity import short_id
 from swarmd.observe.spans import SpanRecorder, flow_id
+from swarmd.tasks import spawn
 from swarmd.transport.transport import DeliveryFailed, Refused
 from swarmd.wire.codec import WireTensor
 from swarmd.wire.messages import Error, ExpertBatch, ExpertResult
@@ -351,8 +352,7 @@ class MoERouter:
             self.lane.to_loop(self._send_by_transport, part.peer, msg)
 
     def _send_by_transport(self, peer: str, msg: ExpertBatch) -> None:
-        if self._nursery is not None:
-            self._nursery.start_soon(self._deliver, peer, msg)
+        spawn(self._nursery, self._deliver, peer, msg)
 
     async def _deliver(self, peer: str, msg: ExpertBatch) -> None:
         try:
@@ -398,10 +398,8 @@ class MoERouter:
         self.chooser.finished(part.peer, None)
         log.warning("experts %s of block %d: %s did not answer (%s); asking again", list(part.experts),
                     part.call.layer, short_id(part.peer), reason)
-        if self._nursery is None:
+        if not spawn(self._nursery, self._answer_again, entry):
             entry.fan.fail(ExpertsUnavailable("the daemon is stopping"))
-            return
-        self._nursery.start_soon(self._answer_again, entry)
 
     async def _answer_again(self, entry: _HotPart) -> None:
         fan, part = entry.fan, entry.part
