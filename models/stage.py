@@ -42,7 +42,7 @@ from models.errors import ModelError
 from models.expert_shard import ExpertShard
 from models.gguf.loader import StageParts
 from models.kernels import ggml_numerics
-from models.kernels.attention import batch_rows_at, batched_decode_attention, tiled_decode_attention
+from models.kernels.attention import tiled_decode_attention
 from models.kernels.gathered import block_matvec
 from models.kernels.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_renderer
 from models.kernels.quant import BlockQuantized
@@ -650,8 +650,8 @@ class StageModel:
         svars = [UOp.variable(f"slot{b}", 0, self.kv.scratch_slot).bind(s) for b, s in enumerate(slots)]
         pvars = [UOp.variable(f"pos{b}", 0, self.max_context - 1).bind(p) for b, p in enumerate(starts)]
         tile = self.attention_tile
-        # the whole tiles that hold the batch's longest cache
-        tvars = [UOp.variable("tiles", 1, -(-self.max_context // tile)).bind(max(starts) // tile + 1)] if tile else []
+        tvars = [UOp.variable(f"tiles{b}", 1, -(-self.max_context // tile)).bind(p // tile + 1)
+                 for b, p in enumerate(starts)] if tile else []
 
         def jit_of(seg: Segment, graph: Any) -> cached_graphs.StoringJit:
             if (batch, graph) not in self._decode_jits:
@@ -814,11 +814,10 @@ class StageModel:
         stores = [kv[:, s:s + 1, :, p:p + T, :].uop.store(k[b:b + 1].stack(v[b:b + 1]).cast(kv.dtype).uop)
                   for b, (s, p) in enumerate(zip(slots, starts, strict=True))]
         cache = Tensor(kv.uop.after(*stores))
-        tiling = {"tile": self.attention_tile, "positions": self._positions, "n_kv_heads": c.n_kv_heads}
-        if tiles and batch == 1:  # a decode step on a GPU: the request over whole tiles of its cache
-            outs = [tiled_decode_attention(q, cache, slots[0], starts[0], tiles[0], **tiling)]
-        elif tiles:  # the whole batch in one set of kernels
-            outs = [batched_decode_attention(q, cache, *batch_rows_at(slots, starts, self.device), tiles[0], **tiling)]
+        if tiles:  # a decode step on a GPU: each request over whole tiles of its cache
+            tiled = functools.partial(tiled_decode_attention, tile=self.attention_tile, positions=self._positions,
+                                      n_kv_heads=c.n_kv_heads)
+            outs = [tiled(q[b:b + 1], cache, s, p, t) for b, (s, p, t) in enumerate(zip(slots, starts, tiles, strict=True))]
         else:
             outs = [self._exact_attention(q[b:b + 1], cache, s, p, T) for b, (s, p) in enumerate(zip(slots, starts, strict=True))]
         attn = Tensor.cat(*outs) if len(outs) > 1 else outs[0]
