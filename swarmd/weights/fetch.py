@@ -15,6 +15,7 @@ again until it offers anew. Chunks held at the start (a resumed fetch) are HELD 
 from __future__ import annotations
 
 import enum
+import heapq
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -106,18 +107,22 @@ class FetchState:
         self.refused: dict[str, set[int]] = {}
         self.bytes_held = sum(n for i, n in self.sizes.items() if i in have)
         self.bytes_total = sum(self.sizes.values())
+        # the WANTED chunks, kept with `state` (every query starts from them, not from all the chunks)
+        self._wanted = {i for i, st in self.state.items() if st is ChunkState.WANTED}
+        self._rarity: dict[int, int] | None = None  # chunk -> sources that may be asked for it; None: changed
 
     # --- queries --------------------------------------------------------------------------------------------
     @property
     def done(self) -> bool:
-        return self.bytes_held == self.bytes_total and all(s is ChunkState.HELD for s in self.state.values())
+        return not self._wanted and not self.asked_of and self.bytes_held == self.bytes_total
 
     def active(self) -> list[str]:
         return sorted(p for p, s in self.sources.items() if s is SourceState.ACTIVE)
 
     def unsourced(self) -> list[int]:
         """Wanted chunks no active source offers (or every one that does has refused them)."""
-        return sorted(i for i, s in self.state.items() if s is ChunkState.WANTED and not self._askable(i))
+        rarity = self._sources_per_chunk()
+        return sorted(i for i in self._wanted if not rarity.get(i))
 
     def in_flight(self, peer: str) -> int:
         return sum(1 for p in self.asked_of.values() if p == peer)
@@ -131,14 +136,16 @@ class FetchState:
         """Up to `limit` wanted chunks to ask of `peer` now (they become ASKED)."""
         if self.sources.get(peer) is not SourceState.ACTIVE or limit <= 0:
             return []
-        count = self._sources_of()
-        chosen = sorted(self._candidates(peer), key=lambda i: (count.get(i, 0), i))[:limit]
+        rarity = self._sources_per_chunk()
+        chosen = heapq.nsmallest(limit, self._candidates(peer), key=lambda i: (rarity[i], i))
         for i in chosen:
             self._move(i, "take")
             self.asked_of[i] = peer
         return chosen
 
     def handle(self, msg: FetchInput) -> list[FetchAction]:
+        if not isinstance(msg, Arrived):
+            self._rarity = None  # who may be asked for what changes
         if isinstance(msg, Offered):
             if self.sources.get(msg.peer) is not SourceState.BANNED:
                 self.sources[msg.peer] = SourceState.ACTIVE
@@ -166,21 +173,20 @@ class FetchState:
 
     # --- helpers --------------------------------------------------------------------------------------------
     def _candidates(self, peer: str) -> list[int]:
-        refused = self.refused.get(peer, set())
-        return [i for i in self.offers.get(peer, ()) if self.state.get(i) is ChunkState.WANTED and i not in refused]
+        offered, refused = self.offers.get(peer, frozenset()), self.refused.get(peer, set())
+        return [i for i in self._wanted if i in offered and i not in refused]
 
-    def _sources_of(self) -> dict[int, int]:
-        """Wanted chunk -> active sources that offer it and have not refused it."""
-        count: dict[int, int] = {}
-        for p in self.active():
-            refused = self.refused.get(p, set())
-            for i in self.offers.get(p, ()):
-                if i not in refused and self.state.get(i) is ChunkState.WANTED:
-                    count[i] = count.get(i, 0) + 1
-        return count
-
-    def _askable(self, chunk: int) -> bool:
-        return any(chunk in self.offers.get(p, ()) and chunk not in self.refused.get(p, ()) for p in self.active())
+    def _sources_per_chunk(self) -> dict[int, int]:
+        """Chunk -> the active sources that offer it and have not refused it (kept until a source changes)."""
+        if self._rarity is None:
+            self._rarity = {}
+            for p, st in self.sources.items():
+                if st is SourceState.ACTIVE:
+                    refused = self.refused.get(p, set())
+                    for i in self.offers.get(p, ()):
+                        if i not in refused:
+                            self._rarity[i] = self._rarity.get(i, 0) + 1
+        return self._rarity
 
     def _answered(self, peer: str, chunk: int, event: str) -> None:
         if self.asked_of.get(chunk) != peer:
@@ -201,3 +207,7 @@ class FetchState:
         if nxt is None:
             raise LocalProtocolError(f"chunk {chunk}: no transition from {self.state[chunk].value} on {event}")
         self.state[chunk] = nxt
+        if nxt is ChunkState.WANTED:
+            self._wanted.add(chunk)
+        else:
+            self._wanted.discard(chunk)

@@ -233,15 +233,12 @@ class Fetcher:
     async def _ask_more(self, peer: str, stream: Stream, pending: deque[int]) -> None:
         """Fill the window of requests in flight to `peer`."""
         sizes = self._state.sizes
-        batch: list[int] = []
-        in_flight = sum(sizes[i] for i in pending)
-        while len(pending) < self.max_pending and in_flight < self.window_bytes and len(batch) < MAX_CHUNKS_PER_GET:
-            got = self._state.take(peer, 1)
-            if not got:
-                break
-            batch += got
-            pending.extend(got)
-            in_flight += sizes[got[0]]
+        room = self.window_bytes - sum(sizes[i] for i in pending)
+        if room <= 0:
+            return
+        chunk = self.store.manifest.chunk_bytes  # the window is filled, its last chunk may pass its end
+        batch = self._state.take(peer, min(self.max_pending - len(pending), MAX_CHUNKS_PER_GET, -(-room // chunk)))
+        pending.extend(batch)
         if batch:
             await write_frame(stream, encode(GetRequest(self.store.digest, tuple(batch))))
 

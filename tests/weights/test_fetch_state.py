@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from swarmd.errors import LocalProtocolError
 from swarmd.weights.fetch import (
@@ -87,3 +89,41 @@ def test_answers_for_chunks_not_asked_are_our_bug():
     s.handle(Arrived("A", 0))
     with pytest.raises(LocalProtocolError, match="not asked"):
         s.handle(Arrived("A", 0))
+
+
+PEERS = ("A", "B", "C")
+events = st.lists(st.one_of(
+    st.tuples(st.just("offer"), st.sampled_from(PEERS), st.frozensets(st.integers(0, 5))),
+    st.tuples(st.just("take"), st.sampled_from(PEERS), st.integers(0, 4)),
+    st.tuples(st.sampled_from(["arrived", "corrupt", "refused"]), st.integers(0, 5), st.none()),
+    st.tuples(st.just("lost"), st.sampled_from(PEERS), st.none()),
+), max_size=60)
+
+
+@given(events, st.frozensets(st.integers(0, 5)))
+def test_any_sequence_of_events_keeps_every_promise_of_the_fetch(script, held):
+    s = FetchState(SIZES, held=held)
+    for kind, a, b in script:
+        if kind == "offer":
+            s.handle(Offered(a, b))
+        elif kind == "lost":
+            s.handle(SourceLost(a, "reset"))
+        elif kind == "take":
+            active = s.active()
+            askable = {i for i, st_ in s.state.items() if st_ is ChunkState.WANTED and a in active
+                       and i in s.offers.get(a, ()) and i not in s.refused.get(a, set())}
+            rarity = {i: sum(1 for p in active if i in s.offers.get(p, ()) and i not in s.refused.get(p, set()))
+                      for i in askable}
+            got = s.take(a, b)
+            assert got == sorted(askable, key=lambda i: (rarity[i], i))[:b]  # rarest first, then in file order
+            assert all(s.asked_of[i] == a for i in got)
+        elif a in s.asked_of:  # an answer from the source it was asked of
+            peer = s.asked_of[a]
+            s.handle({"arrived": Arrived(peer, a), "corrupt": Corrupt(peer, a, "bad hash"),
+                      "refused": Refused(peer, a)}[kind])
+        states = s.state.values()
+        assert {i for i, st_ in s.state.items() if st_ is ChunkState.ASKED} == set(s.asked_of)
+        assert s.bytes_held == sum(SIZES[i] for i, st_ in s.state.items() if st_ is ChunkState.HELD)
+        assert s.done == all(st_ is ChunkState.HELD for st_ in states)
+        assert s.unsourced() == sorted(i for i, st_ in s.state.items() if st_ is ChunkState.WANTED and not any(
+            i in s.offers.get(p, ()) and i not in s.refused.get(p, set()) for p in s.active()))
