@@ -14,7 +14,8 @@
               rounds: a quarter of SmolLM2 (a fourth daemon joining three that hold it), and an expert shard of
               synthetic-moe-1b (a daemon too small for a block, given experts only, joining two that hold it).
   decode      real daemons: decode tokens/s of a running request on three SmolLM2 daemons, alone, and while a
-              fourth (a spare, empty cache) fetches its copy of a stage from them; alternating rounds.
+              fourth (a spare, empty cache) fetches its copy of a stage from them; alternating rounds, each
+              comparing the same tokens of the request (those decoded during the round's fetch).
 
   .venv/bin/python scripts/bench_weights.py throughput --rounds 5
   .venv/bin/python scripts/bench_weights.py join --rounds 3
@@ -439,6 +440,7 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
             warm = _stream(httpx, api, args.tokens)  # compiles what a request needs, once
             print(f"warm-up: {len(warm)} tokens", file=sys.stderr, flush=True)
             for r in range(args.rounds):
+                times: dict[str, list[float]] = {}
                 for kind in (("alone", "while_fetching") if r % 2 == 0 else ("while_fetching", "alone")):
                     spare: list[Any] = []
 
@@ -446,29 +448,33 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
                         if kind == "while_fetching" and i == args.spare_at and not spare:
                             spare.append(_start_spare(swarm, founder))
 
-                    times = _stream(httpx, api, args.tokens, on_token)
-                    if kind == "alone":
-                        lo, hi = times[args.spare_at], times[-1]
-                        rates["alone"].append((len(times) - 1 - args.spare_at) / (hi - lo))
-                    else:
+                    times[kind] = _stream(httpx, api, args.tokens, on_token)
+                    if kind == "while_fetching":
                         d = spare[0]
                         start, end = _fetch_window(d)
-                        inside = [t for t in times if start <= t <= end]
-                        if len(inside) >= 3:
-                            rates["while_fetching"].append((len(inside) - 1) / (inside[-1] - inside[0]))
+                        inside = [i for i, t in enumerate(times[kind]) if start <= t <= end]
                         details.append({"fetch_s": round(end - start, 2), "tokens_during_fetch": len(inside),
                                         "fetched_MiB": round(sum(d.status()["weights"].get("fetched_from", {}).values())
                                                              / 2**20, 1)})
                         d.terminate(timeout=30)
                         swarm.settled(stages)
-                    print(f"round {r + 1} {kind}: {rates[kind][-1] if rates[kind] else float('nan'):.2f} tok/s",
-                          file=sys.stderr, flush=True)
+                if len(inside) < 3:
+                    print(f"round {r + 1}: only {len(inside)} tokens during the fetch", file=sys.stderr, flush=True)
+                    continue
+                # the same tokens of the request (the same positions, the same cost) with and without the fetch
+                lo, hi = inside[0], inside[-1]
+                for kind, ts in times.items():
+                    rates[kind].append((hi - lo) / (ts[hi] - ts[lo]))
+                print(f"round {r + 1}, tokens {lo}-{hi}: alone {rates['alone'][-1]:.2f} tok/s, while fetching "
+                      f"{rates['while_fetching'][-1]:.2f}", file=sys.stderr, flush=True)
         finally:
             swarm.stop()
     med = {k: statistics.median(v) for k, v in rates.items() if v}
     return {"median_tok_per_s": {k: round(v, 2) for k, v in med.items()},
             "all_tok_per_s": {k: [round(x, 2) for x in v] for k, v in rates.items()},
             "slowdown": round(1 - med["while_fetching"] / med["alone"], 3) if len(med) == 2 else None,
+            "slowdown_median_of_rounds": round(1 - statistics.median(
+                f / a for f, a in zip(rates["while_fetching"], rates["alone"], strict=True)), 3) if len(med) == 2 else None,
             "fetches": details}
 
 
@@ -507,7 +513,7 @@ def _stamp(line: str) -> float:
 def _stream(httpx: Any, api: str, tokens: int, on_token=None) -> list[float]:
     """Wall-clock arrival time of each token of one greedy request."""
     times: list[float] = []
-    body = {"prompt": "Write a long story about a lighthouse keeper.", "max_tokens": tokens}
+    body = {"chat": "Write a long story about a lighthouse keeper.", "max_tokens": tokens}
     with httpx.stream("POST", f"{api}/api/v0/generate", json=body, timeout=httpx.Timeout(30.0, read=600.0)) as r:
         for line in r.iter_lines():
             event = json.loads(line)
@@ -515,7 +521,11 @@ def _stream(httpx: Any, api: str, tokens: int, on_token=None) -> list[float]:
                 times.append(time.time())
                 if on_token is not None:
                     on_token(len(times) - 1)
-            elif event["event"] in ("done", "error"):
+            elif event["event"] == "error":
+                raise SystemExit(f"the request failed: {event}")
+            elif event["event"] == "done":
+                if len(times) < tokens:
+                    raise SystemExit(f"the request ended after {len(times)} of {tokens} tokens: {event}")
                 break
     return times
 
