@@ -276,7 +276,7 @@ class StageModel:
 
         freq_factors = None if factors is None else factors.float().numpy()
         # a prefill chunk's padding rows, and the last attention tile, may reach past the context
-        tiled = -(-max_context // self.attention_tile) * self.attention_tile if self.attention_tile else 0
+        tiled = self._most_tiles() * self.attention_tile
         pad = max(prefill_chunk, tiled - max_context)
         rows = max_context + pad
         self._rope = Tensor(rope_table(self.config, rows, freq_factors), device=self.device).realize()
@@ -650,7 +650,7 @@ class StageModel:
         svars = [UOp.variable(f"slot{b}", 0, self.kv.scratch_slot).bind(s) for b, s in enumerate(slots)]
         pvars = [UOp.variable(f"pos{b}", 0, self.max_context - 1).bind(p) for b, p in enumerate(starts)]
         tile = self.attention_tile
-        tvars = [UOp.variable(f"tiles{b}", 1, -(-self.max_context // tile)).bind(p // tile + 1)
+        tvars = [UOp.variable(f"tiles{b}", 1, self._most_tiles()).bind(p // tile + 1)
                  for b, p in enumerate(starts)] if tile else []
 
         def jit_of(seg: Segment, graph: Any) -> cached_graphs.StoringJit:
@@ -669,6 +669,10 @@ class StageModel:
             out.append(res[b].copy() if self.is_last and not it.verify else res[b:b + n].copy())
             b += n
         return out
+
+    def _most_tiles(self) -> int:
+        """The whole attention tiles that hold a full context; 0 without tiles."""
+        return -(-self.max_context // self.attention_tile) if self.attention_tile else 0
 
     def _bucket(self, n: int) -> int:
         """Decode batches are padded to a power of two (capped at max_requests, unless verify rows make more):

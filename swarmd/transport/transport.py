@@ -903,8 +903,6 @@ class ActorTransport:
     def _admit(self, peer: str, msg: Message, slots: tuple[trio.Semaphore, ...]) -> None:
         """Deliver `msg` unless its key was seen; no await between the check and the mark. Raises _NotAdmitted
         (the slots given back) once the transport stops."""
-        if self._nursery is None:
-            self._refuse_admission(slots)
         key = msg.key()
         with self._shared:
             seen, cached = self._dedupe.begin(key, trio.current_time()) if key else (Seen.NEW, None)

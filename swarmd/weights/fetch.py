@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -109,12 +110,12 @@ class FetchState:
         self.bytes_total = sum(self.sizes.values())
         # the WANTED chunks, kept with `state` (every query starts from them, not from all the chunks)
         self._wanted = {i for i, st in self.state.items() if st is ChunkState.WANTED}
-        self._rarity: dict[int, int] | None = None  # chunk -> sources that may be asked for it; None: changed
+        self._askable_sources: Counter[int] | None = None  # `_sources_per_chunk`, None once a source changed
 
     # --- queries --------------------------------------------------------------------------------------------
     @property
     def done(self) -> bool:
-        return not self._wanted and not self.asked_of and self.bytes_held == self.bytes_total
+        return not self._wanted and not self.asked_of
 
     def active(self) -> list[str]:
         return sorted(p for p, s in self.sources.items() if s is SourceState.ACTIVE)
@@ -123,13 +124,6 @@ class FetchState:
         """Wanted chunks no active source offers (or every one that does has refused them)."""
         rarity = self._sources_per_chunk()
         return sorted(i for i in self._wanted if not rarity.get(i))
-
-    def in_flight(self, peer: str) -> int:
-        return sum(1 for p in self.asked_of.values() if p == peer)
-
-    def wants_from(self, peer: str) -> bool:
-        """Whether `peer` offers a wanted chunk no one is asked for."""
-        return bool(self.sources.get(peer) is SourceState.ACTIVE and self._candidates(peer))
 
     # --- transitions ----------------------------------------------------------------------------------------
     def take(self, peer: str, limit: int) -> list[int]:
@@ -145,7 +139,7 @@ class FetchState:
 
     def handle(self, msg: FetchInput) -> list[FetchAction]:
         if not isinstance(msg, Arrived):
-            self._rarity = None  # who may be asked for what changes
+            self._askable_sources = None  # who may be asked for what changes
         if isinstance(msg, Offered):
             if self.sources.get(msg.peer) is not SourceState.BANNED:
                 self.sources[msg.peer] = SourceState.ACTIVE
@@ -176,17 +170,12 @@ class FetchState:
         offered, refused = self.offers.get(peer, frozenset()), self.refused.get(peer, set())
         return [i for i in self._wanted if i in offered and i not in refused]
 
-    def _sources_per_chunk(self) -> dict[int, int]:
+    def _sources_per_chunk(self) -> Counter[int]:
         """Chunk -> the active sources that offer it and have not refused it (kept until a source changes)."""
-        if self._rarity is None:
-            self._rarity = {}
-            for p, st in self.sources.items():
-                if st is SourceState.ACTIVE:
-                    refused = self.refused.get(p, set())
-                    for i in self.offers.get(p, ()):
-                        if i not in refused:
-                            self._rarity[i] = self._rarity.get(i, 0) + 1
-        return self._rarity
+        if self._askable_sources is None:
+            self._askable_sources = Counter(i for p, st in self.sources.items() if st is SourceState.ACTIVE
+                                            for i in self.offers.get(p, frozenset()) - self.refused.get(p, set()))
+        return self._askable_sources
 
     def _answered(self, peer: str, chunk: int, event: str) -> None:
         if self.asked_of.get(chunk) != peer:
