@@ -42,7 +42,13 @@ from models.errors import ModelError
 from models.expert_shard import ExpertShard
 from models.gguf.loader import StageParts
 from models.kernels import ggml_numerics
-from models.kernels.attention import tiled_decode_attention
+from models.kernels.attention import (
+    batch_rows_at,
+    slot_ordered,
+    slot_ordered_decode_attention,
+    slot_span,
+    tiled_decode_attention,
+)
 from models.kernels.gathered import block_matvec
 from models.kernels.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_renderer
 from models.kernels.quant import BlockQuantized
@@ -650,15 +656,23 @@ class StageModel:
         svars = [UOp.variable(f"slot{b}", 0, self.kv.scratch_slot).bind(s) for b, s in enumerate(slots)]
         pvars = [UOp.variable(f"pos{b}", 0, self.max_context - 1).bind(p) for b, p in enumerate(starts)]
         tile = self.attention_tile
-        tvars = [UOp.variable(f"tiles{b}", 1, self._most_tiles()).bind(p // tile + 1)
-                 for b, p in enumerate(starts)] if tile else []
+        held = slots[:len(real)]
+        # a batch in distinct slots attends in slot order, one set of kernels (models.kernels.attention)
+        span = (slot_span(held, self.max_requests) if tile and batch > 1 and not self.mla
+                and len(set(held)) == len(held) and slot_ordered() else 0)
+        if span:  # the whole tiles that hold the batch's longest cache
+            tvars = [UOp.variable("tiles", 1, self._most_tiles()).bind(max(starts) // tile + 1)]
+        else:
+            tvars = [UOp.variable(f"tiles{b}", 1, self._most_tiles()).bind(p // tile + 1)
+                     for b, p in enumerate(starts)] if tile else []
 
         def jit_of(seg: Segment, graph: Any) -> cached_graphs.StoringJit:
-            if (batch, graph) not in self._decode_jits:
-                self._decode_jits[(batch, graph)] = self.graphs.jit(("decode", batch, graph),
-                                                                    functools.partial(self._decode_step, seg),
-                                                                    self._verify_shared(graph))
-            return self._decode_jits[(batch, graph)]
+            key = (batch, graph, span)
+            if key not in self._decode_jits:
+                self._decode_jits[key] = self.graphs.jit(("decode", batch, graph) + (("span", span) if span else ()),
+                                                         functools.partial(self._decode_step, seg, span=span),
+                                                         self._verify_shared(graph))
+            return self._decode_jits[key]
 
         res = yield from self._run_segments(rows, len(real), jit_of, [*svars, *pvars, *tvars])
         # the last stage gives each request's logits (vocab,), or (T, vocab) when verifying; the others its
@@ -708,8 +722,9 @@ class StageModel:
 
     # ----- the jitted graphs -----
 
-    def _decode_step(self, seg: Segment, inp: Tensor, *args: UOp | Tensor) -> Tensor | tuple[Tensor, ...]:
-        """`args`: the variables, then the block's buffers of a shared graph (the blocks read them as their own)."""
+    def _decode_step(self, seg: Segment, inp: Tensor, *args: UOp | Tensor, span: int = 0) -> Tensor | tuple[Tensor, ...]:
+        """`args`: the variables, then the block's buffers of a shared graph (the blocks read them as their own);
+        `span`: the batch attends in slot order over slots [0, span) (0: a set of attention kernels per row)."""
         from tinygrad import Tensor
 
         first, end, cut = seg
@@ -722,7 +737,7 @@ class StageModel:
         for p in starts[1:]:
             angles = angles.cat(self._rope[p:p + 1])
         angles = angles.reshape(batch, 1, 1, -1).realize()
-        x = self._through_blocks(first, end, x, cut, lambda i, h, cut: self._block(i, h, slots, starts, 1, angles, tiles, cut=cut))
+        x = self._through_blocks(first, end, x, cut, lambda i, h, cut: self._block(i, h, slots, starts, 1, angles, tiles, cut=cut, span=span))
         if cut:
             return tuple(t.reshape(batch, -1).realize() for t in x)
         if self.is_last:
@@ -763,7 +778,7 @@ class StageModel:
         return matvec(h, w)
 
     def _block(self, i: int, x: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,
-               angles: Tensor, tiles: Sequence[UOp] = (), *, cut: bool = False) -> Any:
+               angles: Tensor, tiles: Sequence[UOp] = (), *, cut: bool = False, span: int = 0) -> Any:
         """One block for `len(slots)` requests of T tokens each: x (B, T, dim) -> (B, T, dim). With
         `cut` (a MoE block whose experts live elsewhere) it returns (residual with the shared experts
         added, FFN-normed input, gates, selected experts) instead."""
@@ -777,7 +792,7 @@ class StageModel:
         if self.mla:
             h = x + deepseek2.attention(self, i, normed, slots, starts, T, angles, project)
         else:
-            h = x + self._attention(i, normed, slots, starts, T, angles, tiles, project)
+            h = x + self._attention(i, normed, slots, starts, T, angles, tiles, project, span=span)
         normed = self._norm(blk.ffn_norm, h)
         if i not in self.moe_blocks:
             ffn = blk.config.hidden_dim  # a leading dense block of a MoE model has its own width
@@ -801,7 +816,7 @@ class StageModel:
         return h + routed_experts(blk, normed, gates, sel)
 
     def _attention(self, i: int, x: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,
-                   angles: Tensor, tiles: Sequence[UOp], project) -> Tensor:
+                   angles: Tensor, tiles: Sequence[UOp], project, *, span: int = 0) -> Tensor:
         """Block i's grouped-query attention of x (B, T, dim), attention-normed, through the requests' KV slots."""
         from tinygrad import Tensor
 
@@ -818,10 +833,13 @@ class StageModel:
         stores = [kv[:, s:s + 1, :, p:p + T, :].uop.store(k[b:b + 1].stack(v[b:b + 1]).cast(kv.dtype).uop)
                   for b, (s, p) in enumerate(zip(slots, starts, strict=True))]
         cache = Tensor(kv.uop.after(*stores))
-        if tiles:  # a decode step on a GPU: each request over whole tiles of its cache
-            tiled = functools.partial(tiled_decode_attention, tile=self.attention_tile, positions=self._positions,
-                                      n_kv_heads=c.n_kv_heads)
-            outs = [tiled(q[b:b + 1], cache, s, p, t) for b, (s, p, t) in enumerate(zip(slots, starts, tiles, strict=True))]
+        tiling = {"tile": self.attention_tile, "positions": self._positions, "n_kv_heads": c.n_kv_heads}
+        if span:  # a decode batch on a GPU in distinct slots: one set of kernels in slot order
+            outs = [slot_ordered_decode_attention(q, cache, *batch_rows_at(slots, starts, self.device), tiles[0],
+                                                  span=span, **tiling)]
+        elif tiles:  # a decode step on a GPU: each row over whole tiles of its cache
+            outs = [tiled_decode_attention(q[b:b + 1], cache, s, p, t, **tiling)
+                    for b, (s, p, t) in enumerate(zip(slots, starts, tiles, strict=True))]
         else:
             outs = [self._exact_attention(q[b:b + 1], cache, s, p, T) for b, (s, p) in enumerate(zip(slots, starts, strict=True))]
         attn = Tensor.cat(*outs) if len(outs) > 1 else outs[0]

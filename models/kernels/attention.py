@@ -2,18 +2,24 @@
 
 A length of pos+1 rows is a reduction axis tinygrad cannot split over threads (nothing divides it), so softmax
 and the weighted sum ran on a few dozen threads; `tiles` x `tile` rows split (docs/BENCHMARKS.md). The rows past
-the token's position are masked. Each request of a decode batch runs its own kernels: a batch read through one
-concatenation of per-slot views was 2-11x slower on an H200 (a gated load per request at every element).
+the token's position are masked. A lone request, or a batch whose rows share a slot (a verify step's), runs a set
+of kernels per row (`tiled_decode_attention`). A batch of rows in distinct slots runs one set for the batch
+(`slot_ordered_decode_attention`): its queries are put in slot order, and the cache's first slots attend as they
+lie, a plain slice with no load whose address comes from memory (a concatenation of per-slot views, and a one-hot
+gather of each row's cache, were slower on an H200: docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import TYPE_CHECKING
 
 from models.kernels.matvec import gpu_reduce
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from tinygrad import Tensor
     from tinygrad.uop.ops import UOp
 
@@ -38,3 +44,56 @@ def tiled_decode_attention(q: Tensor, cache: Tensor, slot: UOp, pos: UOp, tiles:
     out = gpu_reduce(lambda w, kv: (w.unsqueeze(-1) * rows_of(kv, 1)).sum((-3, -2)),
                      (("GROUPTOP", 0, math.gcd(16, tile)),), weights, cache)
     return (out / total.unsqueeze(-1)).reshape(1, n_heads, 1, hd)
+
+
+def slot_ordered() -> bool:
+    """Whether batches in distinct slots attend in slot order (`SWARMD_SLOT_ORDERED_ATTENTION=0`: a set of kernels
+    per row, for comparisons); read as the graphs are built."""
+    return os.environ.get("SWARMD_SLOT_ORDERED_ATTENTION", "1") != "0"
+
+
+def slot_span(slots: Sequence[int], n_slots: int) -> int:
+    """The slots [0, span) a batch in distinct `slots` attends over: a power of two (few graphs), at most n_slots."""
+    return min(1 << max(slots).bit_length(), n_slots)
+
+
+def batch_rows_at(slots: Sequence[UOp], starts: Sequence[UOp], device: str) -> tuple[Tensor, Tensor]:
+    """Each batch row's slot and position (bound variables) as (B,) int32 tensors."""
+    from tinygrad import Tensor, dtypes
+
+    def column(values: Sequence[UOp]) -> Tensor:
+        return Tensor.stack(*[Tensor(v, device=device) for v in values]).cast(dtypes.int32)
+
+    return column(slots), column(starts)
+
+
+def slot_ordered_decode_attention(q: Tensor, cache: Tensor, slots: Tensor, starts: Tensor, tiles: UOp, *, span: int,
+                                  tile: int, positions: Tensor, n_kv_heads: int) -> Tensor:
+    """A decode batch, q (B, heads, 1, head_dim), row b at position starts[b] in slot slots[b] (`batch_rows_at`);
+    the rows' slots are distinct, and below `span` but for padding rows (any slot from `span` up: they get zeros).
+    The queries are summed into slot order (a one-hot over B rows: few values), slots [0, span) of `cache` (2,
+    slots, kv_heads, rows, head_dim) attend over `tiles` whole tiles of `tile` rows (enough for the batch's
+    longest), each masked past its own position (a slot no row holds sees its row 0 only), and each row takes its
+    slot's result back. `positions` is arange over the cache's rows. Returns (B, heads, 1, head_dim)."""
+    from tinygrad import dtypes
+
+    batch, n_heads, _, hd = q.shape
+    kvh, group, rows = n_kv_heads, n_heads // n_kv_heads, tiles * tile
+    at = positions[0:span].reshape(span, 1) == slots.reshape(1, batch)
+    queries = at.reshape(span, batch, 1).where(q.reshape(1, batch, n_heads * hd), 0).sum(1)
+    pos = at.where(starts.reshape(1, batch), 0).sum(1, dtype=dtypes.int32)
+
+    def rows_of_cache(kv: Tensor, kind: int) -> Tensor:
+        return kv[kind, 0:span, :, 0:rows, :].reshape(span, kvh, 1, tiles, tile, hd)
+
+    scores = (queries.reshape(span, kvh, group, 1, 1, hd) * rows_of_cache(cache, 0)).sum(-1) * (1 / math.sqrt(hd))
+    row = positions[0:rows].reshape(1, 1, 1, tiles, tile)
+    scores = (row <= pos.reshape(span, 1, 1, 1, 1)).where(scores, -math.inf).contiguous()
+    weights = (scores - scores.max((-2, -1), keepdim=True)).exp()
+    total = weights.sum((-2, -1))
+    # the sum over rows split over a thread group, reading the values from the cache inside its kernel
+    out = gpu_reduce(lambda w, kv: (w.unsqueeze(-1) * rows_of_cache(kv, 1)).sum((-3, -2)),
+                     (("GROUPTOP", 0, math.gcd(16, tile)),), weights, cache)
+    out = out / total.unsqueeze(-1)
+    back = at.T.reshape(batch, span, 1).where(out.reshape(1, span, n_heads * hd), 0).sum(1)
+    return back.reshape(batch, n_heads, 1, hd)

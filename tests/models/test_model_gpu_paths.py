@@ -9,6 +9,7 @@ import pytest
 
 from models.config import config_from_arch
 from models.errors import ModelError
+from models.kernels.attention import slot_span
 from models.kernels.gathered import GATHERED_GPU_OPTS, gathered_opts
 from models.kernels.matvec import split_k, tensor_core_matmul, tensor_core_rows
 from models.stage import StageInput, StageModel
@@ -20,13 +21,16 @@ TINY = ArchSpec("tiny", n_blocks=2, hidden=128, ffn=256, n_heads=4, n_kv_heads=2
 
 
 def decode_logits(tile: int) -> np.ndarray:
-    """Two requests of different lengths decoded together for 12 steps, across several tile borders."""
-    model = StageModel.random(config_from_arch(TINY, 48), seed=5, max_context=48, max_requests=2,
+    """Three requests of different lengths decoded together for 12 steps, across several tile borders: slots 0, 2
+    and 3 (the request in slot 1 left), a batch of 3 rows padded to 4."""
+    model = StageModel.random(config_from_arch(TINY, 48), seed=5, max_context=48, max_requests=4,
                               dtype="float32", attention_tile=tile, prefill_chunk=8)
-    lengths, tokens = {"a": 11, "b": 5}, {}
+    lengths, tokens = {"a": 11, "gone": 3, "b": 5, "c": 8}, {}
     for rid, n in lengths.items():
         model.add_request(rid)
         tokens[rid] = int(model.forward([StageInput(rid, 0, np.arange(1, n + 1))])[0].argmax())
+    model.free_request("gone")
+    del lengths["gone"]
     steps = []
     for _ in range(12):
         out = model.forward([StageInput(r, lengths[r], np.array([tokens[r]])) for r in lengths])
@@ -37,9 +41,24 @@ def decode_logits(tile: int) -> np.ndarray:
 
 
 @pytest.mark.slow
-def test_decode_attention_over_cache_tiles_equals_attention_over_the_exact_length():
-    exact, tiled = decode_logits(tile=0), decode_logits(tile=8)
+@pytest.mark.parametrize("slot_ordered", ["1", "0"])
+def test_decode_attention_over_cache_tiles_equals_attention_over_the_exact_length(slot_ordered, monkeypatch):
+    exact = decode_logits(tile=0)
+    monkeypatch.setenv("SWARMD_SLOT_ORDERED_ATTENTION", slot_ordered)  # one set of kernels, or a set per row
+    tiled = decode_logits(tile=8)
     assert np.abs(exact - tiled).max() < 1e-4 * np.abs(exact).max()
+
+
+def test_a_decode_batch_attends_in_slot_order_only_where_its_rows_hold_distinct_slots():
+    assert slot_span([0, 2, 3], 8) == 4 and slot_span([5], 8) == 8 and slot_span([0, 1], 32) == 2
+    model = StageModel.random(config_from_arch(TINY, 32), seed=5, max_context=32, max_requests=4, dtype="float32",
+                              attention_tile=8, prefill_chunk=8)
+    for rid in "ab":
+        model.add_request(rid)
+        model.forward([StageInput(rid, 0, np.arange(1, 6))])
+    model.forward([StageInput("a", 5, np.array([7])), StageInput("b", 5, np.array([8]))])
+    model.forward([StageInput("a", 6, np.array([7, 9]), verify=True)])  # two rows of one slot
+    assert sorted(span for _, _, span in model._decode_jits) == [0, 2]
 
 
 def test_decode_batches_of_eight_rows_and_more_and_prefill_chunks_use_the_tensor_cores_on_gpus(monkeypatch):
