@@ -5,8 +5,8 @@ A graph is stored under a key made of everything it depends on: the model (the G
 the owner's shape (config, block range or experts held, numerics, weight dtype, context, KV slots, prefill
 chunk, attention tile, segments), the graph (prefill with or without every position's logits, decode batch
 size, expert rows), the code that builds graphs (a hash of this package's sources), swarmd's kernel choices
-(`SWARMD_TENSOR_CORES`, `SWARMD_TENSOR_CORE_MIN_ROWS`, `SWARMD_TENSOR_CORE_SPLIT`, the `SWARMD_MATVEC_OPTS` table's
-hash), tinygrad and the machine (`graph_cache.environment`), and the signature of the buffers it binds to. The
+(`SWARMD_TENSOR_CORES`, `SWARMD_TENSOR_CORE_MIN_ROWS`, `SWARMD_TENSOR_CORE_SPLIT`, `SWARMD_HALF_PREFILL_ATTENTION`,
+the `SWARMD_MATVEC_OPTS` table's hash), tinygrad and the machine (`graph_cache.environment`), and the signature of the buffers it binds to. The
 buffers bound are every tensor the owner holds (weights under their GGUF names, fused projections, GGML blocks, KV cache,
 RoPE table), found by walking its attributes; a graph that reads anything else is not stored.
 
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from tinygrad import TinyJit
 from tinygrad.engine.jit import JitError
 
+from models.kernels.attention import half_products_on
 from models.kernels.matvec import tensor_core_min_rows, tensor_core_split, tensor_cores_on
 from models.tinygrad_ext import graph_cache
 
@@ -313,7 +314,8 @@ def _common(owner: Any, source: str) -> dict[str, Any] | None:
         return None
     return {"model": model, "config": repr(owner.config), "code": code_fingerprint(), "matvec_opts": _matvec_opts(),
             "tensor_cores": tensor_cores_on(), "tensor_core_min_rows": tensor_core_min_rows(),
-            "tensor_core_split": tensor_core_split(), **graph_cache.environment(owner.device)}
+            "tensor_core_split": tensor_core_split(), "half_prefill_attention": half_products_on(),
+            **graph_cache.environment(owner.device)}
 
 
 def _matvec_opts() -> str | None:

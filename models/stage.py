@@ -44,6 +44,8 @@ from models.gguf.loader import StageParts
 from models.kernels import ggml_numerics
 from models.kernels.attention import (
     batch_rows_at,
+    half_product_attention,
+    half_products_on,
     slot_ordered,
     slot_ordered_decode_attention,
     slot_span,
@@ -206,6 +208,9 @@ class StageModel:
             fix_symbolic_launch_dims()
         # decode attention over whole tiles of the cache (models.kernels.attention); on by default on GPUs
         self.attention_tile = (128 if on_gpu else 0) if attention_tile is None else attention_tile
+        # a prompt's first chunk compiled with its start fixed at 0 (concrete lengths: faster GPU kernels; the
+        # CPU keeps one graph, and its arithmetic, for every chunk)
+        self.first_chunk_graph = on_gpu
         self.config = replace(config, max_context=max_context)
         self.hidden_size, self.vocab_size = config.dim, config.vocab_size
         self.moe_blocks = [i for i in range(start, end) if is_moe_block(config, i)]
@@ -700,16 +705,16 @@ class StageModel:
         chunk, n, slot = self.prefill_chunk, len(it.data), self.slots.slot(it.request_id)
 
         def jit_of(seg: Segment, graph: Any) -> cached_graphs.StoringJit:
-            key = (it.all_logits, graph)
+            key = (it.all_logits, graph) + (("first",) if from_zero else ())
             if key not in self._prefill_jits:
-                self._prefill_jits[key] = self.graphs.jit(("prefill", *key),
-                                                          functools.partial(self._prefill_step, seg, all_logits=it.all_logits),
-                                                          self._verify_shared(graph))
+                step = functools.partial(self._prefill_step, seg, all_logits=it.all_logits, from_zero=from_zero)
+                self._prefill_jits[key] = self.graphs.jit(("prefill", *key), step, self._verify_shared(graph))
             return self._prefill_jits[key]
 
         svar = UOp.variable("slot0", 0, self.kv.scratch_slot).bind(slot)
         outs = []
         for lo in range(0, n, chunk):
+            from_zero = self.first_chunk_graph and it.start_pos + lo == 0
             part = it.data[lo:lo + chunk]
             padded = np.concatenate([part, np.zeros((chunk - len(part), *part.shape[1:]), dtype=part.dtype)])
             sp = UOp.variable("start", 0, self.max_context - 1).bind(it.start_pos + lo)
@@ -744,13 +749,16 @@ class StageModel:
             return self._head(self.output_norm(x).reshape(batch, -1)).realize()
         return x.reshape(batch, self.hidden_size).realize()
 
-    def _prefill_step(self, seg: Segment, inp: Tensor, slot: UOp, start: UOp, ntok: UOp, *_buffers: Tensor,
-                      all_logits: bool) -> Tensor | tuple[Tensor, ...]:
+    def _prefill_step(self, seg: Segment, inp: Tensor, slot: UOp, start: UOp | int, ntok: UOp, *_buffers: Tensor,
+                      all_logits: bool, from_zero: bool = False) -> Tensor | tuple[Tensor, ...]:
         """One chunk of `prefill_chunk` rows, the first `ntok` real. The padding rows run too (a concrete
         row count compiles to ~3x faster kernels than a symbolic one); they come after the real rows,
         so the causal mask hides them, and the KV rows they write lie past the request's length, where
-        every later step writes before it reads."""
+        every later step writes before it reads. `from_zero`: the chunk starts at position 0 (its `start` is
+        not read), so its attention runs over a concrete length too."""
         first, end, cut = seg
+        if from_zero:
+            start = 0
         chunk = self.prefill_chunk
         x: Any = self.token_embd(inp).float() if self.is_first and first == self.start else inp
         x = x.reshape(1, chunk, self.hidden_size)
@@ -846,9 +854,10 @@ class StageModel:
         return project(self.blk[i].attn_output.weight, attn.transpose(1, 2).reshape(batch, T, q_dim),
                        "attn_output.weight")
 
-    def _exact_attention(self, q: Tensor, cache: Tensor, slot: UOp, pos: UOp, T: int | UOp) -> Tensor:
+    def _exact_attention(self, q: Tensor, cache: Tensor, slot: UOp, pos: UOp | int, T: int | UOp) -> Tensor:
         """One request's T tokens, q (1, heads, T, head_dim), over rows [0, pos + T) of its slot: causal within
-        a prefill chunk; a decoded token attends to the whole cache."""
+        a prefill chunk; a decoded token attends to the whole cache. A prompt's first chunk on a GPU (concrete
+        sizes) takes its products on the tensor cores (`half_product_attention`)."""
         from tinygrad import Tensor
 
         keys, values = cache[0, slot:slot + 1, :, 0:pos + T, :], cache[1, slot:slot + 1, :, 0:pos + T, :]
@@ -857,6 +866,8 @@ class StageModel:
             mask = Tensor.full((1, 1, T, pos + T), float("-inf"), device=self.device, buffer=False).triu(pos + 1)
         if self.numerics == "ggml":
             return ggml_numerics.attention(q, keys, values, mask)
+        if self.on_gpu and isinstance(pos, int) and isinstance(T, int) and T > 1 and half_products_on():
+            return half_product_attention(q, keys, values, None if mask is None else mask.reshape(T, pos + T))
         return q.scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True)
 
     def _norm(self, norm, x: Tensor) -> Tensor:

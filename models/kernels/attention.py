@@ -97,3 +97,27 @@ def slot_ordered_decode_attention(q: Tensor, cache: Tensor, slots: Tensor, start
     out = out / total.unsqueeze(-1)
     back = at.T.reshape(batch, span, 1).where(out.reshape(1, span, n_heads * hd), 0).sum(1)
     return back.reshape(batch, n_heads, 1, hd)
+
+
+def half_products_on() -> bool:
+    """`SWARMD_HALF_PREFILL_ATTENTION=0` keeps a first chunk's attention products in float32 (for comparisons)."""
+    return os.environ.get("SWARMD_HALF_PREFILL_ATTENTION", "1") != "0"
+
+
+def half_product_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+    """q (1, heads, T, head_dim) over keys and values (1, kv_heads, L, head_dim), of concrete sizes (a prompt's
+    first chunk on a GPU): both products as the weights' are, float16 inputs with float32 sums (shapes tinygrad
+    gives to the tensor cores), the softmax in float32; `mask` (T, L) is added to the scores. Head h reads kv head
+    h // (heads / kv_heads), as `scaled_dot_product_attention(enable_gqa=True)` does. Returns float32."""
+    from tinygrad import dtypes
+
+    _, n_heads, T, hd = q.shape
+    kvh, rows = keys.shape[1], keys.shape[2]
+    group = n_heads // kvh
+    qh = q.reshape(1, kvh, group * T, hd).cast(dtypes.float16)
+    scores = qh.matmul(keys.cast(dtypes.float16).transpose(-1, -2), dtype=dtypes.float32) * (1 / math.sqrt(hd))
+    scores = scores.reshape(1, kvh, group, T, rows)
+    if mask is not None:
+        scores = scores + mask.reshape(1, 1, 1, T, rows)
+    weights = scores.softmax(-1).reshape(1, kvh, group * T, rows).cast(dtypes.float16)
+    return weights.matmul(values.cast(dtypes.float16), dtype=dtypes.float32).reshape(1, n_heads, T, hd)

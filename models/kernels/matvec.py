@@ -108,8 +108,8 @@ def tensor_core_matmul(x: Tensor, w: Tensor) -> Tensor:
     from tinygrad import dtypes
 
     rows, width = x.shape
-    if rows >= TENSOR_CORE_MANY_ROWS:
-        return x.cast(dtypes.float16).matmul(w.transpose(), dtype=dtypes.float32)
+    if rows >= TENSOR_CORE_MANY_ROWS:  # the activations in float16 first: fused, every tile of outputs recomputes them
+        return x.cast(dtypes.float16).contiguous().matmul(w.transpose(), dtype=dtypes.float32)
     xh = x.cast(dtypes.float16)
     parts = split_k(w.shape[0], width)
     if parts == 1:

@@ -6,10 +6,11 @@ import ctypes
 
 import numpy as np
 import pytest
+from tiny_deepseek2 import TinyDeepSeek2, tiny_deepseek2_weights, write_deepseek2_gguf
 
 from models.config import config_from_arch
 from models.errors import ModelError
-from models.kernels.attention import slot_span
+from models.kernels.attention import half_product_attention, slot_span
 from models.kernels.gathered import GATHERED_GPU_OPTS, gathered_opts
 from models.kernels.matvec import split_k, tensor_core_matmul, tensor_core_rows
 from models.stage import StageInput, StageModel
@@ -47,6 +48,46 @@ def test_decode_attention_over_cache_tiles_equals_attention_over_the_exact_lengt
     monkeypatch.setenv("SWARMD_SLOT_ORDERED_ATTENTION", slot_ordered)  # one set of kernels, or a set per row
     tiled = decode_logits(tile=8)
     assert np.abs(exact - tiled).max() < 1e-4 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("attention", ["grouped-query", "latent"])
+def test_a_prompts_first_chunk_compiled_from_position_zero_gives_the_general_graphs_logits(attention, tmp_path,
+                                                                                           monkeypatch):
+    monkeypatch.setenv("SWARMD_HALF_PREFILL_ATTENTION", "0")  # on GPUs: the same float32 products as the other chunks
+    if attention == "latent":
+        spec = TinyDeepSeek2()
+        path = write_deepseek2_gguf(tmp_path / "mla.gguf", spec, tiny_deepseek2_weights(spec, seed=3))
+
+    def run(first_chunk_graph: bool) -> tuple[np.ndarray, np.ndarray, int]:
+        if attention == "latent":  # chunks of 32 rows
+            model = StageModel.from_gguf(path, max_context=96, max_requests=1, dtype="float32")
+        else:  # chunks of 8
+            model = StageModel.random(config_from_arch(TINY, 48), seed=5, max_context=48, max_requests=1,
+                                      dtype="float32", prefill_chunk=8)
+        model.first_chunk_graph = first_chunk_graph
+        model.add_request("r")
+        n = 40 if attention == "latent" else 20  # two or three chunks
+        prompt = model.forward([StageInput("r", 0, np.arange(1, n + 1), all_logits=True)])[0]
+        step = model.forward([StageInput("r", n, np.array([int(prompt[-1].argmax())]))])[0]  # over what they wrote
+        return prompt, step, sum(1 for key in model._prefill_jits if "first" in key)
+
+    general, fixed = run(False), run(True)
+    assert general[2] == 0 and fixed[2] > 0  # a graph per segment (a MoE model is cut after each router)
+    for a, b in zip(general[:2], fixed[:2], strict=True):
+        assert np.abs(a - b).max() < 1e-5 * np.abs(a).max()
+
+
+def test_a_first_chunks_attention_with_float16_products_is_attention_to_float16_precision():
+    from tinygrad import Tensor
+
+    rng = np.random.default_rng(4)
+    q, k, v = (Tensor(rng.standard_normal(shape).astype(np.float32)) for shape in ((1, 8, 12, 32), (1, 2, 12, 32),
+                                                                                 (1, 2, 12, 32)))
+    mask = Tensor.full((1, 1, 12, 12), float("-inf")).triu(1)
+    want = q.scaled_dot_product_attention(k, v, attn_mask=mask, enable_gqa=True).numpy()
+    got = half_product_attention(q, k, v, mask.reshape(12, 12)).numpy()
+    assert got.dtype == np.float32 and np.abs(got - want).max() < 5e-3 * np.abs(want).max()
+    assert np.abs(got - want).max() > 0  # the products did run in float16
 
 
 def test_a_decode_batch_attends_in_slot_order_only_where_its_rows_hold_distinct_slots():
