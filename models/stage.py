@@ -476,12 +476,19 @@ class StageModel:
             self.add_request(ids[0])
             for all_logits in (False, True) if self.is_last and prompt_scores else (False,):
                 self.forward([StageInput(ids[0], 0, row, all_logits=all_logits)], experts=answer)  # captures
+                if self.first_chunk_graph:  # that was a first chunk's graph: the later chunks' too
+                    self.forward([StageInput(ids[0], len(row), row, all_logits=all_logits)], experts=answer)
             for size in sizes:
                 for rid in ids[:size]:
                     self.add_request(rid)
                 self.forward([StageInput(rid, 0, row[:1]) for rid in ids[:size]], experts=answer)
                 for rid in ids[:size]:
                     self.free_request(rid)
+                if size > 1 and self.attention_tile and not self.mla:  # a verify step's rows share a slot
+                    self.add_request(ids[0])
+                    rows = np.zeros((size, *row.shape[1:]), row.dtype)
+                    self.forward([StageInput(ids[0], 0, rows, verify=True)], experts=answer)
+                    self.free_request(ids[0])
         finally:
             for rid in ids:
                 self.free_request(rid)

@@ -102,6 +102,20 @@ def test_a_decode_batch_attends_in_slot_order_only_where_its_rows_hold_distinct_
     assert sorted(span for _, _, span in model._decode_jits) == [0, 2]
 
 
+def test_a_gpu_stages_warm_up_captures_the_graphs_of_first_and_later_chunks_and_of_both_decode_layouts():
+    model = StageModel.random(config_from_arch(TINY, 48), seed=5, max_context=48, max_requests=4, dtype="float32",
+                              attention_tile=8, prefill_chunk=8)
+    model.first_chunk_graph = True  # as on a GPU
+    model.warmup()
+    warmed = set(model._prefill_jits) | set(model._decode_jits)
+    for rid in "abc":
+        model.add_request(rid)
+        model.forward([StageInput(rid, 0, np.arange(1, 12))])  # a first chunk, then a later one
+    model.forward([StageInput(r, 11, np.array([5])) for r in "abc"])  # distinct slots, padded to 4
+    model.forward([StageInput("a", 12, np.array([5, 6, 7]), verify=True)])  # one slot's rows
+    assert set(model._prefill_jits) | set(model._decode_jits) == warmed
+
+
 def test_decode_batches_of_eight_rows_and_more_and_prefill_chunks_use_the_tensor_cores_on_gpus(monkeypatch):
     from tinygrad import Tensor, dtypes
 
