@@ -8,7 +8,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarmd.inference.spec.adaptive import AdaptiveK
+from swarmd.inference.spec.adaptive import PROBES_MODEL, AdaptiveK
 
 
 def run(control: AdaptiveK, passes: int, accept, seconds) -> list[int]:
@@ -57,3 +57,38 @@ def test_k_never_exceeds_the_limit_and_the_estimates_stay_in_range(limit, passes
         assert 0.0 <= control.acceptance <= 1.0
         slope, intercept = control.cost_line()
         assert slope >= 0 and intercept > 0
+
+
+def test_a_request_starts_where_the_last_request_of_its_draft_source_ended():
+    failing = AdaptiveK(8)
+    run(failing, 12, accept=lambda k: 0, seconds=lambda k: 0.050 + 0.010 * k)
+    learned = failing.learned()
+    assert learned.probe_gap is not None
+    # the next request drafts nothing from its first pass, and its probes keep the spacing the failures earned
+    nxt = AdaptiveK.starting_from(learned, 8)
+    ks = run(nxt, learned.probe_gap - learned.off_passes, accept=lambda k: 0, seconds=lambda k: 0.05)
+    assert ks[:-1] == [0] * (len(ks) - 1) and ks[-1] == 1
+    # a source whose drafts were accepted starts drafting at once
+    good = AdaptiveK(8)
+    run(good, 12, accept=lambda k: k, seconds=lambda k: 0.100 + 0.001 * k)
+    assert good.learned().probe_gap is None
+    assert AdaptiveK.starting_from(good.learned(), 8).next_k() > 0
+
+
+def test_a_request_soon_outweighs_what_it_was_handed():
+    failing = AdaptiveK(8)
+    run(failing, 12, accept=lambda k: 0, seconds=lambda k: 0.050 + 0.010 * k)
+    # the text changed: the probes' drafts are accepted now, and drafting resumes within a few probes
+    nxt = AdaptiveK.starting_from(failing.learned(), 8)
+    ks = run(nxt, 200, accept=lambda k: k, seconds=lambda k: 0.100 + 0.001 * k)
+    assert ks[-10:] == [8] * 10
+    assert sum(1 for k in ks[:ks.index(8)] if k) <= 3
+
+
+def test_a_draft_models_probes_are_spaced_further_apart_than_prompt_lookups():
+    def probes(control: AdaptiveK) -> int:
+        return sum(1 for k in run(control, 3000, accept=lambda k: 0, seconds=lambda k: 0.05)[100:] if k)
+
+    first, longest = PROBES_MODEL
+    lookup, model = probes(AdaptiveK(8)), probes(AdaptiveK(8, probe_every=first, max_probe=longest))
+    assert lookup >= 40 and 0 < model <= lookup // 5

@@ -375,8 +375,8 @@ class HeadService:
             except BaseException:
                 self.close_turn(turn)
                 raise
-            handle.spec = Speculation(speculate, drafter, prompt_len=len(req.prompt_ids),
-                                      max_tokens=max(req.max_tokens, 1), max_context=model.max_context)
+            handle.spec = self.speculation.start(speculate, drafter, prompt_len=len(req.prompt_ids),
+                                                 max_tokens=max(req.max_tokens, 1), max_context=model.max_context)
         self.stats["requests"] += 1
         sent, crashed = False, False
         try:

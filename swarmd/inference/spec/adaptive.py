@@ -7,6 +7,12 @@ computing the rows dominates (loopback), each extra row must pay for itself; whe
 or no k promising MIN_GAIN over none), k = 0: speculation switches itself off, and every `probe_every` passes (doubling while probes fail, up to `max_probe`)
 one pass drafts a token again to see whether the text has changed.
 
+A request's controller starts where the last request with the same draft source ended (`Learned`): its acceptance,
+weighed as PRIOR_TRIALS trials, what a drafted token cost beside a pass (the prior slope), and its probe spacing if it
+ended off. So a draft model that fails for the served model is not paid for again by every request (its catch-up
+prefill and a few passes of drafts), only by its probes, which are spaced further apart than prompt lookup's; the
+request's own passes soon outweigh what it was handed.
+
 a is estimated from recent passes (successes over trials, each pass decayed by `decay`): a pass of k drafts with m
 accepted is m successes in m + (1 if m < k) trials. t(k) is a line a0 + a1 k fitted to the recent passes' times per
 k (a prior slope until two values of k have been seen).
@@ -21,6 +27,22 @@ PRIOR_TRIALS = 2.0  # its weight in trials
 PRIOR_SLOPE = 0.1  # an extra drafted row costs this fraction of a one-row pass until measured
 MIN_ACCEPT = 0.1  # below this acceptance drafting gains at most 11 %: within the noise of the costs, so none
 MIN_GAIN = 0.03  # drafting must promise this much more than a pass without drafts
+PROBES = (8, 64)  # the first and the longest spacing of probes, in passes (or tokens while the chain drives)
+# a draft model's probe first catches up on every token since it last ran (a prefill, on the head's compute): about
+# 6 tokens' time where it shares the stages' CPU (docs/BENCHMARKS.md), so from 128 tokens apart it costs under 5 %
+PROBES_MODEL = (128, 1024)
+
+
+@dataclass(frozen=True)
+class Learned:
+    """Where a draft source's next request starts: the acceptance its last request ended with, a drafted token's
+    cost as a fraction of a pass without drafts, and (if that request ended with drafting off) its probe spacing and
+    the passes since its last probe."""
+
+    acceptance: float = PRIOR_ACCEPT
+    slope: float = PRIOR_SLOPE
+    probe_gap: int | None = None
+    off_passes: int = 0
 
 
 @dataclass
@@ -28,10 +50,11 @@ class AdaptiveK:
     limit: int  # the most tokens drafted per pass
     adaptive: bool = True  # False: always `limit` (for comparisons)
     decay: float = 0.9  # weight of the history at each new pass
-    probe_every: int = 8
-    max_probe: int = 64
+    probe_every: int = PROBES[0]
+    max_probe: int = PROBES[1]
     successes: float = PRIOR_ACCEPT * PRIOR_TRIALS
     trials: float = PRIOR_TRIALS
+    prior_slope: float = PRIOR_SLOPE  # a drafted token's cost as a fraction of a pass, until two k are measured
     _times: dict[int, tuple[float, float]] = field(default_factory=dict)  # k -> (decayed weight, mean seconds)
     _off_passes: int = 0  # passes in a row without drafts since the controller chose 0
     _probe_gap: int = 0
@@ -44,6 +67,22 @@ class AdaptiveK:
     @property
     def acceptance(self) -> float:
         return self.successes / self.trials if self.trials > 0 else PRIOR_ACCEPT
+
+    @classmethod
+    def starting_from(cls, learned: Learned, limit: int, *, adaptive: bool = True,
+                      probes: tuple[int, int] = PROBES) -> AdaptiveK:
+        control = cls(limit, adaptive=adaptive, successes=learned.acceptance * PRIOR_TRIALS, trials=PRIOR_TRIALS,
+                      prior_slope=learned.slope, probe_every=probes[0], max_probe=probes[1])
+        if learned.probe_gap is not None:
+            control._probe_gap, control._off_passes = learned.probe_gap, learned.off_passes
+        return control
+
+    def learned(self) -> Learned:
+        """What the next request of this source starts from."""
+        off = self.adaptive and self.best_k() == 0
+        slope, intercept = self.cost_line()
+        return Learned(self.acceptance, slope / intercept, self._probe_gap if off else None,
+                       self._off_passes if off else 0)
 
     def next_k(self) -> int:
         """Drafts for the next pass (the head may propose fewer: a draft source can run dry)."""
@@ -78,7 +117,7 @@ class AdaptiveK:
     def cost_line(self) -> tuple[float, float]:
         """(seconds per drafted token, seconds of a pass without drafts), from the passes seen."""
         if not self._times:
-            return PRIOR_SLOPE, 1.0
+            return self.prior_slope, 1.0
         ws = [(w, k, t) for k, (w, t) in self._times.items()]
         total = sum(w for w, _, _ in ws)
         mk = sum(w * k for w, k, _ in ws) / total
@@ -87,8 +126,8 @@ class AdaptiveK:
         if len(ws) >= 2 and var > 0:
             slope = max(sum(w * (k - mk) * (t - mt) for w, k, t in ws) / var, 0.0)
             return slope, max(mt - slope * mk, 1e-6)
-        base = mt / (1 + PRIOR_SLOPE * mk)
-        return PRIOR_SLOPE * base, base
+        base = mt / (1 + self.prior_slope * mk)
+        return self.prior_slope * base, base
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         """A pass with `drafted` tokens drafted, `accepted` of them accepted, `seconds` from the last result to

@@ -22,6 +22,7 @@ from typing import Any
 import trio
 
 from models.sampling import SamplingParams
+from swarmd.inference.spec.adaptive import Learned
 from swarmd.inference.spec.draft_model import DraftModel, DraftRefused, ModelDrafter, load_draft_model
 from swarmd.inference.spec.drafting import EMPTY, Drafter, NgramSource
 from swarmd.inference.spec.speculation import SpecStats, Speculation, verify_forward
@@ -53,6 +54,7 @@ class SpecHead:
         self.max_requests, self.device = max_requests, device
         self.stats = SpecStats()
         self._models: dict[str, DraftModel | DraftRefused] = {}
+        self._learned: dict[str, Learned] = {}  # per draft source (the mode): where its next request starts
         self._lock = trio.Lock()
 
     # --- settings and drafters ---------------------------------------------------------------------------------
@@ -88,8 +90,16 @@ class SpecHead:
         model = await self.draft_model(name, target_tokens, max_context)
         return ModelDrafter(model, request_id, prompt, params, seed)
 
+    def start(self, settings: SpecSettings, drafter: Drafter, *, prompt_len: int, max_tokens: int,
+              max_context: int) -> Speculation:
+        """A request's speculation, its controller where the last request with the same draft source left off."""
+        return Speculation(settings, drafter, prompt_len=prompt_len, max_tokens=max_tokens, max_context=max_context,
+                           learned=self._learned.get(settings.mode))
+
     def close(self, spec: Speculation) -> None:
-        """The request is over: free its drafter (after any proposal still running on the compute thread)."""
+        """The request is over: keep what its controller learned for the next request of its draft source, and free
+        its drafter (after any proposal still running on the compute thread)."""
+        self._learned[spec.settings.mode] = spec.control.learned()
         if spec.drafter.blocking and self.compute is not None:
             try:
                 self.compute.submit(spec.drafter.close, then=lambda value, error: None)

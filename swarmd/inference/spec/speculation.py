@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from swarmd.inference.spec.adaptive import AdaptiveK
+from swarmd.inference.spec.adaptive import PROBES, PROBES_MODEL, AdaptiveK, Learned
 from swarmd.inference.spec.drafting import Drafter, Proposal
 from swarmd.spec_settings import SpecSettings
 from swarmd.wire.codec import WireTensor
@@ -79,11 +79,12 @@ class Speculation:
     """A speculative request on its head: the drafter, the controller of k, and what its passes did."""
 
     def __init__(self, settings: SpecSettings, drafter: Drafter, *, prompt_len: int, max_tokens: int,
-                 max_context: int) -> None:
+                 max_context: int, learned: Learned | None = None) -> None:
         self.settings = settings
         self.drafter = drafter
         self.prompt_len, self.max_tokens, self.max_context = prompt_len, max_tokens, max_context
-        self.control = AdaptiveK(settings.draft_tokens, adaptive=settings.adaptive)
+        self.control = AdaptiveK.starting_from(learned or Learned(), settings.draft_tokens, adaptive=settings.adaptive,
+                                               probes=PROBES_MODEL if drafter.blocking else PROBES)
         self.stats = SpecStats()
         self.in_flight: Proposal | None = None  # the draft of the pass sent last
         self.sent_at: float = 0.0
