@@ -298,8 +298,10 @@ class StageModel:
             KVPool(range(start, end), max_requests, config.n_kv_heads, max_context, config.head_dim,
                    self.device, pad_rows=pad, dtype=kv_dtype)
         self.slots = SlotTable(max_requests)
-        self._decode_jits: dict[tuple[int, Any], cached_graphs.StoringJit] = {}  # (batch, _segment_graph key)
-        self._prefill_jits: dict[tuple[bool, Any], cached_graphs.StoringJit] = {}
+        # (batch, _segment_graph key, slot span: models.kernels.attention)
+        self._decode_jits: dict[tuple[int, Any, int], cached_graphs.StoringJit] = {}
+        # (all logits, _segment_graph key), then "first" for a prompt's first chunk's own graph
+        self._prefill_jits: dict[tuple, cached_graphs.StoringJit] = {}
         self._inputs = HeldInputs(self.device)
         self.segments = self._cut_segments()
         self._shared: dict[Segment, tuple[tuple, tuple[Tensor, ...]]] | None = None  # made on first use

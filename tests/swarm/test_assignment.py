@@ -163,7 +163,7 @@ async def test_with_warmup_a_stage_captures_every_decode_batch_size_before_it_is
             await nursery.start(a.run)
             a.apply(announce(1, Stage(OTHER, (0, 5)), Stage(ME, (5, 8))))
             stage = await a.wait_ready()
-            assert sorted({batch for batch, _ in stage._decode_jits}) == [1, 2]  # each batch size up to 2
+            assert sorted({batch for batch, _, _ in stage._decode_jits}) == [1, 2]  # each batch size up to 2
             assert {scores for scores, _ in stage._prefill_jits} == {False, True}  # and prompt scoring
             assert len(stage.slots) == 0  # the throwaway requests are gone
             nursery.cancel_scope.cancel()
@@ -200,7 +200,7 @@ async def test_a_stage_fills_the_graph_cache_once_ready_and_the_next_load_of_it_
             warm.apply(announce(1, Stage(OTHER, (0, 5)), Stage(ME, (5, 8))))
             stage = await warm.wait_ready()
             assert sorted(stage.graphs.loaded) == sorted(first_graphs)  # loaded and run once before ready
-            assert list(stage._decode_jits) == [(1, (5, 8, False))]
+            assert list(stage._decode_jits) == [(1, (5, 8, False), 0)]
             warm.apply(announce(2, Stage(OTHER, (0, 3)), Stage(ME, (3, 8))))
             grown = await loaded(warm, (3, 8))
             assert sorted(grown.graphs.loaded) == sorted(grown_graphs) and grown.graphs.stored == []
