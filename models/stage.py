@@ -486,7 +486,7 @@ class StageModel:
                 self.forward([StageInput(rid, 0, row[:1]) for rid in ids[:size]], experts=answer)
                 for rid in ids[:size]:
                     self.free_request(rid)
-                if size > 1 and self.attention_tile and not self.mla:  # a verify step's rows share a slot
+                if self._slot_span(range(size)):  # that batch attended in slot order: a verify step's rows do not
                     self.add_request(ids[0])
                     rows = np.zeros((size, *row.shape[1:]), row.dtype)
                     self.forward([StageInput(ids[0], 0, rows, verify=True)], experts=answer)
@@ -670,10 +670,7 @@ class StageModel:
         svars = [UOp.variable(f"slot{b}", 0, self.kv.scratch_slot).bind(s) for b, s in enumerate(slots)]
         pvars = [UOp.variable(f"pos{b}", 0, self.max_context - 1).bind(p) for b, p in enumerate(starts)]
         tile = self.attention_tile
-        held = slots[:len(real)]
-        # a batch in distinct slots attends in slot order, one set of kernels (models.kernels.attention)
-        span = (slot_span(held, self.max_requests) if tile and batch > 1 and not self.mla
-                and len(set(held)) == len(held) and slot_ordered() else 0)
+        span = self._slot_span(slots[:len(real)])
         if span:  # the whole tiles that hold the batch's longest cache
             tvars = [UOp.variable("tiles", 1, self._most_tiles()).bind(max(starts) // tile + 1)]
         else:
@@ -697,6 +694,14 @@ class StageModel:
             out.append(res[b].copy() if self.is_last and not it.verify else res[b:b + n].copy())
             b += n
         return out
+
+    def _slot_span(self, held: Sequence[int]) -> int:
+        """The slots [0, span) a decode batch's rows, held in `held` slots, attend over in slot order (one set of
+        kernels: models.kernels.attention); 0 for a set of kernels per row: without tiles, with latent attention,
+        for a lone row, or for rows that share a slot (a verify step's)."""
+        if not self.attention_tile or self.mla or len(held) < 2 or len(set(held)) < len(held) or not slot_ordered():
+            return 0
+        return slot_span(held, self.max_requests)
 
     def _most_tiles(self) -> int:
         """The whole attention tiles that hold a full context; 0 without tiles."""
@@ -876,7 +881,7 @@ class StageModel:
         if self.numerics == "ggml":
             return ggml_numerics.attention(q, keys, values, mask)
         if self.on_gpu and isinstance(pos, int) and isinstance(T, int) and T > 1 and half_products_on():
-            return half_product_attention(q, keys, values, None if mask is None else mask.reshape(T, pos + T))
+            return half_product_attention(q, keys, values, mask)
         return q.scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True)
 
     def _norm(self, norm, x: Tensor) -> Tensor:

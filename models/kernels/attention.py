@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from models.kernels.matvec import gpu_reduce
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from tinygrad import Tensor
     from tinygrad.uop.ops import UOp
@@ -35,16 +35,24 @@ def tiled_decode_attention(q: Tensor, cache: Tensor, slot: UOp, pos: UOp, tiles:
     def rows_of(kv: Tensor, kind: int) -> Tensor:
         return kv[kind, slot:slot + 1, :, 0:rows, :].reshape(1, kvh, 1, tiles, tile, hd)
 
-    scores = (q.reshape(1, kvh, group, 1, 1, hd) * rows_of(cache, 0)).sum(-1) * (1 / math.sqrt(hd))
-    scores = (positions[0:rows].reshape(tiles, tile) <= pos).where(scores, -math.inf).contiguous()
+    visible = positions[0:rows].reshape(tiles, tile) <= pos
+    return _over_tiles(q.reshape(1, kvh, group, 1, 1, hd), cache, rows_of, visible, tile).reshape(1, n_heads, 1, hd)
+
+
+def _over_tiles(q: Tensor, cache: Tensor, rows_of: Callable[[Tensor, int], Tensor], visible: Tensor,
+                tile: int) -> Tensor:
+    """Queries q (n, kv_heads, group, 1, 1, head_dim) over the rows `rows_of(kv, kind)` reads from a cache `kv`
+    ((n, kv_heads, 1, tiles, tile, head_dim); kind 0 the keys, 1 the values), where `visible` (broadcast to n,
+    kv_heads, group, tiles, tile) holds. Returns (n, kv_heads, group, head_dim)."""
+    scores = (q * rows_of(cache, 0)).sum(-1) * (1 / math.sqrt(q.shape[-1]))
+    scores = visible.where(scores, -math.inf).contiguous()
     weights = (scores - scores.max((-2, -1), keepdim=True)).exp()
     total = weights.sum((-2, -1))
     # few outputs: the sum over rows split over a thread group (it divides tiles x tile rows whatever the count);
-    # it takes the whole cache and reads the request's values inside its kernel (a view would be copied first)
+    # it takes the whole cache and reads the values inside its kernel (a view would be copied first)
     out = gpu_reduce(lambda w, kv: (w.unsqueeze(-1) * rows_of(kv, 1)).sum((-3, -2)),
                      (("GROUPTOP", 0, math.gcd(16, tile)),), weights, cache)
-    return (out / total.unsqueeze(-1)).reshape(1, n_heads, 1, hd)
-
+    return out / total.unsqueeze(-1)
 
 def slot_ordered() -> bool:
     """Whether batches in distinct slots attend in slot order (`SWARMD_SLOT_ORDERED_ATTENTION=0`: a set of kernels
@@ -83,18 +91,11 @@ def slot_ordered_decode_attention(q: Tensor, cache: Tensor, slots: Tensor, start
     queries = at.reshape(span, batch, 1).where(q.reshape(1, batch, n_heads * hd), 0).sum(1)
     pos = at.where(starts.reshape(1, batch), 0).sum(1, dtype=dtypes.int32)
 
-    def rows_of_cache(kv: Tensor, kind: int) -> Tensor:
+    def rows_of(kv: Tensor, kind: int) -> Tensor:
         return kv[kind, 0:span, :, 0:rows, :].reshape(span, kvh, 1, tiles, tile, hd)
 
-    scores = (queries.reshape(span, kvh, group, 1, 1, hd) * rows_of_cache(cache, 0)).sum(-1) * (1 / math.sqrt(hd))
-    row = positions[0:rows].reshape(1, 1, 1, tiles, tile)
-    scores = (row <= pos.reshape(span, 1, 1, 1, 1)).where(scores, -math.inf).contiguous()
-    weights = (scores - scores.max((-2, -1), keepdim=True)).exp()
-    total = weights.sum((-2, -1))
-    # the sum over rows split over a thread group, reading the values from the cache inside its kernel
-    out = gpu_reduce(lambda w, kv: (w.unsqueeze(-1) * rows_of_cache(kv, 1)).sum((-3, -2)),
-                     (("GROUPTOP", 0, math.gcd(16, tile)),), weights, cache)
-    out = out / total.unsqueeze(-1)
+    visible = positions[0:rows].reshape(1, 1, 1, tiles, tile) <= pos.reshape(span, 1, 1, 1, 1)
+    out = _over_tiles(queries.reshape(span, kvh, group, 1, 1, hd), cache, rows_of, visible, tile)
     back = at.T.reshape(batch, span, 1).where(out.reshape(1, span, n_heads * hd), 0).sum(1)
     return back.reshape(batch, n_heads, 1, hd)
 
@@ -107,7 +108,7 @@ def half_products_on() -> bool:
 def half_product_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
     """q (1, heads, T, head_dim) over keys and values (1, kv_heads, L, head_dim), of concrete sizes (a prompt's
     first chunk on a GPU): both products as the weights' are, float16 inputs with float32 sums (shapes tinygrad
-    gives to the tensor cores), the softmax in float32; `mask` (T, L) is added to the scores. Head h reads kv head
+    gives to the tensor cores), the softmax in float32; `mask` (1, 1, T, L) is added to the scores. Head h reads kv head
     h // (heads / kv_heads), as `scaled_dot_product_attention(enable_gqa=True)` does. Returns float32."""
     from tinygrad import dtypes
 
@@ -118,6 +119,6 @@ def half_product_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor
     scores = qh.matmul(keys.cast(dtypes.float16).transpose(-1, -2), dtype=dtypes.float32) * (1 / math.sqrt(hd))
     scores = scores.reshape(1, kvh, group, T, rows)
     if mask is not None:
-        scores = scores + mask.reshape(1, 1, 1, T, rows)
+        scores = scores + mask.reshape(1, 1, 1, T, rows)  # the same for every head
     weights = scores.softmax(-1).reshape(1, kvh, group * T, rows).cast(dtypes.float16)
     return weights.matmul(values.cast(dtypes.float16), dtype=dtypes.float32).reshape(1, n_heads, T, hd)
