@@ -30,6 +30,7 @@ import io
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -595,7 +596,7 @@ def main() -> None:
             name, env = parse_engine(spec)
             if name == "swarmd" and out and (out / "matvec_opts.json").exists() and "SWARMD_MATVEC_OPTS" not in env:
                 env = env | {"SWARMD_MATVEC_OPTS": str(out / "matvec_opts.json")}
-            tag = spec.replace(":", "_").replace(",", "_").replace("=", "")
+            tag = re.sub(r"[^A-Za-z0-9_.-]", "_", spec.replace("=", ""))  # a file name's part
             row = spawn(["--worker", name, "--arch", arch, "--tag", tag, *common], env, args.timeout, log)
             row |= {"arch": arch, "engine": spec}
             print("run", json.dumps(row), flush=True)

@@ -40,19 +40,69 @@ def tiled_decode_attention(q: Tensor, cache: Tensor, slot: UOp, pos: UOp, tiles:
 
 
 def _over_tiles(q: Tensor, cache: Tensor, rows_of: Callable[[Tensor, int], Tensor], visible: Tensor,
-                tile: int) -> Tensor:
+                tile: int, opts: dict[str, tuple | None] | None = None) -> Tensor:
     """Queries q (n, kv_heads, group, 1, 1, head_dim) over the rows `rows_of(kv, kind)` reads from a cache `kv`
     ((n, kv_heads, 1, tiles, tile, head_dim); kind 0 the keys, 1 the values), where `visible` (broadcast to n,
-    kv_heads, group, tiles, tile) holds. Returns (n, kv_heads, group, head_dim)."""
+    kv_heads, group, tiles, tile) holds. `opts` pins the kernels' options on GPUs ("scores", "sum"; None: tinygrad
+    chooses). Returns (n, kv_heads, group, head_dim)."""
+    opts = {"scores": None, "sum": (("GROUPTOP", 0, math.gcd(16, tile)),)} if opts is None else opts
     scores = (q * rows_of(cache, 0)).sum(-1) * (1 / math.sqrt(q.shape[-1]))
-    scores = visible.where(scores, -math.inf).contiguous()
+    scores = _pinned(visible.where(scores, -math.inf), opts.get("scores"))
     weights = (scores - scores.max((-2, -1), keepdim=True)).exp()
     total = weights.sum((-2, -1))
+
+    def weighted(w: Tensor, kv: Tensor) -> Tensor:
+        return (w.unsqueeze(-1) * rows_of(kv, 1)).sum((-3, -2))
+
     # few outputs: the sum over rows split over a thread group (it divides tiles x tile rows whatever the count);
     # it takes the whole cache and reads the values inside its kernel (a view would be copied first)
-    out = gpu_reduce(lambda w, kv: (w.unsqueeze(-1) * rows_of(kv, 1)).sum((-3, -2)),
-                     (("GROUPTOP", 0, math.gcd(16, tile)),), weights, cache)
+    out = gpu_reduce(weighted, opts["sum"], weights, cache) if opts.get("sum") else weighted(weights, cache)
     return out / total.unsqueeze(-1)
+
+
+def _pinned(x: Tensor, opts: tuple | None) -> Tensor:
+    """x as its own kernel, with `opts` ((op, axis, arg), ...) pinned on GPUs."""
+    from tinygrad.codegen.opt import Opt, OptOps
+
+    from models.kernels.matvec import GPU_DEVICES
+
+    if not opts or x.device.split(":")[0] not in GPU_DEVICES:
+        return x.contiguous()
+    return x.contiguous(arg=tuple(Opt(OptOps[op], axis, arg) for op, axis, arg in opts))
+
+
+# The slot-ordered attention's kernel options on GPUs ("scores", "sum"; None: tinygrad's heuristics), found by
+# tinygrad's BEAM search on an H200 (scripts/bench_decode_attention.py; docs/BENCHMARKS.md), keyed by the
+# kernels' shape: (span, kv_heads, group, head_dim, tile, the cache's dtype). Options name axes of one shape, so
+# a shape not here keeps `DEFAULT_OPTS`.
+SLOT_ORDERED_OPTS: dict[tuple[int, int, int, int, int, str], dict[str, tuple | None]] = {
+    (8, 8, 4, 128, 128, "float"): {
+        "scores": (("LOCAL", 3, 16), ("UNROLL", 0, 4), ("UPCAST", 2, 0), ("UPCAST", 2, 4), ("SWAP", 0, 1),
+                   ("UNROLL", 0, 4)),
+        "sum": (("LOCAL", 2, 16), ("GROUP", 0, 16), ("UPCAST", 2, 4), ("LOCAL", 1, 4), ("UPCAST", 4, 2),
+                ("SWAP", 0, 1))},
+    (32, 8, 4, 128, 128, "float"): {
+        "scores": (("LOCAL", 3, 16), ("UNROLL", 0, 4), ("UNROLL", 0, 0), ("LOCAL", 1, 4), ("LOCAL", 3, 4),
+                   ("SWAP", 2, 3), ("UPCAST", 3, 2), ("SWAP", 0, 2)),
+        "sum": (("LOCAL", 2, 16), ("GROUP", 0, 8), ("UPCAST", 2, 4), ("UPCAST", 1, 2), ("SWAP", 1, 2),
+                ("LOCAL", 0, 8), ("SWAP", 0, 1))},
+}
+DEFAULT_OPTS: dict[str, tuple | None] = {"scores": None, "sum": (("GROUPTOP", 0, 16),)}
+
+
+def slot_ordered_opts(shape: tuple[int, int, int, int, int, str]) -> dict[str, tuple | None]:
+    """The slot-ordered attention's kernel options for `shape` (a `SLOT_ORDERED_OPTS` key).
+    `SWARMD_ATTENTION_OPTS` (a JSON file of one entry, {"scores": ..., "sum": ...}, for searches and comparisons;
+    a kernel missing or null there is left to tinygrad) overrides the table for every shape."""
+    import json
+    from pathlib import Path
+
+    path = os.environ.get("SWARMD_ATTENTION_OPTS")
+    if not path:
+        return SLOT_ORDERED_OPTS.get(shape, DEFAULT_OPTS)
+    table = json.loads(Path(path).read_text())
+    return {k: tuple(tuple(o) for o in table[k]) if table.get(k) else None for k in ("scores", "sum")}
+
 
 def slot_ordered() -> bool:
     """Whether batches in distinct slots attend in slot order (`SWARMD_SLOT_ORDERED_ATTENTION=0`: a set of kernels
@@ -95,7 +145,8 @@ def slot_ordered_decode_attention(q: Tensor, cache: Tensor, slots: Tensor, start
         return kv[kind, 0:span, :, 0:rows, :].reshape(span, kvh, 1, tiles, tile, hd)
 
     visible = positions[0:rows].reshape(1, 1, 1, tiles, tile) <= pos.reshape(span, 1, 1, 1, 1)
-    out = _over_tiles(queries.reshape(span, kvh, group, 1, 1, hd), cache, rows_of, visible, tile)
+    opts = slot_ordered_opts((span, kvh, group, hd, tile, cache.dtype.name))
+    out = _over_tiles(queries.reshape(span, kvh, group, 1, 1, hd), cache, rows_of, visible, tile, opts)
     back = at.T.reshape(batch, span, 1).where(out.reshape(1, span, n_heads * hd), 0).sum(1)
     return back.reshape(batch, n_heads, 1, hd)
 

@@ -7,10 +7,17 @@ import ctypes
 import numpy as np
 import pytest
 from tiny_deepseek2 import TinyDeepSeek2, tiny_deepseek2_weights, write_deepseek2_gguf
+from tinygrad import Device
 
 from models.config import config_from_arch
 from models.errors import ModelError
-from models.kernels.attention import half_product_attention, slot_span
+from models.kernels.attention import (
+    SLOT_ORDERED_OPTS,
+    batch_rows_at,
+    half_product_attention,
+    slot_ordered_decode_attention,
+    slot_span,
+)
 from models.kernels.gathered import GATHERED_GPU_OPTS, gathered_opts
 from models.kernels.matvec import split_k, tensor_core_matmul, tensor_core_rows
 from models.stage import StageInput, StageModel
@@ -88,6 +95,32 @@ def test_a_first_chunks_attention_with_float16_products_is_attention_to_float16_
     got = half_product_attention(q, k, v, mask).numpy()
     assert got.dtype == np.float32 and np.abs(got - want).max() < 5e-3 * np.abs(want).max()
     assert np.abs(got - want).max() > 0  # the products did run in float16
+
+
+@pytest.mark.parametrize("shape", sorted(SLOT_ORDERED_OPTS), ids=str)
+def test_the_slot_ordered_attention_with_its_searched_options_is_attention(shape):
+    """On a GPU the table's options are pinned on the kernels of that shape (on the CPU tinygrad chooses)."""
+    from tinygrad import Tensor, UOp, dtypes
+
+    span, kv_heads, group, head_dim, tile, dtype = shape
+    heads, max_context = kv_heads * group, 3 * tile
+    rng = np.random.default_rng(6)
+    cache = rng.standard_normal((2, span + 1, kv_heads, max_context, head_dim)).astype(np.float32)
+    q = rng.standard_normal((span, heads, 1, head_dim)).astype(np.float32)
+    at = [2 * tile + 7 - 5 * b for b in range(span)]  # rows of different lengths, across tile borders
+    svars = [UOp.variable(f"slot{b}", 0, span).bind(b) for b in range(span)]
+    pvars = [UOp.variable(f"pos{b}", 0, max_context - 1).bind(p) for b, p in enumerate(at)]
+    tiles = UOp.variable("tiles", 1, 3).bind(max(at) // tile + 1)
+    got = slot_ordered_decode_attention(
+        Tensor(q), Tensor(cache).cast(getattr(dtypes, dtype)).contiguous(), *batch_rows_at(svars, pvars, Device.DEFAULT),
+        tiles, span=span, tile=tile, positions=Tensor.arange(max_context), n_kv_heads=kv_heads).numpy()
+    for b, p in enumerate(at):
+        keys, values = cache[0, b, :, :p + 1], cache[1, b, :, :p + 1]  # (kv_heads, rows, head_dim)
+        for h in range(heads):
+            scores = keys[h // group] @ q[b, h, 0] / np.sqrt(head_dim)
+            weights = np.exp(scores - scores.max())
+            want = weights @ values[h // group] / weights.sum()
+            assert np.abs(got[b, h, 0] - want).max() < 1e-4 * np.abs(want).max()
 
 
 def test_a_decode_batch_attends_in_slot_order_only_where_its_rows_hold_distinct_slots():

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""A decode batch's attention on a GPU, in slot order (models/kernels/attention.py), and a search of its kernels.
+
+For each batch size: the device time of one layer's slot-ordered attention (the rows' KV stores, the scores, the
+softmax and the weighted sum), timed kernel by kernel with events, with the options in `SLOT_ORDERED_OPTS`, with
+tinygrad's heuristics, and (`--beam N`) after tinygrad's BEAM search of every kernel, whose options it prints per
+kernel (the table to pin). Llama-3.1-8B's attention shapes (32 heads, 8 KV heads, head_dim 128) by default. Ends
+with one JSON line (and one after each batch size).
+
+    python3 scripts/bench_decode_attention.py --batches 8,32 --context 640 --beam 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def build(batch: int, slots: int, context: int, max_context: int, kv_dtype: str, heads: int, kv_heads: int,
+          head_dim: int, tile: int):
+    """The layer's state and a function that returns the batch's attention (lazy), as a stage's decode step
+    builds it: each row's new K/V stored in its slot, then the cache read back through the stores."""
+    import numpy as np
+    from tinygrad import Tensor, UOp, dtypes
+
+    from models.kernels.attention import batch_rows_at, slot_ordered_decode_attention, slot_span
+
+    rng = np.random.default_rng(0)
+    most_tiles = -(-max_context // tile)
+    rows = most_tiles * tile
+    kv = Tensor(rng.standard_normal((2, slots + 1, kv_heads, rows, head_dim), dtype=np.float32)).cast(
+        getattr(dtypes, kv_dtype)).contiguous().realize()
+    q = Tensor(rng.standard_normal((batch, heads, 1, head_dim), dtype=np.float32)).realize()
+    new = Tensor(rng.standard_normal((batch, 2, kv_heads, 1, head_dim), dtype=np.float32)).realize()
+    positions = Tensor.arange(rows).realize()
+    at = [context - 1 - b for b in range(batch)]  # the rows' positions differ a little, as a batch's do
+    svars = [UOp.variable(f"slot{b}", 0, slots).bind(b) for b in range(batch)]
+    pvars = [UOp.variable(f"pos{b}", 0, max_context - 1).bind(p) for b, p in enumerate(at)]
+    tiles = UOp.variable("tiles", 1, most_tiles).bind(max(at) // tile + 1)
+    span = slot_span(range(batch), slots)
+
+    def attention():
+        stores = [kv[:, s:s + 1, :, p:p + 1, :].uop.store(new[b:b + 1].reshape(2, 1, kv_heads, 1, head_dim)
+                                                          .cast(kv.dtype).uop)
+                  for b, (s, p) in enumerate(zip(svars, pvars, strict=True))]
+        cache = Tensor(kv.uop.after(*stores))
+        return slot_ordered_decode_attention(q, cache, *batch_rows_at(svars, pvars, q.device), tiles, span=span,
+                                             tile=tile, positions=positions, n_kv_heads=kv_heads)
+
+    return attention
+
+
+def per_kernel(fn) -> list[tuple[str, float]]:
+    """fn()'s kernels, each (name, device seconds), timed with events (DEBUG=2's lines, parsed)."""
+    import contextlib
+    import io
+    import re
+
+    from tinygrad.helpers import Context
+
+    buf = io.StringIO()
+    with Context(DEBUG=2), contextlib.redirect_stdout(buf):
+        fn()
+    out = []
+    for line in buf.getvalue().splitlines():
+        m = re.search(r"\*\*\*\s+\S+\s+\d+\s+(\S+).*?tm\s+([\d.]+)(us|ms|s)", re.sub(r"\x1b\[[0-9;]*m", "", line))
+        if m:
+            out.append((m.group(1), float(m.group(2)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(3)]))
+    return out
+
+
+def measure(attention, reps: int) -> dict:
+    """The median over `reps` runs of each kernel's time and their sum (us)."""
+    import statistics
+
+    attention().realize()  # compile
+    runs = [per_kernel(lambda: attention().realize()) for _ in range(reps)]
+    names = [n for n, _ in runs[0]]
+    times = [statistics.median(r[i][1] for r in runs if len(r) == len(names)) * 1e6 for i in range(len(names))]
+    return {"total_us": round(sum(times), 1), "kernels": [[n, round(t, 1)] for n, t in zip(names, times, strict=True)]}
+
+
+def with_table(table: dict | None):
+    """Sets SWARMD_ATTENTION_OPTS to `table` (None: the built-in one)."""
+    os.environ.pop("SWARMD_ATTENTION_OPTS", None)
+    if table is not None:
+        f = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+        json.dump(table, f)
+        f.close()
+        os.environ["SWARMD_ATTENTION_OPTS"] = f.name
+
+
+def beam(attention, amount: int) -> list[dict]:
+    """tinygrad's BEAM search of each kernel of `attention` (none pinned): each kernel's shape and found options."""
+    import tinygrad.codegen.opt.search as search
+    from tinygrad.helpers import Context
+
+    found, original = [], search.beam_search
+
+    def recording(s, rawbufs, amt, *args, **kwargs):
+        best = original(s, rawbufs, amt, *args, **kwargs)
+        found.append({"shape": [x if isinstance(x, int) else x.render() for x in s.full_shape],
+                      "axes": [t.name for t in s.axis_types],
+                      "opts": [[o.op.name, o.axis, o.arg] for o in best.applied_opts]})
+        return best
+
+    search.beam_search = recording
+    try:
+        with Context(BEAM=amount):
+            attention().realize()
+    finally:
+        search.beam_search = original
+    return found
+
+
+def main() -> None:
+    from tinygrad import Device
+    from tinygrad.helpers import Context
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="8,32")
+    p.add_argument("--context", type=int, default=640, help="the batch's longest position + 1")
+    p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--kv-dtypes", default="float32", help="the KV cache's dtypes to measure, comma-separated")
+    p.add_argument("--beam", type=int, default=0, help="BEAM width of a search of every kernel (0: no search)")
+    p.add_argument("--table", default="", help="a JSON file of options to measure beside the built-in table")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--tile", type=int, default=128)
+    args = p.parse_args()
+    report: dict = {"device": Device.DEFAULT, "context": args.context}
+    for dtype in args.kv_dtypes.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            att = build(batch, batch, args.context, args.max_context, dtype, args.heads, args.kv_heads,
+                        args.head_dim, args.tile)
+            row: dict = {}
+            configs = [("table", None), ("heuristics", {})]
+            if args.table:
+                configs.append(("given", json.loads(Path(args.table).read_text())))
+            for name, table in configs:
+                with_table(table)
+                row[name] = measure(att, args.reps)
+            if args.beam:
+                with_table({})
+                row["beam_opts"] = beam(att, args.beam)
+                with Context(BEAM=args.beam):  # the searched options, from tinygrad's cache
+                    row["beam"] = measure(att, args.reps)
+            with_table(None)
+            report[f"{dtype}_b{batch}"] = row
+            print(f"{dtype} b{batch}:", {k: v["total_us"] for k, v in row.items() if isinstance(v, dict)},
+                  flush=True)
+            print(json.dumps({f"{dtype}_b{batch}": row}), flush=True)  # what is measured survives a timeout
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
