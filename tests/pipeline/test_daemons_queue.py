@@ -194,16 +194,30 @@ def test_a_daemon_whose_queue_is_full_answers_429_with_retry_after_and_nothing_b
 def test_submit_prompt_says_in_one_line_that_the_swarm_is_busy(swarm, ref):
     small = swarm.running[SMALL_QUEUE]
     env = {**os.environ, "SWARMD_HOME": str(small.home)}
-    busy = None
+    busy, stop = None, threading.Event()
+
+    def keep_busy(p: str) -> list[int]:
+        """Requests one after another (a refused one again soon) until the command has run: slots and queue stay
+        full however slow the command is to start. Bounded in count and time."""
+        codes, deadline = [], time.monotonic() + 300
+        while not stop.is_set() and time.monotonic() < deadline and len(codes) < 100:
+            codes.append(complete(small.api, p, 24).status_code)
+            if codes[-1] == 429:
+                time.sleep(0.2)
+        return codes
+
     with ThreadPoolExecutor(48) as pool:  # hold the daemon's slots and queue while the command runs
-        burst = [pool.submit(complete, small.api, p, 24) for p in PROMPTS[:48]]
-        for _ in range(10):
-            done = subprocess.run([sys.executable, "-m", "swarmd", "submit-prompt", "-n", "4", PROMPTS[0]],
-                                  capture_output=True, text=True, env=env, timeout=600)
-            if done.returncode == 75:
-                busy = done
-                break
-        assert all(f.result().status_code in (200, 429) for f in burst)
+        burst = [pool.submit(keep_busy, p) for p in PROMPTS[:48]]
+        try:
+            for _ in range(10):
+                done = subprocess.run([sys.executable, "-m", "swarmd", "submit-prompt", "-n", "4", PROMPTS[0]],
+                                      capture_output=True, text=True, env=env, timeout=600)
+                if done.returncode == 75:
+                    busy = done
+                    break
+        finally:
+            stop.set()
+        assert all(code in (200, 429) for f in burst for code in f.result())
     assert busy is not None, "the queue was never full while the burst ran"
     assert busy.stdout == "" and len(busy.stderr.strip().splitlines()) == 1, busy.stderr
     assert "busy" in busy.stderr and "retry in" in busy.stderr and "Traceback" not in busy.stderr
