@@ -6,7 +6,7 @@ the owner's shape (config, block range or experts held, numerics, weight dtype, 
 chunk, attention tile, segments), the graph (prefill with or without every position's logits, decode batch
 size, expert rows), the code that builds graphs (a hash of this package's sources), swarmd's kernel choices
 (`SWARMD_TENSOR_CORES`, `SWARMD_TENSOR_CORE_MIN_ROWS`, `SWARMD_TENSOR_CORE_SPLIT`, `SWARMD_HALF_PREFILL_ATTENTION`,
-the `SWARMD_MATVEC_OPTS` table's hash), tinygrad and the machine (`graph_cache.environment`), and the signature of the buffers it binds to. The
+the hashes of the `SWARMD_MATVEC_OPTS` and `SWARMD_ATTENTION_OPTS` tables), tinygrad and the machine (`graph_cache.environment`), and the signature of the buffers it binds to. The
 buffers bound are every tensor the owner holds (weights under their GGUF names, fused projections, GGML blocks, KV cache,
 RoPE table), found by walking its attributes; a graph that reads anything else is not stored.
 
@@ -312,17 +312,19 @@ def _common(owner: Any, source: str) -> dict[str, Any] | None:
     model = model_identity(source)
     if model is None:
         return None
-    return {"model": model, "config": repr(owner.config), "code": code_fingerprint(), "matvec_opts": _matvec_opts(),
+    return {"model": model, "config": repr(owner.config), "code": code_fingerprint(),
+            "matvec_opts": _options_file("SWARMD_MATVEC_OPTS"), "attention_opts": _options_file("SWARMD_ATTENTION_OPTS"),
             "tensor_cores": tensor_cores_on(), "tensor_core_min_rows": tensor_core_min_rows(),
             "tensor_core_split": tensor_core_split(), "half_prefill_attention": half_products_on(),
             **graph_cache.environment(owner.device)}
 
 
-def _matvec_opts() -> str | None:
-    """A hash of the GPU matvec options file `$SWARMD_MATVEC_OPTS` names, if any (`models.kernels.matvec`)."""
+def _options_file(variable: str) -> str | None:
+    """A hash of the kernel options file the environment variable names, if any (`SWARMD_MATVEC_OPTS`:
+    `models.kernels.matvec`; `SWARMD_ATTENTION_OPTS`: `models.kernels.attention`)."""
     import os
 
-    path = os.environ.get("SWARMD_MATVEC_OPTS")
+    path = os.environ.get(variable)
     if not path:
         return None
     try:

@@ -74,7 +74,7 @@ def _pinned(x: Tensor, opts: tuple | None) -> Tensor:
 # The slot-ordered attention's kernel options on GPUs ("scores", "sum"; None: tinygrad's heuristics), found by
 # tinygrad's BEAM search on an H200 (scripts/bench_decode_attention.py; docs/BENCHMARKS.md), keyed by the
 # kernels' shape: (span, kv_heads, group, head_dim, tile, the cache's dtype). Options name axes of one shape, so
-# a shape not here keeps `DEFAULT_OPTS`.
+# a shape not here keeps `_over_tiles`' own.
 SLOT_ORDERED_OPTS: dict[tuple[int, int, int, int, int, str], dict[str, tuple | None]] = {
     (8, 8, 4, 128, 128, "float"): {
         "scores": (("LOCAL", 3, 16), ("UNROLL", 0, 4), ("UPCAST", 2, 0), ("UPCAST", 2, 4), ("SWAP", 0, 1),
@@ -87,11 +87,10 @@ SLOT_ORDERED_OPTS: dict[tuple[int, int, int, int, int, str], dict[str, tuple | N
         "sum": (("LOCAL", 2, 16), ("GROUP", 0, 8), ("UPCAST", 2, 4), ("UPCAST", 1, 2), ("SWAP", 1, 2),
                 ("LOCAL", 0, 8), ("SWAP", 0, 1))},
 }
-DEFAULT_OPTS: dict[str, tuple | None] = {"scores": None, "sum": (("GROUPTOP", 0, 16),)}
 
 
-def slot_ordered_opts(shape: tuple[int, int, int, int, int, str]) -> dict[str, tuple | None]:
-    """The slot-ordered attention's kernel options for `shape` (a `SLOT_ORDERED_OPTS` key).
+def slot_ordered_opts(shape: tuple[int, int, int, int, int, str]) -> dict[str, tuple | None] | None:
+    """The slot-ordered attention's kernel options for `shape` (a `SLOT_ORDERED_OPTS` key; None: not there).
     `SWARMD_ATTENTION_OPTS` (a JSON file of one entry, {"scores": ..., "sum": ...}, for searches and comparisons;
     a kernel missing or null there is left to tinygrad) overrides the table for every shape."""
     import json
@@ -99,7 +98,7 @@ def slot_ordered_opts(shape: tuple[int, int, int, int, int, str]) -> dict[str, t
 
     path = os.environ.get("SWARMD_ATTENTION_OPTS")
     if not path:
-        return SLOT_ORDERED_OPTS.get(shape, DEFAULT_OPTS)
+        return SLOT_ORDERED_OPTS.get(shape)
     table = json.loads(Path(path).read_text())
     return {k: tuple(tuple(o) for o in table[k]) if table.get(k) else None for k in ("scores", "sum")}
 
