@@ -22,10 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def build(batch: int, slots: int, context: int, max_context: int, kv_dtype: str, heads: int, kv_heads: int,
-          head_dim: int, tile: int):
-    """The layer's state and a function that returns the batch's attention (lazy), as a stage's decode step
-    builds it: each row's new K/V stored in its slot, then the cache read back through the stores."""
+def build(batch: int, context: int, max_context: int, kv_dtype: str, heads: int, kv_heads: int, head_dim: int,
+          tile: int):
+    """A function that returns one layer's attention (lazy) for `batch` rows in slots 0..batch-1, as a stage's
+    decode step builds it: each row's new K/V stored in its slot, then the cache read back through the stores."""
     import numpy as np
     from tinygrad import Tensor, UOp, dtypes
 
@@ -34,16 +34,16 @@ def build(batch: int, slots: int, context: int, max_context: int, kv_dtype: str,
     rng = np.random.default_rng(0)
     most_tiles = -(-max_context // tile)
     rows = most_tiles * tile
-    kv = Tensor(rng.standard_normal((2, slots + 1, kv_heads, rows, head_dim), dtype=np.float32)).cast(
+    kv = Tensor(rng.standard_normal((2, batch + 1, kv_heads, rows, head_dim), dtype=np.float32)).cast(
         getattr(dtypes, kv_dtype)).contiguous().realize()
     q = Tensor(rng.standard_normal((batch, heads, 1, head_dim), dtype=np.float32)).realize()
     new = Tensor(rng.standard_normal((batch, 2, kv_heads, 1, head_dim), dtype=np.float32)).realize()
     positions = Tensor.arange(rows).realize()
     at = [context - 1 - b for b in range(batch)]  # the rows' positions differ a little, as a batch's do
-    svars = [UOp.variable(f"slot{b}", 0, slots).bind(b) for b in range(batch)]
+    svars = [UOp.variable(f"slot{b}", 0, batch).bind(b) for b in range(batch)]
     pvars = [UOp.variable(f"pos{b}", 0, max_context - 1).bind(p) for b, p in enumerate(at)]
     tiles = UOp.variable("tiles", 1, most_tiles).bind(max(at) // tile + 1)
-    span = slot_span(range(batch), slots)
+    span = slot_span(range(batch), batch)
 
     def attention():
         stores = [kv[:, s:s + 1, :, p:p + 1, :].uop.store(new[b:b + 1].reshape(2, 1, kv_heads, 1, head_dim)
@@ -57,22 +57,18 @@ def build(batch: int, slots: int, context: int, max_context: int, kv_dtype: str,
 
 
 def per_kernel(fn) -> list[tuple[str, float]]:
-    """fn()'s kernels, each (name, device seconds), timed with events (DEBUG=2's lines, parsed)."""
+    """fn()'s kernels, each (name, device seconds), timed with events (tinygrad DEBUG=2)."""
     import contextlib
     import io
-    import re
 
     from tinygrad.helpers import Context
+
+    from scripts.bench_gpu import kernel_times
 
     buf = io.StringIO()
     with Context(DEBUG=2), contextlib.redirect_stdout(buf):
         fn()
-    out = []
-    for line in buf.getvalue().splitlines():
-        m = re.search(r"\*\*\*\s+\S+\s+\d+\s+(\S+).*?tm\s+([\d.]+)(us|ms|s)", re.sub(r"\x1b\[[0-9;]*m", "", line))
-        if m:
-            out.append((m.group(1), float(m.group(2)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(3)]))
-    return out
+    return kernel_times(buf.getvalue())
 
 
 def measure(attention, reps: int) -> dict:
@@ -86,14 +82,13 @@ def measure(attention, reps: int) -> dict:
     return {"total_us": round(sum(times), 1), "kernels": [[n, round(t, 1)] for n, t in zip(names, times, strict=True)]}
 
 
-def with_table(table: dict | None):
-    """Sets SWARMD_ATTENTION_OPTS to `table` (None: the built-in one)."""
+def with_table(table: dict | None) -> None:
+    """Sets SWARMD_ATTENTION_OPTS to a file holding `table` (None: the built-in table)."""
     os.environ.pop("SWARMD_ATTENTION_OPTS", None)
     if table is not None:
-        f = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
-        json.dump(table, f)
-        f.close()
-        os.environ["SWARMD_ATTENTION_OPTS"] = f.name
+        path = Path(tempfile.gettempdir(), f"attention-opts-{os.getpid()}.json")
+        path.write_text(json.dumps(table))
+        os.environ["SWARMD_ATTENTION_OPTS"] = str(path)
 
 
 def beam(attention, amount: int) -> list[dict]:
@@ -139,7 +134,7 @@ def main() -> None:
     report: dict = {"device": Device.DEFAULT, "context": args.context}
     for dtype in args.kv_dtypes.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
-            att = build(batch, batch, args.context, args.max_context, dtype, args.heads, args.kv_heads,
+            att = build(batch, args.context, args.max_context, dtype, args.heads, args.kv_heads,
                         args.head_dim, args.tile)
             row: dict = {}
             configs = [("table", None), ("heuristics", {})]

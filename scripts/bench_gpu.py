@@ -368,10 +368,18 @@ def profile_prefill(model, rid: str, prompt, path: Path) -> dict:
     return profiled(model, step, path)
 
 
+def kernel_times(text: str) -> list[tuple[str, float]]:
+    """Each kernel's (name, device seconds), in order, from what tinygrad prints with DEBUG=2."""
+    out = []
+    for line in text.splitlines():
+        m = re.search(r"\s(\S+)\s+arg\s.*\btm\s+([\d.]+)(us|ms|s)", re.sub(r"\x1b\[[0-9;]*m", "", line))
+        if m:
+            out.append((m.group(1), float(m.group(2)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(3)]))
+    return out
+
+
 def profiled(model, step, path: Path) -> dict:
     """`step(0)` to compile, then `step(1)` with every kernel timed (tinygrad DEBUG=2, no jit)."""
-    import re
-
     from tinygrad.helpers import Context, GlobalCounters
 
     buf = io.StringIO()
@@ -387,11 +395,8 @@ def profiled(model, step, path: Path) -> dict:
     text = buf.getvalue()
     path.write_text(text)
     by_name: dict[str, list[float]] = {}
-    for line in text[mark:].splitlines():
-        m = re.search(r"\s(\S+)\s+arg\s.*\btm\s+([\d.]+)(us|ms|s)", line)
-        if m:
-            scale = {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(3)]
-            by_name.setdefault(re.sub(r"\x1b\[[0-9;]*m", "", m.group(1)), []).append(float(m.group(2)) * scale)
+    for name, seconds in kernel_times(text[mark:]):
+        by_name.setdefault(name, []).append(seconds)
     top = sorted(((sum(v), len(v), k) for k, v in by_name.items()), reverse=True)[:15]
     return {"kernel_s": GlobalCounters.time_sum_s, "kernels": sum(len(v) for v in by_name.values()),
             "top": [[k, n, round(s * 1e6, 1)] for s, n, k in top]}

@@ -15,7 +15,7 @@ import math
 import os
 from typing import TYPE_CHECKING
 
-from models.kernels.matvec import gpu_reduce
+from models.kernels.matvec import GPU_DEVICES, as_opts, gpu_reduce
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -47,7 +47,9 @@ def _over_tiles(q: Tensor, cache: Tensor, rows_of: Callable[[Tensor, int], Tenso
     chooses). Returns (n, kv_heads, group, head_dim)."""
     opts = {"scores": None, "sum": (("GROUPTOP", 0, math.gcd(16, tile)),)} if opts is None else opts
     scores = (q * rows_of(cache, 0)).sum(-1) * (1 / math.sqrt(q.shape[-1]))
-    scores = _pinned(visible.where(scores, -math.inf), opts.get("scores"))
+    scores = visible.where(scores, -math.inf)
+    pinned = opts.get("scores") if cache.device.split(":")[0] in GPU_DEVICES else None
+    scores = scores.contiguous(arg=as_opts(pinned)) if pinned else scores.contiguous()
     weights = (scores - scores.max((-2, -1), keepdim=True)).exp()
     total = weights.sum((-2, -1))
 
@@ -58,17 +60,6 @@ def _over_tiles(q: Tensor, cache: Tensor, rows_of: Callable[[Tensor, int], Tenso
     # it takes the whole cache and reads the values inside its kernel (a view would be copied first)
     out = gpu_reduce(weighted, opts["sum"], weights, cache) if opts.get("sum") else weighted(weights, cache)
     return out / total.unsqueeze(-1)
-
-
-def _pinned(x: Tensor, opts: tuple | None) -> Tensor:
-    """x as its own kernel, with `opts` ((op, axis, arg), ...) pinned on GPUs."""
-    from tinygrad.codegen.opt import Opt, OptOps
-
-    from models.kernels.matvec import GPU_DEVICES
-
-    if not opts or x.device.split(":")[0] not in GPU_DEVICES:
-        return x.contiguous()
-    return x.contiguous(arg=tuple(Opt(OptOps[op], axis, arg) for op, axis, arg in opts))
 
 
 # The slot-ordered attention's kernel options on GPUs ("scores", "sum"; None: tinygrad's heuristics), found by

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from models.kernels import ggml_numerics
-from models.kernels.matvec import GPU_DEVICES, cpu_matvec_opts, opts_fit
+from models.kernels.matvec import GPU_DEVICES, as_opts, cpu_matvec_opts, opts_fit
 
 if TYPE_CHECKING:
     from tinygrad import Tensor
@@ -110,13 +110,11 @@ def gathered_opts(device: str, out_features: int, reduce: tuple[int, ...], *, me
     import math
     import os
 
-    from tinygrad.codegen.opt import Opt, OptOps
-
     if device.split(":")[0] not in GPU_DEVICES:
         return cpu_matvec_opts(device, out_features, len(reduce))
     table = json.loads(os.environ["SWARMD_GATHERED_OPTS"]) if os.environ.get("SWARMD_GATHERED_OPTS") \
         else GATHERED_GPU_OPTS
-    opts = tuple(Opt(OptOps[op], axis, arg) for op, axis, arg in table)
+    opts = as_opts(table)
     fits = opts_fit(opts, (out_features,), (math.prod(reduce),) if merged else reduce)
     return opts if fits and opts else None
 

@@ -185,13 +185,18 @@ GPU_MATVEC_OPTS: dict[int, tuple[tuple[str, int, int], ...]] = {
 }
 
 
+def as_opts(entries: Sequence[tuple[str, int, int]]) -> tuple:
+    """A table's (op, axis, arg) entries as tinygrad's kernel options."""
+    from tinygrad.codegen.opt import Opt, OptOps
+
+    return tuple(Opt(OptOps[op], axis, arg) for op, axis, arg in entries)
+
+
 def gpu_matvec_opts(device: str, rows: int, out_features: int, in_features: int) -> tuple | None:
     """Kernel options for the GPU matvec of `rows` rows: None off GPUs, () for tinygrad's heuristics.
 
     `SWARMD_MATVEC_OPTS` (a JSON file of the same table) overrides the built-in one, for searches;
     an empty table, `{}`, leaves every matvec to tinygrad's heuristics."""
-    from tinygrad.codegen.opt import Opt, OptOps
-
     if device.split(":")[0] not in GPU_DEVICES:
         return None
     override = _override_table()
@@ -199,7 +204,7 @@ def gpu_matvec_opts(device: str, rows: int, out_features: int, in_features: int)
     bucket = next((b for b in sorted(table) if rows <= b), None)
     if bucket is None:
         return ()
-    opts = tuple(Opt(OptOps[op], axis, arg) for op, axis, arg in table[bucket])
+    opts = as_opts(table[bucket])
     return opts if opts_fit(opts, (out_features, rows), (in_features,)) else ()
 
 
@@ -239,11 +244,10 @@ def gpu_reduce(reduce_fn, opts: tuple[tuple[str, int, int], ...], *xs: Tensor) -
     reduction with few outputs, or a symbolic length, to a few dozen threads); as is elsewhere. Each input is
     made contiguous first, so a view is copied: pass the buffer it views and take the view in `reduce_fn`."""
     from tinygrad import function
-    from tinygrad.codegen.opt import Opt, OptOps
 
     if xs[0].device.split(":")[0] not in GPU_DEVICES:
         return reduce_fn(*xs)
-    pinned = tuple(Opt(OptOps[op], axis, arg) for op, axis, arg in opts)
+    pinned = as_opts(opts)
 
     @function
     def kernel(*xs: Tensor) -> Tensor:
