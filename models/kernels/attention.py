@@ -15,7 +15,7 @@ import math
 import os
 from typing import TYPE_CHECKING
 
-from models.kernels.matvec import GPU_DEVICES, as_opts, gpu_reduce
+from models.kernels.matvec import GPU_DEVICES, gpu_reduce
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -46,10 +46,15 @@ def _over_tiles(q: Tensor, cache: Tensor, rows_of: Callable[[Tensor, int], Tenso
     kv_heads, group, tiles, tile) holds. `opts` pins the kernels' options on GPUs ("scores", "sum"; None: tinygrad
     chooses). Returns (n, kv_heads, group, head_dim)."""
     opts = {"scores": None, "sum": (("GROUPTOP", 0, math.gcd(16, tile)),)} if opts is None else opts
-    scores = (q * rows_of(cache, 0)).sum(-1) * (1 / math.sqrt(q.shape[-1]))
-    scores = visible.where(scores, -math.inf)
+
+    def masked_scores(q: Tensor, kv: Tensor, visible: Tensor) -> Tensor:
+        return visible.where((q * rows_of(kv, 0)).sum(-1) * (1 / math.sqrt(q.shape[-1])), -math.inf)
+
     pinned = opts.get("scores") if cache.device.split(":")[0] in GPU_DEVICES else None
-    scores = scores.contiguous(arg=as_opts(pinned)) if pinned else scores.contiguous()
+    if pinned:  # options hold on a kernel function's output only: a plain contiguous's are lost
+        scores = gpu_reduce(masked_scores, pinned, q, cache, visible)
+    else:
+        scores = masked_scores(q, cache, visible).contiguous()
     weights = (scores - scores.max((-2, -1), keepdim=True)).exp()
     total = weights.sum((-2, -1))
 

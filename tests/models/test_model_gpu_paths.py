@@ -19,7 +19,7 @@ from models.kernels.attention import (
     slot_span,
 )
 from models.kernels.gathered import GATHERED_GPU_OPTS, gathered_opts
-from models.kernels.matvec import split_k, tensor_core_matmul, tensor_core_rows
+from models.kernels.matvec import as_opts, split_k, tensor_core_matmul, tensor_core_rows
 from models.stage import StageInput, StageModel
 from models.tinygrad_ext.cuda_graph import add_kernel_node_with_nonzero_dims
 from planner.arch import BUILTIN_ARCHS, ArchSpec
@@ -121,6 +121,27 @@ def test_the_slot_ordered_attention_with_its_searched_options_is_attention(shape
             weights = np.exp(scores - scores.max())
             want = weights @ values[h // group] / weights.sum()
             assert np.abs(got[b, h, 0] - want).max() < 1e-4 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("shape", sorted(SLOT_ORDERED_OPTS), ids=str)
+def test_the_slot_ordered_attentions_scores_and_sum_kernels_are_scheduled_with_the_tables_options(shape):
+    """On the NULL device (a GPU's code path that runs nothing), both reductions' kernels carry their options."""
+    from tinygrad import Tensor, UOp
+    from tinygrad.uop.ops import Ops
+
+    span, kv_heads, group, head_dim, tile, _ = shape
+    max_context = 5 * tile
+    svars = [UOp.variable(f"slot{b}", 0, span).bind(b) for b in range(span)]
+    pvars = [UOp.variable(f"pos{b}", 0, max_context - 1).bind(4 * tile + b) for b in range(span)]
+    out = slot_ordered_decode_attention(
+        Tensor.empty(span, kv_heads * group, 1, head_dim, device="NULL"),
+        Tensor.empty(2, span + 1, kv_heads, max_context, head_dim, device="NULL").contiguous(),
+        *batch_rows_at(svars, pvars, "NULL"), UOp.variable("tiles", 1, 5).bind(5), span=span, tile=tile,
+        positions=Tensor.arange(max_context, device="NULL"), n_kv_heads=kv_heads)
+    linear, _ = out.linear_with_vars()
+    pinned = [u.arg.opts_to_apply for u in linear.toposort() if u.op is Ops.SINK and u.arg is not None
+              and u.arg.opts_to_apply]
+    assert pinned == [as_opts(SLOT_ORDERED_OPTS[shape]["scores"]), as_opts(SLOT_ORDERED_OPTS[shape]["sum"])]
 
 
 def test_a_decode_batch_attends_in_slot_order_only_where_its_rows_hold_distinct_slots():
