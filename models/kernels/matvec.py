@@ -109,6 +109,10 @@ def tensor_core_matmul(x: Tensor, w: Tensor) -> Tensor:
 
     rows, width = x.shape
     if rows >= TENSOR_CORE_MANY_ROWS:  # the activations in float16 first: fused, every tile of outputs recomputes them
+        opts = chunk_product_opts(x.device, rows, w.shape[0], width)
+        if opts:
+            return gpu_reduce(lambda xh, w: xh.matmul(w.transpose(), dtype=dtypes.float32), opts,
+                              x.cast(dtypes.float16), w)
         return x.cast(dtypes.float16).contiguous().matmul(w.transpose(), dtype=dtypes.float32)
     xh = x.cast(dtypes.float16)
     parts = split_k(w.shape[0], width)
@@ -117,6 +121,38 @@ def tensor_core_matmul(x: Tensor, w: Tensor) -> Tensor:
     ws = w.reshape(w.shape[0], parts, width // parts).permute(1, 0, 2)  # (parts, out, width / parts)
     xs = xh.reshape(rows, parts, width // parts).permute(1, 2, 0)  # (parts, width / parts, rows)
     return ws.matmul(xs, dtype=dtypes.float32).contiguous().sum(0).transpose()
+
+
+# A prompt chunk's tensor-core products' kernel options on GPUs, found by tinygrad's BEAM search on an H200
+# (scripts/bench_prefill_products.py; docs/BENCHMARKS.md), keyed by the product's (rows, out, in): a stage's chunks
+# are all `prefill_chunk` rows, padding included. Llama-3.1-8B's four products at chunks of 512 rows; a shape not
+# here keeps tinygrad's heuristics.
+TENSOR_CORE_CHUNK_OPTS: dict[tuple[int, int, int], tuple] = {
+    (512, 6144, 4096): (("TC", 0, (-1, 2, 1)), ("UPCAST", 1, 4), ("UPCAST", 0, 4), ("UPCAST", 1, 3)),
+    (512, 4096, 4096): (("TC", 0, (-1, 2, 1)), ("UPCAST", 0, 4), ("UPCAST", 1, 4), ("UNROLL", 0, 4), ("UPCAST", 1, 2),
+                        ("LOCAL", 1, 2), ("SWAP", 0, 1)),
+    (512, 28672, 4096): (("TC", 0, (-1, 0, 1)), ("UPCAST", 1, 7), ("UPCAST", 0, 4), ("LOCAL", 0, 4), ("SWAP", 0, 1)),
+    (512, 4096, 14336): (("TC", 0, (-1, 2, 1)), ("UPCAST", 0, 4), ("UPCAST", 1, 4), ("UNROLL", 0, 7), ("LOCAL", 1, 4),
+                         ("SWAP", 0, 1)),
+}
+
+
+def chunk_product_opts(device: str, rows: int, out_features: int, in_features: int) -> tuple | None:
+    """The (op, axis, arg) options of a chunk's tensor-core product on GPUs (None: tinygrad's heuristics). `SWARMD_CHUNK_OPTS` (a
+    JSON file: {"rows,out,in": [[op, axis, arg], ...]}; `{}` for none) overrides the table, for searches and
+    comparisons."""
+    import json
+    import os
+    from pathlib import Path
+
+    if device.split(":")[0] not in GPU_DEVICES:
+        return None
+    table = TENSOR_CORE_CHUNK_OPTS
+    if path := os.environ.get("SWARMD_CHUNK_OPTS"):
+        table = {tuple(int(n) for n in k.split(",")): tuple((op, axis, tuple(arg) if isinstance(arg, list) else arg)
+                                                             for op, axis, arg in v)
+                 for k, v in json.loads(Path(path).read_text()).items()}
+    return table.get((rows, out_features, in_features)) or None
 
 
 def tensor_core_split() -> int:

@@ -19,7 +19,13 @@ from models.kernels.attention import (
     slot_span,
 )
 from models.kernels.gathered import GATHERED_GPU_OPTS, gathered_opts
-from models.kernels.matvec import as_opts, split_k, tensor_core_matmul, tensor_core_rows
+from models.kernels.matvec import (
+    TENSOR_CORE_CHUNK_OPTS,
+    as_opts,
+    split_k,
+    tensor_core_matmul,
+    tensor_core_rows,
+)
 from models.stage import StageInput, StageModel
 from models.tinygrad_ext.cuda_graph import add_kernel_node_with_nonzero_dims
 from planner.arch import BUILTIN_ARCHS, ArchSpec
@@ -142,6 +148,24 @@ def test_the_slot_ordered_attentions_scores_and_sum_kernels_are_scheduled_with_t
     pinned = [u.arg.opts_to_apply for u in linear.toposort() if u.op is Ops.SINK and u.arg is not None
               and u.arg.opts_to_apply]
     assert pinned == [as_opts(SLOT_ORDERED_OPTS[shape]["scores"]), as_opts(SLOT_ORDERED_OPTS[shape]["sum"])]
+
+
+@pytest.mark.parametrize("shape", sorted(TENSOR_CORE_CHUNK_OPTS), ids=str)
+def test_a_prompt_chunks_tensor_core_product_of_a_table_shape_is_scheduled_with_the_tables_options(shape):
+    from tinygrad import Tensor, dtypes
+    from tinygrad.uop.ops import Ops
+
+    rows, out_features, in_features = shape
+    product = tensor_core_matmul(Tensor.empty(rows, in_features, device="NULL"),
+                                 Tensor.empty(out_features, in_features, dtype=dtypes.float16, device="NULL"))
+    linear, _ = product.linear_with_vars()
+    pinned = [u.arg.opts_to_apply for u in linear.toposort() if u.op is Ops.SINK and u.arg is not None
+              and u.arg.opts_to_apply]
+    assert pinned == [as_opts(TENSOR_CORE_CHUNK_OPTS[shape])]
+    other = tensor_core_matmul(Tensor.empty(256, in_features, device="NULL"),  # a chunk size not searched
+                               Tensor.empty(out_features, in_features, dtype=dtypes.float16, device="NULL"))
+    linear, _ = other.linear_with_vars()
+    assert not [u for u in linear.toposort() if u.op is Ops.SINK and u.arg is not None and u.arg.opts_to_apply]
 
 
 def test_a_decode_batch_attends_in_slot_order_only_where_its_rows_hold_distinct_slots():
