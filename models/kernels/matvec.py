@@ -104,7 +104,8 @@ def tensor_core_matmul(x: Tensor, w: Tensor) -> Tensor:
     Fewer than `TENSOR_CORE_MANY_ROWS` rows (a decode batch) go as w @ x.T, which puts them on the tile's 8-wide
     side, and the reduction is split in `split_k` parts, each its own set of warps (tinygrad does not split a
     tensor-core reduction over a thread group): one warp per tile of 16 outputs would leave most of the GPU idle
-    on a weight-bound product. The parts are summed in float32 by a second kernel."""
+    on a weight-bound product. The parts are summed in float32 by a second kernel. A chunk's product of a shape in
+    `TENSOR_CORE_CHUNK_OPTS` takes the options searched for it."""
     from tinygrad import dtypes
 
     rows, width = x.shape
@@ -138,9 +139,9 @@ TENSOR_CORE_CHUNK_OPTS: dict[tuple[int, int, int], tuple] = {
 
 
 def chunk_product_opts(device: str, rows: int, out_features: int, in_features: int) -> tuple | None:
-    """The (op, axis, arg) options of a chunk's tensor-core product on GPUs (None: tinygrad's heuristics). `SWARMD_CHUNK_OPTS` (a
-    JSON file: {"rows,out,in": [[op, axis, arg], ...]}; `{}` for none) overrides the table, for searches and
-    comparisons."""
+    """The (op, axis, arg) options of a chunk's tensor-core product on GPUs (None: tinygrad's heuristics).
+    `SWARMD_CHUNK_OPTS` (a JSON file: {"rows,out,in": [[op, axis, arg], ...]}; `{}` for none) overrides the table,
+    for searches and comparisons."""
     import json
     import os
     from pathlib import Path
