@@ -129,11 +129,19 @@ def test_the_slot_ordered_attention_with_its_searched_options_is_attention(shape
             assert np.abs(got[b, h, 0] - want).max() < 1e-4 * np.abs(want).max()
 
 
+def pinned_options(out) -> list[tuple]:
+    """The options pinned on the kernels that compute `out`, in schedule order (nothing runs)."""
+    from tinygrad.uop.ops import Ops
+
+    linear, _ = out.linear_with_vars()
+    return [u.arg.opts_to_apply for u in linear.toposort() if u.op is Ops.SINK and u.arg is not None
+            and u.arg.opts_to_apply]
+
+
 @pytest.mark.parametrize("shape", sorted(SLOT_ORDERED_OPTS), ids=str)
 def test_the_slot_ordered_attentions_scores_and_sum_kernels_are_scheduled_with_the_tables_options(shape):
     """On the NULL device (a GPU's code path that runs nothing), both reductions' kernels carry their options."""
     from tinygrad import Tensor, UOp
-    from tinygrad.uop.ops import Ops
 
     span, kv_heads, group, head_dim, tile, _ = shape
     max_context = 5 * tile
@@ -144,28 +152,20 @@ def test_the_slot_ordered_attentions_scores_and_sum_kernels_are_scheduled_with_t
         Tensor.empty(2, span + 1, kv_heads, max_context, head_dim, device="NULL").contiguous(),
         *batch_rows_at(svars, pvars, "NULL"), UOp.variable("tiles", 1, 5).bind(5), span=span, tile=tile,
         positions=Tensor.arange(max_context, device="NULL"), n_kv_heads=kv_heads)
-    linear, _ = out.linear_with_vars()
-    pinned = [u.arg.opts_to_apply for u in linear.toposort() if u.op is Ops.SINK and u.arg is not None
-              and u.arg.opts_to_apply]
-    assert pinned == [as_opts(SLOT_ORDERED_OPTS[shape]["scores"]), as_opts(SLOT_ORDERED_OPTS[shape]["sum"])]
+    assert pinned_options(out) == [as_opts(SLOT_ORDERED_OPTS[shape][kernel]) for kernel in ("scores", "sum")]
 
 
 @pytest.mark.parametrize("shape", sorted(TENSOR_CORE_CHUNK_OPTS), ids=str)
 def test_a_prompt_chunks_tensor_core_product_of_a_table_shape_is_scheduled_with_the_tables_options(shape):
     from tinygrad import Tensor, dtypes
-    from tinygrad.uop.ops import Ops
 
     rows, out_features, in_features = shape
     product = tensor_core_matmul(Tensor.empty(rows, in_features, device="NULL"),
                                  Tensor.empty(out_features, in_features, dtype=dtypes.float16, device="NULL"))
-    linear, _ = product.linear_with_vars()
-    pinned = [u.arg.opts_to_apply for u in linear.toposort() if u.op is Ops.SINK and u.arg is not None
-              and u.arg.opts_to_apply]
-    assert pinned == [as_opts(TENSOR_CORE_CHUNK_OPTS[shape])]
+    assert pinned_options(product) == [as_opts(TENSOR_CORE_CHUNK_OPTS[shape])]
     other = tensor_core_matmul(Tensor.empty(256, in_features, device="NULL"),  # a chunk size not searched
                                Tensor.empty(out_features, in_features, dtype=dtypes.float16, device="NULL"))
-    linear, _ = other.linear_with_vars()
-    assert not [u for u in linear.toposort() if u.op is Ops.SINK and u.arg is not None and u.arg.opts_to_apply]
+    assert pinned_options(other) == []
 
 
 def test_a_decode_batch_attends_in_slot_order_only_where_its_rows_hold_distinct_slots():
