@@ -3,8 +3,9 @@
 
 For each product of a Llama-3.1-8B layer (the fused q/k/v, the attention output, the fused gate/up, the down
 projection; float16 weights, float32 activations rounded to float16 in the kernel's input): its device time for a
-chunk of `--rows` rows, timed kernel by kernel with events, with tinygrad's heuristics and (`--beam N`) after
-tinygrad's BEAM search, whose options it prints (the table to pin). Ends with one JSON line.
+chunk of `--rows` rows, timed kernel by kernel with events, with the options pinned in `TENSOR_CORE_CHUNK_OPTS`
+(where the shape is there), with tinygrad's heuristics and (`--beam N`) after tinygrad's BEAM search, whose options
+it prints (the table to pin). Ends with one JSON line.
 
     python3 scripts/bench_prefill_products.py --rows 512 --beam 4
 """
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -45,18 +48,23 @@ def main() -> None:
 
     from tinygrad.helpers import Context
 
+    none = Path(tempfile.gettempdir(), f"chunk-opts-{os.getpid()}.json")
+    none.write_text("{}")  # SWARMD_CHUNK_OPTS naming it: no product pinned, tinygrad chooses (or searches)
     out = {}
     for name, n_out, n_in in PRODUCTS:
         if name not in args.products.split(","):
             continue
         product = build(args.rows, n_out, n_in)
-        row = {"heuristics": measure(product, args.reps)}
+        os.environ.pop("SWARMD_CHUNK_OPTS", None)
+        row = {"table": measure(product, args.reps)}
+        os.environ["SWARMD_CHUNK_OPTS"] = str(none)
+        row["heuristics"] = measure(product, args.reps)
         if args.beam:
             row["beam_opts"] = beam(product, args.beam)
             with Context(BEAM=args.beam):  # the searched options, from tinygrad's cache
                 row["beam"] = measure(product, args.reps)
         flops = 2 * args.rows * n_out * n_in
-        for kind in ("heuristics", "beam"):
+        for kind in ("table", "heuristics", "beam"):
             if kind in row:
                 us = row[kind]["total_us"]
                 print(f"{name:12s} {kind:10s} {us:9.1f} us  {flops / us / 1e6:7.1f} TFLOP/s", flush=True)

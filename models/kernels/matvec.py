@@ -112,7 +112,7 @@ def tensor_core_matmul(x: Tensor, w: Tensor) -> Tensor:
     if rows >= TENSOR_CORE_MANY_ROWS:  # the activations in float16 first: fused, every tile of outputs recomputes them
         opts = chunk_product_opts(x.device, rows, w.shape[0], width)
         if opts:
-            return gpu_reduce(lambda xh, w: xh.matmul(w.transpose(), dtype=dtypes.float32), opts,
+            return gpu_reduce(lambda xh, wh: xh.matmul(wh.transpose(), dtype=dtypes.float32), opts,
                               x.cast(dtypes.float16), w)
         return x.cast(dtypes.float16).contiguous().matmul(w.transpose(), dtype=dtypes.float32)
     xh = x.cast(dtypes.float16)
@@ -150,9 +150,7 @@ def chunk_product_opts(device: str, rows: int, out_features: int, in_features: i
         return None
     table = TENSOR_CORE_CHUNK_OPTS
     if path := os.environ.get("SWARMD_CHUNK_OPTS"):
-        table = {tuple(int(n) for n in k.split(",")): tuple((op, axis, tuple(arg) if isinstance(arg, list) else arg)
-                                                             for op, axis, arg in v)
-                 for k, v in json.loads(Path(path).read_text()).items()}
+        table = {tuple(int(n) for n in k.split(",")): v for k, v in json.loads(Path(path).read_text()).items()}
     return table.get((rows, out_features, in_features)) or None
 
 
@@ -223,10 +221,11 @@ GPU_MATVEC_OPTS: dict[int, tuple[tuple[str, int, int], ...]] = {
 
 
 def as_opts(entries: Sequence[tuple[str, int, int]]) -> tuple:
-    """A table's (op, axis, arg) entries as tinygrad's kernel options."""
+    """A table's (op, axis, arg) entries as tinygrad's kernel options (a list arg, as JSON gives a tensor core's,
+    becomes a tuple)."""
     from tinygrad.codegen.opt import Opt, OptOps
 
-    return tuple(Opt(OptOps[op], axis, arg) for op, axis, arg in entries)
+    return tuple(Opt(OptOps[op], axis, tuple(arg) if isinstance(arg, list) else arg) for op, axis, arg in entries)
 
 
 def gpu_matvec_opts(device: str, rows: int, out_features: int, in_features: int) -> tuple | None:
