@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 MODEL = "smollm2-135m"
 CONTEXT = 2048
-MEMORY_LIMIT = "1000MiB"  # a quarter of the model, the runtime and a score of requests' KV caches at CONTEXT
+MEMORY_LIMIT = "800MiB"  # a quarter of the model, the runtime and about a dozen requests' KV caches at CONTEXT
 N_TOKENS = 6
 SMALL_QUEUE = 3  # the daemon started with --max-queued 8
 SUBJECTS = ("Paris", "the sea", "a violin", "Python", "the moon", "bread", "a river", "winter")
