@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""A prompt chunk's weight products on a GPU (`tensor_core_matmul`, models/kernels/matvec.py), and a search of them.
+"""A prompt chunk's or a decode batch's weight products on a GPU (`tensor_core_matmul`, models/kernels/matvec.py), and a
+search of them.
 
 For each product of a Llama-3.1-8B layer (the fused q/k/v, the attention output, the fused gate/up, the down
-projection; float16 weights, float32 activations rounded to float16 in the kernel's input): its device time for a
-chunk of `--rows` rows, timed kernel by kernel with events, with the options pinned in `TENSOR_CORE_CHUNK_OPTS`
-(where the shape is there), with tinygrad's heuristics and (`--beam N`) after tinygrad's BEAM search, whose options
-it prints (the table to pin). Ends with one JSON line.
+projection; float16 weights, float32 activations rounded to float16 in the kernel's input): its device time for
+`--rows` rows (fewer than 64: a decode batch's split product and its sum), timed kernel by kernel with events,
+with the options pinned in `TENSOR_CORE_OPTS` (where the shape is there), with tinygrad's heuristics and
+(`--beam N`) after tinygrad's BEAM search, whose options it prints (the table to pin). Ends with one JSON line.
 
     python3 scripts/bench_prefill_products.py --rows 512 --beam 4
+    python3 scripts/bench_prefill_products.py --rows 8 --beam 4
 """
 
 from __future__ import annotations
@@ -49,15 +51,15 @@ def main() -> None:
     from tinygrad.helpers import Context
 
     none = Path(tempfile.gettempdir(), f"chunk-opts-{os.getpid()}.json")
-    none.write_text("{}")  # SWARMD_CHUNK_OPTS naming it: no product pinned, tinygrad chooses (or searches)
+    none.write_text("{}")  # SWARMD_TENSOR_CORE_OPTS naming it: no product pinned, tinygrad chooses (or searches)
     out = {}
     for name, n_out, n_in in PRODUCTS:
         if name not in args.products.split(","):
             continue
         product = build(args.rows, n_out, n_in)
-        os.environ.pop("SWARMD_CHUNK_OPTS", None)
+        os.environ.pop("SWARMD_TENSOR_CORE_OPTS", None)
         row = {"table": measure(product, args.reps)}
-        os.environ["SWARMD_CHUNK_OPTS"] = str(none)
+        os.environ["SWARMD_TENSOR_CORE_OPTS"] = str(none)
         row["heuristics"] = measure(product, args.reps)
         if args.beam:
             row["beam_opts"] = beam(product, args.beam)

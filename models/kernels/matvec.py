@@ -104,13 +104,13 @@ def tensor_core_matmul(x: Tensor, w: Tensor) -> Tensor:
     Fewer than `TENSOR_CORE_MANY_ROWS` rows (a decode batch) go as w @ x.T, which puts them on the tile's 8-wide
     side, and the reduction is split in `split_k` parts, each its own set of warps (tinygrad does not split a
     tensor-core reduction over a thread group): one warp per tile of 16 outputs would leave most of the GPU idle
-    on a weight-bound product. The parts are summed in float32 by a second kernel. A chunk's product of a shape in
-    `TENSOR_CORE_CHUNK_OPTS` takes the options searched for it."""
+    on a weight-bound product. The parts are summed in float32 by a second kernel. A product of a shape in
+    `TENSOR_CORE_OPTS` takes the options searched for it."""
     from tinygrad import dtypes
 
     rows, width = x.shape
     if rows >= TENSOR_CORE_MANY_ROWS:  # the activations in float16 first: fused, every tile of outputs recomputes them
-        opts = chunk_product_opts(x.device, rows, w.shape[0], width)
+        opts = tensor_core_opts(x.device, rows, w.shape[0], width)
         if opts:
             return gpu_reduce(lambda xh, wh: xh.matmul(wh.transpose(), dtype=dtypes.float32), opts,
                               x.cast(dtypes.float16), w)
@@ -119,28 +119,39 @@ def tensor_core_matmul(x: Tensor, w: Tensor) -> Tensor:
     parts = split_k(w.shape[0], width)
     if parts == 1:
         return w.matmul(xh.transpose(), dtype=dtypes.float32).transpose()
-    ws = w.reshape(w.shape[0], parts, width // parts).permute(1, 0, 2)  # (parts, out, width / parts)
-    xs = xh.reshape(rows, parts, width // parts).permute(1, 2, 0)  # (parts, width / parts, rows)
-    return ws.matmul(xs, dtype=dtypes.float32).contiguous().sum(0).transpose()
+
+    def split_product(w: Tensor, x: Tensor) -> Tensor:  # (parts, out, rows)
+        ws = w.reshape(w.shape[0], parts, width // parts).permute(1, 0, 2)  # (parts, out, width / parts)
+        xs = x.cast(dtypes.float16).reshape(rows, parts, width // parts).permute(1, 2, 0)  # (parts, width / parts, rows)
+        return ws.matmul(xs, dtype=dtypes.float32)
+
+    opts = tensor_core_opts(x.device, rows, w.shape[0], width)
+    partial = gpu_reduce(split_product, opts, w, x) if opts else split_product(w, x).contiguous()
+    return partial.sum(0).transpose()
 
 
-# A prompt chunk's tensor-core products' kernel options on GPUs, found by tinygrad's BEAM search on an H200
-# (scripts/bench_prefill_products.py; docs/BENCHMARKS.md), keyed by the product's (rows, out, in): a stage's chunks
-# are all `prefill_chunk` rows, padding included. Llama-3.1-8B's four products at chunks of 512 rows; a shape not
-# here keeps tinygrad's heuristics.
-TENSOR_CORE_CHUNK_OPTS: dict[tuple[int, int, int], tuple] = {
+# Tensor-core products' kernel options on GPUs, found by tinygrad's BEAM search on an H200
+# (scripts/bench_prefill_products.py; docs/BENCHMARKS.md), keyed by the product's (rows, out, in): of a prompt chunk
+# (a stage's chunks are all `prefill_chunk` rows, padding included) the product's one kernel, of a decode batch the
+# split reduction's product kernel (its sum keeps tinygrad's choice: it fuses with what reads it). Llama-3.1-8B's
+# products at chunks of 512 rows and batches of 8 (but the down projection, where the search found no better); a
+# shape not here keeps tinygrad's heuristics.
+TENSOR_CORE_OPTS: dict[tuple[int, int, int], tuple] = {
     (512, 6144, 4096): (("TC", 0, (-1, 2, 1)), ("UPCAST", 1, 4), ("UPCAST", 0, 4), ("UPCAST", 1, 3)),
     (512, 4096, 4096): (("TC", 0, (-1, 2, 1)), ("UPCAST", 0, 4), ("UPCAST", 1, 4), ("UNROLL", 0, 4), ("UPCAST", 1, 2),
                         ("LOCAL", 1, 2), ("SWAP", 0, 1)),
     (512, 28672, 4096): (("TC", 0, (-1, 0, 1)), ("UPCAST", 1, 7), ("UPCAST", 0, 4), ("LOCAL", 0, 4), ("SWAP", 0, 1)),
     (512, 4096, 14336): (("TC", 0, (-1, 2, 1)), ("UPCAST", 0, 4), ("UPCAST", 1, 4), ("UNROLL", 0, 7), ("LOCAL", 1, 4),
                          ("SWAP", 0, 1)),
+    (8, 6144, 4096): (("TC", 0, (-1, 0, 1)), ("UPCAST", 1, 3), ("UNROLL", 0, 4)),
+    (8, 4096, 4096): (("TC", 0, (-1, 0, 1)), ("UNROLL", 0, 4), ("UPCAST", 1, 4)),
+    (8, 28672, 4096): (("TC", 0, (-1, 0, 1)), ("UPCAST", 1, 2), ("SWAP", 0, 1), ("UNROLL", 0, 4)),
 }
 
 
-def chunk_product_opts(device: str, rows: int, out_features: int, in_features: int) -> tuple | None:
-    """The (op, axis, arg) options of a chunk's tensor-core product on GPUs (None: tinygrad's heuristics).
-    `SWARMD_CHUNK_OPTS` (a JSON file: {"rows,out,in": [[op, axis, arg], ...]}; `{}` for none) overrides the table,
+def tensor_core_opts(device: str, rows: int, out_features: int, in_features: int) -> tuple | None:
+    """The (op, axis, arg) options of a tensor-core product's kernel on GPUs (None: tinygrad's heuristics).
+    `SWARMD_TENSOR_CORE_OPTS` (a JSON file: {"rows,out,in": [[op, axis, arg], ...]}; `{}` for none) overrides the table,
     for searches and comparisons."""
     import json
     import os
@@ -148,8 +159,8 @@ def chunk_product_opts(device: str, rows: int, out_features: int, in_features: i
 
     if device.split(":")[0] not in GPU_DEVICES:
         return None
-    table = TENSOR_CORE_CHUNK_OPTS
-    if path := os.environ.get("SWARMD_CHUNK_OPTS"):
+    table = TENSOR_CORE_OPTS
+    if path := os.environ.get("SWARMD_TENSOR_CORE_OPTS"):
         table = {tuple(int(n) for n in k.split(",")): v for k, v in json.loads(Path(path).read_text()).items()}
     return table.get((rows, out_features, in_features)) or None
 

@@ -20,7 +20,7 @@ from models.kernels.attention import (
 )
 from models.kernels.gathered import GATHERED_GPU_OPTS, gathered_opts
 from models.kernels.matvec import (
-    TENSOR_CORE_CHUNK_OPTS,
+    TENSOR_CORE_OPTS,
     as_opts,
     split_k,
     tensor_core_matmul,
@@ -155,15 +155,16 @@ def test_the_slot_ordered_attentions_scores_and_sum_kernels_are_scheduled_with_t
     assert pinned_options(out) == [as_opts(SLOT_ORDERED_OPTS[shape][kernel]) for kernel in ("scores", "sum")]
 
 
-@pytest.mark.parametrize("shape", sorted(TENSOR_CORE_CHUNK_OPTS), ids=str)
-def test_a_prompt_chunks_tensor_core_product_of_a_table_shape_is_scheduled_with_the_tables_options(shape):
+@pytest.mark.parametrize("shape", sorted(TENSOR_CORE_OPTS), ids=str)
+def test_a_tensor_core_product_of_a_table_shape_is_scheduled_with_the_tables_options(shape):
+    """A prompt chunk's one kernel, or a decode batch's split product (its sum has no options of its own)."""
     from tinygrad import Tensor, dtypes
 
     rows, out_features, in_features = shape
     product = tensor_core_matmul(Tensor.empty(rows, in_features, device="NULL"),
                                  Tensor.empty(out_features, in_features, dtype=dtypes.float16, device="NULL"))
-    assert pinned_options(product) == [as_opts(TENSOR_CORE_CHUNK_OPTS[shape])]
-    other = tensor_core_matmul(Tensor.empty(256, in_features, device="NULL"),  # a chunk size not searched
+    assert pinned_options(product) == [as_opts(TENSOR_CORE_OPTS[shape])]
+    other = tensor_core_matmul(Tensor.empty(rows * 2, in_features, device="NULL"),  # a row count not searched
                                Tensor.empty(out_features, in_features, dtype=dtypes.float16, device="NULL"))
     assert pinned_options(other) == []
 
