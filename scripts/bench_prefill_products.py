@@ -50,7 +50,7 @@ def main() -> None:
 
     from tinygrad.helpers import Context
 
-    none = Path(tempfile.gettempdir(), f"chunk-opts-{os.getpid()}.json")
+    none = Path(tempfile.gettempdir(), f"tensor-core-opts-{os.getpid()}.json")
     none.write_text("{}")  # SWARMD_TENSOR_CORE_OPTS naming it: no product pinned, tinygrad chooses (or searches)
     out = {}
     for name, n_out, n_in in PRODUCTS:

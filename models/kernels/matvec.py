@@ -109,23 +109,21 @@ def tensor_core_matmul(x: Tensor, w: Tensor) -> Tensor:
     from tinygrad import dtypes
 
     rows, width = x.shape
+    opts = tensor_core_opts(x.device, rows, w.shape[0], width)
     if rows >= TENSOR_CORE_MANY_ROWS:  # the activations in float16 first: fused, every tile of outputs recomputes them
-        opts = tensor_core_opts(x.device, rows, w.shape[0], width)
         if opts:
             return gpu_reduce(lambda xh, wh: xh.matmul(wh.transpose(), dtype=dtypes.float32), opts,
                               x.cast(dtypes.float16), w)
         return x.cast(dtypes.float16).contiguous().matmul(w.transpose(), dtype=dtypes.float32)
-    xh = x.cast(dtypes.float16)
     parts = split_k(w.shape[0], width)
     if parts == 1:
-        return w.matmul(xh.transpose(), dtype=dtypes.float32).transpose()
+        return w.matmul(x.cast(dtypes.float16).transpose(), dtype=dtypes.float32).transpose()
 
     def split_product(w: Tensor, x: Tensor) -> Tensor:  # (parts, out, rows)
         ws = w.reshape(w.shape[0], parts, width // parts).permute(1, 0, 2)  # (parts, out, width / parts)
         xs = x.cast(dtypes.float16).reshape(rows, parts, width // parts).permute(1, 2, 0)  # (parts, width / parts, rows)
         return ws.matmul(xs, dtype=dtypes.float32)
 
-    opts = tensor_core_opts(x.device, rows, w.shape[0], width)
     partial = gpu_reduce(split_product, opts, w, x) if opts else split_product(w, x).contiguous()
     return partial.sum(0).transpose()
 
