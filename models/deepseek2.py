@@ -277,13 +277,15 @@ def rope_table(config: DeepSeek2Config, rows: int) -> np.ndarray:
 # ----- the attention of a stage's block -----
 
 def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,
-              angles: Tensor, project) -> Tensor:
+              angles: Tensor, project, *, at: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Block i's multi-head latent attention for `len(slots)` requests of T tokens each: h (B, T, dim), the
     attention-normed input, -> (B, T, dim). `project(w, x, name)` is the stage's matvec over GGUF-named
-    weights (8-bit activations before block-quantised products under ggml numerics)."""
+    weights (8-bit activations before block-quantised products under ggml numerics). `at`: a decode batch's
+    slots and positions as tensors, for writing its latents in one kernel."""
     from tinygrad import Tensor
 
     from models.kernels import ggml_numerics
+    from models.kernels.cache_rows import store_rows
 
     blk, c, cache = stage.blk[i], stage.config, stage.kv.layers[i]
     batch, L, r, nope = h.shape[0], c.kv_lora_rank, c.rope_dim, c.qk_nope_dim
@@ -302,9 +304,12 @@ def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Seque
     k_rope = _rotate(kv[..., L:].reshape(batch, 1, T, r), cos, sin)
     latent = stage._norm(blk.attn_kv_a_norm, kv[..., :L]).reshape(batch, 1, T, L).cat(k_rope, dim=-1)
     # write each request's new latents into its own slot, then read its cache back through the stores
-    stores = [cache[s:s + 1, p:p + T, :].uop.store(latent[b:b + 1].reshape(1, T, L + r).cast(cache.dtype).uop)
-              for b, (s, p) in enumerate(zip(slots, starts, strict=True))]
-    cached = Tensor(cache.uop.after(*stores))
+    if at is not None:  # a decode batch: every row's in one kernel
+        cached = store_rows(cache, latent.reshape(batch, L + r), *at, slot_axis=0, row_axis=1)
+    else:
+        stores = [cache[s:s + 1, p:p + T, :].uop.store(latent[b:b + 1].reshape(1, T, L + r).cast(cache.dtype).uop)
+                  for b, (s, p) in enumerate(zip(slots, starts, strict=True))]
+        cached = Tensor(cache.uop.after(*stores))
     query = q_latent.cat(q_rope, dim=-1)  # (B, H, T, L + r)
     scale, decode = kq_scale(c), isinstance(T, int) and T == 1
     outs = []

@@ -51,6 +51,7 @@ from models.kernels.attention import (
     slot_span,
     tiled_decode_attention,
 )
+from models.kernels.cache_rows import store_rows
 from models.kernels.gathered import block_matvec
 from models.kernels.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_renderer
 from models.kernels.quant import BlockQuantized
@@ -756,7 +757,10 @@ class StageModel:
         for p in starts[1:]:
             angles = angles.cat(self._rope[p:p + 1])
         angles = angles.reshape(batch, 1, 1, -1).realize()
-        x = self._through_blocks(first, end, x, cut, lambda i, h, cut: self._block(i, h, slots, starts, 1, angles, tiles, cut=cut, span=span))
+        at = None
+        if batch > 1:  # made once a step, for every block
+            at = tuple(t.realize() for t in batch_rows_at(slots, starts, self.device))
+        x = self._through_blocks(first, end, x, cut, lambda i, h, cut: self._block(i, h, slots, starts, 1, angles, tiles, cut=cut, span=span, at=at))
         if cut:
             return tuple(t.reshape(batch, -1).realize() for t in x)
         if self.is_last:
@@ -800,10 +804,12 @@ class StageModel:
         return matvec(h, w)
 
     def _block(self, i: int, x: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,
-               angles: Tensor, tiles: Sequence[UOp] = (), *, cut: bool = False, span: int = 0) -> Any:
+               angles: Tensor, tiles: Sequence[UOp] = (), *, cut: bool = False, span: int = 0,
+               at: tuple[Tensor, Tensor] | None = None) -> Any:
         """One block for `len(slots)` requests of T tokens each: x (B, T, dim) -> (B, T, dim). With
         `cut` (a MoE block whose experts live elsewhere) it returns (residual with the shared experts
-        added, FFN-normed input, gates, selected experts) instead."""
+        added, FFN-normed input, gates, selected experts) instead. `at`: a decode batch's slots and positions as
+        tensors (`batch_rows_at`): its rows' new cache rows are written in one kernel."""
         blk, c = self.blk[i], self.config
         batch = x.shape[0]
 
@@ -812,9 +818,9 @@ class StageModel:
 
         normed = self._norm(blk.attn_norm, x)
         if self.mla:
-            h = x + deepseek2.attention(self, i, normed, slots, starts, T, angles, project)
+            h = x + deepseek2.attention(self, i, normed, slots, starts, T, angles, project, at=at)
         else:
-            h = x + self._attention(i, normed, slots, starts, T, angles, tiles, project, span=span)
+            h = x + self._attention(i, normed, slots, starts, T, angles, tiles, project, span=span, at=at)
         normed = self._norm(blk.ffn_norm, h)
         if i not in self.moe_blocks:
             ffn = blk.config.hidden_dim  # a leading dense block of a MoE model has its own width
@@ -838,7 +844,8 @@ class StageModel:
         return h + routed_experts(blk, normed, gates, sel)
 
     def _attention(self, i: int, x: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,
-                   angles: Tensor, tiles: Sequence[UOp], project, *, span: int = 0) -> Tensor:
+                   angles: Tensor, tiles: Sequence[UOp], project, *, span: int = 0,
+                   at: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """Block i's grouped-query attention of x (B, T, dim), attention-normed, through the requests' KV slots."""
         from tinygrad import Tensor
 
@@ -852,13 +859,16 @@ class StageModel:
         cos, sin = angles.chunk(2, dim=-1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         # write each request's new rows into its own slot, then read its cache back through the stores
-        stores = [kv[:, s:s + 1, :, p:p + T, :].uop.store(k[b:b + 1].stack(v[b:b + 1]).cast(kv.dtype).uop)
-                  for b, (s, p) in enumerate(zip(slots, starts, strict=True))]
-        cache = Tensor(kv.uop.after(*stores))
+        if at is not None:  # a decode batch: every row's in one kernel
+            new = k.stack(v, dim=1).reshape(batch, 2, c.n_kv_heads, c.head_dim)
+            cache = store_rows(kv, new, *at, slot_axis=1, row_axis=3)
+        else:
+            stores = [kv[:, s:s + 1, :, p:p + T, :].uop.store(k[b:b + 1].stack(v[b:b + 1]).cast(kv.dtype).uop)
+                      for b, (s, p) in enumerate(zip(slots, starts, strict=True))]
+            cache = Tensor(kv.uop.after(*stores))
         tiling = {"tile": self.attention_tile, "positions": self._positions, "n_kv_heads": c.n_kv_heads}
         if span:  # a decode batch on a GPU in distinct slots: one set of kernels in slot order
-            outs = [slot_ordered_decode_attention(q, cache, *batch_rows_at(slots, starts, self.device), tiles[0],
-                                                  span=span, **tiling)]
+            outs = [slot_ordered_decode_attention(q, cache, *at, tiles[0], span=span, **tiling)]
         elif tiles:  # a decode step on a GPU: each row over whole tiles of its cache
             outs = [tiled_decode_attention(q[b:b + 1], cache, s, p, t, **tiling)
                     for b, (s, p, t) in enumerate(zip(slots, starts, tiles, strict=True))]
