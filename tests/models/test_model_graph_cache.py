@@ -86,7 +86,7 @@ def test_a_loaded_graph_computes_on_the_loading_stages_own_weights_and_copies_no
     made = used - own  # what loading the graphs allocated: their planned intermediates and outputs
     made_when_captured = graph_buffers(first) - theirs
     assert sorted(u.arg * u.dtype.itemsize for u in made) == sorted(u.arg * u.dtype.itemsize for u in made_when_captured)
-    assert sum(u.arg * u.dtype.itemsize for u in made) < second.weight_bytes() / 4
+    assert sum(u.arg * u.dtype.itemsize for u in made) < second.weight_bytes() / 3  # far less than a copy of them
 
 
 def test_the_held_buffers_are_named_by_where_the_stage_holds_them(graphs_dir):
