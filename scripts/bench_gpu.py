@@ -17,7 +17,9 @@ Engines are separated by ';'. An engine name may carry environment settings for 
 colon (`swarmd:JIT=2,BEAM=2`);
 `BENCH_BATCHES=1/8` limits its batch sizes, `BENCH_AB=NAME=VALUE` decodes each batch size with that setting
 too, from the same state, before the engine's own (a side-by-side in one process), `BENCH_PROFILE=N` writes one batch-N decode step's
-and one prefill's per-kernel device times (tinygrad DEBUG=2) under --out. `--matvec ARCH` first searches the GPU
+and one prefill's per-kernel device times (tinygrad DEBUG=2) under --out, `BENCH_HOST_PROFILE=N` a cProfile listing of
+16 batch-N decode steps on their captured graphs (the host's share of a step; waiting for the device shows in the
+driver's calls) under --out. `--matvec ARCH` first searches the GPU
 matvec kernel's options on ARCH's shapes and hands the best per batch size to the swarmd engines
 (models/kernels/matvec.py `SWARMD_MATVEC_OPTS`; `swarmd:SWARMD_MATVEC_OPTS=` keeps tinygrad's heuristics).
 """
@@ -43,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 SEED = 1234
 WARM_STEPS = 3
+HOST_PROFILE_STEPS = 16
 
 
 def arch_spec(name: str):
@@ -245,6 +248,8 @@ def work_swarmd(args) -> dict:
     if os.environ.get("BENCH_BATCHES"):
         batches = [int(b) for b in os.environ["BENCH_BATCHES"].split("/")]
     max_context = prompt + len(batches) * (WARM_STEPS + steps) + 16
+    if os.environ.get("BENCH_HOST_PROFILE"):
+        max_context += WARM_STEPS + HOST_PROFILE_STEPS
     t0 = time.perf_counter()
     model = StageModel.random(config_from_arch(arch, max_context), SEED, max_context=max_context,
                               max_requests=max(batches), prefill_chunk=args.prefill_chunk)
@@ -297,6 +302,9 @@ def work_swarmd(args) -> dict:
             out[f"b{batch}_tokens_equal"] = out[f"a_b{batch}_tokens"] == out[f"b{batch}_tokens"]
         if args.out:  # what is measured so far survives a worker cut by its timeout
             Path(args.out, f"swarmd-{args.arch}-{args.tag}.json").write_text(json.dumps(out, default=str))
+    if os.environ.get("BENCH_HOST_PROFILE") and args.out:
+        group = rids[:int(os.environ["BENCH_HOST_PROFILE"])]
+        out["host_profile"] = host_profile(model, group, pos, tokens, Path(args.out, f"host-{args.arch}-{args.tag}.txt"))
     if os.environ.get("BENCH_PROFILE") and args.out:
         group = rids[:int(os.environ["BENCH_PROFILE"])]
         out["profile"] = profile_decode(model, group, pos, tokens, Path(args.out, f"profile-{args.arch}-{args.tag}.txt"))
@@ -342,6 +350,36 @@ def decode_batch(model, out: dict, prefix: str, batch: int, group: list[str], to
     out[f"{prefix}b{batch}_step_s"] = statistics.median(step_times)
     out[f"{prefix}b{batch}_tok_s"] = batch / out[f"{prefix}b{batch}_step_s"]
     out[f"{prefix}b{batch}_tokens"] = [tokens[r] for r in group]  # greedy picks so far
+
+
+def host_profile(model, group: list[str], pos: dict, tokens: dict, path: Path, steps: int = HOST_PROFILE_STEPS) -> dict:
+    """`steps` decode steps of the requests in `group` (graphs captured first) under cProfile, each fed its greedy
+    pick; the listing by own time goes to `path`."""
+    import cProfile
+    import pstats
+
+    import numpy as np
+
+    from models.stage import StageInput
+
+    def step() -> None:
+        res = model.forward([StageInput(r, pos[r], np.array([tokens[r]])) for r in group])
+        for r, logits in zip(group, res, strict=True):
+            tokens[r], pos[r] = int(logits.argmax()), pos[r] + 1
+
+    for _ in range(WARM_STEPS):
+        step()
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    step_s = (time.perf_counter() - t) / steps
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+    path.write_text(f"batch {len(group)}: {step_s * 1e3:.2f} ms a step under the profiler\n{buf.getvalue()}")
+    return {"batch": len(group), "steps": steps, "step_s": step_s}
 
 
 def profile_decode(model, group: list[str], pos: dict, tokens: dict, path: Path) -> dict:
