@@ -48,8 +48,9 @@ def test_behind_dropping_nats_one_swarm_one_leader_and_swarmd_runs_answer(droppi
     views = [d.status() for d in dropping.daemons]
     assert {v["leader"] for v in views} == {dropping.peers[0]}
     assert all(len(v["plan"]["stages"]) == 3 for v in views)
-    for home in dropping.daemons[1:]:
-        assert home.status()["connectivity"]["reachability"]["status"] == "behind-nat"
+    for home in dropping.daemons[1:]:  # a dial-back that the NAT drops ends at its timeout: later on a busy machine
+        wait_until(lambda home=home: home.status()["connectivity"]["reachability"]["status"] == "behind-nat", 60,
+                   f"{home.host} to find itself behind NAT")
     code, result, err = dropping.submit(1, PROMPT, N_TOKENS)  # headed by a daemon behind NAT
     assert code == 0, err + dropping.logs()
     assert result["text"] == reference and len(result["token_ids"]) == N_TOKENS
