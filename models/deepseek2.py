@@ -285,7 +285,7 @@ def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Seque
     from tinygrad import Tensor
 
     from models.kernels import ggml_numerics
-    from models.kernels.cache_rows import store_rows
+    from models.kernels.cache_rows import write_rows
 
     blk, c, cache = stage.blk[i], stage.config, stage.kv.layers[i]
     batch, L, r, nope = h.shape[0], c.kv_lora_rank, c.rope_dim, c.qk_nope_dim
@@ -303,13 +303,8 @@ def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Seque
     q_latent = q_nope @ blk.attn_k_b["weight"].float().transpose(-1, -2)  # (B, H, T, kv_lora): absorbed
     k_rope = _rotate(kv[..., L:].reshape(batch, 1, T, r), cos, sin)
     latent = stage._norm(blk.attn_kv_a_norm, kv[..., :L]).reshape(batch, 1, T, L).cat(k_rope, dim=-1)
-    # write each request's new latents into its own slot, then read its cache back through the stores
-    if at is not None:  # a decode batch: every row's in one kernel
-        cached = store_rows(cache, latent.reshape(batch, L + r), *at, slot_axis=0, row_axis=1)
-    else:
-        stores = [cache[s:s + 1, p:p + T, :].uop.store(latent[b:b + 1].reshape(1, T, L + r).cast(cache.dtype).uop)
-                  for b, (s, p) in enumerate(zip(slots, starts, strict=True))]
-        cached = Tensor(cache.uop.after(*stores))
+    # write each request's new latents into its own slot, then read its cache back through the writes
+    cached = write_rows(cache, latent.reshape(batch, T, L + r), slots, starts, slot_axis=0, row_axis=1, at=at)
     query = q_latent.cat(q_rope, dim=-1)  # (B, H, T, L + r)
     scale, decode = kq_scale(c), isinstance(T, int) and T == 1
     outs = []

@@ -51,7 +51,7 @@ from models.kernels.attention import (
     slot_span,
     tiled_decode_attention,
 )
-from models.kernels.cache_rows import store_rows
+from models.kernels.cache_rows import write_rows
 from models.kernels.gathered import block_matvec
 from models.kernels.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_renderer
 from models.kernels.quant import BlockQuantized
@@ -860,14 +860,8 @@ class StageModel:
         v = v.reshape(batch, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
         cos, sin = angles.chunk(2, dim=-1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        # write each request's new rows into its own slot, then read its cache back through the stores
-        if at is not None:  # a decode batch: every row's in one kernel
-            new = k.stack(v, dim=1).reshape(batch, 2, c.n_kv_heads, c.head_dim)
-            cache = store_rows(kv, new, *at, slot_axis=1, row_axis=3)
-        else:
-            stores = [kv[:, s:s + 1, :, p:p + T, :].uop.store(k[b:b + 1].stack(v[b:b + 1]).cast(kv.dtype).uop)
-                      for b, (s, p) in enumerate(zip(slots, starts, strict=True))]
-            cache = Tensor(kv.uop.after(*stores))
+        # write each request's new rows into its own slot, then read its cache back through the writes
+        cache = write_rows(kv, k.stack(v, dim=1), slots, starts, slot_axis=1, row_axis=3, at=at)
         tiling = {"tile": self.attention_tile, "positions": self._positions, "n_kv_heads": c.n_kv_heads}
         if span:  # a decode batch on a GPU in distinct slots: one set of kernels in slot order
             outs = [slot_ordered_decode_attention(q, cache, *at, tiles[0], span=span, **tiling)]
