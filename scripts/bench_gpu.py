@@ -313,19 +313,26 @@ def work_swarmd(args) -> dict:
     return out
 
 
+def greedy_step(model, group: list[str], pos: dict, tokens: dict) -> None:
+    """One decode step of the requests in `group` together, each fed its last pick; their greedy picks and
+    positions advance in `tokens` and `pos`."""
+    import numpy as np
+
+    from models.stage import StageInput
+
+    res = model.forward([StageInput(r, pos[r], np.array([tokens[r]])) for r in group])
+    for r, logits in zip(group, res, strict=True):
+        tokens[r], pos[r] = int(logits.argmax()), pos[r] + 1
+
+
 def decode_batch(model, out: dict, prefix: str, batch: int, group: list[str], tokens: dict, pos: dict,
                  steps: int) -> None:
     """Warm-up steps (graph capture), then `steps` timed decode steps of the requests in `group` together,
     feeding each its greedy pick; the figures go to out under `prefix`."""
-    import numpy as np
     from tinygrad.helpers import JIT
 
-    from models.stage import StageInput
-
     def step() -> None:
-        res = model.forward([StageInput(r, pos[r], np.array([tokens[r]])) for r in group])
-        for r, logits in zip(group, res, strict=True):
-            tokens[r], pos[r] = int(logits.argmax()), pos[r] + 1
+        greedy_step(model, group, pos, tokens)
 
     t = time.perf_counter()
     try:
@@ -358,22 +365,13 @@ def host_profile(model, group: list[str], pos: dict, tokens: dict, path: Path, s
     import cProfile
     import pstats
 
-    import numpy as np
-
-    from models.stage import StageInput
-
-    def step() -> None:
-        res = model.forward([StageInput(r, pos[r], np.array([tokens[r]])) for r in group])
-        for r, logits in zip(group, res, strict=True):
-            tokens[r], pos[r] = int(logits.argmax()), pos[r] + 1
-
     for _ in range(WARM_STEPS):
-        step()
+        greedy_step(model, group, pos, tokens)
     prof = cProfile.Profile()
     t = time.perf_counter()
     prof.enable()
     for _ in range(steps):
-        step()
+        greedy_step(model, group, pos, tokens)
     prof.disable()
     step_s = (time.perf_counter() - t) / steps
     buf = io.StringIO()

@@ -1,7 +1,6 @@
 """A decode batch writes its rows' new cache rows (keys and values, or latents) in one kernel per block."""
 
 import collections
-import re
 
 import numpy as np
 from tinygrad import Tensor, dtypes
@@ -42,6 +41,7 @@ def test_a_latent_cache_takes_its_rows_in_its_own_dtype():
 def decode_graph_kernels(rows: int) -> collections.Counter:
     """The kernels, by name, of the captured decode graph of `rows` requests in distinct slots (whole cache tiles,
     one set of attention kernels in slot order, as on a GPU)."""
+    from tinygrad.helpers import ansistrip
     from tinygrad.uop.ops import Ops
 
     model = StageModel.random(config_from_arch(TINY, 32), seed=5, max_context=32, max_requests=rows,
@@ -56,7 +56,7 @@ def decode_graph_kernels(rows: int) -> collections.Counter:
 
     def name(call) -> str:
         sink = next(u for u in call.src[0].toposort() if u.op is Ops.SINK and u.arg is not None)
-        return re.sub(r"\x1b\[[0-9;]*m", "", sink.arg.name)
+        return ansistrip(sink.arg.name)
 
     return collections.Counter(name(u) for u in jit.captured.linear.toposort()
                                if u.op is Ops.CALL and u.src[0].op is not Ops.CUSTOM_FUNCTION)
