@@ -106,6 +106,9 @@ class StageInput:
     # speculative verification: each row runs as a one-position decode step (the same kernels and reduction
     # order), all in the decode batch; the last stage returns (T, vocab) logits
     verify: bool = False
+    # last stage, one position: its greedy token (an int32 array of shape ()) in place of the logits; a decode
+    # batch picks it on the device, so the host neither reads nor scans the logits
+    greedy: bool = False
 
 
 def rope_table(config, rows: int, freq_factors: np.ndarray | None = None) -> np.ndarray:
@@ -526,6 +529,8 @@ class StageModel:
         for i, it in enumerate(items):
             if len(it.data) > 1 and not it.verify:
                 out[i] = yield from self._prefill(it)
+                if it.greedy:
+                    out[i] = np.asarray(np.argmax(out[i]), np.int32)
         if decodes:
             results = yield from self._decode([items[i] for i in decodes])
             for i, res in zip(decodes, results, strict=True):
@@ -552,6 +557,8 @@ class StageModel:
             raise ModelError(f"request {it.request_id!r}: token ids must be integers in [0, {self.vocab_size})")
         if it.all_logits and not self.is_last:
             raise ModelError("all_logits is only meaningful on the last stage")
+        if it.greedy and (not self.is_last or it.all_logits or it.verify):
+            raise ModelError("greedy is only meaningful on the last stage, for one position's logits")
 
     def _input(self, rows: np.ndarray) -> Tensor:
         """`rows` on the device as the graphs take them: token ids as int32, hidden rows as float32."""
@@ -633,7 +640,8 @@ class StageModel:
 
     def _run_segments(self, rows: np.ndarray, n_real: int, jit_of, args) -> Generator[ExpertCall, np.ndarray, Any]:
         """Run the segments in turn on `rows`; after a cut, ask for the layer's experts on the first
-        `n_real` rows and add their answer to the residual stream."""
+        `n_real` rows and add their answer to the residual stream. Returns the last graph's output on the device,
+        or the rows (numpy) when the stage ends at a cut."""
         res: Any = rows
         for seg in self.segments:
             first, end, cut = seg
@@ -655,7 +663,7 @@ class StageModel:
             rows = x.copy()
             rows[:n_real] += answer
             res = rows
-        return res if isinstance(res, np.ndarray) else read_back(res)
+        return res
 
     def _decode(self, items: list[StageInput]) -> Generator[ExpertCall, np.ndarray, list[np.ndarray]]:
         from tinygrad import UOp
@@ -687,12 +695,21 @@ class StageModel:
             return self._decode_jits[key]
 
         res = yield from self._run_segments(rows, len(real), jit_of, [*svars, *pvars, *tvars])
-        # the last stage gives each request's logits (vocab,), or (T, vocab) when verifying; the others its
-        # hidden states (T, hidden): views of rows of an array made for this step (no other holder writes it)
+        # the last stage gives each request's logits (vocab,), (T, vocab) when verifying, or its greedy pick; the
+        # others its hidden states (T, hidden): views of rows of arrays made for this step (no other holder writes them)
+        if self.is_last:
+            logits_t, picks_t = res
+            picks = read_back(picks_t)
+            res = None if all(it.greedy for it in items) else read_back(logits_t)
+        elif not isinstance(res, np.ndarray):
+            res = read_back(res)
         out, b = [], 0
         for it in items:
             n = len(it.data)
-            out.append(res[b] if self.is_last and not it.verify else res[b:b + n])
+            if it.greedy:
+                out.append(picks[b:b + 1].reshape(()))
+            else:
+                out.append(res[b] if self.is_last and not it.verify else res[b:b + n])
             b += n
         return out
 
@@ -735,6 +752,7 @@ class StageModel:
             sp = UOp.variable("start", 0, self.max_context - 1).bind(it.start_pos + lo)
             nt = UOp.variable("ntok", 1, chunk).bind(len(part))
             res = yield from self._run_segments(padded, len(part), jit_of, [svar, sp, nt])
+            res = res if isinstance(res, np.ndarray) else read_back(res)
             outs.append(res[0].copy() if self.is_last and not it.all_logits else res[:len(part)].copy())
         if self.is_last and not it.all_logits:
             return outs[-1]
@@ -763,8 +781,9 @@ class StageModel:
         x = self._through_blocks(first, end, x, cut, lambda i, h, cut: self._block(i, h, slots, starts, 1, angles, tiles, cut=cut, span=span, at=at))
         if cut:
             return tuple(t.reshape(batch, -1).realize() for t in x)
-        if self.is_last:
-            return self._head(self.output_norm(x).reshape(batch, -1)).realize()
+        if self.is_last:  # the logits and each row's greedy pick
+            logits = self._head(self.output_norm(x).reshape(batch, -1)).realize()
+            return logits, logits.argmax(axis=1).realize()
         return x.reshape(batch, self.hidden_size).realize()
 
     def _prefill_step(self, seg: Segment, inp: Tensor, slot: UOp, start: UOp | int, ntok: UOp, *_buffers: Tensor,

@@ -19,7 +19,8 @@ colon (`swarmd:JIT=2,BEAM=2`);
 too, from the same state, before the engine's own (a side-by-side in one process), `BENCH_PROFILE=N` writes one batch-N decode step's
 and one prefill's per-kernel device times (tinygrad DEBUG=2) under --out, `BENCH_HOST_PROFILE=N` a cProfile listing of
 16 batch-N decode steps on their captured graphs (the host's share of a step; waiting for the device shows in the
-driver's calls) under --out. `--matvec ARCH` first searches the GPU
+driver's calls) under --out, `BENCH_HOST_ARGMAX=1` reads each decode step's logits back and picks the greedy tokens
+on the host (as for sampled requests) instead of on the device. `--matvec ARCH` first searches the GPU
 matvec kernel's options on ARCH's shapes and hands the best per batch size to the swarmd engines
 (models/kernels/matvec.py `SWARMD_MATVEC_OPTS`; `swarmd:SWARMD_MATVEC_OPTS=` keeps tinygrad's heuristics).
 """
@@ -320,9 +321,10 @@ def greedy_step(model, group: list[str], pos: dict, tokens: dict) -> None:
 
     from models.stage import StageInput
 
-    res = model.forward([StageInput(r, pos[r], np.array([tokens[r]])) for r in group])
-    for r, logits in zip(group, res, strict=True):
-        tokens[r], pos[r] = int(logits.argmax()), pos[r] + 1
+    on_host = os.environ.get("BENCH_HOST_ARGMAX") == "1"  # read the logits back and pick on the host
+    res = model.forward([StageInput(r, pos[r], np.array([tokens[r]]), greedy=not on_host) for r in group])
+    for r, out in zip(group, res, strict=True):
+        tokens[r], pos[r] = int(out.argmax() if on_host else out), pos[r] + 1
 
 
 def decode_batch(model, out: dict, prefix: str, batch: int, group: list[str], tokens: dict, pos: dict,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -74,6 +75,24 @@ def test_requests_at_different_positions_decode_as_one_batch(model, expected):
         assert tokens[k] == expected[k]
 
 
+def test_greedy_items_get_their_tokens_picked_by_the_stage_beside_items_that_get_logits(model, expected):
+    tokens = {k: [] for k in "abc"}
+    for k in "abc":
+        model.add_request(k)
+        first = model.forward([StageInput(k, 0, np.array(PROMPTS[k]), greedy=k != "b")])[0]
+        tokens[k].append(int(first) if k != "b" else int(first.argmax()))
+    for i in range(STEPS - 1):
+        items = [StageInput(k, len(PROMPTS[k]) + i, np.array([tokens[k][-1]]), greedy=k != "b") for k in "abc"]
+        picked, logits = model.forward(items), model.forward([replace(it, greedy=False) for it in items])
+        for k, pick, row in zip("abc", picked, logits, strict=True):
+            assert (pick.shape, pick.dtype) == (((), np.int32) if k != "b" else ((96,), np.float32))
+            assert int(pick if k != "b" else pick.argmax()) == int(row.argmax())
+            tokens[k].append(int(row.argmax()))
+    for k in "abc":
+        model.free_request(k)
+        assert tokens[k] == expected[k]
+
+
 def test_prefill_and_decode_items_mix_in_one_call(model, expected):
     model.add_request("a"), model.add_request("b")
     first_a = int(step(model, "a", 0, PROMPTS["a"]).argmax())
@@ -119,6 +138,7 @@ def test_slots_run_out_then_free_up(model):
     (StageInput("nobody", 0, np.array([1])), "unknown request"),
     (StageInput("x", 0, np.array([3, 96])), "token ids must be"),
     (StageInput("x", 0, np.array([0.5, 1.0])), "token ids must be"),
+    (StageInput("x", 0, np.array([3, 4]), all_logits=True, greedy=True), "greedy is only"),
 ])
 def test_bad_items_are_refused_before_any_compute(model, item, message):
     model.add_request("x")

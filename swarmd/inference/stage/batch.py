@@ -107,7 +107,8 @@ def _forward(jobs: Sequence[Job]) -> Generator[Any, Any, None]:
     for j in jobs:
         rows = j.take or j.rows_left
         inputs.append(StageInput(j.work.request_id, j.work.start_pos + j.offset, j.work.data[j.offset:j.offset + rows],
-                                 j.work.all_logits and model.is_last, verify=j.work.verify))
+                                 j.work.all_logits and model.is_last, verify=j.work.verify,
+                                 greedy=model.is_last and picks_greedily(j.work)))
     started = time.perf_counter()
     outputs = yield from model.forward_steps(inputs)
     computed = time.perf_counter()
@@ -130,12 +131,21 @@ def _stage_name(model: Any) -> str:
     return f"blocks {model.start}-{model.end - 1}"
 
 
+def picks_greedily(work: Work) -> bool:
+    """Whether the last stage needs only the step's greedy token (the stage picks it, on its device), not the logits."""
+    s = work.sampling
+    return s is not None and s.temperature == 0 and not s.logprobs and work.draft is None and not work.all_logits
+
+
 def sample_step(logits: np.ndarray, work: Work) -> Sampled:
-    """The last stage's part of a step: the token (seeded by request and step) and the log-probs asked for."""
+    """The last stage's part of a step: the token (seeded by request and step) and the log-probs asked for;
+    `logits` is the token itself (shape ()) where the stage picked it (`picks_greedily`)."""
     from models.sampling import SamplingParams, sample, token_logprob, top_logprobs
 
     s = work.sampling
     assert s is not None
+    if logits.ndim == 0:
+        return Sampled(int(logits))
     params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
     if work.draft is not None:
         return verify_step(logits, work, params)
