@@ -34,6 +34,7 @@ from tinygrad.engine.jit import JitError
 from models.kernels.attention import half_products_on
 from models.kernels.matvec import tensor_core_min_rows, tensor_core_split, tensor_cores_on
 from models.tinygrad_ext import graph_cache
+from models.tinygrad_ext.jit import Bind
 
 if TYPE_CHECKING:
     from tinygrad import Tensor
@@ -174,19 +175,20 @@ class StoringJit(TinyJit):
                 self.on_capture(self)
         return ret
 
-    def replay(self, key: Any, inputs: Sequence[Tensor | UOp]) -> Any:
-        """The graph on `inputs` (tensors, then bound variables). The first call under `key` goes through TinyJit,
-        which checks every input (tens of microseconds each); later ones replay on the buffers it checked then,
-        with the variables' new values. Under one key the tensors must stay the same buffers in the same views."""
+    def replay(self, key: Any, inputs: Sequence[Tensor | Bind]) -> Any:
+        """The graph on `inputs` (tensors and variables' values, in the function's order). The first call under
+        `key` goes through TinyJit, which checks every input (tens of microseconds each); later ones replay on the
+        buffers it checked then, with the variables' new values. Under one key the tensors must stay the same
+        buffers in the same views."""
         from tinygrad import Tensor
 
         bufs = self.checked.get(key)
         if bufs is None or self.captured is None:
-            ret = self(*inputs)
+            ret = self(*(u.uop() if isinstance(u, Bind) else u for u in inputs))
             if self.captured is not None and not self.refused:
                 self.checked[key] = [t.uop.base for t in inputs if isinstance(t, Tensor)]
             return ret
-        return self.captured(bufs, {v.expr: val for v, val in (u.unbind() for u in inputs if not isinstance(u, Tensor))})
+        return self.captured(bufs, {u.name: u.value for u in inputs if isinstance(u, Bind)})
 
 
 def held_tensors(owner: Any) -> dict[str, Tensor]:

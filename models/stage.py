@@ -66,7 +66,7 @@ from models.moe import (
     routed_experts,
     shared_experts,
 )
-from models.tinygrad_ext.jit import HeldInputs, RecordedCalls, capturing, read_back
+from models.tinygrad_ext.jit import Bind, HeldInputs, RecordedCalls, capturing, read_back
 
 if TYPE_CHECKING:
     from tinygrad import Tensor
@@ -666,8 +666,6 @@ class StageModel:
         return res
 
     def _decode(self, items: list[StageInput]) -> Generator[ExpertCall, np.ndarray, list[np.ndarray]]:
-        from tinygrad import UOp
-
         # one batch row per position: a verify item's rows share its slot, at consecutive positions (each row
         # stores its K/V before any row reads the cache, so a row sees the rows before it, as in decode steps)
         real = [(it, j) for it in items for j in range(len(it.data))]
@@ -676,14 +674,14 @@ class StageModel:
         rows = np.stack([it.data[j] for it, j in real] + [np.zeros_like(items[0].data[0])] * pad)
         slots = [self.slots.slot(it.request_id) for it, _ in real] + [self.kv.scratch_slot] * pad
         starts = [it.start_pos + j for it, j in real] + [0] * pad
-        svars = [UOp.variable(f"slot{b}", 0, self.kv.scratch_slot).bind(s) for b, s in enumerate(slots)]
-        pvars = [UOp.variable(f"pos{b}", 0, self.max_context - 1).bind(p) for b, p in enumerate(starts)]
+        svars = [Bind(f"slot{b}", 0, self.kv.scratch_slot, s) for b, s in enumerate(slots)]
+        pvars = [Bind(f"pos{b}", 0, self.max_context - 1, p) for b, p in enumerate(starts)]
         tile = self.attention_tile
         span = self._slot_span(slots[:len(real)])
         if span:  # the whole tiles that hold the batch's longest cache
-            tvars = [UOp.variable("tiles", 1, self._most_tiles()).bind(max(starts) // tile + 1)]
+            tvars = [Bind("tiles", 1, self._most_tiles(), max(starts) // tile + 1)]
         else:
-            tvars = [UOp.variable(f"tiles{b}", 1, self._most_tiles()).bind(p // tile + 1)
+            tvars = [Bind(f"tiles{b}", 1, self._most_tiles(), p // tile + 1)
                      for b, p in enumerate(starts)] if tile else []
 
         def jit_of(seg: Segment, graph: Any) -> cached_graphs.StoringJit:
@@ -732,8 +730,6 @@ class StageModel:
         return min(size, self.max_requests) if n <= self.max_requests else size
 
     def _prefill(self, it: StageInput) -> Generator[ExpertCall, np.ndarray, np.ndarray]:
-        from tinygrad import UOp
-
         chunk, n, slot = self.prefill_chunk, len(it.data), self.slots.slot(it.request_id)
 
         def jit_of(seg: Segment, graph: Any) -> cached_graphs.StoringJit:
@@ -743,14 +739,14 @@ class StageModel:
                 self._prefill_jits[key] = self.graphs.jit(("prefill", *key), step, self._verify_shared(graph))
             return self._prefill_jits[key]
 
-        svar = UOp.variable("slot0", 0, self.kv.scratch_slot).bind(slot)
+        svar = Bind("slot0", 0, self.kv.scratch_slot, slot)
         outs = []
         for lo in range(0, n, chunk):
             from_zero = self.first_chunk_graph and it.start_pos + lo == 0
             part = it.data[lo:lo + chunk]
             padded = np.concatenate([part, np.zeros((chunk - len(part), *part.shape[1:]), dtype=part.dtype)])
-            sp = UOp.variable("start", 0, self.max_context - 1).bind(it.start_pos + lo)
-            nt = UOp.variable("ntok", 1, chunk).bind(len(part))
+            sp = Bind("start", 0, self.max_context - 1, it.start_pos + lo)
+            nt = Bind("ntok", 1, chunk, len(part))
             res = yield from self._run_segments(padded, len(part), jit_of, [svar, sp, nt])
             res = res if isinstance(res, np.ndarray) else read_back(res)
             outs.append(res[0].copy() if self.is_last and not it.all_logits else res[:len(part)].copy())

@@ -159,6 +159,7 @@ def test_forward_runs_from_a_worker_thread(model, expected):
 def test_warmup_captures_every_graph_and_leaves_no_request(model, expected):
     model.warmup()
     assert len(model.slots) == 0
-    assert sorted(batch for batch, _segment, _span in model._decode_jits) == [1, 2, 4]
+    # a GPU stage also captures its slot-ordered attention's graphs (a span per batch size)
+    assert {batch for batch, _segment, _span in model._decode_jits} == {1, 2, 4}
     assert all(jit.captured is not None for jit in model._decode_jits.values())
     assert alone(model, "b2") == expected["b"]
