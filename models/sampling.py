@@ -79,7 +79,9 @@ def sample(logits: np.ndarray, params: SamplingParams, *, seed: int, step: int) 
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities (float64); a NaN logit counts as -inf, as in `sample`."""
     x = np.asarray(logits, dtype=np.float64).reshape(-1)
+    x = np.where(np.isnan(x), -np.inf, x)
     m = np.max(x)
     return x - m - np.log(np.sum(np.exp(x - m)))
 

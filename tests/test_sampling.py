@@ -83,6 +83,13 @@ def test_top_logprobs_lists_the_best_tokens_in_order():
     assert top_logprobs(logits, 0) == [] and len(top_logprobs(logits, 99)) == 5
 
 
+def test_a_nan_logit_counts_as_minus_infinity_in_the_pick_and_the_log_probs():
+    logits = np.array([1.0, np.nan, 3.0, 2.0], np.float32)
+    assert sample(logits, SamplingParams(), seed=0, step=0) == 2
+    assert [i for i, _ in top_logprobs(logits, 4)] == [2, 3, 0, 1]
+    assert token_logprob(logits, 1) == -np.inf and np.isfinite(token_logprob(logits, 2))
+
+
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1),
                                  dict(max_tokens=0), dict(stop=("",))])
 def test_invalid_params_are_rejected(bad):

@@ -237,6 +237,11 @@ def decode(body: bytes) -> Envelope:
 # --- value checks used by the messages --------------------------------------------------------------------------
 
 
+def _check_logprobs(values: tuple[float, ...]) -> None:
+    """Log-probs are numbers or -inf; NaN (from a model gone wrong, or a damaged frame) is refused."""
+    need(not any(math.isnan(v) for v in values), "log-probs must not be NaN")
+
+
 def need(ok: bool, what: str, code: str = "bad_field") -> None:
     if not ok:
         raise WireError(code, what)
@@ -395,6 +400,7 @@ class Token(Message):
         need(self.token >= 0, "token must be >= 0")
         need(len(self.top_ids) == len(self.top_logprobs), "top_ids and top_logprobs differ in length")
         need(self.finish in FINISH_REASONS, f"finish must be one of {sorted(FINISH_REASONS)}")
+        _check_logprobs((*(() if self.logprob is None else (self.logprob,)), *self.top_logprobs))
 
 
 @wire("verified")
@@ -430,6 +436,7 @@ class Verified(Message):
         need(len(self.top_ids) == len(self.top_logprobs) and len(self.top_ids) % n == 0,
              "top_ids and top_logprobs: the same number of entries per token")
         need(self.finish in FINISH_REASONS, f"finish must be one of {sorted(FINISH_REASONS)}")
+        _check_logprobs((*self.logprobs, *self.top_logprobs))
 
     def top(self, i: int) -> tuple[tuple[int, float], ...]:
         """Token i's top alternatives, (id, log-prob) pairs."""

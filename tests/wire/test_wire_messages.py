@@ -51,6 +51,8 @@ def test_actor_messages_have_keys_for_deduplication_and_control_does_not():
 def test_sending_an_invalid_message_is_our_own_error():
     with pytest.raises(LocalProtocolError):
         encode(Forward("r", 0, 0, 0, "h", tokens=ids(1), hidden=hidden()))  # both payloads
+    with pytest.raises(LocalProtocolError, match="NaN"):
+        encode(Token("r", 0, 1, logprob=float("nan")))
 
 
 @pytest.mark.parametrize(
@@ -72,6 +74,9 @@ def test_sending_an_invalid_message_is_our_own_error():
         (raw("token", {"request_id": "r", "step": 1, "token": -1}), "bad_field"),
         (raw("token", {"request_id": "r", "step": 1, "token": 1, "top_ids": [1], "top_logprobs": []}), "bad_field"),
         (raw("token", {"request_id": "r", "step": 1, "token": 1 << 64}), "not_cbor"),
+        (raw("token", {"request_id": "r", "step": 1, "token": 1, "top_ids": [1], "top_logprobs": [float("nan")]}),
+         "bad_field"),
+        (raw("verified", {"request_id": "r", "step": 1, "tokens": [1], "logprobs": [float("nan")]}), "bad_field"),
     ],
 )
 def test_malformed_frames_are_refused_with_a_code(frame, code):
