@@ -4,9 +4,10 @@
 #   ./scripts/test.sh --quick   the inner loop: units, property tests, the fault simulation's seeds and one
 #                               real-process smoke test (tests marked slow, but for the smoke test, are left out)
 # Every other argument goes to pytest (e.g. tests/simulation --seed 7). Without test paths the quick tier runs on
-# every core (pytest-xdist); the whole suite runs its real-process tests one at a time, then the fault
-# simulation's seeds on every core. WORKERS=N runs the whole suite on N workers instead, module by module (a
-# module's swarm starts once): faster where there are cores to spare; on 2 cores some acceptance tests time out.
+# every core (pytest-xdist); the whole suite runs what is not marked serial on every core, module by module (a
+# module's fixtures are made once), then the serial tests (real processes, hosts or a browser on the real clock)
+# one at a time. WORKERS=N runs the whole suite on N workers instead, module by module: faster where there are
+# cores to spare; on 2 cores some acceptance tests time out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
@@ -32,11 +33,11 @@ fi
 if [ -n "${WORKERS:-}" ]; then
   exec "${pytest[@]}" -n "$WORKERS" --dist loadfile tests ${args[@]+"${args[@]}"}
 fi
-rest=0 seeds=0
-"${pytest[@]}" --ignore=tests/simulation ${args[@]+"${args[@]}"} || rest=$?
-"${pytest[@]}" -n auto tests/simulation ${args[@]+"${args[@]}"} || seeds=$?
+spread=0 serial=0
+"${pytest[@]}" -n auto --dist loadfile -m "not serial" tests ${args[@]+"${args[@]}"} || spread=$?
+"${pytest[@]}" -m serial tests ${args[@]+"${args[@]}"} || serial=$?
 # 5 is pytest's "no test selected": fine for one part (e.g. -k picked tests of the other), not for both
-if [ "$rest" = 5 ] && [ "$seeds" = 5 ]; then exit 5; fi
-[ "$rest" = 5 ] && rest=0
-[ "$seeds" = 5 ] && seeds=0
-exit $((rest ? rest : seeds))
+if [ "$spread" = 5 ] && [ "$serial" = 5 ]; then exit 5; fi
+[ "$spread" = 5 ] && spread=0
+[ "$serial" = 5 ] && serial=0
+exit $((spread ? spread : serial))

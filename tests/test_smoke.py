@@ -13,7 +13,7 @@ from swarmd.daemon.descriptor import BENCH_FILE
 from tests.swarm.daemons import Daemon, stop_all, wait_until
 from tests.swarm.tiny_model import write_tiny_llama
 
-pytestmark = [pytest.mark.slow, pytest.mark.smoke]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.smoke]
 
 
 def test_two_daemons_form_a_swarm_and_answer_a_prompt(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 
 from tests.faults.fault_swarm import FaultSwarm
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the module fixture starts 4 daemons and warms a spare
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(900)]  # the module fixture starts 4 daemons and warms a spare
 
 CONTEXT = 256
 PROMPT = "The history of the printing press begins in"

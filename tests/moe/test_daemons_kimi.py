@@ -14,7 +14,7 @@ import pytest
 
 from tests.moe.moe_swarm import MoESwarm
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 MODEL = "kimi-k2-mini"
 N_TOKENS = 10

@@ -20,7 +20,7 @@ import pytest
 from planner.plan import Plan
 from tests.moe.moe_swarm import ExpertNodeSwarm, MoESwarm, write_tiny_moe
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 N_TOKENS = 8
 PROMPTS = ("The capital of France is", "def fibonacci(n):")

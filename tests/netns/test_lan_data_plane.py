@@ -11,7 +11,7 @@ from tests.netns.topology import Netns
 from tests.pipeline.daemon_swarm import even_plan
 from tests.swarm.daemons import stop_all, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(600)]
 
 EXTRA = ("--timings", "local-test", "--max-context", "256")
 

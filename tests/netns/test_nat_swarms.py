@@ -20,7 +20,7 @@ import pytest
 from tests.netns.nat_swarm import CONTEXT, NatSwarm
 from tests.swarm.daemons import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(900)]
 
 PROMPT = "The capital of France is"
 N_TOKENS = 8

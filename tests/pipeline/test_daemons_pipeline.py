@@ -25,7 +25,7 @@ from tests.pipeline.daemon_swarm import DaemonSwarm
 from tests.swarm.daemons import Daemon, wait_until
 
 # The module's swarm of 6 starts in the first test's setup: on a loaded machine that alone can take minutes.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(900)]
 
 CONTEXT = 256  # as the other 4-daemon SmolLM2 swarms: their graphs are these stages' graphs
 N_TOKENS = 8

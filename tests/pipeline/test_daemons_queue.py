@@ -24,7 +24,7 @@ import pytest
 from tests.pipeline.daemon_swarm import DaemonSwarm
 from tests.swarm.daemons import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(1500)]
 
 MODEL = "smollm2-135m"
 CONTEXT = 2048

@@ -18,7 +18,7 @@ from swarmd.transport.links import start_actor_transport
 from swarmd.wire import Forward
 from tests.security.helpers import SWARM, TIMINGS, eventually, forward, start_member
 
-pytestmark = pytest.mark.slow  # about 20 s
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # about 20 s
 ROOT = Path(__file__).resolve().parents[2]
 FLOOD_SECONDS = 6.0
 # The victim calls a flood at 60 messages over the rate within 10 s (the default is 200): the flooder's pace

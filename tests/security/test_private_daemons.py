@@ -14,7 +14,7 @@ import pytest
 from swarmd.net.swarm_key import SwarmKey, write_swarm_key
 from tests.swarm.daemons import wait_until
 
-pytestmark = pytest.mark.slow  # three daemons: about 25 s
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # three daemons: about 25 s
 TOKEN = "test-token-0123456789abcdef"
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from tests.moe.moe_swarm import MoESwarm
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(1500)]
 
 MODEL = "smollm2-moe-8x2"
 DRAFT = "smollm2-135m"

@@ -11,7 +11,7 @@ import pytest
 from tests.swarm.daemons import wait_until
 from tests.swarm.tiny_model import write_tiny_llama
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def join(home, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -8,7 +8,7 @@ import pytest
 
 from tests.swarm.daemons import view, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 BOUND = 30.0  # generous: the target figures are benchmarks, not test bounds
 
 

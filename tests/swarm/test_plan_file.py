@@ -9,7 +9,7 @@ from planner.plan_file import PlanFile
 from swarmd.net.identity import load_or_create_identity, peer_id_of
 from tests.swarm.daemons import wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def test_the_founder_waits_for_the_named_peers_then_runs_the_plan_as_written(daemons, tmp_path, tiny_model):

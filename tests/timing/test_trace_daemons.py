@@ -15,7 +15,7 @@ import pytest
 
 from tests.pipeline.daemon_swarm import DaemonSwarm
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 CONTEXT = 256
 N_TOKENS = 8

@@ -20,7 +20,7 @@ from swarmd.wire.expect import ExpectForward
 from tests.transport.conftest import eventually, introduce
 
 HIDDEN = 576
-pytestmark = pytest.mark.slow  # real hosts: about a second each
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # real hosts: about a second each
 
 
 def fwd(step: int, request_id: str = "req", rows: int = 1, width: int = HIDDEN, dtype=np.float32) -> Forward:

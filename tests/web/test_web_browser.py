@@ -23,7 +23,7 @@ import pytest
 from tests.pipeline.daemon_swarm import even_plan
 from tests.swarm.daemons import Daemon, stop_all
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(900)]
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -21,7 +21,7 @@ from models.gguf.header import read_header
 from models.gguf.manifest import Manifest
 from tests.weights.cache_swarm import CONTEXT, CacheSwarm, check_fetched_only_what_was_assigned, generate
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(900)]
 
 SMOLLM2_IN_CACHE = "smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -19,7 +19,7 @@ from tests.weights.cache_swarm import (
     greedy,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(900)]
 
 MODEL = "smollm2-moe-8x2"
 
