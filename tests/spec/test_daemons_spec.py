@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -75,19 +76,25 @@ def swarm(tmp_path_factory, bench_file, reference):
 
 def test_speculating_heads_answer_with_exactly_the_tokens_of_heads_that_do_not(swarm, reference):
     swarm.wait_chain(4)
-    plain, end = swarm.generate(via=2, prompt=PROMPTS[0], max_tokens=N_TOKENS)
-    assert end["event"] == "done" and "speculation" not in end, f"{end}\n{swarm.logs()}"
-    assert plain == reference[PROMPTS[0]]  # a head that does not speculate gives the whole model's tokens
-    # k fixed at the head's draft tokens: how much is drafted does not follow the machine's load
-    for via, prompts in ((0, PROMPTS), (1, DRAFTED)):
-        for prompt in prompts:
-            tokens, end = swarm.generate(via=via, prompt=prompt, max_tokens=N_TOKENS, speculate=FIXED_K)
-            assert end["event"] == "done", f"{end}\n{swarm.logs()}"
-            assert tokens == reference[prompt], (via, prompt)
+    # all at once, so that the stages batch the requests' steps and verify passes: k fixed at the head's draft
+    # tokens (how much is drafted does not follow the machine's load)
+    asked = [(2, "prompt", PROMPTS[0], None), *((0, "prompt", p, FIXED_K) for p in PROMPTS),
+             *((1, "prompt", p, FIXED_K) for p in DRAFTED), (3, "chat", CHAT, None),
+             *((via, "chat", CHAT, FIXED_K) for via in (0, 1))]
+
+    def ask(via: int, kind: str, text: str, speculate: dict | None) -> tuple[list[int], dict]:
+        return swarm.generate(via=via, max_tokens=N_TOKENS, **{kind: text}, **({"speculate": speculate} if speculate
+                                                                                 else {}))
+
+    with ThreadPoolExecutor(len(asked)) as pool:
+        answers = list(pool.map(lambda a: ask(*a), asked))
+    for (via, _kind, text, speculate), (tokens, end) in zip(asked, answers, strict=True):
+        assert end["event"] == "done", f"{via} {text!r}: {end}\n{swarm.logs()}"
+        assert tokens == reference[text], (via, text)  # speculating or not, the whole model's tokens
+        if speculate is None:
+            assert "speculation" not in end, end
+        elif text != CHAT:
             assert end["speculation"]["passes"] >= 1
-    chat = [swarm.generate(via=3, chat=CHAT, max_tokens=N_TOKENS)[0],
-            *(swarm.generate(via=via, chat=CHAT, max_tokens=N_TOKENS, speculate=FIXED_K)[0] for via in (0, 1))]
-    assert chat == [reference[CHAT]] * 3
     spec = [swarm.running[i].status()["speculation"] for i in (0, 1)]
     assert spec[0]["mode"] == "ngram" and spec[1]["mode"] == f"model:{DRAFT}"
     assert all(s["accepted"] > 0 and s["tokens_per_pass"] > 1 for s in spec), spec
