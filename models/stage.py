@@ -695,10 +695,11 @@ class StageModel:
         res = yield from self._run_segments(rows, len(real), jit_of, [*svars, *pvars, *tvars])
         # the last stage gives each request's logits (vocab,), (T, vocab) when verifying, or its greedy pick; the
         # others its hidden states (T, hidden): views of rows of arrays made for this step (no other holder writes them)
-        if self.is_last:
+        if self.is_last:  # each read back only where an item needs it
             logits_t, picks_t = res
-            picks = read_back(picks_t)
-            res = None if all(it.greedy for it in items) else read_back(logits_t)
+            greedy = [it.greedy for it in items]
+            picks = read_back(picks_t) if any(greedy) else None
+            res = None if all(greedy) else read_back(logits_t)
         elif not isinstance(res, np.ndarray):
             res = read_back(res)
         out, b = [], 0
