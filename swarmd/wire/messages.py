@@ -400,7 +400,7 @@ class Token(Message):
         need(self.token >= 0, "token must be >= 0")
         need(len(self.top_ids) == len(self.top_logprobs), "top_ids and top_logprobs differ in length")
         need(self.finish in FINISH_REASONS, f"finish must be one of {sorted(FINISH_REASONS)}")
-        _check_logprobs((*(() if self.logprob is None else (self.logprob,)), *self.top_logprobs))
+        _check_logprobs(self.top_logprobs if self.logprob is None else (self.logprob, *self.top_logprobs))
 
 
 @wire("verified")
