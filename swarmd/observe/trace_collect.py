@@ -4,7 +4,7 @@
     stage i  --TraceSpans(spans, received, answered)-->  head
 
 Each stage answers from its `SpanRecorder` once its own frames of the request are acked (so that their
-`hop.send` spans are complete). A MoE stage's spans name the nodes its routers sent expert batches to
+`hop.send` spans are complete); the head waits for its own the same way. A MoE stage's spans name the nodes its routers sent expert batches to
 (`moe.call`'s `to`); those off the chain are asked next, the same way, and appear as `experts abc123` nodes
 (the end of the peer id). The head shifts each node's readings by that node's clock offset: the best
 (least-delay) NTP-style sample from the swarm's probes, this very exchange, or the request's own frames and
@@ -60,15 +60,19 @@ class TraceCollector:
 
     async def on_query(self, peer: str, msg: TraceQuery) -> Send:
         received = self.recorder.clock()
-        if self.recorder.inflight.get(msg.request_id):
-            self._token = trio.lowlevel.current_trio_token()
-            settled = self._settled.setdefault(msg.request_id, trio.Event())
-            with trio.move_on_after(SETTLE_TIMEOUT):
-                await settled.wait()
-            self._settled.pop(msg.request_id, None)
+        await self._settle(msg.request_id)
         spans = encode_spans(self.recorder.spans(msg.request_id))
         return Send(peer, TraceSpans(msg.request_id, spans, received=received, answered=self.recorder.clock(),
                                      hop=msg.hop))
+
+    async def _settle(self, request_id: str) -> None:
+        """Wait (at most SETTLE_TIMEOUT) until this daemon's frames of the request are acked."""
+        if self.recorder.inflight.get(request_id):
+            self._token = trio.lowlevel.current_trio_token()
+            settled = self._settled.setdefault(request_id, trio.Event())
+            with trio.move_on_after(SETTLE_TIMEOUT):
+                await settled.wait()
+            self._settled.pop(request_id, None)
 
     def _on_settled(self, request_id: str) -> None:
         """From any thread (the hot lane hears acks on its readers'): wake the query waiting for the request."""
@@ -111,6 +115,7 @@ class TraceCollector:
             if peer != self.peer_id:
                 firsts.setdefault(peer, hop)
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._settle, request_id)  # the head's own last frames too
             for peer, hop in firsts.items():
                 nursery.start_soon(ask, hop, peer)
         mine = self.recorder.spans(request_id)

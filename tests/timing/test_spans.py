@@ -211,3 +211,32 @@ def test_the_breakdown_lists_each_block_s_fan_out_and_each_expert_node_apart_fro
     assert with_moe.parts_ms == pytest.approx(without.parts_ms)  # inside stage.forward: not counted twice
     order = [r.where for r in with_moe.rows]
     assert order.index("stage 0, block 1") < order.index(f"{exp}, block 1")
+
+
+async def test_the_head_waits_for_the_ack_of_its_own_last_frame_before_it_merges_its_spans(autojump_clock):
+    import numpy as np
+    import trio
+
+    from swarmd.observe.hop_timer import HopTimer
+    from swarmd.observe.trace_collect import SETTLE_TIMEOUT, TraceCollector
+    from swarmd.wire.codec import WireTensor
+    from swarmd.wire.messages import Forward, Sampling
+
+    rec = SpanRecorder(clock=trio.current_time)
+    rec.trace("r-traced")
+    timer = HopTimer(rec)
+    last = Forward("r-traced", 7, 0, 1, HEAD, tokens=WireTensor.from_array(np.array([3], np.int32)),
+                   sampling=Sampling(trace=True))
+    timer.encoded(S1, 41, last, timer.now(), 64)  # sent to the next stage; its ack comes with the lane's next batch
+    collector = TraceCollector(HEAD, transport=None, recorder=rec)  # a chain of one: nothing to ask over the wire
+
+    async def ack_later() -> None:
+        await trio.sleep(SETTLE_TIMEOUT / 4)
+        timer.settled(S1, 41, True)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ack_later)
+        events = await collector.collect("r-traced", [HEAD])
+    assert [e["ph"] for e in events if e["name"] == "hop"] == ["s"]
+    (send,) = [e for e in events if e["name"] == "hop.send"]
+    assert send["args"]["acked"] and send["dur"] == pytest.approx(SETTLE_TIMEOUT / 4 * 1e6)
