@@ -121,3 +121,28 @@ async def test_status_shows_the_stages_latest_reports_with_no_request_waiting(nu
     admission.close(turn)
     chain.slots["s0"] = StageSlots(2, 0, 2)  # they ended; nothing waits here any more
     assert admission.status()["stages"][0]["used"] == 0
+
+
+async def test_a_client_is_the_openai_user_field_else_its_address():
+    import httpx
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+
+    from swarmd.api.app import Api
+    from swarmd.api.turns import client_key
+
+    async def key(request: Request) -> JSONResponse:
+        return JSONResponse(client_key(request, await request.json()))
+
+    api = Api()
+    api.add_route("/v1/completions", key, methods=("POST",))
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(api.serve, "127.0.0.1:0")
+        async with httpx.AsyncClient(base_url=url) as client:
+            keys = [(await client.post("/v1/completions", json=body)).json()
+                    for body in ({"user": "alice"}, {"user": "alice", "prompt": "x"}, {"user": "bob"}, {"user": ""},
+                                 {"user": 7}, {}, ["not", "an", "object"], {"user": "x" * 500})]
+        nursery.cancel_scope.cancel()
+    assert keys[:3] == ["user:alice", "user:alice", "user:bob"]
+    assert keys[3:7] == ["addr:127.0.0.1"] * 4  # no usable user: one client per address
+    assert keys[7] == "user:" + "x" * 128
