@@ -9,6 +9,10 @@
 * fan-out latency per MoE layer: the median time a router takes for one layer and step (split by node,
   send one batch per node, gather, combine), from the routers' own counters; against the median pipeline
   hop of the same requests (a stage's `sent` to the next stage's `received`, one clock per machine).
+* a remote expert call's cost on the wire: after each round's timed request, one traced request; each expert
+  batch a router sent to another daemon, its `moe.call` (out -> answer in) minus the expert node's
+  `expert.batch` (received -> answer ready), against the hop. A traced request's steps take the event loop's
+  path, not the hot lane: an upper bound for the untraced steps.
 * messages per token per MoE layer: the routers' ExpertBatch frames per layer call at batch 1 (= per
   token), against the distinct nodes hit (the same, by construction) and top-k.
 * decode tokens/s: the swarm (one greedy request at a time through `/api/v0/generate`) against the same
@@ -91,13 +95,48 @@ def hops_ms(swarm: LocalSwarm, request_id: str) -> list[float]:
     return out
 
 
-def expert_compute_ms(swarm: LocalSwarm) -> float:
-    """Mean time an expert actor's shard computes one batch (all daemons together)."""
-    ms = batches = 0.0
+def expert_compute(swarm: LocalSwarm) -> tuple[float, int]:
+    """The expert actors' compute so far (all daemons together): ms, batches."""
+    ms, batches = 0.0, 0
     for d in swarm.daemons:
         expert = httpx.get(f"{d.api}/api/v0/pipeline", timeout=10).json()["moe"]["expert"]
         ms, batches = ms + expert["compute_ms"], batches + expert["batches"]
-    return ms / batches if batches else float("nan")
+    return ms, batches
+
+
+def mean_compute_ms(now: tuple[float, int], before: tuple[float, int]) -> float:
+    """Mean time an expert actor's shard computed one batch between two `expert_compute` readings."""
+    batches = now[1] - before[1]
+    return (now[0] - before[0]) / batches if batches else float("nan")
+
+
+def remote_calls_ms(api: str, prompt: str, tokens: int) -> list[tuple[float, float]]:
+    """One traced greedy request: for each expert batch a router sent to another daemon, (the router's call:
+    batch out -> answer in, the expert node's handling of it: received -> answer ready), in ms, paired by flow id."""
+    with httpx.stream("POST", f"{api}/api/v0/generate", timeout=httpx.Timeout(30, read=900),
+                      json={"prompt": prompt, "max_tokens": tokens, "trace": True}) as r:
+        done = [e for e in map(json.loads, r.iter_lines()) if e["event"] in ("done", "error")][-1]
+    if done["event"] != "done":
+        raise RuntimeError(f"{done['code']}: {done['message']}")
+    spans: dict[str, dict[int, float]] = {"moe.call": {}, "expert.batch": {}}
+    for e in done["trace"]:
+        if e.get("ph") == "X" and e["name"] in spans and "flow" in e.get("args", {}):
+            spans[e["name"]][e["args"]["flow"]] = e["dur"] / 1e3
+    calls, handled = spans["moe.call"], spans["expert.batch"]
+    return [(calls[f], handled[f]) for f in calls if f in handled]
+
+
+def medians(swarm: LocalSwarm) -> tuple[list[float], list[float]]:
+    """Each daemon's median hot remote call (a batch out -> its answer in, at its routers) and median expert batch
+    compute (at its expert actor), over their recent ones; daemons with none left out."""
+    calls, computes = [], []
+    for d in swarm.daemons:
+        moe = httpx.get(f"{d.api}/api/v0/pipeline", timeout=10).json()["moe"]
+        if moe["router"].get("hot_call_ms_median") is not None:
+            calls.append(moe["router"]["hot_call_ms_median"])
+        if moe["expert"].get("compute_ms_median") is not None:
+            computes.append(moe["expert"]["compute_ms_median"])
+    return calls, computes
 
 
 def router_layers(swarm: LocalSwarm) -> dict[str, dict[str, Any]]:
@@ -179,7 +218,7 @@ def main() -> int:
     use_a_kernel_cache_connection_per_thread()
     resolve_model(MODEL)  # written into the cache once, before the daemons look for it
     results: dict[str, Any] = {"single": [], "swarm": [], "hop_ms": [], "fan_out_ms": {}, "messages": {},
-                               "baseline": [], "baseline_hop_ms": []}
+                               "baseline": [], "baseline_hop_ms": [], "calls": []}
     swarm = start_swarm(MODEL, args.context)
     base = None
     try:
@@ -188,6 +227,7 @@ def main() -> int:
             base = start_swarm(MODEL, args.context, "benchmoebase", env_of=lambda i: env)
             generate(base.api, PROMPTS[0], 4)
         generate(swarm.api, PROMPTS[0], 4)  # warm-up: kernels compile, jits capture
+        warm = {"": expert_compute(swarm), "baseline_": expert_compute(base) if base is not None else (0.0, 0)}
         single = SingleProcess(MODEL, args.context)
         single.decode_rate(PROMPTS[0], 4)
         for r in range(args.rounds):
@@ -200,6 +240,8 @@ def main() -> int:
                 run = generate(sw.daemons[r % N_DAEMONS].api, prompt, args.tokens)
                 results[which].append(decode_rate(run))
                 results["hop_ms" if which == "swarm" else "baseline_hop_ms"] += hops_ms(sw, run["request_id"])
+                if which == "swarm":
+                    results["calls"] += remote_calls_ms(sw.daemons[r % N_DAEMONS].api, prompt, args.tokens)
             say(f"round {r + 1}: single {results['single'][-1]:.1f} tok/s, swarm {results['swarm'][-1]:.1f} tok/s"
                 + (f", baseline {results['baseline'][-1]:.1f} tok/s" if base is not None else ""))
         for key, sw in (("", swarm), ("baseline_", base)):
@@ -212,7 +254,8 @@ def main() -> int:
                     results["messages"][block] = {"per_call": layer["messages"] / layer["calls"],
                                                   "nodes_per_call": layer["nodes_per_call"], "calls": layer["calls"],
                                                   "tokens": layer["tokens"]}
-            results[key + "expert_compute_ms"] = expert_compute_ms(sw)
+            results[key + "expert_compute_ms"] = mean_compute_ms(expert_compute(sw), warm[key])
+            results[key + "hot_call_ms"], results[key + "compute_ms"] = medians(sw)
         results["plan"] = swarm.daemons[0].status()["plan"]
     finally:
         swarm.stop()
@@ -224,6 +267,20 @@ def main() -> int:
         print(json.dumps(results, indent=2))
     report(results, args)
     return 0
+
+
+def _remote_rows(calls: list[tuple[float, float]], hop: float) -> str:
+    """Table rows of the traced requests' expert batches sent to other daemons (`remote_calls_ms`). A traced
+    request's steps leave the hot lane: these calls take the event loop's path."""
+    if not calls:
+        return "| expert batches to other daemons in the traced requests (the event loop's path) | none |\n"
+    med = statistics.median
+    wire = med([c - h for c, h in calls])
+    return (f"| expert batches to other daemons (traced requests, one per round: the event loop's path) | {len(calls)} |\n"
+            f"| a remote call: batch out -> answer in (median) | {med([c for c, _ in calls]):.2f} ms |\n"
+            f"| of which the expert node's handling (median) | {med([h for _, h in calls]):.2f} ms |\n"
+            f"| the rest, both ways on the wire (median of call - handling) | {wire:.2f} ms |\n"
+            f"| (call - handling) / hop | {wire / hop:.2f} x |\n")
 
 
 def report(res: dict[str, Any], args: argparse.Namespace) -> None:
@@ -246,11 +303,14 @@ Model `{MODEL}` on {N_DAEMONS} daemons, stages {stages}, experts spread over {le
 | fan-out per MoE layer and step (median over layers of each router's median) | {med(fan):.2f} ms |
 | one pipeline hop, same requests (median) | {hop:.2f} ms |
 | fan-out / hop | {med(fan) / hop:.2f} x |
-| of which an expert shard computing one batch (mean, compute thread) | {res['expert_compute_ms']:.2f} ms |
+| an expert shard computing one batch (mean over the timed rounds and traced requests, compute thread) | {res['expert_compute_ms']:.2f} ms |
 | decode, single process (`models.generate`, whole model) | {single:.1f} tok/s |
 | decode, 4 daemons | {swarm:.1f} tok/s ({swarm / single:.2f} x) |
 | (fan-out - one expert batch's compute) / hop | {(med(fan) - res['expert_compute_ms']) / hop:.2f} x |
-""")
+| a remote call on the hot lane: batch out -> answer in (median of the daemons' medians) | {med(res['hot_call_ms']):.2f} ms |
+| an expert batch's compute (median of the daemons' medians) | {med(res['compute_ms']):.2f} ms |
+| **(remote call - expert batch compute) / hop** (target 2x) | **{(med(res['hot_call_ms']) - med(res['compute_ms'])) / hop:.2f} x** |
+{_remote_rows(res["calls"], hop)}""")
     if res["baseline"]:
         bfan = [v for v in res["baseline_fan_out_ms"].values() if v is not None]
         bhop = med(res["baseline_hop_ms"]) if res["baseline_hop_ms"] else float("nan")

@@ -109,6 +109,11 @@ def test_a_moe_model_on_four_daemons_equals_the_single_process_moe(tmp_path_fact
         assert as_json["plan"]["experts"]["1"]
         pipeline = httpx.get(f"{swarm.running[1].api}/api/v0/pipeline", timeout=10).json()
         assert pipeline["moe"]["expert"]["batches"] > 0 or pipeline["moe"]["router"]["layers"]
+        moe = [httpx.get(f"{d.api}/api/v0/pipeline", timeout=10).json()["moe"] for d in swarm.running]
+        served = [m["expert"] for m in moe if m["expert"]["batches"]]  # its recent batches' median compute
+        assert served and all(e["compute_ms_median"] > 0 for e in served)
+        hot = [m["router"]["hot_call_ms_median"] for m in moe if m["router"]["hot_call_ms_median"] is not None]
+        assert hot and all(ms > 0 for ms in hot)  # remote parts of hot steps, batch out -> answer in
 
         check_moe_trace(swarm, want, tmp_path_factory.mktemp("trace") / "out.json")
     finally:

@@ -71,6 +71,7 @@ RESULT_TIMEOUT = 120.0  # s a node that acked a batch has to answer it (first ba
 # its experts are asked elsewhere
 PLAN_WAIT = 60.0  # s a step waits for a plan that places experts whose every holder died on a live node
 PLAN_POLL = 0.05  # s between looks at the plan while waiting for it
+RECENT = 1000  # hot remote calls whose times the status's median is taken over
 
 
 class ExpertsUnavailable(Exception):
@@ -122,6 +123,7 @@ class MoERouter:
         self.dead: set[str] = set()  # peers membership says are dead: never asked
         self.waits = 0  # steps that waited for a plan to re-place experts of dead nodes
         self.chooser = ReplicaChooser(trio.current_time)
+        self.hot_calls_ms: deque[float] = deque(maxlen=RECENT)  # a hot batch out -> its answer in, per remote part
         self.layers: dict[int, LayerStats] = defaultdict(LayerStats)
         self._prefix = f"{random.getrandbits(48):012x}"
         self._count = 0
@@ -384,7 +386,9 @@ class MoERouter:
         if answer.shape != (pairs, entry.fan.call.rows.shape[1]):
             self.lane.to_loop(self._ask_again, entry, f"answered {list(answer.shape)} for {pairs} selections")
             return
-        self.chooser.finished(peer, time.perf_counter() - entry.started)
+        took = time.perf_counter() - entry.started
+        self.chooser.finished(peer, took)
+        self.hot_calls_ms.append(took * 1e3)
         entry.fan.add([(entry.part, answer)])
 
     def _hot_failed(self, batch_id: str, reason: str) -> None:
@@ -486,7 +490,9 @@ class MoERouter:
                 "fan_out_ms_median": round(lat[len(lat) // 2], 3) if lat else None,
                 "tokens": {str(e): n for e, n in sorted(s.tokens.items())},
             }
+        calls = sorted(self.hot_calls_ms)
         return {"layers": out, "waited_for_plan": self.waits, "dead_peers": sorted(short_id(p) for p in self.dead),
+                "hot_call_ms_median": round(calls[len(calls) // 2], 3) if calls else None,
                 "latency_ms": {short_id(p): round(self.chooser.estimate(p) * 1e3, 3) for p in sorted(self.chooser.latency)}}
 
 
