@@ -132,15 +132,14 @@ def tensor_core_matmul(x: Tensor, w: Tensor) -> Tensor:
 # (scripts/bench_prefill_products.py; docs/BENCHMARKS.md), keyed by the product's (rows, out, in): of a prompt chunk
 # (a stage's chunks are all `prefill_chunk` rows, padding included) the product's one kernel, of a decode batch the
 # split reduction's product kernel (its sum keeps tinygrad's choice: it fuses with what reads it). Llama-3.1-8B's
-# products at chunks of 512 rows and batches of 8 (but the down projection, where the search found no better); a
-# shape not here keeps tinygrad's heuristics.
+# products at chunks of 512 rows (gate/up and down from a wider search, BEAM=8) and batches of 8 (but the down
+# projection, where the search found no better); a shape not here keeps tinygrad's heuristics.
 TENSOR_CORE_OPTS: dict[tuple[int, int, int], tuple] = {
     (512, 6144, 4096): (("TC", 0, (-1, 2, 1)), ("UPCAST", 1, 4), ("UPCAST", 0, 4), ("UPCAST", 1, 3)),
     (512, 4096, 4096): (("TC", 0, (-1, 2, 1)), ("UPCAST", 0, 4), ("UPCAST", 1, 4), ("UNROLL", 0, 4), ("UPCAST", 1, 2),
                         ("LOCAL", 1, 2), ("SWAP", 0, 1)),
-    (512, 28672, 4096): (("TC", 0, (-1, 0, 1)), ("UPCAST", 1, 7), ("UPCAST", 0, 4), ("LOCAL", 0, 4), ("SWAP", 0, 1)),
-    (512, 4096, 14336): (("TC", 0, (-1, 2, 1)), ("UPCAST", 0, 4), ("UPCAST", 1, 4), ("UNROLL", 0, 7), ("LOCAL", 1, 4),
-                         ("SWAP", 0, 1)),
+    (512, 28672, 4096): (("TC", 0, (-1, 2, 1)), ("UPCAST", 0, 4), ("UPCAST", 1, 7), ("LOCAL", 0, 4)),
+    (512, 4096, 14336): (("TC", 0, (-1, 0, 1)), ("UPCAST", 0, 4), ("UPCAST", 1, 4), ("UNROLL", 0, 4), ("UPCAST", 1, 2)),
     (8, 6144, 4096): (("TC", 0, (-1, 0, 1)), ("UPCAST", 1, 3), ("UNROLL", 0, 4)),
     (8, 4096, 4096): (("TC", 0, (-1, 0, 1)), ("UNROLL", 0, 4), ("UPCAST", 1, 4)),
     (8, 28672, 4096): (("TC", 0, (-1, 0, 1)), ("UPCAST", 1, 2), ("SWAP", 0, 1), ("UNROLL", 0, 4)),
