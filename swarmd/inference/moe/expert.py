@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +29,7 @@ import numpy as np
 import trio
 
 from swarmd.inference.compute import Compute
+from swarmd.observe.recent import RecentTimes
 from swarmd.observe.spans import SpanRecorder, flow_id
 from swarmd.transport.transport import HandlerResult, Send
 from swarmd.wire.codec import WireTensor
@@ -37,7 +38,6 @@ from swarmd.wire.messages import Error, ExpertBatch, ExpertResult
 log = logging.getLogger(__name__)
 
 SHARD_WAIT = 120.0  # s a batch waits for this daemon's experts to finish loading
-RECENT = 1000  # batches whose compute times the status's median is taken over
 
 
 class ExpertActor:
@@ -50,7 +50,7 @@ class ExpertActor:
         self.batches = 0
         self.rows = 0
         self.compute_seconds = 0.0
-        self.recent_ms: deque[float] = deque(maxlen=RECENT)
+        self.recent = RecentTimes()  # batches' compute times, for the status's median
         self.tokens: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))  # block -> expert -> rows
         self.recorder: SpanRecorder | None = None  # spans of traced requests
         self._stats_lock = threading.Lock()  # the counts, kept by the event loop and the lane's readers
@@ -105,7 +105,7 @@ class ExpertActor:
     def _count(self, block: int, sel: np.ndarray, seconds: float) -> None:
         with self._stats_lock:
             self.compute_seconds += seconds
-            self.recent_ms.append(seconds * 1e3)
+            self.recent.add(seconds)
             self.batches += 1
             self.rows += len(sel)
             for e in sel[sel >= 0].tolist():
@@ -143,7 +143,7 @@ class ExpertActor:
         with self._stats_lock:
             return {"held": held, "batches": self.batches, "rows": self.rows,
                     "compute_ms": round(self.compute_seconds * 1e3, 1),
-                    "compute_ms_median": _median(self.recent_ms),
+                    "compute_ms_median": self.recent.median_ms(),
                     "tokens": {str(b): {str(e): n for e, n in sorted(by.items())}
                                for b, by in sorted(self.tokens.items())}}
 
@@ -153,8 +153,3 @@ def _timed(clock: Callable[[], float], compute: Callable[[Any], np.ndarray], cal
     start = clock()
     answer = compute(call)
     return answer, start, clock()
-
-
-def _median(values: deque[float]) -> float | None:
-    ordered = sorted(values)
-    return round(ordered[len(ordered) // 2], 3) if ordered else None

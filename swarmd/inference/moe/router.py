@@ -59,6 +59,7 @@ from swarmd.inference.moe.dispatch import (
 from swarmd.inference.moe.fan_out import FanOut
 from swarmd.inference.moe.local import LocalAnswer, LocalExperts
 from swarmd.net.identity import short_id
+from swarmd.observe.recent import RecentTimes
 from swarmd.observe.spans import SpanRecorder, flow_id
 from swarmd.tasks import spawn
 from swarmd.transport.transport import DeliveryFailed, Refused
@@ -71,7 +72,6 @@ RESULT_TIMEOUT = 120.0  # s a node that acked a batch has to answer it (first ba
 # its experts are asked elsewhere
 PLAN_WAIT = 60.0  # s a step waits for a plan that places experts whose every holder died on a live node
 PLAN_POLL = 0.05  # s between looks at the plan while waiting for it
-RECENT = 1000  # hot remote calls whose times the status's median is taken over
 
 
 class ExpertsUnavailable(Exception):
@@ -106,7 +106,7 @@ class LayerStats:
     messages: int = 0  # ExpertBatch frames sent (one per node hit per call, plus retries elsewhere)
     nodes_hit: int = 0  # distinct nodes per call, summed
     local: int = 0  # calls this daemon's own shard answered in place: one node hit, no message
-    fan_out_ms: deque[float] = field(default_factory=lambda: deque(maxlen=512))
+    fan_out: RecentTimes = field(default_factory=RecentTimes)
     tokens: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # expert -> rows routed
 
 
@@ -123,7 +123,7 @@ class MoERouter:
         self.dead: set[str] = set()  # peers membership says are dead: never asked
         self.waits = 0  # steps that waited for a plan to re-place experts of dead nodes
         self.chooser = ReplicaChooser(trio.current_time)
-        self.hot_calls_ms: deque[float] = deque(maxlen=RECENT)  # a hot batch out -> its answer in, per remote part
+        self.hot_calls = RecentTimes()  # a hot batch out -> its answer in, per remote part
         self.layers: dict[int, LayerStats] = defaultdict(LayerStats)
         self._prefix = f"{random.getrandbits(48):012x}"
         self._count = 0
@@ -197,7 +197,7 @@ class MoERouter:
         stats.rows += len(call.rows)
         for expert, n in tokens_per_expert(call).items():
             stats.tokens[expert] += n
-        stats.fan_out_ms.append(took_s * 1e3)
+        stats.fan_out.add(took_s)
         if traced and self.recorder is not None:
             for rid, step in traced.items():
                 self.recorder.add(rid, "moe.fan_out", _thread(call.layer), span_start, span_end, step=step,
@@ -388,7 +388,7 @@ class MoERouter:
             return
         took = time.perf_counter() - entry.started
         self.chooser.finished(peer, took)
-        self.hot_calls_ms.append(took * 1e3)
+        self.hot_calls.add(took)
         entry.fan.add([(entry.part, answer)])
 
     def _hot_failed(self, batch_id: str, reason: str) -> None:
@@ -446,7 +446,7 @@ class MoERouter:
         while self._hot_done:
             call, seconds, messages, nodes = self._hot_done.popleft()
             stats = self.layers[call.layer]
-            stats.fan_out_ms.append(seconds * 1e3)
+            stats.fan_out.add(seconds)
             stats.messages += messages
             stats.nodes_hit += nodes
             stats.calls += 1
@@ -483,16 +483,14 @@ class MoERouter:
         self._count_hot()
         out = {}
         for block, s in sorted(self.layers.items()):
-            lat = sorted(s.fan_out_ms)
             out[str(block)] = {
                 "actor": router_actor(block), "calls": s.calls, "rows": s.rows, "messages": s.messages, "local": s.local,
                 "nodes_per_call": round(s.nodes_hit / s.calls, 3) if s.calls else None,
-                "fan_out_ms_median": round(lat[len(lat) // 2], 3) if lat else None,
+                "fan_out_ms_median": s.fan_out.median_ms(),
                 "tokens": {str(e): n for e, n in sorted(s.tokens.items())},
             }
-        calls = sorted(self.hot_calls_ms)
         return {"layers": out, "waited_for_plan": self.waits, "dead_peers": sorted(short_id(p) for p in self.dead),
-                "hot_call_ms_median": round(calls[len(calls) // 2], 3) if calls else None,
+                "hot_call_ms_median": self.hot_calls.median_ms(),
                 "latency_ms": {short_id(p): round(self.chooser.estimate(p) * 1e3, 3) for p in sorted(self.chooser.latency)}}
 
 
