@@ -276,7 +276,7 @@ def _remote_rows(calls: list[tuple[float, float]], hop: float) -> str:
         return "| expert batches to other daemons in the traced requests (the event loop's path) | none |\n"
     med = statistics.median
     wire = med([c - h for c, h in calls])
-    return (f"| expert batches to other daemons (traced requests, one per round: the event loop's path) | {len(calls)} |\n"
+    return (f"| expert batches to other daemons (traced requests: the event loop's path) | {len(calls)} |\n"
             f"| a remote call: batch out -> answer in (median) | {med([c for c, _ in calls]):.2f} ms |\n"
             f"| of which the expert node's handling (median) | {med([h for _, h in calls]):.2f} ms |\n"
             f"| the rest, both ways on the wire (median of call - handling) | {wire:.2f} ms |\n"
@@ -303,13 +303,12 @@ Model `{MODEL}` on {N_DAEMONS} daemons, stages {stages}, experts spread over {le
 | fan-out per MoE layer and step (median over layers of each router's median) | {med(fan):.2f} ms |
 | one pipeline hop, same requests (median) | {hop:.2f} ms |
 | fan-out / hop | {med(fan) / hop:.2f} x |
-| an expert shard computing one batch (mean over the timed rounds and traced requests, compute thread) | {res['expert_compute_ms']:.2f} ms |
+| an expert batch's compute (mean over the timed and traced requests) | {res['expert_compute_ms']:.2f} ms |
 | decode, single process (`models.generate`, whole model) | {single:.1f} tok/s |
 | decode, 4 daemons | {swarm:.1f} tok/s ({swarm / single:.2f} x) |
-| (fan-out - one expert batch's compute) / hop | {(med(fan) - res['expert_compute_ms']) / hop:.2f} x |
-| a remote call on the hot lane: batch out -> answer in (median of the daemons' medians) | {med(res['hot_call_ms']):.2f} ms |
-| an expert batch's compute (median of the daemons' medians) | {med(res['compute_ms']):.2f} ms |
-| **(remote call - expert batch compute) / hop** (target 2x) | **{(med(res['hot_call_ms']) - med(res['compute_ms'])) / hop:.2f} x** |
+| a remote call on the hot lane, batch out -> answer in (median of medians) | {med(res['hot_call_ms']):.2f} ms |
+| an expert batch's compute (median of medians) | {med(res['compute_ms']):.2f} ms |
+| **(remote call - compute) / hop** (target 2x) | **{(med(res['hot_call_ms']) - med(res['compute_ms'])) / hop:.2f} x** |
 {_remote_rows(res["calls"], hop)}""")
     if res["baseline"]:
         bfan = [v for v in res["baseline_fan_out_ms"].values() if v is not None]

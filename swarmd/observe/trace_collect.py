@@ -4,11 +4,11 @@
     stage i  --TraceSpans(spans, received, answered)-->  head
 
 Each stage answers from its `SpanRecorder` once its own frames of the request are acked (so that their
-`hop.send` spans are complete); the head waits for its own the same way. A MoE stage's spans name the nodes its routers sent expert batches to
-(`moe.call`'s `to`); those off the chain are asked next, the same way, and appear as `experts abc123` nodes
-(the end of the peer id). The head shifts each node's readings by that node's clock offset: the best
-(least-delay) NTP-style sample from the swarm's probes, this very exchange, or the request's own frames and
-their acks (`swarmd.observe.spans.align`).
+`hop.send` spans are complete); the head waits for its own the same way. A MoE stage's spans name the nodes
+its routers sent expert batches to (`moe.call`'s `to`); those off the chain are asked next, the same way, and
+appear as `experts abc123` nodes (the end of the peer id). The head shifts each node's readings by that node's
+clock offset: the best (least-delay) NTP-style sample from the swarm's probes, this very exchange, or the
+request's own frames and their acks (`swarmd.observe.spans.align`).
 The merged Chrome trace is kept in a `TraceStore` (the latest 20, bounded in size) for `GET /api/v0/traces`,
 `GET /api/v0/traces/{request_id}` and `GET /api/v0/trace/{request_id}`.
 """
