@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 SEED = 1234
 WARM_STEPS = 3
+WARM_SECONDS = 2.0  # torch's prefill before it is timed (swarmd's compile runs it longer than that)
 HOST_PROFILE_STEPS = 16
 
 
@@ -72,8 +73,9 @@ def decode_weight_bytes(arch, bytes_per_value: int = 2) -> int:
     return (arch.n_blocks * block + arch.vocab * arch.hidden + arch.hidden) * bytes_per_value
 
 
-def median_time(fn, n: int, sync) -> float:
-    times = []
+def median_time(fn, n: int, sync, times: list[float] | None = None) -> float:
+    """The median of `n` timed calls of `fn`; each call's time is added to `times` when given."""
+    times = [] if times is None else times
     for _ in range(n):
         sync()
         t = time.perf_counter()
@@ -269,10 +271,10 @@ def work_swarmd(args) -> dict:
     model.free_request("warm")
     out["prefill_compile_s"] = time.perf_counter() - t
     times = []
-    for r in range(3):
+    for r in range(args.prefill_rounds):
         times.append(prefill(f"p{r}", r))
         model.free_request(f"p{r}")
-    out["prefill_s"] = statistics.median(times)
+    out["prefill_s"], out["prefill_times_s"] = statistics.median(times), times
     out["prefill_tok_s"] = prompt / out["prefill_s"]
     rids = [f"r{b}" for b in range(max(batches))]
     for b, rid in enumerate(rids):
@@ -507,8 +509,12 @@ def work_torch(args) -> dict:
     with torch.inference_mode():
         ids = torch.tensor(prompt_ids(prompt, arch.vocab), device=dev)[None]
         zero = torch.zeros(1, dtype=torch.long, device=dev)
-        forward(ids, zero)
-        out["prefill_s"] = median_time(lambda: forward(ids, zero), 3, sync)
+        warm_until = time.perf_counter() + WARM_SECONDS  # the GPU's clocks rise under load: time them risen
+        while time.perf_counter() < warm_until:
+            forward(ids, zero)
+            sync()
+        out["prefill_times_s"] = []
+        out["prefill_s"] = median_time(lambda: forward(ids, zero), args.prefill_rounds, sync, out["prefill_times_s"])
         out["prefill_tok_s"] = prompt / out["prefill_s"]
         for batch in batches:
             tok = torch.ones(batch, 1, dtype=torch.long, device=dev)
@@ -604,6 +610,7 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--prefill-rounds", type=int, default=10, help="timed prefills of the prompt (their median counts)")
     p.add_argument("--copy-mib", type=int, default=2048)
     p.add_argument("--matvec", default="", help="search matvec options on this arch's shapes first")
     p.add_argument("--quick", action="store_true", help="a few matvec candidates only (checks)")
@@ -625,7 +632,8 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
     log = out / "bench_gpu.log" if out else None
     common = ["--batches", ",".join(map(str, args.batches)), "--prompt", str(args.prompt), "--steps", str(args.steps),
-              "--prefill-chunk", str(args.prefill_chunk), "--copy-mib", str(args.copy_mib)] + \
+              "--prefill-chunk", str(args.prefill_chunk),
+              "--prefill-rounds", str(args.prefill_rounds), "--copy-mib", str(args.copy_mib)] + \
              (["--out", str(out)] if out else []) + (["--quick"] if args.quick else [])
     facts = spawn(["--worker", "facts", *common], {}, args.timeout, log) if args.facts else {}
     print("facts", json.dumps(facts), flush=True)
