@@ -133,6 +133,28 @@ def expected_distinct(n: int, k: int, rows: int) -> float:
     return n * (1 - (1 - k / n) ** rows)
 
 
+def profile_in_graph(stage, config, context: int, path: Path) -> dict:
+    """One batch-1 decode step with the experts in the graph, run eagerly with every kernel timed
+    (`bench_gpu.profiled`): the device time by kernel name."""
+    from bench_gpu import profiled
+
+    from models.stage import StageInput
+
+    stage.experts_in_graph = True
+    stage.segments = stage._cut_segments()
+    stage.add_request("profiled")
+    x = np.random.default_rng(1).standard_normal((1, config.dim)).astype(np.float32) * 0.1
+
+    def step(_ahead: int) -> None:
+        stage.slots.set_length("profiled", context)
+        stage.forward([StageInput("profiled", context, x)])
+
+    try:
+        return profiled(stage, step, path)
+    finally:
+        stage.free_request("profiled")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=12)
@@ -140,7 +162,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--copy-mib", type=int, default=2048)
-    parser.add_argument("--search-s", type=float, default=60.0)
+    parser.add_argument("--search-s", type=float, default=60.0, help="0: no search, the kernel's own options")
+    parser.add_argument("--profile", action="store_true",
+                        help="then one batch-1 step in graph run eagerly, every kernel timed (profile-kimi.txt)")
     parser.add_argument("--too-many", type=int, default=20, help="a block count to show the one-line error for")
     parser.add_argument("--mini", action="store_true", help="kimi-k2-mini's width instead (a dry run on a CPU)")
     parser.add_argument("--out", default=None)
@@ -173,10 +197,11 @@ def main() -> None:
 
         config = replace(KIMI_K2_MINI, n_blocks=args.blocks + 2).config(4096, args.context + 64)
     device = Device.DEFAULT
-    best, searched = search_gathered_opts(config, device, args.search_s)
-    os.environ["SWARMD_BLOCK_OPTS"] = json.dumps(best)
-    report |= {"gathered_search": searched, "gathered_opts": best}
-    say(f"searched in {time.time() - t0:.0f} s; using {best}")
+    if args.search_s > 0:
+        best, searched = search_gathered_opts(config, device, args.search_s)
+        os.environ["SWARMD_BLOCK_OPTS"] = json.dumps(best)
+        report |= {"gathered_search": searched, "gathered_opts": best}
+        say(f"searched in {time.time() - t0:.0f} s; using {best}")
     if not args.mini:
         seeded.check_fits(1, 1 + args.blocks, free_memory(), config.max_context, max(batches))
     t = time.time()
@@ -217,6 +242,9 @@ def main() -> None:
                          "first_steps_s": sum(times[:3]), "took_s": time.time() - t})
             say(json.dumps(rows[-1]))
     report["rows"] = rows
+    if args.profile and args.out:
+        report["profile"] = profile_in_graph(stage, config, args.context, Path(args.out, "profile-kimi.txt"))
+        say("profile", json.dumps(report["profile"]))
     say("| expert path | batch | step (ms) | per block (ms) | bytes per block (MB) | roofline (ms) | % of roofline |")
     say("|---|---|---|---|---|---|---|")
     for r in rows:
