@@ -216,7 +216,7 @@ def test_kill_9_of_a_stage_while_32_requests_wait_or_run_ends_each_with_its_toke
     results: list[httpx.Response | Exception] = []
     started = time.monotonic()
     with ThreadPoolExecutor(32) as pool:
-        futures = [pool.submit(complete, head.api, p, 16) for p in PROMPTS[:32]]
+        futures = [pool.submit(complete, head.api, p, 8) for p in PROMPTS[:32]]
         wait_until(lambda: pipeline()["head"]["tokens"] > 0, 300, "the first tokens")
         queued = pipeline()["queue"]
         victim.kill9()
