@@ -76,8 +76,14 @@ def block_matvec(x: Tensor, blocks, idx: Tensor | None = None) -> Tensor:
             t = t.reshape(n, out_features, t.shape[-1])
             return t[pick_idx] if pick_idx is not None else t
 
+        def per_code(t: Tensor) -> Tensor:
+            """A block's scale or offset beside each of its codes. Broadcast before the pick: picked first,
+            tinygrad would write the chosen ones out in a kernel of their own before the product."""
+            spread = t.reshape(-1, nb, 1).expand(-1, nb, per).reshape(t.shape[0], nb * per)
+            return pick(spread).cast(dtypes.float32).reshape(slots, out_features, 1, nb, per)
+
         codes = pick(q).reshape(slots, out_features, 1, nb, per)
-        scale = pick(d).cast(dtypes.float32).reshape(slots, out_features, 1, nb, 1)
+        scale = per_code(d)
         xs = x.reshape(slots, 1, rows, nb, 2, 16) if blocks.packed else x.reshape(slots, 1, rows, nb, 32)
         if blocks.packed:
             lo, hi = codes.bitwise_and(15).cast(dtypes.float32), codes.rshift(4).cast(dtypes.float32)
@@ -85,7 +91,7 @@ def block_matvec(x: Tensor, blocks, idx: Tensor | None = None) -> Tensor:
                 lo, hi = lo - off, hi - off
             terms = (lo * xs[..., 0, :] + hi * xs[..., 1, :]) * scale
             if has_m:  # Q4_1: w = q * d + m
-                m = pick(rest[0]).cast(dtypes.float32).reshape(slots, out_features, 1, nb, 1)
+                m = per_code(rest[0])
                 terms = terms + m * (xs[..., 0, :] + xs[..., 1, :])
         else:
             terms = codes.cast(dtypes.float32) * xs * scale

@@ -18,7 +18,7 @@ from models.kernels.attention import (
     slot_ordered_decode_attention,
     slot_span,
 )
-from models.kernels.gathered import GATHERED_GPU_OPTS, gathered_opts
+from models.kernels.gathered import GATHERED_GPU_OPTS, block_matvec, gathered_opts
 from models.kernels.matvec import (
     TENSOR_CORE_OPTS,
     as_opts,
@@ -259,6 +259,56 @@ def test_the_gathered_experts_pinned_options_apply_where_they_divide_the_reducti
     assert gathered_opts("CUDA", 32, (4, 16)) is None  # 64 wide: an unroll of 4 leaves 16, no group of 32
     assert gathered_opts("CUDA", 1536, (36, 16)) is None  # SmolLM2's 576: 144 after the unroll
     assert gathered_opts("CPU", 32, (4, 16)) is not None  # the CPU's own options, whatever the width
+
+
+def expert_stack(device: str, rng: np.random.Generator | None = None, *, offsets: bool = False):
+    """A stack of 6 Q4_0 (or, with offsets, Q4_1) experts of 24 x 128; random codes when `rng` is given."""
+    from tinygrad import Tensor, dtypes
+
+    from models.kernels.quant import BlockQuantized
+
+    n, out, width = 6, 24, 128
+    if rng is None:
+        q = Tensor.empty(n * out, width // 2, dtype=dtypes.uint8, device=device)
+        d = Tensor.empty(n * out, width // 32, dtype=dtypes.float16, device=device)
+    else:
+        q = Tensor(rng.integers(0, 256, (n * out, width // 2), dtype=np.uint8), device=device)
+        d = Tensor(rng.standard_normal((n * out, width // 32)).astype(np.float16), device=device)
+    m = Tensor(np.ones((n * out, width // 32), np.float16) / 3, device=device) if offsets else None
+    return BlockQuantized(q, d, m, width, shape=(n, out, width), code_offset=0 if offsets else 8)
+
+
+def test_the_chosen_experts_scales_are_read_inside_their_product_not_written_out_before_it():
+    """On the NULL device: the one kernel before the layout copy is the product, and it reads the float16 scales of
+    the whole stack by index (picked first and broadcast after, they took a kernel of their own)."""
+    from tinygrad import Tensor, dtypes
+    from tinygrad.uop.ops import Ops
+
+    for offsets in (False, True):
+        experts = expert_stack("NULL", offsets=offsets)
+        out = block_matvec(Tensor.empty(4, 1, 128, device="NULL"), experts,
+                           Tensor.empty(4, dtype=dtypes.int32, device="NULL"))
+        linear, _ = out.linear_with_vars()
+        kernels = [u for u in linear.toposort() if u.op is Ops.SINK]
+        product = [k for k in kernels if any(u.op is Ops.REDUCE for u in k.toposort())]
+        assert len(product) == 1 and len(kernels) <= 2
+        reads = {(u.dtype.base, u.dtype.size) for u in product[0].toposort() if u.op is Ops.PARAM}
+        assert (dtypes.half, experts.d.numel()) in reads
+
+
+@pytest.mark.parametrize("offsets", [False, True], ids=["q4_0", "q4_1"])
+def test_a_gathered_block_product_is_each_chosen_experts_dequantised_product(offsets, monkeypatch):
+    from tinygrad import Tensor
+
+    monkeypatch.setenv("SWARMD_BLOCK_OPTS", "[]")  # the CPU runs the kernel without a GPU's thread groups
+    rng = np.random.default_rng(3)
+    experts = expert_stack("CPU", rng, offsets=offsets)
+    x = rng.standard_normal((4, 3, 128)).astype(np.float32)
+    idx = np.array([5, 0, 2, 5], dtype=np.int32)
+    got = block_matvec(Tensor(x), experts, Tensor(idx)).numpy()
+    whole = experts.dequantized().numpy()  # (6, 24, 128)
+    want = np.einsum("srk,sok->sro", x, whole[idx])
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
 
 
 def test_builtin_dense_architectures_give_their_configurations():
