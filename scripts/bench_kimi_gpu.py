@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -110,6 +111,55 @@ def search_gathered_opts(config, device: str, timeout_s: float) -> tuple[list, l
     return (ok[0]["opts"] if ok else []), rows
 
 
+DENSE_CANDIDATES = [  # options of a single GGML-block matrix's kernel (axis 1: output features; reduce axis 0)
+    [["GROUP", 0, 4], ["LOCAL", 1, 8]], [["GROUP", 0, 8], ["LOCAL", 1, 8]], [["GROUP", 0, 16], ["LOCAL", 1, 8]],
+    [["GROUP", 0, 32], ["LOCAL", 1, 8]], [["GROUP", 0, 8], ["LOCAL", 1, 4]], [["GROUP", 0, 16], ["LOCAL", 1, 4]],
+    [["GROUP", 0, 32], ["LOCAL", 1, 4]], [["GROUP", 0, 16], ["LOCAL", 1, 2]], [["GROUP", 0, 32], ["LOCAL", 1, 2]],
+    [["GROUP", 0, 16]], [["GROUP", 0, 32]],
+]
+
+
+def search_dense_opts(config, device: str) -> list[dict]:
+    """Each single GGML-block matrix of a block (MLA projections, the shared expert, the router's width), batch 1,
+    under each of `DENSE_CANDIDATES`: microseconds a product, and its read rate."""
+    from tinygrad import Device, Tensor, TinyJit
+
+    from models.catalog.seeded_quantized import q4_0_matrix
+    from models.kernels.gathered import block_matvec
+
+    heads, shared = config.n_heads, config.shared_expert_dim
+    shapes = {"q_a + kv_a": (config.q_lora_rank + config.kv_lora_rank + config.rope_dim, config.dim),
+              "q_b": (heads * config.head_dim, config.q_lora_rank), "o": (config.dim, heads * config.v_head_dim),
+              "shared gate/up": (2 * shared, config.dim), "shared down": (config.dim, shared)}
+    rows = []
+    for name, (out, width) in shapes.items():
+        w = q4_0_matrix(7, name, (out, width), device)
+        x = Tensor.randn(1, 1, width, device=device).realize()
+        for opts in DENSE_CANDIDATES:
+            if (width // 32) % math.prod(arg for op, _, arg in opts if op == "GROUP"):
+                continue  # block_opts would fall back to its own options
+            os.environ["SWARMD_BLOCK_OPTS"] = json.dumps(opts)
+            try:
+                jit = TinyJit(lambda x, w=w: block_matvec(x, w).realize())
+                for _ in range(3):
+                    jit(x)
+                Device[device].synchronize()
+                times = []
+                for _ in range(30):
+                    t = time.perf_counter()
+                    jit(x)
+                    Device[device].synchronize()
+                    times.append(time.perf_counter() - t)
+                us = statistics.median(times) * 1e6
+                rows.append({"matrix": name, "shape": [out, width], "opts": opts, "us": us,
+                             "gb_s": (w.q.nbytes() + w.d.nbytes()) / us / 1e3})
+            except Exception as e:  # an option the kernel's shape refuses
+                rows.append({"matrix": name, "opts": opts, "error": f"{type(e).__name__}: {str(e)[:80]}"})
+            say("dense opts", json.dumps(rows[-1]))
+        os.environ.pop("SWARMD_BLOCK_OPTS", None)
+    return rows
+
+
 def block_bytes(stage, i: int, batch: int, context: int, distinct: float) -> dict[str, float]:
     """Bytes one decode step reads for block i: its own buffers once, `distinct` routed experts, each
     request's latent cache."""
@@ -163,6 +213,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--copy-mib", type=int, default=2048)
     parser.add_argument("--search-s", type=float, default=60.0, help="0: no search, the kernel's own options")
+    parser.add_argument("--search-dense", action="store_true",
+                        help="first time each single matrix of a block under candidate kernel options")
     parser.add_argument("--profile", action="store_true",
                         help="then one batch-1 step in graph run eagerly, every kernel timed (profile-kimi.txt)")
     parser.add_argument("--too-many", type=int, default=20, help="a block count to show the one-line error for")
@@ -197,6 +249,8 @@ def main() -> None:
 
         config = replace(KIMI_K2_MINI, n_blocks=args.blocks + 2).config(4096, args.context + 64)
     device = Device.DEFAULT
+    if args.search_dense:
+        report["dense_search"] = search_dense_opts(config, device)
     if args.search_s > 0:
         best, searched = search_gathered_opts(config, device, args.search_s)
         os.environ["SWARMD_BLOCK_OPTS"] = json.dumps(best)
