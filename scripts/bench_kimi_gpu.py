@@ -120,7 +120,7 @@ DENSE_CANDIDATES = [  # options of a single GGML-block matrix's kernel (axis 1: 
 
 
 def search_dense_opts(config, device: str) -> list[dict]:
-    """Each single GGML-block matrix of a block (MLA projections, the shared expert, the router's width), batch 1,
+    """Each single GGML-block matrix of a block (the MLA projections, the shared expert), batch 1,
     under each of `DENSE_CANDIDATES`: microseconds a product, and its read rate."""
     from tinygrad import Device, Tensor, TinyJit
 
