@@ -69,9 +69,31 @@ def free_memory() -> int:
     return int(out.split()[0]) << 20
 
 
+def median_call_s(jit, args: tuple, device: str, n: int) -> float:
+    """The median seconds of `n` calls of `jit` on `args`, each waited for, after three untimed ones."""
+    from tinygrad import Device
+
+    for _ in range(3):
+        jit(*args)
+    Device[device].synchronize()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        jit(*args)
+        Device[device].synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def use_expert_path(stage, in_graph: bool) -> None:
+    """The routed experts inside the stage's graph, or the graph cut after each router for the shard."""
+    stage.experts_in_graph = in_graph
+    stage.segments = stage._cut_segments()
+
+
 def search_gathered_opts(config, device: str, timeout_s: float) -> tuple[list, list[dict]]:
     """Each candidate's time for one decode's expert work at batch 1 (8 pairs: gate+up, then down), best first."""
-    from tinygrad import Device, Tensor, TinyJit
+    from tinygrad import Tensor, TinyJit
 
     from models.catalog.seeded_quantized import expert_weights
     from models.expert_shard import _stack_gate_up
@@ -93,17 +115,7 @@ def search_gathered_opts(config, device: str, timeout_s: float) -> tuple[list, l
             return gathered_matvec((g.silu() * u).contiguous(), down, idx).realize()
 
         try:
-            jit = TinyJit(step)
-            for _ in range(3):
-                jit(x, idx)
-            Device[device].synchronize()
-            times = []
-            for _ in range(20):
-                t = time.perf_counter()
-                jit(x, idx)
-                Device[device].synchronize()
-                times.append(time.perf_counter() - t)
-            rows.append({"opts": opts, "ms": statistics.median(times) * 1e3})
+            rows.append({"opts": opts, "ms": median_call_s(TinyJit(step), (x, idx), device, 20) * 1e3})
         except Exception as e:  # an option the kernel's shape refuses
             rows.append({"opts": opts, "error": f"{type(e).__name__}: {str(e)[:80]}"})
         say("gathered opts", rows[-1])
@@ -122,7 +134,7 @@ DENSE_CANDIDATES = [  # options of a single GGML-block matrix's kernel (axis 1: 
 def search_dense_opts(config, device: str) -> list[dict]:
     """Each single GGML-block matrix of a block (the MLA projections, the shared expert), batch 1,
     under each of `DENSE_CANDIDATES`: microseconds a product, and its read rate."""
-    from tinygrad import Device, Tensor, TinyJit
+    from tinygrad import Tensor, TinyJit
 
     from models.catalog.seeded_quantized import q4_0_matrix
     from models.kernels.gathered import block_matvec
@@ -140,17 +152,7 @@ def search_dense_opts(config, device: str) -> list[dict]:
                 continue  # block_opts would fall back to its own options
             os.environ["SWARMD_BLOCK_OPTS"] = json.dumps(opts)
             try:
-                jit = TinyJit(lambda x, w=w: block_matvec(x, w).realize())
-                for _ in range(3):
-                    jit(x)
-                Device[device].synchronize()
-                times = []
-                for _ in range(30):
-                    t = time.perf_counter()
-                    jit(x)
-                    Device[device].synchronize()
-                    times.append(time.perf_counter() - t)
-                us = statistics.median(times) * 1e6
+                us = median_call_s(TinyJit(lambda x, w=w: block_matvec(x, w).realize()), (x,), device, 30) * 1e6
                 rows.append({"matrix": name, "shape": [out, width], "opts": opts, "us": us,
                              "gb_s": (w.q.nbytes() + w.d.nbytes()) / us / 1e3})
             except Exception as e:  # an option the kernel's shape refuses
@@ -190,8 +192,7 @@ def profile_in_graph(stage, config, context: int, path: Path) -> dict:
 
     from models.stage import StageInput
 
-    stage.experts_in_graph = True
-    stage.segments = stage._cut_segments()
+    use_expert_path(stage, True)
     stage.add_request("profiled")
     x = np.random.default_rng(1).standard_normal((1, config.dim)).astype(np.float32) * 0.1
 
@@ -267,8 +268,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = []
     for mode in ("in graph", "shard"):
-        stage.experts_in_graph = mode == "in graph"
-        stage.segments = stage._cut_segments()
+        use_expert_path(stage, mode == "in graph")
         for batch in batches:
             ids = [f"{mode}-{batch}-{b}" for b in range(batch)]
             for rid in ids:

@@ -40,7 +40,7 @@ from swarmd.wire.messages import TraceQuery, TraceSpans
 log = logging.getLogger(__name__)
 
 ANSWER_TIMEOUT = 5.0  # s the head waits for a stage's spans (a trace is best effort)
-SETTLE_TIMEOUT = 2.0  # s a stage waits for acks of the request's last frames, so that their hop.send is in
+SETTLE_TIMEOUT = 2.0  # s a daemon waits for the acks of its last frames of a request (their hop.send spans)
 
 
 class TraceCollector:

@@ -1,6 +1,7 @@
 """The code paths written for GPUs, checked on the CPU: decode attention over whole cache tiles, the
 CUDA graph launch-dimension fix, which products go to the tensor cores and the split-reduction form of a decode
-batch's one, the gathered experts' kernel options, and architectures built from their public shapes."""
+batch's one, the gathered experts' kernel options and the one kernel of their GGML-block product, and architectures
+built from their public shapes."""
 
 import ctypes
 
