@@ -339,13 +339,16 @@ def _options_file(variable: str) -> str | None:
 
 
 def _stage_key(stage: Any) -> dict[str, Any] | None:
+    from models.expert_shard import pairs_per_kernel
+
     common = _common(stage, stage.source)
     if common is None:
         return None
     return {**common, "owner": "stage", "blocks": [stage.start, stage.end], "numerics": stage.numerics,
             "weights": stage.weight_dtype, "local_experts": stage.local_experts, "max_context": stage.max_context,
             "max_requests": stage.max_requests, "prefill_chunk": stage.prefill_chunk,
-            "attention_tile": stage.attention_tile, "segments": [list(s) for s in stage.segments]}
+            "attention_tile": stage.attention_tile, "segments": [list(s) for s in stage.segments],
+            "in_graph_pairs": pairs_per_kernel(stage.device) if stage.experts_in_graph else None}
 
 
 def _experts_key(shard: Any) -> dict[str, Any] | None:

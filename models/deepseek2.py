@@ -277,14 +277,16 @@ def rope_table(config: DeepSeek2Config, rows: int) -> np.ndarray:
 # ----- the attention of a stage's block -----
 
 def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,
-              angles: Tensor, project, *, at: tuple[Tensor, Tensor] | None = None) -> Tensor:
+              angles: Tensor, project, *, tiles: Sequence[UOp] = (), at: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Block i's multi-head latent attention for `len(slots)` requests of T tokens each: h (B, T, dim), the
     attention-normed input, -> (B, T, dim). `project(w, x, name)` is the stage's matvec over GGUF-named
-    weights (8-bit activations before block-quantised products under ggml numerics). `at`: a decode batch's
-    slots and positions as tensors, for writing its latents in one kernel."""
+    weights (8-bit activations before block-quantised products under ggml numerics). `tiles`: a decode step's
+    whole cache tiles per row (GPUs, float numerics: `tiled_latent_attention`). `at`: a decode batch's slots and
+    positions as tensors, for writing its latents in one kernel."""
     from tinygrad import Tensor
 
     from models.kernels import ggml_numerics
+    from models.kernels.attention import tiled_latent_attention
     from models.kernels.cache_rows import write_rows
 
     blk, c, cache = stage.blk[i], stage.config, stage.kv.layers[i]
@@ -307,15 +309,21 @@ def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Seque
     cached = write_rows(cache, latent.reshape(batch, T, L + r), slots, starts, slot_axis=0, row_axis=1, at=at)
     query = q_latent.cat(q_rope, dim=-1)  # (B, H, T, L + r)
     scale, decode = kq_scale(c), isinstance(T, int) and T == 1
-    outs = []
-    for b, (s, p) in enumerate(zip(slots, starts, strict=True)):
-        keys = cached[s:s + 1, 0:p + T, :].float().reshape(1, 1, p + T, L + r)
-        qb = ggml_numerics.round_f16(query[b:b + 1]) if ggml else query[b:b + 1]
-        scores = qb @ keys.transpose(-1, -2) * scale  # (1, H, T, S)
-        if not decode:  # causal within the chunk; a decoded token attends to the whole cache
-            scores = scores + Tensor.full((1, 1, T, p + T), float("-inf"), device=stage.device, buffer=False).triu(p + 1)
-        probs = scores.softmax(-1)
-        outs.append((ggml_numerics.round_f16(probs) if ggml else probs) @ keys[..., :L])  # (1, H, T, L)
+    if tiles and decode and not ggml:  # every row over whole tiles of its cache
+        tiling = {"tile": stage.attention_tile, "positions": stage._positions, "values": L, "scale": scale}
+        outs = [tiled_latent_attention(query[b:b + 1], cached, s, p, t, **tiling)
+                for b, (s, p, t) in enumerate(zip(slots, starts, tiles, strict=True))]
+    else:
+        outs = []
+        for b, (s, p) in enumerate(zip(slots, starts, strict=True)):
+            keys = cached[s:s + 1, 0:p + T, :].float().reshape(1, 1, p + T, L + r)
+            qb = ggml_numerics.round_f16(query[b:b + 1]) if ggml else query[b:b + 1]
+            scores = qb @ keys.transpose(-1, -2) * scale  # (1, H, T, S)
+            if not decode:  # causal within the chunk; a decoded token attends to the whole cache
+                mask = Tensor.full((1, 1, T, p + T), float("-inf"), device=stage.device, buffer=False).triu(p + 1)
+                scores = scores + mask
+            probs = scores.softmax(-1)
+            outs.append((ggml_numerics.round_f16(probs) if ggml else probs) @ keys[..., :L])  # (1, H, T, L)
     out = outs[0].cat(*outs[1:]) if batch > 1 else outs[0]
     if ggml and L % ggml_numerics.BLOCK == 0:
         out = ggml_numerics.q8_activations(out.reshape(-1, L))[0].reshape(batch, c.n_heads, T, L)

@@ -23,7 +23,7 @@ from tinygrad.llm.model import TransformerConfig
 from models import cached_graphs
 from models.errors import ModelError
 from models.kernels.gathered import gathered_matvec
-from models.kernels.matvec import tune_cpu_renderer
+from models.kernels.matvec import GPU_DEVICES, tune_cpu_renderer
 from models.moe import EXPERT_TENSORS, ExpertCall, gated_sum, is_moe_block
 from models.tinygrad_ext.jit import HeldInputs, read_back
 
@@ -174,9 +174,18 @@ class ExpertShard:
         ggml = self.numerics == "ggml"
         pairs = x.reshape(b * t, 1, 1, dim).expand(b * t, k, 1, dim).reshape(b * t * k, 1, dim)
         idx = sel.reshape(-1).cast("int32")
-        g, u = gathered_matvec(pairs, gate_up, idx, ggml=ggml).chunk(2, dim=-1)
-        out = gathered_matvec((g.silu() * u).contiguous(), down, idx, ggml=ggml).float().reshape(b, t, k, dim)
-        return (out * gates.unsqueeze(-1)).sum(axis=2)
+
+        def experts(pairs: Tensor, idx: Tensor) -> Tensor:
+            g, u = gathered_matvec(pairs, gate_up, idx, ggml=ggml).chunk(2, dim=-1)
+            return gathered_matvec((g.silu() * u).contiguous(), down, idx, ggml=ggml).float()
+
+        n, per = b * t * k, pairs_per_kernel(x.device)
+        if per and isinstance(n, int) and n > per and n % per == 0:  # kernels of `per` pairs, one after another
+            parts = [experts(pairs[s:s + per], idx[s:s + per]) for s in range(0, n, per)]
+            out = parts[0].cat(*parts[1:])
+        else:
+            out = experts(pairs, idx)
+        return (out.reshape(b, t, k, dim) * gates.unsqueeze(-1)).sum(axis=2)
 
     def _step(self, like_gate_up: Tensor | BlockQuantized, like_down: Tensor | BlockQuantized, x: Tensor, idx: Tensor,
               *weights: Tensor) -> Tensor:
@@ -188,6 +197,17 @@ class ExpertShard:
         ggml = self.numerics == "ggml"
         g, u = gathered_matvec(x, gate_up, idx, ggml=ggml).chunk(2, dim=-1)
         return gathered_matvec((g.silu() * u).contiguous(), down, idx, ggml=ggml).float().realize()
+
+
+def pairs_per_kernel(device: str) -> int:
+    """How many (row, expert) pairs one gathered kernel of `ExpertShard.in_graph` takes: 8 on GPUs, where a
+    kernel reading many experts' matrices at once reads each byte slower than several kernels of a few experts
+    each (docs/BENCHMARKS.md); 0, all of them, elsewhere. `SWARMD_IN_GRAPH_PAIRS` overrides, for comparisons."""
+    import os
+
+    if os.environ.get("SWARMD_IN_GRAPH_PAIRS"):
+        return int(os.environ["SWARMD_IN_GRAPH_PAIRS"])
+    return 8 if device.split(":")[0] in GPU_DEVICES else 0
 
 
 def dispatch(local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

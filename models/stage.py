@@ -320,7 +320,7 @@ class StageModel:
     def from_gguf(cls, path: str | Path, start: int = 0, end: int | None = None, *, max_context: int = 2048,
                   max_requests: int = 8, device: str | None = None, dtype: str | None = None,
                   numerics: str = "float", local_experts: bool = True, reuse: StageModel | None = None,
-                  experts_in_graph: bool = False) -> StageModel:
+                  experts_in_graph: bool = False, attention_tile: int | None = None) -> StageModel:
         """Load blocks [start, end) (default: to the last block) of a GGUF model, reading only their bytes.
 
         `dtype`: "float16" (as tinygrad.llm; the default with float numerics but for `deepseek2`), "float32" (to measure what
@@ -330,7 +330,8 @@ class StageModel:
         `SERVING_NUMERICS` is what `swarmd run` and served stages use.
         `local_experts=False`: the routed experts of MoE blocks are not loaded (see `forward_steps`).
         `reuse`: a stage loaded from the same file alike; the blocks both hold (and the embedding / head
-        both have) are taken over from it as they are, shared, and not read again."""
+        both have) are taken over from it as they are, shared, and not read again. `attention_tile`: as the
+        constructor's (decode attention over whole tiles of that many cache rows; default 128 on GPUs)."""
         from tinygrad import Device
 
         from models.config import config_from_header
@@ -353,7 +354,7 @@ class StageModel:
                                      held=held)
         return cls(config, weights, start, end, max_context=config.max_context, max_requests=max_requests,
                    device=device, local_experts=local_experts, numerics=numerics, source=source, reuse=reuse,
-                   held=held, experts_in_graph=experts_in_graph)
+                   held=held, experts_in_graph=experts_in_graph, attention_tile=attention_tile)
 
     @classmethod
     def random(cls, config, seed: int, start: int = 0, end: int | None = None, *, dtype: str = "float16",
@@ -836,7 +837,7 @@ class StageModel:
 
         normed = self._norm(blk.attn_norm, x)
         if self.mla:
-            h = x + deepseek2.attention(self, i, normed, slots, starts, T, angles, project, at=at)
+            h = x + deepseek2.attention(self, i, normed, slots, starts, T, angles, project, tiles=tiles, at=at)
         else:
             h = x + self._attention(i, normed, slots, starts, T, angles, tiles, project, span=span, at=at)
         normed = self._norm(blk.ffn_norm, h)

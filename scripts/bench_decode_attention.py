@@ -8,6 +8,12 @@ kernel (the table to pin). Llama-3.1-8B's attention shapes (32 heads, 8 KV heads
 with one JSON line (and one after each batch size).
 
     python3 scripts/bench_decode_attention.py --batches 8,32 --context 640 --beam 4
+
+`--latent`: one decoded token's multi-head latent attention over whole tiles instead (`tiled_latent_attention`,
+every row of a batch alike), Kimi-K2's shapes by default (64 heads over a latent of 576, values its first 512),
+the options of `LATENT_OPTS` against the heuristics and the search:
+
+    python3 scripts/bench_decode_attention.py --latent --context 512 --beam 4
 """
 
 from __future__ import annotations
@@ -52,6 +58,34 @@ def build(batch: int, context: int, max_context: int, kv_dtype: str, heads: int,
         cache = Tensor(kv.uop.after(*stores))
         return slot_ordered_decode_attention(q, cache, *batch_rows_at(svars, pvars, q.device), tiles, span=span,
                                              tile=tile, positions=positions, n_kv_heads=kv_heads)
+
+    return attention
+
+
+def build_latent(context: int, max_context: int, kv_dtype: str, heads: int, width: int, values: int, tile: int):
+    """A function that returns one layer's latent attention (lazy) for one decoded token at position context-1
+    of slot 0, as a stage's decode step builds it: the token's latent stored, then the cache read back."""
+    import numpy as np
+    from tinygrad import Tensor, UOp, dtypes
+
+    from models.kernels.attention import tiled_latent_attention
+
+    rng = np.random.default_rng(0)
+    most_tiles = -(-max_context // tile)
+    rows = most_tiles * tile
+    cache = Tensor(rng.standard_normal((2, rows, width), dtype=np.float32)).cast(
+        getattr(dtypes, kv_dtype)).contiguous().realize()
+    q = Tensor(rng.standard_normal((1, heads, 1, width), dtype=np.float32) / np.sqrt(width)).realize()
+    new = Tensor(rng.standard_normal((1, 1, width), dtype=np.float32)).realize()
+    positions = Tensor.arange(rows).realize()
+    slot = UOp.variable("slot0", 0, 1).bind(0)
+    pos = UOp.variable("pos0", 0, max_context - 1).bind(context - 1)
+    tiles = UOp.variable("tiles0", 1, most_tiles).bind((context - 1) // tile + 1)
+
+    def attention():
+        store = cache[slot:slot + 1, pos:pos + 1, :].uop.store(new.cast(cache.dtype).uop)
+        return tiled_latent_attention(q, Tensor(cache.uop.after(store)), slot, pos, tiles, tile=tile,
+                                      positions=positions, values=values, scale=1 / np.sqrt(192))
 
     return attention
 
@@ -130,12 +164,18 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--tile", type=int, default=128)
+    p.add_argument("--latent", action="store_true", help="one token's latent attention (--batches is ignored)")
+    p.add_argument("--values", type=int, default=512, help="with --latent: the values' width")
     args = p.parse_args()
+    if args.latent and "--heads" not in sys.argv:
+        args.heads, args.head_dim = 64, 576
     report: dict = {"device": Device.DEFAULT, "context": args.context}
     for dtype in args.kv_dtypes.split(","):
-        for batch in (int(b) for b in args.batches.split(",")):
-            att = build(batch, args.context, args.max_context, dtype, args.heads, args.kv_heads,
-                        args.head_dim, args.tile)
+        for batch in ([1] if args.latent else [int(b) for b in args.batches.split(",")]):
+            att = build_latent(args.context, args.max_context, dtype, args.heads, args.head_dim, args.values,
+                               args.tile) if args.latent else \
+                build(batch, args.context, args.max_context, dtype, args.heads, args.kv_heads, args.head_dim,
+                      args.tile)
             row: dict = {}
             configs = [("table", None), ("heuristics", {})]
             if args.table:

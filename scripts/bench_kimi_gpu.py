@@ -185,25 +185,29 @@ def expected_distinct(n: int, k: int, rows: int) -> float:
     return n * (1 - (1 - k / n) ** rows)
 
 
-def profile_in_graph(stage, config, context: int, path: Path) -> dict:
-    """One batch-1 decode step with the experts in the graph, run eagerly with every kernel timed
+def profile_in_graph(stage, config, context: int, batch: int, path: Path) -> dict:
+    """One decode step of `batch` requests with the experts in the graph, run eagerly with every kernel timed
     (`bench_gpu.profiled`): the device time by kernel name."""
     from bench_gpu import profiled
 
     from models.stage import StageInput
 
     use_expert_path(stage, True)
-    stage.add_request("profiled")
+    rids = [f"profiled{b}" for b in range(batch)]
+    for rid in rids:
+        stage.add_request(rid)
     x = np.random.default_rng(1).standard_normal((1, config.dim)).astype(np.float32) * 0.1
 
     def step(_ahead: int) -> None:
-        stage.slots.set_length("profiled", context)
-        stage.forward([StageInput("profiled", context, x)])
+        for rid in rids:
+            stage.slots.set_length(rid, context)
+        stage.forward([StageInput(rid, context, x) for rid in rids])
 
     try:
         return profiled(stage, step, path)
     finally:
-        stage.free_request("profiled")
+        for rid in rids:
+            stage.free_request(rid)
 
 
 def main() -> None:
@@ -217,7 +221,8 @@ def main() -> None:
     parser.add_argument("--search-dense", action="store_true",
                         help="first time each single matrix of a block under candidate kernel options")
     parser.add_argument("--profile", action="store_true",
-                        help="then one batch-1 step in graph run eagerly, every kernel timed (profile-kimi.txt)")
+                        help="then one step in graph run eagerly, every kernel timed (profile-kimi.txt)")
+    parser.add_argument("--profile-batch", type=int, default=1, help="the profiled step's requests")
     parser.add_argument("--too-many", type=int, default=20, help="a block count to show the one-line error for")
     parser.add_argument("--mini", action="store_true", help="kimi-k2-mini's width instead (a dry run on a CPU)")
     parser.add_argument("--out", default=None)
@@ -297,7 +302,8 @@ def main() -> None:
             say(json.dumps(rows[-1]))
     report["rows"] = rows
     if args.profile and args.out:
-        report["profile"] = profile_in_graph(stage, config, args.context, Path(args.out, "profile-kimi.txt"))
+        report["profile"] = profile_in_graph(stage, config, args.context, args.profile_batch,
+                                             Path(args.out, "profile-kimi.txt"))
         say("profile", json.dumps(report["profile"]))
     say("| expert path | batch | step (ms) | per block (ms) | bytes per block (MB) | roofline (ms) | % of roofline |")
     say("|---|---|---|---|---|---|---|")

@@ -3,8 +3,8 @@
 A length of pos+1 rows is a reduction axis tinygrad cannot split over threads (nothing divides it), so softmax
 and the weighted sum ran on a few dozen threads; `tiles` x `tile` rows split (docs/BENCHMARKS.md). The rows past
 the token's position are masked. A lone request, or a batch whose rows share a slot (a verify step's), runs a set
-of kernels per row (`tiled_decode_attention`). A batch of rows in distinct slots runs one set for the batch
-(`slot_ordered_decode_attention`): its queries are put in slot order, and the cache's first slots attend as they
+of kernels per row (`tiled_decode_attention`; `tiled_latent_attention` for multi-head latent attention, every
+batch). A batch of rows in distinct slots runs one set for the batch (`slot_ordered_decode_attention`): its queries are put in slot order, and the cache's first slots attend as they
 lie, a plain slice with no load whose address comes from memory (a concatenation of per-slot views, and a one-hot
 gather of each row's cache, were slower on an H200: docs/BENCHMARKS.md).
 """
@@ -39,16 +39,37 @@ def tiled_decode_attention(q: Tensor, cache: Tensor, slot: UOp, pos: UOp, tiles:
     return _over_tiles(q.reshape(1, kvh, group, 1, 1, hd), cache, rows_of, visible, tile).reshape(1, n_heads, 1, hd)
 
 
+def tiled_latent_attention(q: Tensor, cache: Tensor, slot: UOp, pos: UOp, tiles: UOp, *, tile: int,
+                           positions: Tensor, values: int, scale: float) -> Tensor:
+    """Multi-head latent attention of one decoded token, its queries absorbed into the latent space: q (1, heads,
+    1, latent) at position `pos` over rows [0, pos] of `slot` in `cache` (slots, rows, latent), whose rows are
+    every head's keys and whose first `values` columns are their values, read as `tiles` whole tiles of `tile`
+    rows; scores scaled by `scale`. Returns (1, heads, 1, values)."""
+    _, n_heads, _, width = q.shape
+    rows = tiles * tile
+
+    def rows_of(kv: Tensor, kind: int) -> Tensor:
+        part = kv[slot:slot + 1, 0:rows, :] if kind == 0 else kv[slot:slot + 1, 0:rows, 0:values]
+        return part.reshape(1, 1, 1, tiles, tile, part.shape[-1])
+
+    visible = positions[0:rows].reshape(tiles, tile) <= pos
+    opts = latent_opts((n_heads, width, values, tile, cache.dtype.name))
+    out = _over_tiles(q.reshape(1, 1, n_heads, 1, 1, width), cache, rows_of, visible, tile, opts, scale=scale)
+    return out.reshape(1, n_heads, 1, values)
+
+
 def _over_tiles(q: Tensor, cache: Tensor, rows_of: Callable[[Tensor, int], Tensor], visible: Tensor,
-                tile: int, opts: dict[str, tuple | None] | None = None) -> Tensor:
+                tile: int, opts: dict[str, tuple | None] | None = None, scale: float | None = None) -> Tensor:
     """Queries q (n, kv_heads, group, 1, 1, head_dim) over the rows `rows_of(kv, kind)` reads from a cache `kv`
     ((n, kv_heads, 1, tiles, tile, head_dim); kind 0 the keys, 1 the values), where `visible` (broadcast to n,
-    kv_heads, group, tiles, tile) holds. `opts` pins the kernels' options on GPUs ("scores", "sum"; None: tinygrad
-    chooses). Returns (n, kv_heads, group, head_dim)."""
+    kv_heads, group, tiles, tile) holds; scores scaled by `scale` (default 1/sqrt(head_dim)). `opts` pins the
+    kernels' options on GPUs ("scores", "sum"; None: tinygrad chooses). Returns (n, kv_heads, group, values'
+    width)."""
     opts = {"scores": None, "sum": (("GROUPTOP", 0, math.gcd(16, tile)),)} if opts is None else opts
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
 
     def masked_scores(q: Tensor, kv: Tensor, visible: Tensor) -> Tensor:
-        return visible.where((q * rows_of(kv, 0)).sum(-1) * (1 / math.sqrt(q.shape[-1])), -math.inf)
+        return visible.where((q * rows_of(kv, 0)).sum(-1) * scale, -math.inf)
 
     pinned = opts.get("scores") if cache.device.split(":")[0] in GPU_DEVICES else None
     if pinned:  # options hold on a kernel function's output only: a plain contiguous's are lost
@@ -89,12 +110,33 @@ def slot_ordered_opts(shape: tuple[int, int, int, int, int, str]) -> dict[str, t
     """The slot-ordered attention's kernel options for `shape` (a `SLOT_ORDERED_OPTS` key; None: not there).
     `SWARMD_ATTENTION_OPTS` (a JSON file of one entry, {"scores": ..., "sum": ...}, for searches and comparisons;
     a kernel missing or null there is left to tinygrad) overrides the table for every shape."""
+    return _given_opts() or SLOT_ORDERED_OPTS.get(shape)
+
+
+# The latent attention's kernel options on GPUs, found as `SLOT_ORDERED_OPTS`' were (`--latent`), keyed by (heads,
+# latent width, values' width, tile, the cache's dtype); a shape not here keeps `_over_tiles`' own.
+LATENT_OPTS: dict[tuple[int, int, int, int, str], dict[str, tuple | None]] = {
+    (64, 576, 512, 128, "float"): {  # Kimi-K2, DeepSeek-V3
+        "scores": (("GROUP", 0, 16), ("LOCAL", 0, 8), ("UPCAST", 1, 2), ("UPCAST", 0, 4)),
+        "sum": (("LOCAL", 1, 16), ("GROUPTOP", 0, 16), ("UPCAST", 2, 4), ("LOCAL", 0, 8), ("UPCAST", 1, 2),
+                ("SWAP", 0, 1))},
+}
+
+
+def latent_opts(shape: tuple[int, int, int, int, str]) -> dict[str, tuple | None] | None:
+    """The latent attention's kernel options for `shape` (a `LATENT_OPTS` key; None: not there), overridden as
+    `slot_ordered_opts`' are."""
+    return _given_opts() or LATENT_OPTS.get(shape)
+
+
+def _given_opts() -> dict[str, tuple | None] | None:
+    """The options in the file `SWARMD_ATTENTION_OPTS` names, if any."""
     import json
     from pathlib import Path
 
     path = os.environ.get("SWARMD_ATTENTION_OPTS")
     if not path:
-        return SLOT_ORDERED_OPTS.get(shape)
+        return None
     table = json.loads(Path(path).read_text())
     return {k: tuple(tuple(o) for o in table[k]) if table.get(k) else None for k in ("scores", "sum")}
 

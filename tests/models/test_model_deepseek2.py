@@ -66,6 +66,19 @@ def test_a_deepseek2_gguf_computes_what_the_numpy_reference_computes(files, form
     np.testing.assert_allclose(run(model), reference_logits(files[form]), atol=F32_TOL, rtol=0)
 
 
+def test_decoded_tokens_attending_over_whole_cache_tiles_compute_the_numpy_reference(files):
+    """As on GPUs: each decoded token's latent attention reads whole tiles of 4 cache rows (positions 10-12
+    cross a tile's border), the rows past its own masked; its sums run in another order than over the exact
+    length."""
+    exact = run(StageModel.from_gguf(files["split"], max_context=64, max_requests=2, dtype="float32"))
+    tiled = run(StageModel.from_gguf(files["split"], max_context=64, max_requests=2, dtype="float32",
+                                     attention_tile=4))
+    np.testing.assert_allclose(tiled, reference_logits(files["split"]), atol=F32_TOL, rtol=0)
+    prompt = len(PROMPT)
+    assert np.array_equal(tiled[:prompt], exact[:prompt])  # the prompt's chunk attends over its exact length
+    assert not np.array_equal(tiled[prompt:], exact[prompt:])
+
+
 def test_q4_0_experts_stay_quantized_and_compute_the_dequantized_reference(files):
     model = StageModel.from_gguf(files["q4_0"], max_context=64, max_requests=1, dtype="quantized")
     assert model.weight_dtype == "quantized"
@@ -76,8 +89,10 @@ def test_q4_0_experts_stay_quantized_and_compute_the_dequantized_reference(files
     np.testing.assert_allclose(run(model), reference_logits(files["q4_0"]), atol=1e-3, rtol=0)
 
 
-def test_requests_at_different_positions_decode_in_one_batch_as_alone(files):
-    model = StageModel.from_gguf(files["split"], max_context=64, max_requests=2, dtype="float32")
+@pytest.mark.parametrize("tile", [None, 4])
+def test_requests_at_different_positions_decode_in_one_batch_as_alone(files, tile):
+    model = StageModel.from_gguf(files["split"], max_context=64, max_requests=2, dtype="float32",
+                                 attention_tile=tile)
     alone = run(model, "solo")
     model.add_request("a")
     model.add_request("b")
@@ -135,3 +150,19 @@ def test_experts_in_the_stages_own_graph_compute_what_its_shard_computes(files):
     assert len(fast.segments) == 1
     exact = StageModel.from_gguf(path, max_context=64, max_requests=1, dtype="quantized")
     np.testing.assert_allclose(run(fast), run(exact), atol=1e-4, rtol=0)
+
+
+def test_experts_in_the_graph_give_the_same_bits_in_kernels_of_a_few_pairs(files, monkeypatch):
+    """As on GPUs, where a kernel of many experts reads slowly: a decoded token's four (row, expert) pairs in
+    two kernels of two, each pair's sums in the same order as in one kernel of four."""
+
+    def decode(pairs: str) -> np.ndarray:
+        monkeypatch.setenv("SWARMD_IN_GRAPH_PAIRS", pairs)
+        model = StageModel.from_gguf(files["q4_0"], max_context=64, max_requests=1, dtype="quantized",
+                                     experts_in_graph=True)
+        model.add_request("a")
+        out = [model.forward([StageInput("a", 0, PROMPT[:1])])[0]]
+        out += [model.forward([StageInput("a", 1 + j, np.array([t]))])[0] for j, t in enumerate(DECODED)]
+        return np.stack(out)
+
+    np.testing.assert_array_equal(decode("2"), decode("0"))

@@ -306,7 +306,7 @@ def test_a_gathered_block_product_is_each_chosen_experts_dequantised_product(off
     experts = expert_stack("CPU", rng, offsets=offsets)
     x = rng.standard_normal((4, 3, 128)).astype(np.float32)
     idx = np.array([5, 0, 2, 5], dtype=np.int32)
-    got = block_matvec(Tensor(x), experts, Tensor(idx)).numpy()
+    got = block_matvec(Tensor(x, device="CPU"), experts, Tensor(idx, device="CPU")).numpy()
     whole = experts.dequantized().numpy()  # (6, 24, 128)
     want = np.einsum("srk,sok->sro", x, whole[idx])
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
