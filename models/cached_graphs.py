@@ -32,6 +32,7 @@ from tinygrad import TinyJit
 from tinygrad.engine.jit import JitError
 
 from models.kernels.attention import half_products_on
+from models.kernels.gathered import pairs_per_kernel
 from models.kernels.matvec import tensor_core_min_rows, tensor_core_split, tensor_cores_on
 from models.tinygrad_ext import graph_cache
 from models.tinygrad_ext.jit import Bind
@@ -339,8 +340,6 @@ def _options_file(variable: str) -> str | None:
 
 
 def _stage_key(stage: Any) -> dict[str, Any] | None:
-    from models.expert_shard import pairs_per_kernel
-
     common = _common(stage, stage.source)
     if common is None:
         return None

@@ -22,8 +22,8 @@ from tinygrad.llm.model import TransformerConfig
 
 from models import cached_graphs
 from models.errors import ModelError
-from models.kernels.gathered import gathered_matvec
-from models.kernels.matvec import GPU_DEVICES, tune_cpu_renderer
+from models.kernels.gathered import gathered_matvec, pairs_per_kernel
+from models.kernels.matvec import tune_cpu_renderer
 from models.moe import EXPERT_TENSORS, ExpertCall, gated_sum, is_moe_block
 from models.tinygrad_ext.jit import HeldInputs, read_back
 
@@ -197,17 +197,6 @@ class ExpertShard:
         ggml = self.numerics == "ggml"
         g, u = gathered_matvec(x, gate_up, idx, ggml=ggml).chunk(2, dim=-1)
         return gathered_matvec((g.silu() * u).contiguous(), down, idx, ggml=ggml).float().realize()
-
-
-def pairs_per_kernel(device: str) -> int:
-    """How many (row, expert) pairs one gathered kernel of `ExpertShard.in_graph` takes: 8 on GPUs, where a
-    kernel reading many experts' matrices at once reads each byte slower than several kernels of a few experts
-    each (docs/BENCHMARKS.md); 0, all of them, elsewhere. `SWARMD_IN_GRAPH_PAIRS` overrides, for comparisons."""
-    import os
-
-    if os.environ.get("SWARMD_IN_GRAPH_PAIRS"):
-        return int(os.environ["SWARMD_IN_GRAPH_PAIRS"])
-    return 8 if device.split(":")[0] in GPU_DEVICES else 0
 
 
 def dispatch(local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -102,6 +102,18 @@ def block_matvec(x: Tensor, blocks, idx: Tensor | None = None) -> Tensor:
     return kernel(*args).permute(0, 2, 1)
 
 
+def pairs_per_kernel(device: str) -> int:
+    """How many (row, expert) pairs one gathered kernel of `models.expert_shard.ExpertShard.in_graph` takes: 8
+    on GPUs, where a kernel reading many experts' matrices at once reads each byte slower than several kernels of
+    a few experts each (docs/BENCHMARKS.md); 0, all of them, elsewhere. `SWARMD_IN_GRAPH_PAIRS` overrides, for
+    comparisons."""
+    import os
+
+    if os.environ.get("SWARMD_IN_GRAPH_PAIRS"):
+        return int(os.environ["SWARMD_IN_GRAPH_PAIRS"])
+    return 8 if device.split(":")[0] in GPU_DEVICES else 0
+
+
 # Options of the gathered matvec on GPUs (axis 0: output features; reduce axis 0: the inner dimension); empty:
 # tinygrad's heuristics. Options that split the reduction must not depend on the slots and rows.
 GATHERED_GPU_OPTS: tuple[tuple[str, int, int], ...] = (('UNROLL', 0, 4), ('GROUP', 0, 32))
