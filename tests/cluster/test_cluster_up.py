@@ -21,7 +21,7 @@ import pytest
 
 from planner.plan_file import PlanFile
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.waits]
 
 MODEL = "kimi-k2-mini"
 FLEET = ["--fleet", "2x4090,2x3090,2x3060", "--regions", "2", "--rtt-ms", "1,60", "--uplink-mbit", "100"]

@@ -22,7 +22,7 @@ from swarmd.wire import Forward, Hello, encode
 from tests.security.helpers import eventually, forward, start_member
 from tests.wire.wire_examples import VALID_BODIES, mutate
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]  # about 20 s
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.waits]  # about 20 s
 PATIENT = GuardLimits(bad_frames=10**6, stream_opens_per_second=1e6, stream_open_burst=10**6)
 PAYLOADS_PER_PROTOCOL = 12
 LEN = struct.Struct(">I")

@@ -14,7 +14,7 @@ from swarmd.transport.transport import DeliveryFailed
 from swarmd.wire import Forward
 from tests.security.helpers import TIMINGS, eventually, forward, start_member
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]  # real hosts and dial timeouts: about 15 s
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.waits]  # real hosts and dial timeouts: about 15 s
 
 
 async def test_only_holders_of_the_swarm_key_join_see_descriptors_get_the_plan_or_deliver_activations(tmp_path):

@@ -16,7 +16,7 @@ from swarmd.swarm.planning import MakePlan
 from swarmd.swarm.service import SwarmService, SwarmSettings
 from tests.swarm.swarm_helpers import descriptor
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.waits]
 LAYOUT = layout_from_arch(BUILTIN_ARCHS["smollm2-135m"], "f16")
 # Five hosts share one Python thread here, so every gossip message costs five times: LAN heartbeats
 # (the 0.25 s of the local-test preset keep this loop busy enough to delay probes past their timeout).
