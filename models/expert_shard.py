@@ -167,7 +167,7 @@ class ExpertShard:
     def in_graph(self, layer: int, x: Tensor, gates: Tensor, sel: Tensor) -> Tensor:
         """The routed experts inside a stage's graph (no host round trip): x (B, T, dim) normed rows, gates and
         sel (B, T, k) as `route` gives them (every expert held here, local index = global index); each
-        (row, selection) pair gathers its expert's matrices by index. -> (B, T, dim)."""
+        (row, selection) pair gathers its expert's matrices by index. -> (B, T, dim), the bits of `compute`."""
         gate_up, down = self.weights[layer]
         b, t, dim = x.shape
         k = sel.shape[-1]
@@ -185,7 +185,10 @@ class ExpertShard:
             out = parts[0].cat(*parts[1:])
         else:
             out = experts(pairs, idx)
-        return (out.reshape(b, t, k, dim) * gates.unsqueeze(-1)).sum(axis=2)
+        # the gates, each gated output and their sum each realised, as `gated_sum` rounds them on a swarm's host:
+        # fused, a kernel's multiply-adds round otherwise, and the bits would differ from a cut graph's
+        gated = (out.reshape(b, t, k, dim) * gates.contiguous().unsqueeze(-1)).contiguous()
+        return gated.sum(axis=2).contiguous()
 
     def _step(self, like_gate_up: Tensor | BlockQuantized, like_down: Tensor | BlockQuantized, x: Tensor, idx: Tensor,
               *weights: Tensor) -> Tensor:

@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     from tinygrad import Tensor
     from tinygrad.uop.ops import UOp
 
-__all__ = ["NUMERICS", "SERVING_NUMERICS", "ExpertCall", "KVCacheFull", "StageInput", "StageModel", "run_numerics",
+__all__ = ["NUMERICS", "SERVING_NUMERICS", "ExpertCall", "KVCacheFull", "StageInput", "StageModel", "run_experts_in_graph", "run_numerics",
            "serving_numerics"]
 
 # (first block, end block, cut): blocks [first, end) run; with `cut`, block end-1 stops after its router.
@@ -95,6 +95,15 @@ def run_numerics(config) -> str:
     serving one computes exactly what the single process does (llama.cpp's 8-bit activations moved their logits
     9-26 % of their range away from the float32 reference: docs/MOE.md, "One arithmetic")."""
     return "float" if is_mla(config) else SERVING_NUMERICS
+
+
+def run_experts_in_graph(config, device: str | None = None) -> bool:
+    """Whether `swarmd run` runs a MoE's routed experts inside its graph: DeepSeek-V3 / Kimi-K2 on the CPU, where
+    that gives the bits of a graph cut after each router (a swarm's) and decodes faster (docs/BENCHMARKS.md);
+    elsewhere the graph is cut, as a swarm's is."""
+    from tinygrad import Device
+
+    return is_mla(config) and Device.canonicalize(device).split(":")[0] not in GPU_DEVICES
 
 
 @dataclass(frozen=True)
@@ -188,8 +197,9 @@ class StageModel:
         from `reuse` (by default all that `reuse.parts_for(...)` allows: the realised blocks both hold, and the
         embedding / head when both have it, shared, not copied). `source` names where the weights came from
         (file and dtype, or seed), so that only a stage of the same weights hands its parts over.
-        `experts_in_graph`: a MoE stage holding its routed experts runs them inside its own graph (no host
-        round trip per MoE block: the fast path on GPUs) instead of through its shard as a swarm does."""
+        `experts_in_graph`: a DeepSeek-V3 / Kimi-K2 stage holding its routed experts runs them inside its own
+        graph (no host round trip per MoE block: the fast path on GPUs) instead of through its shard as a swarm
+        does; on the CPU with the same bits."""
         from tinygrad import Device, Tensor, nn
         from tinygrad.llm.model import MLATransformerBlock, TransformerBlock
 
@@ -224,6 +234,8 @@ class StageModel:
         # in-graph experts round differently and turn near-ties into other tokens)
         self.mla = is_mla(config)
         self.shards_experts = bool(self.moe_blocks) and self.local_experts
+        if experts_in_graph and self.shards_experts and not self.mla:  # a Llama-family MoE's logits differ
+            raise ModelError("experts in the stage's graph are built for DeepSeek-V3 / Kimi-K2 blocks only")
         self.experts_in_graph = experts_in_graph and self.shards_experts
         self.source = source
         if held is None:

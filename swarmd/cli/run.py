@@ -98,14 +98,14 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = tokenizer.encode(text) if given else []
     check_prompt_fits(len(prompt_ids), config.max_context)
 
-    from models.stage import StageModel, run_numerics
+    from models.stage import StageModel, run_experts_in_graph, run_numerics
     from models.tinygrad_ext.program_cache import keep_compiled_programs_on_disk
 
     keep_compiled_programs_on_disk()
     _say(f"loading {source.name} ({source.path.stat().st_size / 2**20:.0f} MiB) ...")
     started = time.perf_counter()
     model = StageModel.from_gguf(source.path, max_context=config.max_context, max_requests=1,
-                                  numerics=run_numerics(config))
+                                  numerics=run_numerics(config), experts_in_graph=run_experts_in_graph(config))
     _say(f"loaded in {time.perf_counter() - started:.1f} s; generating " + (
         "(graphs missing from the graph cache are captured first, and kept there)" if model.graphs.enabled
         else "(a first run also compiles kernels and captures graphs)"))

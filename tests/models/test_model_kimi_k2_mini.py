@@ -64,12 +64,14 @@ def test_swarmd_runs_arithmetic_agrees_with_the_float32_reference_where_the_top_
     cache); every position picks the reference's token where its top-1/top-2 gap exceeds that difference."""
     from models.generate import generate
     from models.sampling import SamplingParams
-    from models.stage import StageInput, StageModel, run_numerics
+    from models.stage import StageInput, StageModel, run_experts_in_graph, run_numerics
     from models.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(mini)
     config, weights = ref.load(mini)
-    model = StageModel.from_gguf(mini, max_context=256, max_requests=1, numerics=run_numerics(config_from_header(read_header(mini))))
+    run_config = config_from_header(read_header(mini))
+    model = StageModel.from_gguf(mini, max_context=256, max_requests=1, numerics=run_numerics(run_config),
+                                 experts_in_graph=run_experts_in_graph(run_config))
     prompt = tok.encode("The capital of France is")
     gen = generate(model, tok, prompt, SamplingParams(max_tokens=12), keep_logits=True)
     got = np.stack([piece.logits for piece in gen if piece.token_id is not None])

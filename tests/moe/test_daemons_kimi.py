@@ -54,7 +54,9 @@ def test_kimi_k2_mini_on_four_daemons_gives_swarmd_runs_tokens(tmp_path_factory,
     from models.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(mini)
-    alone = StageModel.from_gguf(mini, max_context=256, max_requests=1, numerics="float")  # swarmd run's (run_numerics)
+    # swarmd run's arithmetic (run_numerics), the graph cut after each router as a swarm's is (swarmd run on a CPU
+    # runs the experts inside its graph: the command's text below checks that it is the same)
+    alone = StageModel.from_gguf(mini, max_context=256, max_requests=1, numerics="float")
     gen = generate(alone, tok, tok.encode(PROMPT), SamplingParams(max_tokens=N_TOKENS))
     text = "".join(piece.text for piece in gen)
     want = gen.token_ids
