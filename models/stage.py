@@ -230,8 +230,9 @@ class StageModel:
         self.moe_blocks = [i for i in range(start, end) if is_moe_block(config, i)]
         self.local_experts = local_experts or not self.moe_blocks
         # a stage runs its own routed experts through an ExpertShard, as a swarm's expert holders do, so that one
-        # process and a swarm compute them alike (the graph is cut after each router either way; tinygrad.llm's
-        # in-graph experts round differently and turn near-ties into other tokens)
+        # process and a swarm compute them alike: the graph cut after each router, or (`experts_in_graph`) the
+        # shard's kernels inside the graph (tinygrad.llm's in-graph experts round differently and turn near-ties
+        # into other tokens)
         self.mla = is_mla(config)
         self.shards_experts = bool(self.moe_blocks) and self.local_experts
         if experts_in_graph and self.shards_experts and not self.mla:  # a Llama-family MoE's logits differ
