@@ -23,7 +23,7 @@ from tinygrad.llm.model import TransformerConfig
 from models import cached_graphs
 from models.errors import ModelError
 from models.kernels.gathered import gathered_matvec, pairs_per_kernel
-from models.kernels.matvec import tune_cpu_renderer
+from models.kernels.matvec import GPU_DEVICES, tune_cpu_renderer
 from models.moe import EXPERT_TENSORS, ExpertCall, gated_sum, is_moe_block
 from models.tinygrad_ext.jit import HeldInputs, read_back
 
@@ -167,7 +167,8 @@ class ExpertShard:
     def in_graph(self, layer: int, x: Tensor, gates: Tensor, sel: Tensor) -> Tensor:
         """The routed experts inside a stage's graph (no host round trip): x (B, T, dim) normed rows, gates and
         sel (B, T, k) as `route` gives them (every expert held here, local index = global index); each
-        (row, selection) pair gathers its expert's matrices by index. -> (B, T, dim), the bits of `compute`."""
+        (row, selection) pair gathers its expert's matrices by index. -> (B, T, dim): on the CPU the bits of
+        `compute`."""
         gate_up, down = self.weights[layer]
         b, t, dim = x.shape
         k = sel.shape[-1]
@@ -185,6 +186,8 @@ class ExpertShard:
             out = parts[0].cat(*parts[1:])
         else:
             out = experts(pairs, idx)
+        if x.device.split(":")[0] in GPU_DEVICES:  # the cut graph's bits differ there anyway (docs/BENCHMARKS.md)
+            return (out.reshape(b, t, k, dim) * gates.unsqueeze(-1)).sum(axis=2)
         # the gates, each gated output and their sum each realised, as `gated_sum` rounds them on a swarm's host:
         # fused, a kernel's multiply-adds round otherwise, and the bits would differ from a cut graph's
         gated = (out.reshape(b, t, k, dim) * gates.contiguous().unsqueeze(-1)).contiguous()

@@ -72,8 +72,8 @@ if TYPE_CHECKING:
     from tinygrad import Tensor
     from tinygrad.uop.ops import UOp
 
-__all__ = ["NUMERICS", "SERVING_NUMERICS", "ExpertCall", "KVCacheFull", "StageInput", "StageModel", "run_experts_in_graph", "run_numerics",
-           "serving_numerics"]
+__all__ = ["NUMERICS", "SERVING_NUMERICS", "ExpertCall", "KVCacheFull", "StageInput", "StageModel",
+           "run_experts_in_graph", "run_numerics", "serving_numerics"]
 
 # (first block, end block, cut): blocks [first, end) run; with `cut`, block end-1 stops after its router.
 Segment = tuple[int, int, bool]
