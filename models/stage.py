@@ -197,9 +197,9 @@ class StageModel:
         from `reuse` (by default all that `reuse.parts_for(...)` allows: the realised blocks both hold, and the
         embedding / head when both have it, shared, not copied). `source` names where the weights came from
         (file and dtype, or seed), so that only a stage of the same weights hands its parts over.
-        `experts_in_graph`: a DeepSeek-V3 / Kimi-K2 stage holding its routed experts runs them inside its own
-        graph (no host round trip per MoE block: the fast path on GPUs) instead of through its shard as a swarm
-        does; on the CPU with the same bits."""
+        `experts_in_graph`: a MoE stage holding its routed experts runs them inside its own graph (no host round
+        trip per MoE block: the fast path on GPUs) instead of through its shard as a swarm does; for DeepSeek-V3 /
+        Kimi-K2 on the CPU with the same bits (a Llama-family MoE's logits differ: docs/BENCHMARKS.md)."""
         from tinygrad import Device, Tensor, nn
         from tinygrad.llm.model import MLATransformerBlock, TransformerBlock
 
@@ -235,8 +235,6 @@ class StageModel:
         # into other tokens)
         self.mla = is_mla(config)
         self.shards_experts = bool(self.moe_blocks) and self.local_experts
-        if experts_in_graph and self.shards_experts and not self.mla:  # a Llama-family MoE's logits differ
-            raise ModelError("experts in the stage's graph are built for DeepSeek-V3 / Kimi-K2 blocks only")
         self.experts_in_graph = experts_in_graph and self.shards_experts
         self.source = source
         if held is None:

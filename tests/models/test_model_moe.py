@@ -10,7 +10,6 @@ import pytest
 
 from models.catalog.moe_writer import SYNTHETIC_MOE, write_synthetic_moe
 from models.config import config_from_header
-from models.errors import ModelError
 from models.expert_shard import ExpertShard
 from models.gguf.header import read_header
 from models.gguf.loader import stage_tensor_names
@@ -163,11 +162,6 @@ def test_a_shard_refuses_experts_it_does_not_hold(moe_gguf):
         shard(ExpertCall(2, rows, np.array([[0, 1]], np.int32), np.ones((1, 2), np.float32)))
     with pytest.raises(Exception, match="no experts of block 1"):
         shard(ExpertCall(1, rows, np.array([[4, -1]], np.int32), np.ones((1, 2), np.float32)))
-
-
-def test_experts_inside_a_llama_moe_stages_graph_are_refused_in_one_line(moe_gguf):
-    with pytest.raises(ModelError, match="built for DeepSeek-V3 / Kimi-K2 blocks only"):
-        StageModel.from_gguf(moe_gguf, max_context=32, max_requests=1, dtype="float32", experts_in_graph=True)
 
 
 def test_a_synthetic_moe_gguf_holds_the_seeded_weights_of_any_split(tmp_path):
