@@ -4,9 +4,10 @@ A length of pos+1 rows is a reduction axis tinygrad cannot split over threads (n
 and the weighted sum ran on a few dozen threads; `tiles` x `tile` rows split (docs/BENCHMARKS.md). The rows past
 the token's position are masked. A lone request, or a batch whose rows share a slot (a verify step's), runs a set
 of kernels per row (`tiled_decode_attention`; `tiled_latent_attention` for multi-head latent attention, every
-batch). A batch of rows in distinct slots runs one set for the batch (`slot_ordered_decode_attention`): its queries are put in slot order, and the cache's first slots attend as they
-lie, a plain slice with no load whose address comes from memory (a concatenation of per-slot views, and a one-hot
-gather of each row's cache, were slower on an H200: docs/BENCHMARKS.md).
+batch). A batch of rows in distinct slots runs one set for the batch (`slot_ordered_decode_attention`): its
+queries are put in slot order, and the cache's first slots attend as they lie, a plain slice with no load whose
+address comes from memory (a concatenation of per-slot views, and a one-hot gather of each row's cache, were
+slower on an H200: docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
