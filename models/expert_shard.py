@@ -186,12 +186,12 @@ class ExpertShard:
             out = parts[0].cat(*parts[1:])
         else:
             out = experts(pairs, idx)
-        if x.device.split(":")[0] in GPU_DEVICES:  # the cut graph's bits differ there anyway (docs/BENCHMARKS.md)
-            return (out.reshape(b, t, k, dim) * gates.unsqueeze(-1)).sum(axis=2)
-        # the gates, each gated output and their sum each realised, as `gated_sum` rounds them on a swarm's host:
-        # fused, a kernel's multiply-adds round otherwise, and the bits would differ from a cut graph's
-        gated = (out.reshape(b, t, k, dim) * gates.contiguous().unsqueeze(-1)).contiguous()
-        return gated.sum(axis=2).contiguous()
+        # on the CPU the gates, each gated output and their sum are each realised, as `gated_sum` rounds them on a
+        # swarm's host (fused, a kernel's multiply-adds round otherwise); on GPUs the cut graph's bits differ
+        # anyway (docs/BENCHMARKS.md) and the sum stays in one kernel
+        exact = x.device.split(":")[0] not in GPU_DEVICES
+        gated = out.reshape(b, t, k, dim) * (gates.contiguous() if exact else gates).unsqueeze(-1)
+        return gated.contiguous().sum(axis=2).contiguous() if exact else gated.sum(axis=2)
 
     def _step(self, like_gate_up: Tensor | BlockQuantized, like_down: Tensor | BlockQuantized, x: Tensor, idx: Tensor,
               *weights: Tensor) -> Tensor:

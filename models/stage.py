@@ -97,13 +97,13 @@ def run_numerics(config) -> str:
     return "float" if is_mla(config) else SERVING_NUMERICS
 
 
-def run_experts_in_graph(config, device: str | None = None) -> bool:
+def run_experts_in_graph(config) -> bool:
     """Whether `swarmd run` runs a MoE's routed experts inside its graph: DeepSeek-V3 / Kimi-K2 on the CPU, where
     that gives the bits of a graph cut after each router (a swarm's) and decodes faster (docs/BENCHMARKS.md);
     elsewhere the graph is cut, as a swarm's is."""
     from tinygrad import Device
 
-    return is_mla(config) and Device.canonicalize(device).split(":")[0] not in GPU_DEVICES
+    return is_mla(config) and Device.DEFAULT.split(":")[0] not in GPU_DEVICES
 
 
 @dataclass(frozen=True)

@@ -160,15 +160,15 @@ def main() -> None:
     p.add_argument("--beam", type=int, default=0, help="BEAM width of a search of every kernel (0: no search)")
     p.add_argument("--table", default="", help="a JSON file of options to measure beside the built-in table")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--heads", type=int, help="query heads (default 32; 64 with --latent)")
     p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--head-dim", type=int, help="(default 128; with --latent the latent's width, 576)")
     p.add_argument("--tile", type=int, default=128)
     p.add_argument("--latent", action="store_true", help="one token's latent attention (--batches is ignored)")
     p.add_argument("--values", type=int, default=512, help="with --latent: the values' width")
     args = p.parse_args()
-    if args.latent and "--heads" not in sys.argv:
-        args.heads, args.head_dim = 64, 576
+    args.heads = args.heads or (64 if args.latent else 32)
+    args.head_dim = args.head_dim or (576 if args.latent else 128)
     report: dict = {"device": Device.DEFAULT, "context": args.context}
     for dtype in args.kv_dtypes.split(","):
         for batch in ([1] if args.latent else [int(b) for b in args.batches.split(",")]):

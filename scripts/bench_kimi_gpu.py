@@ -71,18 +71,12 @@ def free_memory() -> int:
 
 def median_call_s(jit, args: tuple, device: str, n: int) -> float:
     """The median seconds of `n` calls of `jit` on `args`, each waited for, after three untimed ones."""
+    from bench_gpu import median_time
     from tinygrad import Device
 
     for _ in range(3):
         jit(*args)
-    Device[device].synchronize()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jit(*args)
-        Device[device].synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return median_time(lambda: jit(*args), n, Device[device].synchronize)
 
 
 def use_expert_path(stage, in_graph: bool) -> None:
