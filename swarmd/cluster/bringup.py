@@ -92,6 +92,7 @@ class Cluster:
         self.control_port = 0
         self.wan: Wan | None = None
         self.started_at = 0.0
+        self.http = httpx.Client()  # one for the polling: each new client loads the CA bundle again
 
     # --- start ---------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -237,8 +238,8 @@ class Cluster:
         if url is None:
             return None
         try:
-            status = httpx.get(f"{url}/api/v0/status", timeout=10).json()
-            status["pipeline"] = httpx.get(f"{url}/api/v0/pipeline", timeout=10).json()
+            status = self.http.get(f"{url}/api/v0/status", timeout=10).json()
+            status["pipeline"] = self.http.get(f"{url}/api/v0/pipeline", timeout=10).json()
             return status
         except (httpx.HTTPError, ValueError):
             return None
@@ -293,7 +294,7 @@ class Cluster:
         done event (usage, timings, the trace when asked) with the whole text."""
         text: list[str] = []
         try:
-            with httpx.stream("POST", f"{self.api}/api/v0/generate", json=body,
+            with self.http.stream("POST", f"{self.api}/api/v0/generate", json=body,
                               timeout=httpx.Timeout(10.0, read=None)) as response:
                 if response.status_code != 200:
                     response.read()
@@ -337,6 +338,7 @@ class Cluster:
                 p.wait(timeout=5)
         if self.processes.started:
             clear_state(self.dir)
+        self.http.close()
 
 
 def down(directory: Path, say: Say) -> int:

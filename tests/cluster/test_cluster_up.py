@@ -15,11 +15,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 import pytest
 
 from planner.plan_file import PlanFile
+from tests.swarm.daemons import http
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.waits]
 
@@ -99,7 +99,7 @@ def test_the_greedy_answer_is_what_swarmd_run_prints(kept, reference):
 
 
 def test_every_slot_runs_with_its_devices_label_and_memory_and_the_leader_bound_them_all(kept):
-    status = httpx.get(f"{kept.state['api']}/api/v0/status", timeout=10).json()
+    status = http.get(f"{kept.state['api']}/api/v0/status", timeout=10).json()
     bound = status["slots"]["bound"]
     assert set(bound) == set(kept.plan.fleet.names) and all(bound.values())
     members = {m["peer_id"]: m for m in status["members"]}

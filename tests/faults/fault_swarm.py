@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from tests.pipeline.daemon_swarm import DaemonSwarm, even_plan
-from tests.swarm.daemons import wait_until
+from tests.swarm.daemons import http, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANT = "[timings]\npreset = \"lan\"\nsuspect_after = 6.0\nprobe_timeout = 2.0\n"
@@ -156,7 +156,7 @@ class FaultSwarm(DaemonSwarm):
         """POST /api/v0/generate on daemon `via` (an index into `daemons`): (step, token id) pairs as streamed,
         and the final event. `on_token(n)` is called after the n-th token."""
         pairs: list[tuple[int, int]] = []
-        with httpx.stream("POST", f"{self.daemons[via].api}/api/v0/generate", json=body,
+        with http.stream("POST", f"{self.daemons[via].api}/api/v0/generate", json=body,
                           timeout=httpx.Timeout(30.0, read=read_timeout)) as r:
             if r.status_code != 200:
                 r.read()

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import time
 
-import httpx
 import pytest
 
 from tests.faults.fault_swarm import FaultSwarm
+from tests.swarm.daemons import http
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(900)]  # the module fixture starts 4 daemons and warms a spare
 
@@ -49,7 +49,7 @@ def stage_peers(swarm: FaultSwarm) -> list[str]:
 
 
 def stage_status(swarm: FaultSwarm, peer: str) -> dict | None:
-    return httpx.get(f"{swarm.daemons[swarm.index_of(peer)].api}/api/v0/pipeline", timeout=10).json()["stage"]
+    return http.get(f"{swarm.daemons[swarm.index_of(peer)].api}/api/v0/pipeline", timeout=10).json()["stage"]
 
 
 def kv_counts(swarm: FaultSwarm, peer: str) -> tuple[int, int]:

@@ -14,11 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 from planner.plan import Plan
 from tests.moe.moe_swarm import ExpertNodeSwarm, MoESwarm, write_tiny_moe
+from tests.swarm.daemons import http
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
@@ -94,7 +94,7 @@ def test_a_moe_model_on_four_daemons_equals_the_single_process_moe(tmp_path_fact
         # /metrics carries the same expert load, summed over the daemons whose routers sent it
         metered = 0.0
         for d in swarm.running:
-            for line in httpx.get(f"{d.api}/metrics", timeout=10).text.splitlines():
+            for line in http.get(f"{d.api}/metrics", timeout=10).text.splitlines():
                 if line.startswith('swarmd_expert_tokens_total{block="2"'):
                     metered += float(line.rsplit(" ", 1)[1])
         assert metered == 2 * routed["2"]["rows"]
@@ -107,9 +107,9 @@ def test_a_moe_model_on_four_daemons_equals_the_single_process_moe(tmp_path_fact
                                              swarm.running[0].api], capture_output=True, text=True,
                                             timeout=60).stdout)
         assert as_json["plan"]["experts"]["1"]
-        pipeline = httpx.get(f"{swarm.running[1].api}/api/v0/pipeline", timeout=10).json()
+        pipeline = http.get(f"{swarm.running[1].api}/api/v0/pipeline", timeout=10).json()
         assert pipeline["moe"]["expert"]["batches"] > 0 or pipeline["moe"]["router"]["layers"]
-        moe = [httpx.get(f"{d.api}/api/v0/pipeline", timeout=10).json()["moe"] for d in swarm.running]
+        moe = [http.get(f"{d.api}/api/v0/pipeline", timeout=10).json()["moe"] for d in swarm.running]
         served = [m["expert"] for m in moe if m["expert"]["batches"]]  # its recent batches' median compute
         assert served and all(e["compute_ms_median"] > 0 for e in served)
         hot = [m["router"]["hot_call_ms_median"] for m in moe if m["router"]["hot_call_ms_median"] is not None]

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from planner.plan import ModelRef, Plan, Stage, stage_actor
-from tests.swarm.daemons import Daemon, stop_all, wait_until
+from tests.swarm.daemons import Daemon, http, stop_all, wait_until
 
 N_BLOCKS = 30  # SmolLM2-135M
 
@@ -60,7 +60,7 @@ class DaemonSwarm:
         return [d for d in self.daemons if d.proc is not None and d.proc.poll() is None]
 
     def pipeline(self, i: int = 0) -> dict[str, Any]:
-        return httpx.get(f"{self.running[i].api}/api/v0/pipeline", timeout=10).json()
+        return http.get(f"{self.running[i].api}/api/v0/pipeline", timeout=10).json()
 
     def wait_chain(self, n: int, timeout: float = 300.0, *, stages: set[str] | None = None) -> dict[str, Any]:
         """Until every daemon agrees on a plan of `n` stages, all loaded: one per running daemon, or on the peers
@@ -91,7 +91,7 @@ class DaemonSwarm:
     def generate(self, via: int = 0, **body: Any) -> tuple[list[int], dict[str, Any]]:
         """POST /api/v0/generate on daemon `via`: the token ids and the final event."""
         tokens: list[int] = []
-        with httpx.stream("POST", f"{self.running[via].api}/api/v0/generate", json=body,
+        with http.stream("POST", f"{self.running[via].api}/api/v0/generate", json=body,
                           timeout=httpx.Timeout(30.0, read=600.0)) as r:
             if r.status_code != 200:
                 r.read()

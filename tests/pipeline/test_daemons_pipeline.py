@@ -17,12 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
 from tests.pipeline.daemon_swarm import DaemonSwarm
-from tests.swarm.daemons import Daemon, wait_until
+from tests.swarm.daemons import Daemon, http, wait_until
 
 # The module's swarm of 6 starts in the first test's setup: on a loaded machine that alone can take minutes.
 pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(900)]
@@ -188,9 +187,9 @@ def test_bad_requests_get_a_clear_error_and_no_daemon_dies(swarm, ref):
         ("/api/v0/generate", {"prompt": ""}, 400, "prompt is empty"),
     ]
     for path, body, status, words in cases:
-        r = httpx.post(f"{api}{path}", json=body, timeout=30)
+        r = http.post(f"{api}{path}", json=body, timeout=30)
         assert r.status_code == status and words in r.json()["error"]["message"], (path, body, r.text)
-    r = httpx.post(f"{api}/v1/chat/completions", content=b'{"model": "smollm2-135m", "messages": [', timeout=30,
+    r = http.post(f"{api}/v1/chat/completions", content=b'{"model": "smollm2-135m", "messages": [', timeout=30,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     assert r.json()["error"]["type"] == "invalid_request_error"
@@ -216,7 +215,7 @@ def test_a_client_that_goes_away_cancels_its_request_and_every_stage_frees_its_c
     swarm.wait_chain(4)
     body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 400, "temperature": 0, "stream": True}
     chunks = 0
-    with httpx.stream("POST", f"{swarm.running[0].api}/v1/completions", json=body, timeout=600) as r:
+    with http.stream("POST", f"{swarm.running[0].api}/v1/completions", json=body, timeout=600) as r:
         for line in r.iter_lines():
             chunks += line.startswith("data: {")
             if chunks == 3:

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from tests.pipeline.daemon_swarm import DaemonSwarm
-from tests.swarm.daemons import wait_until
+from tests.swarm.daemons import http, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(1500)]
 
@@ -81,7 +81,7 @@ def swarm(tmp_path_factory, bench_file, ref):  # the reference first: its compil
 
 def complete(api: str, p: str, max_tokens: int = N_TOKENS, user: str | None = None) -> httpx.Response:
     body = {"model": MODEL, "prompt": p, "max_tokens": max_tokens, "temperature": 0, **({"user": user} if user else {})}
-    return httpx.post(f"{api}/v1/completions", json=body, timeout=httpx.Timeout(30, read=900))
+    return http.post(f"{api}/v1/completions", json=body, timeout=httpx.Timeout(30, read=900))
 
 
 def at_once(jobs: list[tuple[str, str]], **kw) -> list[httpx.Response | Exception]:
@@ -144,7 +144,7 @@ def test_64_requests_at_once_all_complete_each_with_its_own_answer_within_the_me
     for d in swarm.running:
         bound = d.status()["members"][0]["memory_total"]  # what the daemon reports it may use (--memory-limit)
         assert peak[d.proc.pid] <= bound, (d.home.name, peak[d.proc.pid] >> 20, bound >> 20)
-    metrics = httpx.get(f"{swarm.running[0].api}/metrics", timeout=10).text
+    metrics = http.get(f"{swarm.running[0].api}/metrics", timeout=10).text
     assert metric(metrics, "swarmd_queue_wait_seconds_count") >= 20 and "swarmd_stage_slots{" in metrics
     print(f"64 requests at once: {took:.1f} s; KV slots {totals}; peak RSS MiB {[v >> 20 for v in peak.values()]}; "
           f"moved {[swarm.pipeline(i)['head']['moved'] for i in range(4)]}")
@@ -168,7 +168,7 @@ def test_a_daemon_whose_queue_is_full_answers_429_with_retry_after_and_nothing_b
                             env={**os.environ, "SWARMD_HOME": str(small.home), "COLUMNS": "250"})
     assert status.returncode == 0, status.stderr
     assert f"{codes.count(429)} refused (429, queue full)" in status.stdout and "/" in status.stdout, status.stdout
-    metrics = httpx.get(f"{small.api}/metrics", timeout=10).text
+    metrics = http.get(f"{small.api}/metrics", timeout=10).text
     assert metric(metrics, "swarmd_queue_refused_total") == codes.count(429)
 
 
@@ -211,7 +211,7 @@ def test_kill_9_of_a_stage_while_32_requests_wait_or_run_ends_each_with_its_toke
     head = next(d for d in swarm.running if d is not victim and d is not small)  # the plan says who holds what
 
     def pipeline() -> dict:
-        return httpx.get(f"{head.api}/api/v0/pipeline", timeout=10).json()
+        return http.get(f"{head.api}/api/v0/pipeline", timeout=10).json()
 
     results: list[httpx.Response | Exception] = []
     started = time.monotonic()

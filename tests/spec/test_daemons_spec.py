@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.moe.moe_swarm import MoESwarm
+from tests.swarm.daemons import http
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(1500)]
 
@@ -98,7 +99,7 @@ def test_speculating_heads_answer_with_exactly_the_tokens_of_heads_that_do_not(s
     spec = [swarm.running[i].status()["speculation"] for i in (0, 1)]
     assert spec[0]["mode"] == "ngram" and spec[1]["mode"] == f"model:{DRAFT}"
     assert all(s["accepted"] > 0 and s["tokens_per_pass"] > 1 for s in spec), spec
-    metrics = httpx.get(f"{swarm.running[1].api}/metrics", timeout=10).text
+    metrics = http.get(f"{swarm.running[1].api}/metrics", timeout=10).text
     for name in ("swarmd_spec_drafted_tokens_total", "swarmd_spec_accepted_tokens_total",
                  "swarmd_spec_verify_passes_total", "swarmd_spec_draft_seconds_total",
                  "swarmd_spec_accepted_length_bucket"):
@@ -110,7 +111,7 @@ def test_speculating_heads_answer_with_exactly_the_tokens_of_heads_that_do_not(s
 
 def test_a_traced_speculative_request_shows_its_drafts_and_verify_passes(swarm, reference):
     swarm.wait_chain(4)
-    with httpx.stream("POST", f"{swarm.running[0].api}/api/v0/generate", timeout=httpx.Timeout(30, read=600),
+    with http.stream("POST", f"{swarm.running[0].api}/api/v0/generate", timeout=httpx.Timeout(30, read=600),
                       json={"prompt": CODE, "max_tokens": N_TOKENS, "trace": True}) as r:
         events = [json.loads(line) for line in r.iter_lines()]
     done = events[-1]
@@ -136,6 +137,6 @@ def test_a_request_chooses_its_own_speculation_and_bad_choices_are_a_clear_400(s
                                   "speculate": {"mode": "model:no-such-model"}}, "no-such-model"),
     ]
     for path, body, words in cases:
-        r = httpx.post(f"{api}{path}", json=body, timeout=60)
+        r = http.post(f"{api}{path}", json=body, timeout=60)
         assert r.status_code == 400 and words in r.json()["error"]["message"], (path, body, r.text)
     assert all(d.proc.poll() is None for d in swarm.running)

@@ -18,6 +18,9 @@ from typing import Any
 import httpx
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+# One client for every request a test makes to a daemon (threads may share it): each new httpx client loads the CA
+# bundle, tens of milliseconds of CPU, which polling a swarm's status turns into a busy core.
+http = httpx.Client()
 
 
 class Daemon:
@@ -96,7 +99,7 @@ class Daemon:
             return ""
 
     def status(self) -> dict[str, Any]:
-        return httpx.get(f"{self.api}/api/v0/status", timeout=5).json()
+        return http.get(f"{self.api}/api/v0/status", timeout=5).json()
 
     def status_cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         """`swarmd status` exactly as a user runs it, finding the daemon through its home."""

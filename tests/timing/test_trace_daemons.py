@@ -10,10 +10,10 @@ import subprocess
 import sys
 from collections import defaultdict
 
-import httpx
 import pytest
 
 from tests.pipeline.daemon_swarm import DaemonSwarm
+from tests.swarm.daemons import http
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
@@ -111,24 +111,24 @@ def test_a_traced_request_shows_every_node_and_hop_on_one_time_axis(swarm, tmp_p
     assert len(forward) == 3 and all(r["steps"] == N_TOKENS - 1 and r["median_ms"] > 0 for r in forward)
 
     # The API: the head keeps the merged trace; a stage serves its own spans; nothing for unknown ids.
-    merged = httpx.get(f"{head.api}/api/v0/trace/{request_id}", timeout=10).json()["traceEvents"]
+    merged = http.get(f"{head.api}/api/v0/trace/{request_id}", timeout=10).json()["traceEvents"]
     assert len([e for e in merged if e["ph"] == "X"]) == len(spans) - 1  # all but the client's own span
-    own = httpx.get(f"{swarm.running[2].api}/api/v0/trace/{request_id}", timeout=10).json()["traceEvents"]
+    own = http.get(f"{swarm.running[2].api}/api/v0/trace/{request_id}", timeout=10).json()["traceEvents"]
     assert {e["name"] for e in own if e["ph"] == "X"} >= {"stage.forward", "hop.send"}
-    assert httpx.get(f"{head.api}/api/v0/trace/req-unknown", timeout=10).status_code == 404
+    assert http.get(f"{head.api}/api/v0/trace/req-unknown", timeout=10).status_code == 404
 
 
 def test_untraced_requests_leave_no_spans_and_metrics_count_every_request(swarm):
     head = swarm.running[1]
-    before = httpx.get(f"{head.api}/metrics", timeout=10).text
+    before = http.get(f"{head.api}/metrics", timeout=10).text
     _, end = swarm.generate(via=1, prompt="Hi", max_tokens=4)
     assert end["event"] == "done" and "trace" not in end
     rid = None
-    for line in httpx.get(f"{head.api}/api/v0/pipeline", timeout=10).json()["stage"]["recent_steps"]:
+    for line in http.get(f"{head.api}/api/v0/pipeline", timeout=10).json()["stage"]["recent_steps"]:
         rid = line["request_id"]
     for d in swarm.running:
-        assert httpx.get(f"{d.api}/api/v0/trace/{rid}", timeout=10).status_code == 404
-    after = httpx.get(f"{head.api}/metrics", timeout=10).text
+        assert http.get(f"{d.api}/api/v0/trace/{rid}", timeout=10).status_code == 404
+    after = http.get(f"{head.api}/metrics", timeout=10).text
     assert metric(after, "swarmd_tokens_total") == metric(before, "swarmd_tokens_total") + 4
     assert metric(after, 'swarmd_requests_total{outcome="finished"}') >= 2
     assert metric(after, "swarmd_time_to_first_token_seconds_count") >= 2

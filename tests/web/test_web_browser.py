@@ -17,11 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.pipeline.daemon_swarm import even_plan
-from tests.swarm.daemons import Daemon, stop_all
+from tests.swarm.daemons import Daemon, http, stop_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(900)]
 
@@ -96,7 +95,7 @@ def page(swarm, tmp_path_factory):
 
 
 def api(daemon: Daemon, path: str) -> dict:
-    return httpx.get(f"{daemon.api}{path}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).json()
+    return http.get(f"{daemon.api}{path}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).json()
 
 
 def blocks(ranges: str) -> list[int]:

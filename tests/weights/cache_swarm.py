@@ -19,7 +19,7 @@ import httpx
 
 from models.gguf.header import GGUFHeader, read_header
 from models.gguf.loader import ROUTED_TENSORS, tensor_nbytes
-from tests.swarm.daemons import Daemon, stop_all, wait_until
+from tests.swarm.daemons import Daemon, http, stop_all, wait_until
 
 
 def cachedb() -> str:
@@ -111,7 +111,7 @@ def greedy(path, prompt: str = PROMPT, *, numerics: str | None = None) -> list[i
 
 def generate(api: str, prompt: str = PROMPT) -> list[int]:
     tokens: list[int] = []
-    with httpx.stream("POST", f"{api}/api/v0/generate", json={"prompt": prompt, "max_tokens": N_TOKENS},
+    with http.stream("POST", f"{api}/api/v0/generate", json={"prompt": prompt, "max_tokens": N_TOKENS},
                       timeout=httpx.Timeout(30.0, read=600.0)) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():

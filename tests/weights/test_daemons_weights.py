@@ -14,11 +14,11 @@ import os
 import subprocess
 import sys
 
-import httpx
 import pytest
 
 from models.gguf.header import read_header
 from models.gguf.manifest import Manifest
+from tests.swarm.daemons import http
 from tests.weights.cache_swarm import CONTEXT, CacheSwarm, check_fetched_only_what_was_assigned, generate
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(900)]
@@ -68,10 +68,10 @@ def test_status_models_and_metrics_show_the_manifest_and_what_was_fetched(dense,
     [row] = [line for line in listing.stdout.splitlines() if "smollm2-135m" in line]
     assert "swarm (partial)" in row and identity[:16] in row
     metrics = {line.split(" ")[0]: float(line.split(" ")[1]) for line in
-               httpx.get(f"{b.api}/metrics", timeout=10).text.splitlines() if line.startswith("swarmd_weights")}
+               http.get(f"{b.api}/metrics", timeout=10).text.splitlines() if line.startswith("swarmd_weights")}
     assert metrics["swarmd_weights_bytes_fetched_total"] > 1 << 20
     assert metrics["swarmd_weights_fetch_total_bytes"] > 0 and metrics["swarmd_weights_fetching"] == 0
-    served = httpx.get(f"{dense.daemons['a'].api}/metrics", timeout=10).text
+    served = http.get(f"{dense.daemons['a'].api}/metrics", timeout=10).text
     assert "swarmd_weights_bytes_served_total" in served
 
 
@@ -90,7 +90,7 @@ def test_a_peer_serving_corrupt_chunks_is_detected_and_avoided(dense, smollm2_gg
     assert "sent a bad chunk" in log and "fetching it elsewhere" in log
     fetched = spare.status()["weights"]["fetched_from"]
     assert liar.peer_id not in fetched and sum(fetched.values()) > 0
-    assert httpx.get(f"{liar.api}/api/v0/status", timeout=10).json()["weights"]["served"]["chunks_served"] >= 1
+    assert http.get(f"{liar.api}/api/v0/status", timeout=10).json()["weights"]["served"]["chunks_served"] >= 1
     check_fetched_only_what_was_assigned(dense, "f", read_header(smollm2_gguf))
     assert spare.status()["self"]["model"]["name"] == "smollm2-135m"
     assert generate(spare.api) == want
