@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH_FILE = "device-bench.json"  # swarmd.daemon.descriptor.BENCH_FILE: the device benchmark a home keeps
 PROMPT = "Once upon a time, in a small village, there lived an old clockmaker who"  # 17 tokens
 VARIANTS = ("before", "cold", "warm")
+http = httpx.Client()  # one for the polls: a new client per poll would load the CA bundle, CPU the daemon needs
 
 STEADY = """
 import json, sys
@@ -157,7 +158,7 @@ def daemon(tree: Path, graphs: Path | None, home: Path, *, fill: bool = False,
             raise RuntimeError(f"the daemon exited ({proc.wait()}):\n{log.read_text()[-2000:]}")
         deadline = started + 600
         while time.perf_counter() < deadline:
-            state = httpx.get(f"{api}/api/v0/status", timeout=10).json().get("assignment") or {}
+            state = http.get(f"{api}/api/v0/status", timeout=10).json().get("assignment") or {}
             if state.get("state") == "ready":
                 break
             time.sleep(0.05)

@@ -29,7 +29,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from local_swarm import LocalSwarm, say  # noqa: E402
+from local_swarm import LocalSwarm, http, say  # noqa: E402
 
 PROMPT = "Once upon a time, in a small village at the edge of the forest,"
 DECODE = re.compile(r"decode ([0-9.]+) tok/s")
@@ -43,7 +43,7 @@ def wait_for_work(swarm: LocalSwarm, min_holders: int, timeout: float = 300.0) -
     while time.monotonic() < deadline:
         try:
             plan = swarm.daemons[0].status()["plan"]
-            ready = httpx.get(f"{swarm.api}/api/v0/pipeline", timeout=5).json()["chain"]["ready"]
+            ready = http.get(f"{swarm.api}/api/v0/pipeline", timeout=5).json()["chain"]["ready"]
         except (httpx.HTTPError, KeyError, ValueError):
             plan, ready = None, False
         if plan:

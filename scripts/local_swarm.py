@@ -34,6 +34,7 @@ import httpx
 from swarmd.daemon.descriptor import BENCH_FILE
 
 DEFAULT_CHAT = "Give me three reasons to learn Python."
+http = httpx.Client()  # one for every poll: each new client loads the CA bundle (tens of ms of CPU)
 
 
 def say(line: str) -> None:
@@ -81,7 +82,7 @@ class Daemon:
             return "(no log)"
 
     def status(self) -> dict[str, Any]:
-        return httpx.get(f"{self.api}/api/v0/status", timeout=5).json()
+        return http.get(f"{self.api}/api/v0/status", timeout=5).json()
 
     def stop(self, timeout: float = 15.0) -> int | None:
         if self.proc.poll() is None:
@@ -156,7 +157,7 @@ class LocalSwarm:
                 if d.proc.poll() is not None:
                     raise RuntimeError(f"daemon {d.index} exited with {d.proc.returncode}; its log:\n" + d.log_tail())
             try:
-                pipeline = httpx.get(f"{self.api}/api/v0/pipeline", timeout=5).json()
+                pipeline = http.get(f"{self.api}/api/v0/pipeline", timeout=5).json()
                 plan = self.daemons[0].status()["plan"]
             except (httpx.HTTPError, json.JSONDecodeError) as e:
                 detail = f"asking daemon 1: {type(e).__name__}"

@@ -6,8 +6,8 @@
 # Every other argument goes to pytest (e.g. tests/simulation --seed 7). Without test paths the quick tier runs on
 # every core (pytest-xdist); the whole suite runs the serial tests (real processes, hosts or a browser on the real
 # clock) one at a time and, beside them, the rest on every core, module by module (a module's fixtures are made
-# once). WORKERS=N runs the whole suite on N workers instead, module by module: faster where there are cores to spare; on 2 cores some
-# acceptance tests time out.
+# once). WORKERS=N runs the whole suite on N workers instead, module by module: faster where there are cores to
+# spare; on 2 cores some acceptance tests time out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
