@@ -86,7 +86,9 @@ class KVPool:
 
         self.scratch_slot = n_slots
         shape = (2, n_slots + 1, n_kv_heads, max_context + pad_rows, head_dim)
-        self.layers = {i: Tensor.zeros(*shape, dtype=dtype, device=device).contiguous().realize() for i in layers}
+        self.layers = {i: Tensor.zeros(*shape, dtype=dtype, device=device).contiguous() for i in layers}
+        if self.layers:  # at once: each realise walks every live tensor of the process
+            Tensor.realize(*self.layers.values())
 
     def nbytes(self) -> int:
         return sum(t.nbytes() for t in self.layers.values())
@@ -101,7 +103,9 @@ class LatentPool:
 
         self.scratch_slot = n_slots
         shape = (n_slots + 1, max_context + pad_rows, latent)
-        self.layers = {i: Tensor.zeros(*shape, dtype=dtype, device=device).contiguous().realize() for i in layers}
+        self.layers = {i: Tensor.zeros(*shape, dtype=dtype, device=device).contiguous() for i in layers}
+        if self.layers:  # at once: each realise walks every live tensor of the process
+            Tensor.realize(*self.layers.values())
 
     def nbytes(self) -> int:
         return sum(t.nbytes() for t in self.layers.values())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from tinygrad import Tensor
 
     from models.kernels.quant import BlockQuantized
+
+W = TypeVar("W", "Tensor", "BlockQuantized")
 
 # The tensors of one Llama block, by GGUF name without the `blk.{i}.` prefix.
 BLOCK_TENSORS = (
@@ -132,6 +134,37 @@ def interleaved_to_half_split(w: Tensor, n_heads: int) -> Tensor:
     return heads.rearrange("n (h two) d -> n (two h) d", two=2).reshape(-1, w.shape[-1])
 
 
+REALIZE_BATCH_BYTES = 64 << 20
+
+
+class RealizeBatch:
+    """Weights realised together, about `REALIZE_BATCH_BYTES` at a time. Each realise makes tinygrad walk every
+    live tensor of the process, so one realise per weight costs a process that holds many models (the
+    simulation's twin) most of a load; the bound keeps the sources a batch holds small beside a large stage."""
+
+    def __init__(self) -> None:
+        self.pending: list[Tensor] = []
+        self.bytes = 0
+
+    def add(self, w: W) -> W:
+        """`w` (lazy), realised with the batch it completes or at `flush()`."""
+        from models.kernels.quant import BlockQuantized
+
+        parts = w.buffers() if isinstance(w, BlockQuantized) else [w]
+        self.pending += parts
+        self.bytes += sum(t.nbytes() for t in parts)
+        if self.bytes >= REALIZE_BATCH_BYTES:
+            self.flush()
+        return w
+
+    def flush(self) -> None:
+        from tinygrad import Tensor
+
+        if self.pending:
+            Tensor.realize(*self.pending)
+        self.pending, self.bytes = [], 0
+
+
 def load_stage_weights(
     header: GGUFHeader, config, start: int, end: int, *, device: str | None = None, dtype: str = "float16",
     routed: bool = True, held: StageParts | None = None,
@@ -144,7 +177,7 @@ def load_stage_weights(
     norms float32."""
     from tinygrad import Tensor
 
-    from models.kernels.quant import KERNEL_QUANT_TYPES, BlockQuantized, from_ggml_blocks
+    from models.kernels.quant import KERNEL_QUANT_TYPES, from_ggml_blocks
 
     if dtype not in ("float16", "float32", "quantized"):
         raise ModelError(f"unknown weight dtype {dtype!r}: use float16, float32 or quantized")
@@ -153,6 +186,7 @@ def load_stage_weights(
         raise ModelError(f"{header.path.name}: partial RoPE ({config.rope_dim} of {config.head_dim}) is not supported")
     heads = {"attn_q.weight": config.n_heads, "attn_k.weight": config.n_kv_heads}
     weights: dict[str, Tensor | BlockQuantized] = {}
+    batch = RealizeBatch()
     for name in stage_tensor_names(header, start, end, config.num_blocks, routed=routed, held=held):
         info = header.tensors[name]
         if mla:
@@ -171,23 +205,22 @@ def load_stage_weights(
             cast = "float32" if dtype == "float32" else "float16"
             k_b, v_b = split_kv_b(read_tensor(header, name).numpy(), config)
             prefix = name[:-len("attn_kv_b.weight")]
-            weights[prefix + "attn_k_b.weight"] = Tensor(k_b, device=device).cast(cast).realize()
-            weights[prefix + "attn_v_b.weight"] = Tensor(v_b, device=device).cast(cast).realize()
+            weights[prefix + "attn_k_b.weight"] = batch.add(Tensor(k_b, device=device).cast(cast).contiguous())
+            weights[prefix + "attn_v_b.weight"] = batch.add(Tensor(v_b, device=device).cast(cast).contiguous())
             continue
         if dtype == "quantized" and info.ggml_type in KERNEL_QUANT_TYPES and len(info.shape) >= 2 \
                 and info.shape[-1] % 32 == 0:
-            blocks = from_ggml_blocks(read_raw(header, name), info.ggml_type, info.shape, device)
-            weights[name] = blocks.map_rows(permute).realize() if len(info.shape) == 2 else blocks
+            blocks = from_ggml_blocks(read_raw(header, name), info.ggml_type, info.shape, device, realize=False)
+            weights[name] = batch.add(blocks.map_rows(permute).contiguous() if len(info.shape) == 2 else blocks)
             continue
         # RoPE frequency factors stay float32 (they scale angles); with quantised matrices, so do the norms
         keep32 = dtype == "float32" or name == "rope_freqs.weight" or (dtype == "quantized" and len(info.shape) == 1)
         cast = "float32" if keep32 else "float16"
-        weights[name] = permute(read_tensor(header, name, device)).cast(cast).contiguous().realize()
+        weights[name] = batch.add(permute(read_tensor(header, name, device)).cast(cast).contiguous())
     held = held or StageParts()
     if end == config.num_blocks and not held.head and not held.embedding and "output.weight" not in weights:
         weights["output.weight"] = weights["token_embd.weight"] if start == 0 else weights.pop("token_embd.weight")
-    if buffers := [t for w in weights.values() for t in (w.buffers() if isinstance(w, BlockQuantized) else [w])]:
-        Tensor.realize(*buffers)
+    batch.flush()
     return weights
 
 
@@ -204,6 +237,7 @@ def load_expert_weights(header: GGUFHeader, experts: Mapping[int, Sequence[int]]
     if dtype not in ("float16", "float32", "quantized"):
         raise ModelError(f"unknown weight dtype {dtype!r}: use float16, float32 or quantized")
     out: dict[str, Tensor | BlockQuantized] = {}
+    batch = RealizeBatch()
     for layer, es in experts.items():
         for t in ROUTED_TENSORS:
             name = f"blk.{layer}.{t}"
@@ -216,10 +250,12 @@ def load_expert_weights(header: GGUFHeader, experts: Mapping[int, Sequence[int]]
             raw = np.concatenate([np.fromfile(header.path, dtype=np.uint8, count=per_expert,
                                               offset=info.offset + e * per_expert) for e in es])
             if dtype == "quantized" and info.ggml_type in KERNEL_QUANT_TYPES and info.shape[-1] % 32 == 0:
-                out[name] = from_ggml_blocks(raw, info.ggml_type, (len(es), *info.shape[1:]), device)
+                out[name] = batch.add(from_ggml_blocks(raw, info.ggml_type, (len(es), *info.shape[1:]), device,
+                                                       realize=False))
                 continue
             elements = len(es) * (info.n_elements // n_experts)
             w = ggml_data_to_tensor(Tensor(raw, device=device), elements, info.ggml_type)
             cast = "float32" if dtype == "float32" else "float16"
-            out[name] = w.reshape(len(es), *info.shape[1:]).cast(cast).contiguous().realize()
+            out[name] = batch.add(w.reshape(len(es), *info.shape[1:]).cast(cast).contiguous())
+    batch.flush()
     return out

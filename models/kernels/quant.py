@@ -72,13 +72,17 @@ class BlockQuantized:
         return BlockQuantized(fn(self.q), fn(self.d), None if self.m is None else fn(self.m), self.cols, self.q8_1,
                               self.shape, self.code_offset)
 
+    def contiguous(self) -> BlockQuantized:
+        """The same blocks in lazy buffers of their own, for the caller to realise (with others at once)."""
+        q, d, *m = [t.contiguous() for t in self.buffers()]
+        return BlockQuantized(q, d, m[0] if m else None, self.cols, self.q8_1, self.shape, self.code_offset)
+
     def realize(self) -> BlockQuantized:
         from tinygrad import Tensor
 
-        parts = [t.contiguous() for t in self.buffers()]
-        Tensor.realize(*parts)
-        q, d, *m = parts
-        return BlockQuantized(q, d, m[0] if m else None, self.cols, self.q8_1, self.shape, self.code_offset)
+        out = self.contiguous()
+        Tensor.realize(*out.buffers())
+        return out
 
     def nbytes(self) -> int:
         return sum(t.nbytes() for t in self.buffers())
@@ -110,9 +114,11 @@ def _decode(q: Tensor, d: Tensor, m: Tensor | None, packed: bool, cols: int, cod
     return w.reshape(rows, cols)
 
 
-def from_ggml_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...], device: str | None) -> BlockQuantized:
+def from_ggml_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...], device: str | None, *,
+                     realize: bool = True) -> BlockQuantized:
     """Split the raw bytes of a Q4_0/Q4_1/Q8_0 tensor into codes, scales and offsets; a tensor of more than
-    two dimensions (a stack of matrices) is held as (rows, last dimension) and keeps its shape."""
+    two dimensions (a stack of matrices) is held as (rows, last dimension) and keeps its shape. Without
+    `realize`, the parts are lazy on `device` (the caller realises them, with others at once)."""
     from tinygrad import Tensor
 
     cols = shape[-1]
@@ -130,5 +136,6 @@ def from_ggml_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...], de
     def put(a: np.ndarray) -> Tensor:
         return Tensor(np.ascontiguousarray(a), device=device)
 
-    return BlockQuantized(put(q), put(d), None if m is None else put(m), cols, q8_1=ggml_type == 3,
-                          shape=tuple(shape) if len(shape) > 2 else None, code_offset=8 if ggml_type == 2 else 0).realize()
+    out = BlockQuantized(put(q), put(d), None if m is None else put(m), cols, q8_1=ggml_type == 3,
+                         shape=tuple(shape) if len(shape) > 2 else None, code_offset=8 if ggml_type == 2 else 0)
+    return out.realize() if realize else out.contiguous()
