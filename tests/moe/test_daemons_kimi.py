@@ -1,6 +1,6 @@
 """Acceptance: `kimi-k2-mini` (Kimi-K2's architecture at CPU scale) served by 4 real `swarmd join` processes,
 the blocks split into stages and the 384 routed experts of each MoE block spread over the daemons, gives
-exactly the tokens `swarmd run --model kimi-k2-mini` gives: one arithmetic (llama.cpp's, on the Q4_0 blocks)
+exactly the text `swarmd run --model kimi-k2-mini` prints: one arithmetic (llama.cpp's, on the Q4_0 blocks)
 in stages, expert shards and the single process, and each row's expert outputs summed in the order of its
 selections wherever the experts live."""
 
@@ -48,27 +48,18 @@ def swarmd_run(prompt: str) -> str:
 
 @pytest.mark.timeout(1500)
 def test_kimi_k2_mini_on_four_daemons_gives_swarmd_runs_tokens(tmp_path_factory, bench_file, mini):
-    from models.generate import generate
-    from models.sampling import SamplingParams
-    from models.stage import StageModel
     from models.text.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_gguf(mini)
-    # swarmd run's arithmetic (run_numerics), the graph cut after each router as a swarm's is (swarmd run on a CPU
-    # runs the experts inside its graph: the command's text below checks that it is the same)
-    alone = StageModel.from_gguf(mini, max_context=256, max_requests=1, numerics="float")
-    gen = generate(alone, tok, tok.encode(PROMPT), SamplingParams(max_tokens=N_TOKENS))
-    text = "".join(piece.text for piece in gen)
-    want = gen.token_ids
-    assert swarmd_run(PROMPT) == text  # the command itself prints that very text
-
+    # swarmd run on a CPU runs the experts inside its graph; the swarm cuts its stages' graphs after each router
+    # and asks the holders: one arithmetic all the same, so the very text
+    want = swarmd_run(PROMPT)
     swarm = MoESwarm(tmp_path_factory.mktemp("swarm"), bench_file, 4, MODEL)
     assert len(swarm.plan.stages) >= 2 and len(swarm.expert_nodes()) >= 3
     try:
         swarm.start(timeout=900)
         tokens, end = swarm.generate(via=1, prompt=PROMPT, max_tokens=N_TOKENS)
         assert end["event"] == "done", f"{end}\n{swarm.logs()}"
-        assert tokens == want
+        assert want and Tokenizer.from_gguf(mini).decode(tokens) == want
         status = swarm.running[0].status()
         assert "experts 1152/1152 placed" in status["coverage"]  # 3 MoE blocks of 384 experts
         calls = sum(layer["calls"] for d in swarm.running for layer in d.status()["moe"]["routed"].values())
