@@ -6,7 +6,7 @@ The suite is bound by CPU work on a small machine; the census says which modules
     PYTHONPATH=scripts .venv/bin/python -m pytest -p cpu_census tests ...
 
 Writes `cpu-census.log` (or `$CPU_CENSUS`): a line per module, the most CPU first (CPU seconds, wall seconds,
-their ratio, tests), then the total.
+their ratio, tests), then the total; under pytest-xdist, one file per worker (`cpu-census.log.gw0`, ...).
 """
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    with open(os.environ.get("CPU_CENSUS", "cpu-census.log"), "w") as log:
+    path = os.environ.get("CPU_CENSUS", "cpu-census.log")
+    if worker := os.environ.get("PYTEST_XDIST_WORKER"):  # each pytest-xdist worker counts its own modules
+        path = f"{path}.{worker}"
+    with open(path, "w") as log:
         for module in sorted(_cpu, key=_cpu.get, reverse=True):
             ratio = _cpu[module] / _wall[module] if _wall[module] else 0.0
             print(f"{_cpu[module]:8.1f} s CPU {_wall[module]:8.1f} s wall {ratio:5.2f} {_tests[module]:4d} {module}",
