@@ -120,3 +120,25 @@ def test_layout_from_gguf_matches_the_planners_builtin_arithmetic(tiny_gguf, tin
     assert layout.blocks[0].kv_bytes_per_token == 2 * s.n_kv_heads * s.head_dim * 4
     assert layout.blocks[0].activation_bytes == s.dim * 4
     assert layout.embedding_bytes == 2 * s.vocab * s.dim
+
+
+@pytest.mark.parametrize("dtype", ["float16", "quantized"])
+def test_weights_realised_a_few_at_a_time_are_the_weights_realised_at_once(tiny_quantized_gguf, monkeypatch, dtype):
+    """A load realises its weights in batches of a bounded size: with a bound below any tensor's size each weight
+    is a batch of its own, and every weight comes out realised and bit for bit the same."""
+    import models.gguf.loader as loader
+    from models.kernels.quant import BlockQuantized
+
+    header = read_header(tiny_quantized_gguf)
+    config = config_from_header(header)
+    at_once = load_stage_weights(header, config, 0, 5, dtype=dtype)
+    monkeypatch.setattr(loader, "REALIZE_BATCH_BYTES", 1)
+    one_by_one = load_stage_weights(header, config, 0, 5, dtype=dtype)
+    assert at_once.keys() == one_by_one.keys()
+    assert any(isinstance(w, BlockQuantized) for w in at_once.values()) == (dtype == "quantized")
+    for name, w in at_once.items():
+        other = one_by_one[name]
+        parts = zip(w.buffers(), other.buffers(), strict=True) if isinstance(w, BlockQuantized) else [(w, other)]
+        for a, b in parts:
+            assert a.uop.is_realized and b.uop.is_realized, name
+            assert np.array_equal(a.numpy(), b.numpy()), name
