@@ -140,7 +140,7 @@ REALIZE_BATCH_BYTES = 64 << 20
 class RealizeBatch:
     """Weights realised together, about `REALIZE_BATCH_BYTES` at a time. Each realise makes tinygrad walk every
     live tensor of the process, so one realise per weight costs a process that holds many models (the
-    simulation's twin) most of a load; the bound keeps the sources a batch holds small beside a large stage."""
+    simulation's twin) about half of a load; the bound keeps the sources a batch holds small beside a large stage."""
 
     def __init__(self) -> None:
         self.pending: list[Tensor] = []
