@@ -10,8 +10,12 @@ compressed latent and rotated key of each token (`models.deepseek2`), no per-hea
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from models.errors import ModelError
+
+if TYPE_CHECKING:
+    from tinygrad import Tensor
 
 
 class KVCacheFull(ModelError):
@@ -82,13 +86,9 @@ class KVPool:
 
     def __init__(self, layers: range, n_slots: int, n_kv_heads: int, max_context: int, head_dim: int,
                  device: str, pad_rows: int = 0, dtype: str = "float32"):
-        from tinygrad import Tensor
-
         self.scratch_slot = n_slots
         shape = (2, n_slots + 1, n_kv_heads, max_context + pad_rows, head_dim)
-        self.layers = {i: Tensor.zeros(*shape, dtype=dtype, device=device).contiguous() for i in layers}
-        if self.layers:  # at once: each realise walks every live tensor of the process
-            Tensor.realize(*self.layers.values())
+        self.layers = _zeroed(layers, shape, dtype, device)
 
     def nbytes(self) -> int:
         return sum(t.nbytes() for t in self.layers.values())
@@ -99,13 +99,19 @@ class LatentPool:
 
     def __init__(self, layers: range, n_slots: int, latent: int, max_context: int, device: str,
                  pad_rows: int = 0, dtype: str = "float32"):
-        from tinygrad import Tensor
-
         self.scratch_slot = n_slots
         shape = (n_slots + 1, max_context + pad_rows, latent)
-        self.layers = {i: Tensor.zeros(*shape, dtype=dtype, device=device).contiguous() for i in layers}
-        if self.layers:  # at once: each realise walks every live tensor of the process
-            Tensor.realize(*self.layers.values())
+        self.layers = _zeroed(layers, shape, dtype, device)
 
     def nbytes(self) -> int:
         return sum(t.nbytes() for t in self.layers.values())
+
+
+def _zeroed(layers: range, shape: tuple[int, ...], dtype: str, device: str) -> dict[int, Tensor]:
+    """A zeroed tensor of `shape` per layer, realised at once: each realise walks every live tensor of the process."""
+    from tinygrad import Tensor
+
+    out = {i: Tensor.zeros(*shape, dtype=dtype, device=device).contiguous() for i in layers}
+    if out:
+        Tensor.realize(*out.values())
+    return out

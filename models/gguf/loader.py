@@ -210,8 +210,8 @@ def load_stage_weights(
             continue
         if dtype == "quantized" and info.ggml_type in KERNEL_QUANT_TYPES and len(info.shape) >= 2 \
                 and info.shape[-1] % 32 == 0:
-            blocks = from_ggml_blocks(read_raw(header, name), info.ggml_type, info.shape, device, realize=False)
-            weights[name] = batch.add(blocks.map_rows(permute).contiguous() if len(info.shape) == 2 else blocks)
+            blocks = from_ggml_blocks(read_raw(header, name), info.ggml_type, info.shape, device)
+            weights[name] = batch.add((blocks.map_rows(permute) if len(info.shape) == 2 else blocks).contiguous())
             continue
         # RoPE frequency factors stay float32 (they scale angles); with quantised matrices, so do the norms
         keep32 = dtype == "float32" or name == "rope_freqs.weight" or (dtype == "quantized" and len(info.shape) == 1)
@@ -250,8 +250,8 @@ def load_expert_weights(header: GGUFHeader, experts: Mapping[int, Sequence[int]]
             raw = np.concatenate([np.fromfile(header.path, dtype=np.uint8, count=per_expert,
                                               offset=info.offset + e * per_expert) for e in es])
             if dtype == "quantized" and info.ggml_type in KERNEL_QUANT_TYPES and info.shape[-1] % 32 == 0:
-                out[name] = batch.add(from_ggml_blocks(raw, info.ggml_type, (len(es), *info.shape[1:]), device,
-                                                       realize=False))
+                out[name] = batch.add(from_ggml_blocks(raw, info.ggml_type, (len(es), *info.shape[1:]), device)
+                                      .contiguous())
                 continue
             elements = len(es) * (info.n_elements // n_experts)
             w = ggml_data_to_tensor(Tensor(raw, device=device), elements, info.ggml_type)

@@ -114,11 +114,10 @@ def _decode(q: Tensor, d: Tensor, m: Tensor | None, packed: bool, cols: int, cod
     return w.reshape(rows, cols)
 
 
-def from_ggml_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...], device: str | None, *,
-                     realize: bool = True) -> BlockQuantized:
-    """Split the raw bytes of a Q4_0/Q4_1/Q8_0 tensor into codes, scales and offsets; a tensor of more than
-    two dimensions (a stack of matrices) is held as (rows, last dimension) and keeps its shape. Without
-    `realize`, the parts are lazy on `device` (the caller realises them, with others at once)."""
+def from_ggml_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...], device: str | None) -> BlockQuantized:
+    """Split the raw bytes of a Q4_0/Q4_1/Q8_0 tensor into codes, scales and offsets, lazy on `device` (the caller
+    realises them, with others at once); a tensor of more than two dimensions (a stack of matrices) is held as
+    (rows, last dimension) and keeps its shape."""
     from tinygrad import Tensor
 
     cols = shape[-1]
@@ -136,6 +135,5 @@ def from_ggml_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...], de
     def put(a: np.ndarray) -> Tensor:
         return Tensor(np.ascontiguousarray(a), device=device)
 
-    out = BlockQuantized(put(q), put(d), None if m is None else put(m), cols, q8_1=ggml_type == 3,
-                         shape=tuple(shape) if len(shape) > 2 else None, code_offset=8 if ggml_type == 2 else 0)
-    return out.realize() if realize else out.contiguous()
+    return BlockQuantized(put(q), put(d), None if m is None else put(m), cols, q8_1=ggml_type == 3,
+                          shape=tuple(shape) if len(shape) > 2 else None, code_offset=8 if ggml_type == 2 else 0)
