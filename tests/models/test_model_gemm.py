@@ -1,0 +1,70 @@
+"""The hand-written tensor-core product (`models.kernels.gemm`): which products take it, that its CUDA source builds
+for a Hopper GPU within its registers and shared memory, and, on an NVIDIA GPU, that it is the float32 product of its
+float16 operands."""
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from tinygrad import Device, Tensor, dtypes
+from tinygrad.uop.ops import Ops
+
+from models.kernels import gemm as gemm_module
+from models.kernels.gemm import DEFAULT_TILING, Tiling, gemm, gemm_fits, source
+from models.kernels.matvec import tensor_core_matmul
+
+TILINGS = [DEFAULT_TILING, Tiling.parse("128,128,32,2,4,3"), Tiling.parse("64,64,64,2,2,3")]
+
+
+def programs(t: Tensor) -> list[str]:
+    return [u.arg.name for u in t.uop.toposort() if u.op is Ops.PROGRAM]
+
+
+def test_a_tiling_must_fit_a_kernels_declared_shared_memory_and_split_evenly_over_its_warps():
+    assert DEFAULT_TILING.valid() and DEFAULT_TILING.shared_bytes <= 48 * 1024
+    assert not Tiling.parse("128,128,64,2,2,3").valid()  # 96 KiB of shared memory
+    assert not Tiling.parse("64,128,32,8,2,3").valid()  # warp tiles of 8 rows: less than an mma tile
+    assert not Tiling.parse("64,128,48,2,2,3").valid()  # a depth that is not whole 16-byte chunk rows
+
+
+def test_prompt_chunks_take_the_hand_written_product_on_nvidia_gpus_and_decode_batches_keep_tinygrads(monkeypatch):
+    monkeypatch.setattr(gemm_module, "_cuda_arch", lambda device: 90 if device == "NULL" else 0)
+    w = Tensor.empty(4096, 4096, dtype=dtypes.float16, device="NULL")
+    chunk = tensor_core_matmul(Tensor.empty(512, 4096, device="NULL"), w)
+    assert [name for name in programs(chunk) if name.startswith("gemm_")] == [
+        f"gemm_512_4096_4096_{DEFAULT_TILING.bm}x{DEFAULT_TILING.bn}x{DEFAULT_TILING.bk}"
+        f"w{DEFAULT_TILING.warps_m}x{DEFAULT_TILING.warps_n}s{DEFAULT_TILING.stages}"]
+    assert not programs(tensor_core_matmul(Tensor.empty(32, 4096, device="NULL"), w))  # a decode batch
+    odd = Tensor.empty(4100, 4096, dtype=dtypes.float16, device="NULL")  # not whole tiles of outputs
+    assert not gemm_fits("NULL", 4100, 4096) and not programs(tensor_core_matmul(Tensor.empty(512, 4096, device="NULL"),
+                                                                                 odd))
+    monkeypatch.setenv("SWARMD_GEMM", "0")
+    assert not programs(tensor_core_matmul(Tensor.empty(512, 4096, device="NULL"), w))
+    assert not gemm_fits("CPU", 4096, 4096)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs CUDA's compiler")
+@pytest.mark.parametrize("tiling", TILINGS, ids=str)
+def test_the_kernel_builds_for_hopper_without_spilling_registers(tiling, tmp_path):
+    cu = tmp_path / "gemm.cu"
+    cu.write_text(source("gemm_check", 100, 4096, 4096, tiling))
+    built = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "gemm.cubin"),
+                            str(cu)], capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    assert "0 bytes spill stores" in built.stderr
+    assert int(re.search(r"(\d+) bytes smem", built.stderr).group(1)) == tiling.shared_bytes
+
+
+@pytest.mark.skipif(gemm_module._cuda_arch(Device.DEFAULT) < 80, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("rows", [64, 100, 512])
+@pytest.mark.parametrize("tiling", TILINGS, ids=str)
+def test_the_hand_written_product_is_the_float32_product_of_its_float16_operands(rows, tiling):
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 1024)).astype(np.float16)
+    w = (rng.standard_normal((768, 1024)) * 0.05).astype(np.float16)
+    out = gemm(Tensor(x), Tensor(w), tiling).numpy()
+    want = x.astype(np.float32) @ w.astype(np.float32).T
+    assert out.shape == (rows, 768)
+    assert np.abs(out - want).max() < 1e-4 * np.abs(want).max()  # float32 sums, in another order
