@@ -21,6 +21,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import astuple
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +48,7 @@ def bench_shape(shape: str, tilings: list[str], reps: int, rounds: int, copies: 
     import numpy as np
     from tinygrad import Device, Tensor, TinyJit, dtypes
 
-    from models.kernels.gemm import Tiling, gemm, gemm_fits
+    from models.kernels.gemm import Tiling, gemm, gemm_fits, tiling
     from models.kernels.matvec import tensor_core_matmul
 
     dev = Device.DEFAULT
@@ -69,9 +70,9 @@ def bench_shape(shape: str, tilings: list[str], reps: int, rounds: int, copies: 
         print(f"| {shape} | {engine} | {row['us']:.1f} | {row['tflops']:.1f} | {err:.2e} |", flush=True)
 
     engines = []
-    for spec in tilings:
+    for spec in tilings or [",".join(str(v) for v in astuple(tiling(rows)))]:
         t = Tiling.parse(spec)
-        if gemm_fits(dev, out_f, in_f, t):
+        if gemm_fits(dev, rows, out_f, in_f, t):
             engines.append((f"gemm {spec}", lambda x, w, t=t: gemm(x, w, t)))
         else:
             print(f"| {shape} | gemm {spec} | does not fit | | |")
@@ -111,8 +112,8 @@ def bench_shape(shape: str, tilings: list[str], reps: int, rounds: int, copies: 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(LLAMA_8B_CHUNK), help="rows x out x in")
-    ap.add_argument("--tilings", nargs="+", default=["64,128,32,2,2,3"],
-                    help="bm,bn,bk,warps_m,warps_n,stages")
+    ap.add_argument("--tilings", nargs="+", default=[], help="bm,bn,bk,warps_m,warps_n,stages[,split] "
+                    "(default: the one models.kernels.gemm picks for the shape's rows)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--copies", type=int, default=8)

@@ -7,8 +7,8 @@ tiles ahead of the products, and feeds the `mma.sync` tiles from there with `ldm
 compiled program (`Tensor.custom_kernel`), so a captured step runs it like any other kernel.
 
 It runs on tinygrad's CUDA and NV devices (compute capability 8.0 and up), for `in` a multiple of the tile's depth
-and `out` of its width; `gemm_fits` says when. Rows need no padding: a tile's rows past the last read zeros and
-are not written.
+(times the reduction's parts) and `out` of its width; `gemm_fits` says when. Rows need no padding: a tile's rows past
+the last read zeros and are not written.
 """
 
 from __future__ import annotations
@@ -29,20 +29,22 @@ STATIC_SHARED_BYTES = 48 * 1024
 @dataclass(frozen=True)
 class Tiling:
     """One block computes bm x bn outputs with warps_m x warps_n warps, over `in` in steps of bk, staging `stages`
-    steps of both operands in shared memory."""
+    steps of both operands in shared memory. With `split` > 1 the reduction goes in that many parts, each a block
+    of its own writing a float32 partial product, summed by a second kernel: a product of few rows then still
+    spreads its weight reads over the whole GPU."""
 
-    bm: int = 64
-    bn: int = 128
-    bk: int = 32
-    warps_m: int = 2
-    warps_n: int = 2
-    stages: int = 4
+    bm: int
+    bn: int
+    bk: int
+    warps_m: int
+    warps_n: int
+    stages: int
+    split: int = 1
 
     @staticmethod
     def parse(spec: str) -> Tiling:
-        """A tiling from "bm,bn,bk,warps_m,warps_n,stages"."""
-        bm, bn, bk, warps_m, warps_n, stages = (int(v) for v in spec.split(","))
-        return Tiling(bm=bm, bn=bn, bk=bk, warps_m=warps_m, warps_n=warps_n, stages=stages)
+        """A tiling from "bm,bn,bk,warps_m,warps_n,stages[,split]"."""
+        return Tiling(*(int(v) for v in spec.split(",")))
 
     @property
     def threads(self) -> int:
@@ -59,39 +61,49 @@ class Tiling:
                 and self.shared_bytes <= STATIC_SHARED_BYTES)
 
 
-DEFAULT_TILING = Tiling()
+# The fastest of those timed on an H200 for Llama-3.1-8B's products (scripts/bench_gemm.py; docs/BENCHMARKS.md): for a
+# prompt chunk (512 rows), and for a decode batch (32 rows), whose weight reads need the reduction split to fill the GPU.
+CHUNK_TILING = Tiling(bm=64, bn=128, bk=64, warps_m=2, warps_n=2, stages=2)
+BATCH_TILING = Tiling(bm=32, bn=64, bk=64, warps_m=1, warps_n=2, stages=3, split=8)
+CHUNK_ROWS = 64  # from here a product takes CHUNK_TILING
+MIN_ROWS = 8
 
 
-def tiling() -> Tiling:
-    """`SWARMD_GEMM_TILING` ("bm,bn,bk,warps_m,warps_n,stages", for searches), else `DEFAULT_TILING`."""
+def tiling(rows: int) -> Tiling:
+    """`SWARMD_GEMM_TILING` ("bm,bn,bk,warps_m,warps_n,stages[,split]", for searches), else the tiling for this
+    many rows."""
     if spec := os.environ.get("SWARMD_GEMM_TILING"):
         return Tiling.parse(spec)
-    return DEFAULT_TILING
+    return CHUNK_TILING if rows >= CHUNK_ROWS else BATCH_TILING
 
 
-def gemm_on() -> bool:
-    """`SWARMD_GEMM=0` leaves every product to tinygrad's own kernels (for side-by-side measurements)."""
-    return os.environ.get("SWARMD_GEMM", "1") != "0"
+def gemm_min_rows() -> int:
+    """The fewest rows that take `gemm`: `SWARMD_GEMM_MIN_ROWS` (64 leaves decode batches to tinygrad's kernels, for
+    side-by-side measurements), else `MIN_ROWS`; `SWARMD_GEMM=0` leaves every product to them."""
+    if os.environ.get("SWARMD_GEMM", "1") == "0":
+        return 1 << 62
+    return int(os.environ.get("SWARMD_GEMM_MIN_ROWS") or MIN_ROWS)
 
 
-def gemm_fits(device: str, out_features: int, in_features: int, t: Tiling | None = None) -> bool:
-    """Whether `gemm` runs on this device for a matrix of this shape."""
-    t = t or tiling()
-    return (gemm_on() and _cuda_arch(device) >= 80 and t.valid() and out_features % t.bn == 0
-            and in_features % t.bk == 0)
+def gemm_fits(device: str, rows: int, out_features: int, in_features: int, t: Tiling | None = None) -> bool:
+    """Whether `gemm` runs on this device for this many rows and a matrix of this shape."""
+    t = t or tiling(rows)
+    return (rows >= gemm_min_rows() and _cuda_arch(device) >= 80 and t.valid() and out_features % t.bn == 0
+            and in_features % (t.bk * t.split) == 0)
 
 
 def gemm(x: Tensor, w: Tensor, t: Tiling | None = None) -> Tensor:
     """x (rows, in) @ w.T with x and w float16, w (out, in) a contiguous buffer: float32 (rows, out)."""
     from tinygrad import Tensor, dtypes
 
-    t = t or tiling()
     rows, width = x.shape
+    t = t or tiling(rows)
     out_features = w.shape[0]
     assert x.dtype == w.dtype == dtypes.float16 and w.shape[1] == width, (x.dtype, w.dtype, x.shape, w.shape)
-    out = Tensor.empty(rows, out_features, dtype=dtypes.float32, device=x.device)
+    out = Tensor.empty(t.split, rows, out_features, dtype=dtypes.float32, device=x.device)
     program = _program(x.device, rows, out_features, width, t)
-    return out.custom_kernel(x.contiguous(), w.contiguous(), fxn=lambda *_params: program)[0]
+    parts = out.custom_kernel(x.contiguous(), w.contiguous(), fxn=lambda *_params: program)[0]
+    return parts[0] if t.split == 1 else parts.sum(0)
 
 
 def _cuda_arch(device: str) -> int:
@@ -113,8 +125,9 @@ def _program(device: str, rows: int, out_features: int, width: int, t: Tiling) -
     from tinygrad.renderer import Estimates
     from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
 
-    name = f"gemm_{rows}_{out_features}_{width}_{t.bm}x{t.bn}x{t.bk}w{t.warps_m}x{t.warps_n}s{t.stages}"
-    grid = (-(-rows // t.bm), out_features // t.bn, 1)
+    name = f"gemm_{rows}_{out_features}_{width}_{t.bm}x{t.bn}x{t.bk}w{t.warps_m}x{t.warps_n}s{t.stages}" + (
+        f"p{t.split}" if t.split > 1 else "")
+    grid = (-(-rows // t.bm), out_features // t.bn, t.split)
     flops = 2 * rows * out_features * width
     traffic = 2 * (rows * width + out_features * width) + 4 * rows * out_features
     sink = UOp.sink(arg=KernelInfo(name=name, estimates=Estimates(ops=flops, lds=traffic, mem=traffic)))
@@ -130,7 +143,7 @@ def source(name: str, rows: int, out_features: int, width: int, t: Tiling) -> st
     `ldmatrix` reads then sit in distinct banks."""
     chunks = t.bk // 8
     swizzle = "(r & 7)" if chunks == 8 else "((r >> 1) & 3)"
-    return _SOURCE.format(NAME=name, M=rows, N=out_features, K=width, BM=t.bm, BN=t.bn, BK=t.bk, CH=chunks,
+    return _SOURCE.format(NAME=name, M=rows, N=out_features, K=width, SPLIT=t.split, BM=t.bm, BN=t.bn, BK=t.bk, CH=chunks,
                           SWIZZLE=swizzle, WARPS_N=t.warps_n, THREADS=t.threads, STAGES=t.stages,
                           MI=t.bm // t.warps_m // 16, NI=t.bn // t.warps_n // 8)
 
@@ -140,6 +153,7 @@ _SOURCE = r"""
 #define M_ {M}
 #define N_ {N}
 #define K_ {K}
+#define SPLIT {SPLIT}
 #define BM {BM}
 #define BN {BN}
 #define BK {BK}
@@ -167,7 +181,7 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsi
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }}
 
-extern "C" __global__ void __launch_bounds__(THREADS) {NAME}(float* out, const half* x, const half* w) {{
+extern "C" __global__ void __launch_bounds__(THREADS, 2) {NAME}(float* out, const half* x, const half* w) {{
   __shared__ __align__(128) uint4 smem[STAGES * (BM + BN) * CH];
   uint4* const xs = smem;                    // [STAGES][BM * CH]
   uint4* const ws = smem + STAGES * BM * CH;  // [STAGES][BN * CH]
@@ -176,7 +190,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) {NAME}(float* out, const h
   const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
 
   auto load = [&](int kt, int s) {{
-    const int k0 = kt * BK;
+    const int k0 = blockIdx.z * (K_ / SPLIT) + kt * BK;
     #pragma unroll
     for (int i = tid; i < BM * CH; i += THREADS) {{
       const int r = i / CH, c = i % CH, row = m0 + r;
@@ -195,7 +209,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) {NAME}(float* out, const h
     #pragma unroll
     for (int j = 0; j < NI; j++) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
 
-  constexpr int KT = K_ / BK;
+  constexpr int KT = K_ / SPLIT / BK;
+  out += (size_t)blockIdx.z * M_ * N_;
   #pragma unroll
   for (int s = 0; s < STAGES - 1; s++) {{
     if (s < KT) load(s, s);

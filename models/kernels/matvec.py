@@ -105,14 +105,14 @@ def tensor_core_matmul(x: Tensor, w: Tensor) -> Tensor:
     side, and the reduction is split in `split_k` parts, each its own set of warps (tinygrad does not split a
     tensor-core reduction over a thread group): one warp per tile of 16 outputs would leave most of the GPU idle
     on a weight-bound product. The parts are summed in float32 by a second kernel. A product of a shape in
-    `TENSOR_CORE_OPTS` takes the options searched for it. On NVIDIA GPUs a product of many rows runs as
-    `models.kernels.gemm`'s hand-written kernel where it fits."""
+    `TENSOR_CORE_OPTS` takes the options searched for it. On NVIDIA GPUs the product runs as
+    `models.kernels.gemm`'s hand-written kernel instead, where it fits."""
     from tinygrad import dtypes
 
     from models.kernels.gemm import gemm, gemm_fits
 
     rows, width = x.shape
-    if rows >= TENSOR_CORE_MANY_ROWS and gemm_fits(x.device, w.shape[0], width):
+    if gemm_fits(x.device, rows, w.shape[0], width):
         return gemm(x.cast(dtypes.float16), w)
     opts = tensor_core_opts(x.device, rows, w.shape[0], width)
     if rows >= TENSOR_CORE_MANY_ROWS:  # the activations in float16 first: fused, every tile of outputs recomputes them

@@ -12,10 +12,10 @@ from tinygrad import Device, Tensor, dtypes
 from tinygrad.uop.ops import Ops
 
 from models.kernels import gemm as gemm_module
-from models.kernels.gemm import DEFAULT_TILING, Tiling, gemm, gemm_fits, source
+from models.kernels.gemm import BATCH_TILING, CHUNK_TILING, Tiling, gemm, gemm_fits, source
 from models.kernels.matvec import tensor_core_matmul
 
-TILINGS = [DEFAULT_TILING, Tiling.parse("128,128,32,2,4,3"), Tiling.parse("64,64,64,2,2,3")]
+TILINGS = [CHUNK_TILING, BATCH_TILING, Tiling.parse("128,128,32,2,4,3")]
 
 
 def programs(t: Tensor) -> list[str]:
@@ -23,26 +23,29 @@ def programs(t: Tensor) -> list[str]:
 
 
 def test_a_tiling_must_fit_a_kernels_declared_shared_memory_and_split_evenly_over_its_warps():
-    assert DEFAULT_TILING.valid() and DEFAULT_TILING.shared_bytes <= 48 * 1024
+    assert all(t.valid() and t.shared_bytes <= 48 * 1024 for t in TILINGS)
     assert not Tiling.parse("128,128,64,2,2,3").valid()  # 96 KiB of shared memory
     assert not Tiling.parse("64,128,32,8,2,3").valid()  # warp tiles of 8 rows: less than an mma tile
     assert not Tiling.parse("64,128,48,2,2,3").valid()  # a depth that is not whole 16-byte chunk rows
 
 
-def test_prompt_chunks_take_the_hand_written_product_on_nvidia_gpus_and_decode_batches_keep_tinygrads(monkeypatch):
+def test_products_of_eight_rows_and_more_take_the_hand_written_kernel_on_nvidia_gpus(monkeypatch):
     monkeypatch.setattr(gemm_module, "_cuda_arch", lambda device: 90 if device == "NULL" else 0)
     w = Tensor.empty(4096, 4096, dtype=dtypes.float16, device="NULL")
-    chunk = tensor_core_matmul(Tensor.empty(512, 4096, device="NULL"), w)
-    assert [name for name in programs(chunk) if name.startswith("gemm_")] == [
-        f"gemm_512_4096_4096_{DEFAULT_TILING.bm}x{DEFAULT_TILING.bn}x{DEFAULT_TILING.bk}"
-        f"w{DEFAULT_TILING.warps_m}x{DEFAULT_TILING.warps_n}s{DEFAULT_TILING.stages}"]
-    assert not programs(tensor_core_matmul(Tensor.empty(32, 4096, device="NULL"), w))  # a decode batch
-    odd = Tensor.empty(4100, 4096, dtype=dtypes.float16, device="NULL")  # not whole tiles of outputs
-    assert not gemm_fits("NULL", 4100, 4096) and not programs(tensor_core_matmul(Tensor.empty(512, 4096, device="NULL"),
-                                                                                 odd))
+
+    def kernels(rows: int, w: Tensor = w) -> list[str]:
+        return [n for n in programs(tensor_core_matmul(Tensor.empty(rows, 4096, device="NULL"), w))
+                if n.startswith("gemm_")]
+
+    assert kernels(512) == ["gemm_512_4096_4096_64x128x64w2x2s2"]  # a prompt chunk
+    assert kernels(32) == ["gemm_32_4096_4096_32x64x64w1x2s3p8"]  # a decode batch: the reduction in 8 parts
+    assert kernels(8) == ["gemm_8_4096_4096_32x64x64w1x2s3p8"]
+    assert kernels(4100, Tensor.empty(4100, 4096, dtype=dtypes.float16, device="NULL")) == []  # not whole tiles
+    monkeypatch.setenv("SWARMD_GEMM_MIN_ROWS", "64")
+    assert kernels(32) == [] and kernels(64) == ["gemm_64_4096_4096_64x128x64w2x2s2"]
     monkeypatch.setenv("SWARMD_GEMM", "0")
-    assert not programs(tensor_core_matmul(Tensor.empty(512, 4096, device="NULL"), w))
-    assert not gemm_fits("CPU", 4096, 4096)
+    assert kernels(512) == []
+    assert not gemm_fits("CPU", 512, 4096, 4096)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs CUDA's compiler")
