@@ -281,10 +281,14 @@ def test_graphs_built_with_other_kernel_choices_have_another_key(graphs_dir, mon
     monkeypatch.delenv("SWARMD_TENSOR_CORES", raising=False)
     monkeypatch.delenv("SWARMD_MATVEC_OPTS", raising=False)
     monkeypatch.delenv("SWARMD_TENSOR_CORE_MIN_ROWS", raising=False)
+    for variable in ("SWARMD_GEMM", "SWARMD_GEMM_MIN_ROWS", "SWARMD_GEMM_TILING"):
+        monkeypatch.delenv(variable, raising=False)
     plain = key()
-    monkeypatch.setenv("SWARMD_TENSOR_CORE_MIN_ROWS", "64")
-    assert key() != plain
-    monkeypatch.delenv("SWARMD_TENSOR_CORE_MIN_ROWS")
+    for variable, value in (("SWARMD_TENSOR_CORE_MIN_ROWS", "64"), ("SWARMD_GEMM", "0"),
+                            ("SWARMD_GEMM_MIN_ROWS", "64"), ("SWARMD_GEMM_TILING", "64,64,64,2,2,3")):
+        monkeypatch.setenv(variable, value)
+        assert key() != plain, variable
+        monkeypatch.delenv(variable)
     monkeypatch.setenv("SWARMD_TENSOR_CORES", "0")
     assert key() != plain
     table = tmp_path / "opts.json"
