@@ -88,8 +88,8 @@ class Timings:
 
 LAN = Timings()
 LOCAL_TEST = Timings(
-    heartbeat_interval=0.25,
-    suspect_after=1.0,
+    heartbeat_interval=0.5,
+    suspect_after=1.5,
     probe_timeout=0.5,
     probe_interval=1.0,
     dead_retention=30.0,

@@ -156,6 +156,8 @@ class SwarmService:
         self._learned_at: dict[str, float] = {}  # when a member was (re)learned: see _dial_targets
         self._discovered: dict[str, tuple[str, ...]] = {}  # found by mDNS, dialed until they are members
         self.state_listeners: list[Callable[[StateChanged], None]] = []
+        self._told: tuple = ()  # _news() as the last heartbeat said it
+        self._news_event: trio.Event | None = None  # set when _news() changes before the next heartbeat is due
 
     # --- lifecycle ------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -372,15 +374,28 @@ class SwarmService:
             self._sync(now)
             self._on_election(self.election.tick(now), now)
             self._on_planning(self.coordinator.tick(now))
+            if self._news_event is not None and self._news() != self._told:
+                self._news_event.set()
+
+    def _news(self) -> tuple:
+        """What the others act on as soon as it changes: who is alive, the leader and term, the plan's epoch, how
+        far this node's part of the plan got, and its stage's free KV slots (heads admit requests by them)."""
+        a = self.assignment_status()
+        return (frozenset(self.membership.live()), self.admitted, self.election.term, self.election.leader,
+                self.coordinator.epoch, a.epoch, a.layers, a.state, tuple(sorted(a.experts.items())), a.kv)
 
     async def _heartbeat_loop(self) -> None:
+        """A heartbeat every `heartbeat_interval`, and one at the next tick when `_news()` changes in between."""
         next_at = trio.current_time()
         while not self._leaving:
             self.seq += 1
+            self._told, self._news_event = self._news(), trio.Event()
             await self._publish(encode(self._heartbeat(), self.signer, self.settings.swarm))
             self.stats["heartbeats_sent"] += 1
-            next_at += self.timings.heartbeat_interval
-            await trio.sleep_until(max(next_at, trio.current_time()))
+            if trio.current_time() >= next_at:
+                next_at += self.timings.heartbeat_interval
+            with trio.move_on_at(next_at):
+                await self._news_event.wait()
 
     def _self_descriptor(self) -> NodeDescriptor:
         return replace(self.describe_self(), rtt_ms=self.rtts())

@@ -14,6 +14,7 @@ from swarmd.swarm.election import term_round
 from swarmd.swarm.planning import MakePlan
 from swarmd.swarm.service import SwarmService, SwarmSettings
 from swarmd.testing.memory_network import MemoryHub
+from swarmd.wire.gossip import AssignmentState, AssignmentStatus
 from tests.swarm.swarm_helpers import descriptor, key
 
 LAYOUT = layout_from_arch(BUILTIN_ARCHS["smollm2-135m"], "f16")
@@ -213,3 +214,25 @@ async def test_a_hung_member_is_found_dead_by_probes_and_comes_back_when_it_resu
     swarm.hub.thaw(hung)
     await settle(swarm)
     assert all(s.membership.state_of(hung) == "alive" for s in others)
+
+
+async def test_a_settled_member_heartbeats_once_an_interval_and_tells_its_news_at_the_next_tick(swarm, autojump_clock):
+    founder = await swarm.start(1)
+    member = await swarm.start(2, bootstrap=founder.peer_id)
+    await settle(swarm)
+    sent = member.stats["heartbeats_sent"]
+    await trio.sleep(20 * LAN.heartbeat_interval)
+    assert member.stats["heartbeats_sent"] - sent in (20, 21)  # nothing new: no more than the interval's
+
+    sent = member.stats["heartbeats_sent"]
+    for _ in range(200):  # until just after a heartbeat: the next is an interval away
+        await trio.sleep(0.01)
+        if member.stats["heartbeats_sent"] > sent:
+            break
+    sent = member.stats["heartbeats_sent"]
+    member.assignment_status = lambda: AssignmentStatus(epoch=founder.coordinator.epoch, layers=(0, 30),
+                                                        state=AssignmentState.LOADING)
+    await trio.sleep(LAN.heartbeat_interval / 2)
+    seen = founder.membership.members[member.peer_id].heartbeat.assignment
+    assert (seen.state, seen.layers) == (AssignmentState.LOADING, (0, 30))
+    assert member.stats["heartbeats_sent"] == sent + 1  # told at once, in one heartbeat of its own

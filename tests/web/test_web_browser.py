@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from swarmd.config import LOCAL_TEST
 from tests.pipeline.daemon_swarm import even_plan
 from tests.swarm.daemons import Daemon, http, stop_all
 
@@ -31,7 +32,7 @@ TOKEN = "web-page-token-0123456789"
 CHAT = "What is the capital of France?"
 N_TOKENS = 12
 N_BLOCKS = 30  # SmolLM2-135M
-DETECTION_S = 1.0 + 0.5  # the local-test preset: suspect_after (x log10 of 4 members: 1) + probe_timeout
+DETECTION_S = LOCAL_TEST.suspect_after + LOCAL_TEST.probe_timeout  # suspicion (x log10 of 4 members: 1), a probe
 
 
 @pytest.fixture(scope="module")
