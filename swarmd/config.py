@@ -59,7 +59,8 @@ def timing(default: float, help: str) -> Any:
 class Timings:
     """Seconds, all of them."""
 
-    heartbeat_interval: float = timing(1.0, "a signed descriptor on the gossip topic this often")
+    heartbeat_interval: float = timing(1.0, "a signed descriptor on the gossip topic this often, and at once when "
+                                            "the node's view, plan or part of it changes")
     suspect_after: float = timing(3.0, "silence after which a member is suspect (scaled by log N)")
     probe_timeout: float = timing(1.0, "a direct probe slower than this failed")
     probe_interval: float = timing(2.0, "routine direct probes (RTT and hung-peer detection)")

@@ -379,10 +379,12 @@ class SwarmService:
 
     def _news(self) -> tuple:
         """What the others act on as soon as it changes: who is alive, the leader and term, the plan's epoch, how
-        far this node's part of the plan got, and its stage's free KV slots (heads admit requests by them)."""
+        far this node's part of the plan got, and whether its stage has a KV slot free (heads admit requests by
+        that; the count itself waits for the next heartbeat, so a busy swarm's gossip stays bounded)."""
         a = self.assignment_status()
+        full = a.kv is not None and a.kv[1] >= a.kv[0]
         return (frozenset(self.membership.live()), self.admitted, self.election.term, self.election.leader,
-                self.coordinator.epoch, a.epoch, a.layers, a.state, tuple(sorted(a.experts.items())), a.kv)
+                self.coordinator.epoch, a.epoch, a.layers, a.state, tuple(sorted(a.experts.items())), full)
 
     async def _heartbeat_loop(self) -> None:
         """A heartbeat every `heartbeat_interval`, and one at the next tick when `_news()` changes in between."""
