@@ -129,7 +129,7 @@ def _program(device: str, rows: int, out_features: int, width: int, t: Tiling) -
         f"p{t.split}" if t.split > 1 else "")
     grid = (-(-rows // t.bm), out_features // t.bn, t.split)
     flops = 2 * rows * out_features * width
-    traffic = 2 * (rows * width + out_features * width) + 4 * rows * out_features
+    traffic = 2 * (rows * width + out_features * width) + 4 * rows * out_features * t.split
     sink = UOp.sink(arg=KernelInfo(name=name, estimates=Estimates(ops=flops, lds=traffic, mem=traffic)))
     info = ProgramInfo(name=name, global_size=grid, local_size=(t.threads, 1, 1), globals=(0, 1, 2), outs=(0,),
                        ins=(1, 2))
