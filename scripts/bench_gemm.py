@@ -70,7 +70,7 @@ def bench_shape(shape: str, tilings: list[str], reps: int, rounds: int, copies: 
         print(f"| {shape} | {engine} | {row['us']:.1f} | {row['tflops']:.1f} | {err:.2e} |", flush=True)
 
     engines = []
-    for spec in tilings or [",".join(str(v) for v in astuple(tiling(rows)))]:
+    for spec in tilings or [",".join(str(v) for v in astuple(tiling(rows, out_f, in_f)))]:
         t = Tiling.parse(spec)
         if gemm_fits(dev, rows, out_f, in_f, t):
             engines.append((f"gemm {spec}", lambda x, w, t=t: gemm(x, w, t)))

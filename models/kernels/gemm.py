@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -62,19 +62,26 @@ class Tiling:
 
 
 # The fastest of those timed on an H200 for Llama-3.1-8B's products (scripts/bench_gemm.py; docs/BENCHMARKS.md): for a
-# prompt chunk (512 rows), and for a decode batch (32 rows), whose weight reads need the reduction split to fill the GPU.
+# prompt chunk (512 rows), and for a decode batch (32 rows), whose weight reads need the reduction split to fill the
+# GPU where the outputs are few: in up to 8 parts, as many as keep tiles of outputs times parts within BATCH_BLOCKS.
 CHUNK_TILING = Tiling(bm=64, bn=128, bk=64, warps_m=2, warps_n=2, stages=2)
-BATCH_TILING = Tiling(bm=32, bn=64, bk=64, warps_m=1, warps_n=2, stages=3, split=8)
+BATCH_TILING = Tiling(bm=32, bn=64, bk=64, warps_m=1, warps_n=2, stages=3)
+BATCH_BLOCKS = 512
 CHUNK_ROWS = 64  # from here a product takes CHUNK_TILING
 MIN_ROWS = 8
 
 
-def tiling(rows: int) -> Tiling:
+def tiling(rows: int, out_features: int, in_features: int) -> Tiling:
     """`SWARMD_GEMM_TILING` ("bm,bn,bk,warps_m,warps_n,stages[,split]", for searches), else the tiling for this
-    many rows."""
+    many rows and a matrix of this shape."""
     if spec := os.environ.get("SWARMD_GEMM_TILING"):
         return Tiling.parse(spec)
-    return CHUNK_TILING if rows >= CHUNK_ROWS else BATCH_TILING
+    if rows >= CHUNK_ROWS:
+        return CHUNK_TILING
+    t, split = BATCH_TILING, 8
+    while split > 1 and (out_features // t.bn * split > BATCH_BLOCKS or in_features % (t.bk * split)):
+        split //= 2
+    return replace(t, split=split)
 
 
 def gemm_min_rows() -> int:
@@ -87,7 +94,7 @@ def gemm_min_rows() -> int:
 
 def gemm_fits(device: str, rows: int, out_features: int, in_features: int, t: Tiling | None = None) -> bool:
     """Whether `gemm` runs on this device for this many rows and a matrix of this shape."""
-    t = t or tiling(rows)
+    t = t or tiling(rows, out_features, in_features)
     return (rows >= gemm_min_rows() and _cuda_arch(device) >= 80 and t.valid() and out_features % t.bn == 0
             and in_features % (t.bk * t.split) == 0)
 
@@ -97,8 +104,8 @@ def gemm(x: Tensor, w: Tensor, t: Tiling | None = None) -> Tensor:
     from tinygrad import Tensor, dtypes
 
     rows, width = x.shape
-    t = t or tiling(rows)
     out_features = w.shape[0]
+    t = t or tiling(rows, out_features, width)
     assert x.dtype == w.dtype == dtypes.float16 and w.shape[1] == width, (x.dtype, w.dtype, x.shape, w.shape)
     out = Tensor.empty(t.split, rows, out_features, dtype=dtypes.float32, device=x.device)
     program = _program(x.device, rows, out_features, width, t)

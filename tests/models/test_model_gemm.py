@@ -5,6 +5,7 @@ float16 operands."""
 import re
 import shutil
 import subprocess
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,10 +13,10 @@ from tinygrad import Device, Tensor, dtypes
 from tinygrad.uop.ops import Ops
 
 from models.kernels import gemm as gemm_module
-from models.kernels.gemm import BATCH_TILING, CHUNK_TILING, Tiling, gemm, gemm_fits, source
+from models.kernels.gemm import BATCH_TILING, CHUNK_TILING, Tiling, gemm, gemm_fits, source, tiling
 from models.kernels.matvec import tensor_core_matmul
 
-TILINGS = [CHUNK_TILING, BATCH_TILING, Tiling.parse("128,128,32,2,4,3")]
+TILINGS = [CHUNK_TILING, BATCH_TILING, replace(BATCH_TILING, split=8), Tiling.parse("128,128,32,2,4,3")]
 
 
 def programs(t: Tensor) -> list[str]:
@@ -40,6 +41,9 @@ def test_products_of_eight_rows_and_more_take_the_hand_written_kernel_on_nvidia_
     assert kernels(512) == ["gemm_512_4096_4096_64x128x64w2x2s2"]  # a prompt chunk
     assert kernels(32) == ["gemm_32_4096_4096_32x64x64w1x2s3p8"]  # a decode batch: the reduction in 8 parts
     assert kernels(8) == ["gemm_8_4096_4096_32x64x64w1x2s3p8"]
+    # the more tiles of outputs, the fewer parts; each part whole steps of the tile's depth
+    assert [tiling(32, out, 4096).split for out in (4096, 6144, 28672, 128256)] == [8, 4, 1, 1]
+    assert tiling(32, 4096, 14336).split == 8 and tiling(32, 4096, 1280).split == 4
     assert kernels(4100, Tensor.empty(4100, 4096, dtype=dtypes.float16, device="NULL")) == []  # not whole tiles
     monkeypatch.setenv("SWARMD_GEMM_MIN_ROWS", "64")
     assert kernels(32) == [] and kernels(64) == ["gemm_64_4096_4096_64x128x64w2x2s2"]
