@@ -6,10 +6,11 @@ the owner's shape (config, block range or experts held, numerics, weight dtype, 
 chunk, attention tile, segments), the graph (prefill with or without every position's logits, decode batch
 size, expert rows), the code that builds graphs (a hash of this package's sources), swarmd's kernel choices
 (`SWARMD_TENSOR_CORES`, `SWARMD_TENSOR_CORE_MIN_ROWS`, `SWARMD_TENSOR_CORE_SPLIT`, `SWARMD_HALF_PREFILL_ATTENTION`,
-`SWARMD_GEMM`, `SWARMD_GEMM_MIN_ROWS`, `SWARMD_GEMM_TILING`, the hashes of the `SWARMD_MATVEC_OPTS`, `SWARMD_ATTENTION_OPTS` and `SWARMD_TENSOR_CORE_OPTS` tables), tinygrad and the
-machine (`graph_cache.environment`), and the signature of the buffers it binds to. The buffers bound are every
-tensor the owner holds (weights under their GGUF names, fused projections, GGML blocks, KV cache, RoPE table), found
-by walking its attributes; a graph that reads anything else is not stored.
+`SWARMD_GEMM`, `SWARMD_GEMM_MIN_ROWS`, `SWARMD_GEMM_TILING`, the hashes of the `SWARMD_MATVEC_OPTS`,
+`SWARMD_ATTENTION_OPTS` and `SWARMD_TENSOR_CORE_OPTS` tables), tinygrad and the machine (`graph_cache.environment`),
+and the signature of the buffers it binds to. The buffers bound are every tensor the owner holds (weights under
+their GGUF names, fused projections, GGML blocks, KV cache, RoPE table), found by walking its attributes; a graph
+that reads anything else is not stored.
 
 `warm_from_cache(stage)` runs a stage's warm-up only when the cache holds every graph it needs (a load
 then costs a replay per graph, not a capture); `fill_cache(stage)` captures and stores what it lacks.
@@ -34,7 +35,7 @@ from tinygrad.engine.jit import JitError
 
 from models.kernels.attention import half_products_on
 from models.kernels.gathered import pairs_per_kernel
-from models.kernels.gemm import gemm_min_rows
+from models.kernels.gemm import gemm_min_rows, gemm_on
 from models.kernels.matvec import tensor_core_min_rows, tensor_core_split, tensor_cores_on
 from models.tinygrad_ext import graph_cache
 from models.tinygrad_ext.jit import Bind
@@ -323,7 +324,7 @@ def _common(owner: Any, source: str) -> dict[str, Any] | None:
             "tensor_core_opts": _options_file("SWARMD_TENSOR_CORE_OPTS"),
             "tensor_cores": tensor_cores_on(), "tensor_core_min_rows": tensor_core_min_rows(),
             "tensor_core_split": tensor_core_split(), "half_prefill_attention": half_products_on(),
-            "gemm_min_rows": gemm_min_rows(), "gemm_tiling": os.environ.get("SWARMD_GEMM_TILING"),
+            "gemm": gemm_on(), "gemm_min_rows": gemm_min_rows(), "gemm_tiling": os.environ.get("SWARMD_GEMM_TILING"),
             **graph_cache.environment(owner.device)}
 
 

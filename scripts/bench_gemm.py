@@ -21,7 +21,6 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import astuple
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,12 +69,11 @@ def bench_shape(shape: str, tilings: list[str], reps: int, rounds: int, copies: 
         print(f"| {shape} | {engine} | {row['us']:.1f} | {row['tflops']:.1f} | {err:.2e} |", flush=True)
 
     engines = []
-    for spec in tilings or [",".join(str(v) for v in astuple(tiling(rows, out_f, in_f)))]:
-        t = Tiling.parse(spec)
+    for t in [Tiling.parse(spec) for spec in tilings] or [tiling(rows, out_f, in_f)]:
         if gemm_fits(dev, rows, out_f, in_f, t):
-            engines.append((f"gemm {spec}", lambda x, w, t=t: gemm(x, w, t)))
+            engines.append((f"gemm {t.spec}", lambda x, w, t=t: gemm(x, w, t)))
         else:
-            print(f"| {shape} | gemm {spec} | does not fit | | |")
+            print(f"| {shape} | gemm {t.spec} | does not fit | | |")
     engines.append(("tinygrad", tensor_core_matmul))
     for engine, product in engines:
         if engine == "tinygrad":

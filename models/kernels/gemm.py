@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -47,6 +47,11 @@ class Tiling:
         return Tiling(*(int(v) for v in spec.split(",")))
 
     @property
+    def spec(self) -> str:
+        """The tiling as `parse` reads it."""
+        return ",".join(str(v) for v in astuple(self))
+
+    @property
     def threads(self) -> int:
         return 32 * self.warps_m * self.warps_n
 
@@ -68,7 +73,6 @@ CHUNK_TILING = Tiling(bm=64, bn=128, bk=64, warps_m=2, warps_n=2, stages=2)
 BATCH_TILING = Tiling(bm=32, bn=64, bk=64, warps_m=1, warps_n=2, stages=3)
 BATCH_BLOCKS = 512
 CHUNK_ROWS = 64  # from here a product takes CHUNK_TILING
-MIN_ROWS = 8
 
 
 def tiling(rows: int, out_features: int, in_features: int) -> Tiling:
@@ -84,18 +88,21 @@ def tiling(rows: int, out_features: int, in_features: int) -> Tiling:
     return replace(t, split=split)
 
 
+def gemm_on() -> bool:
+    """`SWARMD_GEMM=0` leaves every product to tinygrad's own kernels (for side-by-side measurements)."""
+    return os.environ.get("SWARMD_GEMM", "1") != "0"
+
+
 def gemm_min_rows() -> int:
-    """The fewest rows that take `gemm`: `SWARMD_GEMM_MIN_ROWS` (64 leaves decode batches to tinygrad's kernels, for
-    side-by-side measurements), else `MIN_ROWS`; `SWARMD_GEMM=0` leaves every product to them."""
-    if os.environ.get("SWARMD_GEMM", "1") == "0":
-        return 1 << 62
-    return int(os.environ.get("SWARMD_GEMM_MIN_ROWS") or MIN_ROWS)
+    """`SWARMD_GEMM_MIN_ROWS`: fewer rows keep tinygrad's kernels (64 does so for decode batches, for side-by-side
+    measurements). By default every product `tensor_core_matmul` is given may take `gemm`."""
+    return int(os.environ.get("SWARMD_GEMM_MIN_ROWS") or 0)
 
 
 def gemm_fits(device: str, rows: int, out_features: int, in_features: int, t: Tiling | None = None) -> bool:
     """Whether `gemm` runs on this device for this many rows and a matrix of this shape."""
     t = t or tiling(rows, out_features, in_features)
-    return (rows >= gemm_min_rows() and _cuda_arch(device) >= 80 and t.valid() and out_features % t.bn == 0
+    return (gemm_on() and rows >= gemm_min_rows() and _cuda_arch(device) >= 80 and t.valid() and out_features % t.bn == 0
             and in_features % (t.bk * t.split) == 0)
 
 
