@@ -18,12 +18,12 @@ import os
 from dataclasses import astuple, dataclass, replace
 from typing import TYPE_CHECKING
 
+from models.kernels import cuda
+from models.kernels.cuda import STATIC_SHARED_BYTES
+
 if TYPE_CHECKING:
     from tinygrad import Tensor
     from tinygrad.uop.ops import UOp
-
-# What a CUDA kernel may declare. More must be asked for at launch, which tinygrad's CUDA graphs do not do.
-STATIC_SHARED_BYTES = 48 * 1024
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def gemm_min_rows() -> int:
 def gemm_fits(device: str, rows: int, out_features: int, in_features: int, t: Tiling | None = None) -> bool:
     """Whether `gemm` runs on this device for this many rows and a matrix of this shape."""
     t = t or tiling(rows, out_features, in_features)
-    return (gemm_on() and rows >= gemm_min_rows() and _cuda_arch(device) >= 80 and t.valid() and out_features % t.bn == 0
+    return (gemm_on() and rows >= gemm_min_rows() and cuda.arch(device) >= 80 and t.valid() and out_features % t.bn == 0
             and in_features % (t.bk * t.split) == 0)
 
 
@@ -115,40 +115,18 @@ def gemm(x: Tensor, w: Tensor, t: Tiling | None = None) -> Tensor:
     t = t or tiling(rows, out_features, width)
     assert x.dtype == w.dtype == dtypes.float16 and w.shape[1] == width, (x.dtype, w.dtype, x.shape, w.shape)
     out = Tensor.empty(t.split, rows, out_features, dtype=dtypes.float32, device=x.device)
-    program = _program(x.device, rows, out_features, width, t)
-    parts = out.custom_kernel(x.contiguous(), w.contiguous(), fxn=lambda *_params: program)[0]
+    parts = cuda.run(out, (x, w), _program(x.device, rows, out_features, width, t))
     return parts[0] if t.split == 1 else parts.sum(0)
-
-
-def _cuda_arch(device: str) -> int:
-    """The compute capability (80 for sm_80) of a CUDA or NV device; 0 for any other device."""
-    if device.split(":")[0] not in ("CUDA", "NV"):
-        return 0
-    from tinygrad import Device
-    from tinygrad.renderer.cstyle import CUDARenderer
-
-    renderer = Device[device].renderer
-    if not isinstance(renderer, CUDARenderer):
-        return 0
-    arch = renderer.target.arch
-    return int(arch[3:]) if arch.startswith("sm_") and arch[3:].isdigit() else 0
 
 
 @functools.cache
 def _program(device: str, rows: int, out_features: int, width: int, t: Tiling) -> UOp:
-    from tinygrad.renderer import Estimates
-    from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
-
     name = f"gemm_{rows}_{out_features}_{width}_{t.bm}x{t.bn}x{t.bk}w{t.warps_m}x{t.warps_n}s{t.stages}" + (
         f"p{t.split}" if t.split > 1 else "")
-    grid = (-(-rows // t.bm), out_features // t.bn, t.split)
-    flops = 2 * rows * out_features * width
     traffic = 2 * (rows * width + out_features * width) + 4 * rows * out_features * t.split
-    sink = UOp.sink(arg=KernelInfo(name=name, estimates=Estimates(ops=flops, lds=traffic, mem=traffic)))
-    info = ProgramInfo(name=name, global_size=grid, local_size=(t.threads, 1, 1), globals=(0, 1, 2), outs=(0,),
-                       ins=(1, 2))
-    return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.DEVICE, arg=device), UOp(Ops.LINEAR, src=()),
-                                 UOp(Ops.SOURCE, arg=source(name, rows, out_features, width, t))), arg=info)
+    return cuda.program(device, name, source(name, rows, out_features, width, t),
+                        grid=(-(-rows // t.bm), out_features // t.bn, t.split), threads=t.threads, buffers=3,
+                        ops=2 * rows * out_features * width, traffic=traffic)
 
 
 def source(name: str, rows: int, out_features: int, width: int, t: Tiling) -> str:

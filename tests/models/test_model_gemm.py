@@ -12,7 +12,7 @@ import pytest
 from tinygrad import Device, Tensor, dtypes
 from tinygrad.uop.ops import Ops
 
-from models.kernels import gemm as gemm_module
+from models.kernels import cuda
 from models.kernels.gemm import BATCH_TILING, CHUNK_TILING, Tiling, gemm, gemm_fits, source, tiling
 from models.kernels.matvec import tensor_core_matmul
 
@@ -31,7 +31,7 @@ def test_a_tiling_must_fit_a_kernels_declared_shared_memory_and_split_evenly_ove
 
 
 def test_products_of_eight_rows_and_more_take_the_hand_written_kernel_on_nvidia_gpus(monkeypatch):
-    monkeypatch.setattr(gemm_module, "_cuda_arch", lambda device: 90 if device == "NULL" else 0)
+    monkeypatch.setattr(cuda, "arch", lambda device: 90 if device == "NULL" else 0)
     w = Tensor.empty(4096, 4096, dtype=dtypes.float16, device="NULL")
 
     def kernels(rows: int, w: Tensor = w) -> list[str]:
@@ -64,7 +64,7 @@ def test_the_kernel_builds_for_hopper_without_spilling_registers(tiling, tmp_pat
     assert int(re.search(r"(\d+) bytes smem", built.stderr).group(1)) == tiling.shared_bytes
 
 
-@pytest.mark.skipif(gemm_module._cuda_arch(Device.DEFAULT) < 80, reason="needs an NVIDIA GPU")
+@pytest.mark.skipif(cuda.arch(Device.DEFAULT) < 80, reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("rows", [64, 100, 512])
 @pytest.mark.parametrize("tiling", TILINGS, ids=str)
 def test_the_hand_written_product_is_the_float32_product_of_its_float16_operands(rows, tiling):

@@ -1,0 +1,50 @@
+"""Hand-written CUDA kernels in tinygrad's graphs: which devices take them, and a kernel's source as the compiled
+program that `Tensor.custom_kernel` runs, so that captured steps and the graph cache hold it like any other kernel.
+
+tinygrad's CUDA graphs launch every kernel with no dynamic shared memory: a kernel declares what it uses.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tinygrad import Tensor
+    from tinygrad.uop.ops import UOp
+
+# What a CUDA kernel may declare. More must be asked for at launch, which tinygrad's CUDA graphs do not do.
+STATIC_SHARED_BYTES = 48 * 1024
+
+
+def arch(device: str) -> int:
+    """The compute capability (80 for sm_80) of a tinygrad CUDA or NV device; 0 for any other device."""
+    if device.split(":")[0] not in ("CUDA", "NV"):
+        return 0
+    from tinygrad import Device
+    from tinygrad.renderer.cstyle import CUDARenderer
+
+    renderer = Device[device].renderer
+    if not isinstance(renderer, CUDARenderer):
+        return 0
+    target = renderer.target.arch
+    return int(target[3:]) if target.startswith("sm_") and target[3:].isdigit() else 0
+
+
+def program(device: str, name: str, source: str, *, grid: tuple[int, int, int], threads: int, buffers: int,
+            ops: int, traffic: int) -> UOp:
+    """The kernel `name` of CUDA `source` as a program of `buffers` pointer arguments (the first its output, the
+    others its inputs), launched on `grid` blocks of `threads` threads; `ops` and `traffic` (bytes) are tinygrad's
+    estimates for its statistics."""
+    from tinygrad.renderer import Estimates
+    from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
+
+    sink = UOp.sink(arg=KernelInfo(name=name, estimates=Estimates(ops=ops, lds=traffic, mem=traffic)))
+    info = ProgramInfo(name=name, global_size=grid, local_size=(threads, 1, 1), globals=tuple(range(buffers)),
+                       outs=(0,), ins=tuple(range(1, buffers)))
+    return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.DEVICE, arg=device), UOp(Ops.LINEAR, src=()),
+                                 UOp(Ops.SOURCE, arg=source)), arg=info)
+
+
+def run(out: Tensor, inputs: tuple[Tensor, ...], prog: UOp) -> Tensor:
+    """`out` (an empty tensor of the result's shape) written by `prog` from `inputs` (made contiguous)."""
+    return out.custom_kernel(*(t.contiguous() for t in inputs), fxn=lambda *_params: prog)[0]
