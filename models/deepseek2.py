@@ -302,7 +302,7 @@ def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Seque
     q_nope = q[..., :nope]
     if ggml and nope % ggml_numerics.BLOCK == 0:
         q_nope = ggml_numerics.q8_activations(q_nope.reshape(-1, nope))[0].reshape(batch, c.n_heads, T, nope)
-    q_latent = q_nope @ blk.attn_k_b["weight"].float().transpose(-1, -2)  # (B, H, T, kv_lora): absorbed
+    q_latent = _per_head(stage, i, q_nope, "attn_k_b")  # (B, H, T, kv_lora): absorbed
     k_rope = _rotate(kv[..., L:].reshape(batch, 1, T, r), cos, sin)
     latent = stage._norm(blk.attn_kv_a_norm, kv[..., :L]).reshape(batch, 1, T, L).cat(k_rope, dim=-1)
     # write each request's new latents into its own slot, then read its cache back through the writes
@@ -327,9 +327,23 @@ def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Seque
     out = outs[0].cat(*outs[1:]) if batch > 1 else outs[0]
     if ggml and L % ggml_numerics.BLOCK == 0:
         out = ggml_numerics.q8_activations(out.reshape(-1, L))[0].reshape(batch, c.n_heads, T, L)
-    out = out @ blk.attn_v_b["weight"].float().transpose(-1, -2)  # (B, H, T, v)
+    out = _per_head(stage, i, out, "attn_v_b")  # (B, H, T, v)
     return project(blk.attn_output.weight, out.transpose(1, 2).reshape(batch, T, c.n_heads * c.v_head_dim),
                    "attn_output.weight")
+
+
+def _per_head(stage: Any, i: int, x: Tensor, name: str) -> Tensor:
+    """x (B, H, T, in) times block i's per-head matrices `name` (H, out, in) -> (B, H, T, out): on NVIDIA GPUs, with
+    float numerics and a few rows, `block_gemv` reads the heads' GGML blocks once for all rows."""
+    from models.kernels.block_gemv import block_gemv, block_gemv_fits
+
+    blocks = stage._blocks.get(f"blk.{i}.{name}.weight")
+    batch, heads, T, width = x.shape
+    if blocks is not None and stage.numerics != "ggml" and isinstance(T, int):
+        rows = x.permute(1, 0, 2, 3).reshape(heads, batch * T, width)
+        if block_gemv_fits(rows, blocks, gathered=False):
+            return block_gemv(rows, blocks).reshape(heads, batch, T, -1).permute(1, 0, 2, 3)
+    return x @ getattr(stage.blk[i], name)["weight"].float().transpose(-1, -2)
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

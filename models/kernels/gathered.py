@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from models.kernels import ggml_numerics
+from models.kernels import cuda, ggml_numerics
+from models.kernels.block_gemv import block_gemv, block_gemv_fits, block_gemv_on
 from models.kernels.matvec import GPU_DEVICES, as_opts, cpu_matvec_opts, opts_fit
 
 if TYPE_CHECKING:
@@ -59,9 +60,12 @@ def block_matvec(x: Tensor, blocks, idx: Tensor | None = None) -> Tensor:
     """x (slots, rows, in) times GGML-block matrices -> (slots, rows, out), as one GPU kernel whose reduction
     (over blocks of 32 and the 16 bytes of a block's codes, both nibbles at once) is split over a thread group:
     with `idx`, slot s multiplies matrix idx[s] of the stack `blocks` (gathered by index inside the kernel,
-    reading only those matrices' codes); without, the one matrix (slots = 1)."""
+    reading only those matrices' codes); without, the one matrix (slots = 1). On NVIDIA GPUs, where it fits, the
+    product is `models.kernels.block_gemv`'s hand-written kernel instead."""
     from tinygrad import dtypes, function
 
+    if block_gemv_fits(x, blocks, gathered=idx is not None):
+        return block_gemv(x, blocks, idx)
     slots, rows, in_features = x.shape
     n, out_features = (blocks.shape[0], blocks.shape[1]) if blocks.shape else (1, blocks.rows)
     nb, per = in_features // 32, (16 if blocks.packed else 32)
@@ -104,14 +108,16 @@ def block_matvec(x: Tensor, blocks, idx: Tensor | None = None) -> Tensor:
 
 def pairs_per_kernel(device: str) -> int:
     """How many (row, expert) pairs one gathered kernel of `models.expert_shard.ExpertShard.in_graph` takes: 8
-    on GPUs, where a kernel reading many experts' matrices at once reads each byte slower than several kernels of
-    a few experts each (docs/BENCHMARKS.md); 0, all of them, elsewhere. `SWARMD_IN_GRAPH_PAIRS` overrides, for
-    comparisons."""
+    on GPUs where tinygrad's kernel runs the products (it reads each byte slower when it reads many experts'
+    matrices at once than in several kernels of a few experts each, docs/BENCHMARKS.md); 0, all of them, where
+    `models.kernels.block_gemv` runs them and elsewhere. `SWARMD_IN_GRAPH_PAIRS` overrides, for comparisons."""
     import os
 
     if os.environ.get("SWARMD_IN_GRAPH_PAIRS"):
         return int(os.environ["SWARMD_IN_GRAPH_PAIRS"])
-    return 8 if device.split(":")[0] in GPU_DEVICES else 0
+    if device.split(":")[0] not in GPU_DEVICES or (block_gemv_on() and cuda.arch(device) >= 70):
+        return 0
+    return 8
 
 
 # Options of the gathered matvec on GPUs (axis 0: output features; reduce axis 0: the inner dimension); empty:

@@ -1,0 +1,105 @@
+"""The hand-written product with 4-bit GGML blocks (`models.kernels.block_gemv`): which products take it, that its
+CUDA source builds for a Hopper GPU without spilling registers, and, on an NVIDIA GPU, that it is the product of the
+dequantised weights, gathered by index or not, whatever the slots and rows around an output."""
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from tinygrad import Device, Tensor
+from tinygrad.uop.ops import Ops
+
+from models.kernels import cuda
+from models.kernels.block_gemv import Layout, block_gemv, source
+from models.kernels.gathered import block_matvec
+from models.kernels.quant import from_ggml_blocks
+
+ON_NVIDIA = cuda.arch(Device.DEFAULT) >= 70
+
+
+def random_blocks(rng: np.random.Generator, rows: int, width: int, q4_1: bool) -> np.ndarray:
+    """Raw Q4_0 (or Q4_1) blocks (rows, width / 32, bytes): random codes, small scales (and offsets)."""
+    raw = rng.integers(0, 256, (rows, width // 32, 20 if q4_1 else 18), dtype=np.uint8)
+    for at in ((0, 2), (2, 4)) if q4_1 else ((0, 2),):
+        values = rng.uniform(0.002, 0.02, raw.shape[:2]).astype(np.float16)
+        raw[..., at[0]:at[1]] = values.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw
+
+
+def dequantized(raw: np.ndarray, q4_1: bool) -> np.ndarray:
+    kind = GGMLQuantizationType.Q4_1 if q4_1 else GGMLQuantizationType.Q4_0
+    return dequantize(raw.reshape(raw.shape[0], -1), kind).astype(np.float64)
+
+
+def programs(t: Tensor) -> list[str]:
+    return [u.arg.name for u in t.uop.toposort() if u.op is Ops.PROGRAM]
+
+
+def test_decode_products_with_4_bit_blocks_take_the_hand_written_kernel_on_nvidia_gpus(monkeypatch):
+    monkeypatch.setattr(cuda, "arch", lambda device: 90 if device == "NULL" else 0)
+    raw = random_blocks(np.random.default_rng(0), 16 * 64, 256, q4_1=False)
+    stack = from_ggml_blocks(raw, 2, (16, 64, 256), "NULL")
+    idx = Tensor([3, 5], device="NULL")
+
+    def kernels(rows: int, slots: int = 2) -> list[str]:
+        return [n for n in programs(block_matvec(Tensor.empty(slots, rows, 256, device="NULL"), stack, idx))
+                if n.startswith("block_gemv")]
+
+    assert kernels(1) == ["block_gemv_2_1_64_256_o8_g_4x4"]
+    assert kernels(8) == ["block_gemv_2_8_64_256_o8_g_4x4"]
+    assert kernels(9) == []  # more rows than its registers hold: tinygrad's kernel
+    monkeypatch.setenv("SWARMD_BLOCK_GEMV", "0")
+    assert kernels(1) == []
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs CUDA's compiler")
+@pytest.mark.parametrize("rows,has_m,pick,layout", [(1, False, "index", Layout()), (8, False, "one", Layout()),
+                                                     (8, True, "slot", Layout(2, 4))])
+def test_the_kernel_builds_for_hopper_without_spilling_registers(rows, has_m, pick, layout, tmp_path):
+    cu = tmp_path / "block_gemv.cu"
+    cu.write_text(source("block_gemv_check", rows, 4096, 7168, 0 if has_m else 8, has_m, pick, layout))
+    built = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
+                            str(cu)], capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    assert "0 bytes spill stores" in built.stderr
+
+
+@pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("q4_1", [False, True], ids=["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_the_product_is_that_of_the_dequantised_weights_gathered_by_index(rows, q4_1):
+    rng = np.random.default_rng(rows)
+    raw = random_blocks(rng, 6 * 64, 512, q4_1)
+    stack = from_ggml_blocks(raw, 3 if q4_1 else 2, (6, 64, 512), Device.DEFAULT).realize()
+    pick = np.array([4, 0, 4, 2], np.int32)
+    x = rng.standard_normal((4, rows, 512)).astype(np.float32)
+    got = block_matvec(Tensor(x), stack, Tensor(pick)).numpy()
+    want = np.einsum("sri,soi->sro", x.astype(np.float64), dequantized(raw, q4_1).reshape(6, 64, 512)[pick])
+    assert got.shape == (4, rows, 64)
+    assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
+def test_without_an_index_each_slot_multiplies_its_own_matrix_of_the_stack():
+    rng = np.random.default_rng(11)
+    raw = random_blocks(rng, 6 * 64, 128, False)  # heads of 128 values: fewer blocks than a warp's lanes take
+    stack = from_ggml_blocks(raw, 2, (6, 64, 128), Device.DEFAULT).realize()
+    x = rng.standard_normal((6, 2, 128)).astype(np.float32)
+    got = block_gemv(Tensor(x), stack).numpy()
+    want = np.einsum("sri,soi->sro", x.astype(np.float64), dequantized(raw, False).reshape(6, 64, 128))
+    assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
+def test_an_outputs_bits_do_not_depend_on_the_slots_and_rows_around_it():
+    rng = np.random.default_rng(7)
+    raw = random_blocks(rng, 4 * 64, 1024, False)
+    stack = from_ggml_blocks(raw, 2, (4, 64, 1024), Device.DEFAULT).realize()
+    x = rng.standard_normal((8, 8, 1024)).astype(np.float32)
+    pick = np.arange(8, dtype=np.int32) % 4
+    whole = block_matvec(Tensor(x), stack, Tensor(pick)).numpy()
+    alone = block_matvec(Tensor(x[5:6, 2:3].copy()), stack, Tensor(pick[5:6])).numpy()
+    assert np.array_equal(whole[5, 2], alone[0, 0])
