@@ -2,11 +2,12 @@
 hand-written CUDA kernel in tinygrad's graph: the decode step's product with a Kimi-class model's quantised weights.
 
 x (slots, rows, in) float32; slot s multiplies matrix idx[s] of a stack, or matrix s of a stack of `slots` matrices
-(a head's own matrix), or the one matrix; the result is float32 (slots, rows, out). A warp computes `per_warp` outputs: lane l reads 4 bytes of codes (8 values) of blocks
-l/4, l/4 + 8, ... of each output's row, so that a warp's loads of codes are whole 128-byte lines, and the 8 matching
-activations of each row once for all its outputs. A lane sums (code - offset) * x over its 8 values, scales the
-sum by its block's scale (and adds Q4_1's offset times the values' sum), and the warp adds its lanes' sums in a
-fixed tree: each output's sum runs in the same order whatever the slots, rows and matrices around it.
+(a head's own matrix), or the one matrix; the result is float32 (slots, rows, out). A warp computes `per_warp` outputs:
+each lane reads `lane_bytes` of every block's 16 bytes of codes (2 values a byte) in its share of each output's row,
+so that a warp's loads of codes are whole 128-byte lines, and the matching activations of each row once for all its
+outputs. A lane sums (code - offset) * x over its values of a block, scales the sum by the block's scale (and adds
+Q4_1's offset times the activations' sum), and the warp adds its lanes' sums in a fixed tree: each output's sum
+runs in the same order whatever the slots, rows and matrices around it.
 """
 
 from __future__ import annotations
@@ -29,19 +30,24 @@ MAX_ROWS = 8  # a slot's rows held in registers at once; more go to tinygrad's k
 
 @dataclass(frozen=True)
 class Layout:
-    """Outputs per warp and warps per block of threads."""
+    """Outputs per warp, warps per block of threads, and bytes of a block's codes each lane reads (4, 8 or 16)."""
 
     per_warp: int = 4
     warps: int = 4
+    lane_bytes: int = 4
 
     @staticmethod
     def parse(spec: str) -> Layout:
-        """A layout from "per_warp,warps"."""
+        """A layout from "per_warp,warps[,lane_bytes]"."""
         return Layout(*(int(v) for v in spec.split(",")))
+
+    @property
+    def spec(self) -> str:
+        return f"{self.per_warp}x{self.warps}" + (f"b{self.lane_bytes}" if self.lane_bytes != 4 else "")
 
 
 def layout() -> Layout:
-    """`SWARMD_BLOCK_GEMV_LAYOUT` ("per_warp,warps", for searches), else the default."""
+    """`SWARMD_BLOCK_GEMV_LAYOUT` ("per_warp,warps[,lane_bytes]", for searches), else the default."""
     spec = os.environ.get("SWARMD_BLOCK_GEMV_LAYOUT")
     return Layout.parse(spec) if spec else Layout()
 
@@ -82,7 +88,7 @@ def block_gemv(x: Tensor, blocks: BlockQuantized, idx: Tensor | None = None) -> 
 def _program(device: str, slots: int, rows: int, out_features: int, width: int, offset: int, has_m: bool, pick: str,
              lay: Layout) -> UOp:
     name = (f"block_gemv_{slots}_{rows}_{out_features}_{width}" + ("_m" if has_m else f"_o{offset}")
-            + {"index": "_g", "slot": "_s", "one": ""}[pick] + f"_{lay.per_warp}x{lay.warps}")
+            + {"index": "_g", "slot": "_s", "one": ""}[pick] + f"_{lay.spec}")
     matrices = 1 if pick == "one" else slots
     traffic = matrices * out_features * width * (10 if has_m else 9) // 16 + 4 * slots * rows * (width + out_features)
     return cuda.program(device, name, source(name, rows, out_features, width, offset, has_m, pick, lay),
@@ -92,14 +98,16 @@ def _program(device: str, slots: int, rows: int, out_features: int, width: int, 
 
 def source(name: str, rows: int, out_features: int, width: int, offset: int, has_m: bool, pick: str,
            lay: Layout) -> str:
-    """The kernel's CUDA source; `pick`: how a slot's matrix is chosen ("index": idx[slot], "slot": matrix slot,
+    """The kernel's CUDA source (its loop over blocks unrolled less the more rows and bytes a lane holds, within its
+    registers); `pick`: how a slot's matrix is chosen ("index": idx[slot], "slot": matrix slot,
     "one": the one matrix)."""
     params = ["float* out", "const float* __restrict__ x", "const unsigned* __restrict__ q",
               "const half* __restrict__ d"]
     params += ["const half* __restrict__ m"] * has_m + ["const int* __restrict__ idx"] * (pick == "index")
     matrix = {"index": "idx[slot]", "slot": "slot", "one": "0"}[pick]
     return _SOURCE.format(NAME=name, PARAMS=", ".join(params), ROWS=rows, OUT=out_features, NB=width // 32,
-                          OFF=float(offset), HAS_M=int(has_m), MATRIX=matrix, NR=lay.per_warp, WARPS=lay.warps)
+                          OFF=float(offset), HAS_M=int(has_m), MATRIX=matrix, NR=lay.per_warp, WARPS=lay.warps,
+                          WORDS=lay.lane_bytes // 4, UNROLL=max(1, (4 if rows <= 2 else 2) * 4 // lay.lane_bytes))
 
 
 _SOURCE = r"""
@@ -111,28 +119,40 @@ _SOURCE = r"""
 #define HAS_M {HAS_M}
 #define NR {NR}
 #define WARPS {WARPS}
+#define WORDS {WORDS}
+#define LPB (4 / WORDS)
+#define BPI (32 / LPB)
+
+template <int W> __device__ __forceinline__ void codes(unsigned* c, const unsigned* p);
+template <> __device__ __forceinline__ void codes<1>(unsigned* c, const unsigned* p) {{ c[0] = __ldg(p); }}
+template <> __device__ __forceinline__ void codes<2>(unsigned* c, const unsigned* p) {{
+  const uint2 t = __ldg((const uint2*)p); c[0] = t.x; c[1] = t.y;
+}}
+template <> __device__ __forceinline__ void codes<4>(unsigned* c, const unsigned* p) {{
+  const uint4 t = __ldg((const uint4*)p); c[0] = t.x; c[1] = t.y; c[2] = t.z; c[3] = t.w;
+}}
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) {NAME}({PARAMS}) {{
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, part = lane & 3;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, part = lane % LPB;
   const int slot = blockIdx.y, o0 = (blockIdx.x * WARPS + warp) * NR;
   const size_t row0 = (size_t)({MATRIX}) * OUT + o0;
-  const float* xs = x + (size_t)slot * ROWS * NB * 32 + part * 4;
+  const float* xs = x + (size_t)slot * ROWS * NB * 32 + part * WORDS * 4;
   float acc[NR][ROWS];
   #pragma unroll
   for (int r = 0; r < NR; r++)
     #pragma unroll
     for (int i = 0; i < ROWS; i++) acc[r][i] = 0.f;
 
-  #pragma unroll 4
-  for (int b = lane >> 2; b < NB; b += 8) {{
-    unsigned c[NR];
+  #pragma unroll {UNROLL}
+  for (int b = lane / LPB; b < NB; b += BPI) {{
+    unsigned c[NR][WORDS];
     float sc[NR];
 #if HAS_M
     float mm[NR];
 #endif
     #pragma unroll
     for (int r = 0; r < NR; r++) {{
-      c[r] = __ldg(q + (row0 + r) * (NB * 4) + b * 4 + part);
+      codes<WORDS>(c[r], q + (row0 + r) * (NB * 4) + b * 4 + part * WORDS);
       sc[r] = __half2float(d[(row0 + r) * NB + b]);
 #if HAS_M
       mm[r] = __half2float(m[(row0 + r) * NB + b]);
@@ -140,22 +160,35 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) {NAME}({PARAMS}) {{
     }}
     #pragma unroll
     for (int i = 0; i < ROWS; i++) {{
-      const float4 lo = __ldg((const float4*)(xs + i * NB * 32 + b * 32));
-      const float4 hi = __ldg((const float4*)(xs + i * NB * 32 + b * 32 + 16));
+      float s[NR], sx = 0.f;
+      #pragma unroll
+      for (int r = 0; r < NR; r++) s[r] = 0.f;
+      #pragma unroll
+      for (int k = 0; k < WORDS; k++) {{
+        const float4 lo = __ldg((const float4*)(xs + i * NB * 32 + b * 32 + k * 4));
+        const float4 hi = __ldg((const float4*)(xs + i * NB * 32 + b * 32 + k * 4 + 16));
+#if HAS_M
+        sx += ((lo.x + lo.y) + (lo.z + lo.w)) + ((hi.x + hi.y) + (hi.z + hi.w));
+#endif
+        #pragma unroll
+        for (int r = 0; r < NR; r++) {{
+          const unsigned v = c[r][k];
+          float t = s[r];
+          t = fmaf((float)(v & 15u) - OFF, lo.x, t);
+          t = fmaf((float)((v >> 8) & 15u) - OFF, lo.y, t);
+          t = fmaf((float)((v >> 16) & 15u) - OFF, lo.z, t);
+          t = fmaf((float)((v >> 24) & 15u) - OFF, lo.w, t);
+          t = fmaf((float)((v >> 4) & 15u) - OFF, hi.x, t);
+          t = fmaf((float)((v >> 12) & 15u) - OFF, hi.y, t);
+          t = fmaf((float)((v >> 20) & 15u) - OFF, hi.z, t);
+          s[r] = fmaf((float)(v >> 28) - OFF, hi.w, t);
+        }}
+      }}
       #pragma unroll
       for (int r = 0; r < NR; r++) {{
-        const unsigned v = c[r];
-        float s = ((float)(v & 15u) - OFF) * lo.x;
-        s = fmaf((float)((v >> 8) & 15u) - OFF, lo.y, s);
-        s = fmaf((float)((v >> 16) & 15u) - OFF, lo.z, s);
-        s = fmaf((float)((v >> 24) & 15u) - OFF, lo.w, s);
-        s = fmaf((float)((v >> 4) & 15u) - OFF, hi.x, s);
-        s = fmaf((float)((v >> 12) & 15u) - OFF, hi.y, s);
-        s = fmaf((float)((v >> 20) & 15u) - OFF, hi.z, s);
-        s = fmaf((float)(v >> 28) - OFF, hi.w, s);
-        acc[r][i] = fmaf(s, sc[r], acc[r][i]);
+        acc[r][i] = fmaf(s[r], sc[r], acc[r][i]);
 #if HAS_M
-        acc[r][i] = fmaf(mm[r], ((lo.x + lo.y) + (lo.z + lo.w)) + ((hi.x + hi.y) + (hi.z + hi.w)), acc[r][i]);
+        acc[r][i] = fmaf(mm[r], sx, acc[r][i]);
 #endif
       }}
     }}

@@ -57,7 +57,8 @@ def test_decode_products_with_4_bit_blocks_take_the_hand_written_kernel_on_nvidi
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs CUDA's compiler")
 @pytest.mark.parametrize("rows,has_m,pick,layout", [(1, False, "index", Layout()), (8, False, "one", Layout()),
-                                                     (8, True, "slot", Layout(2, 4))])
+                                                     (8, True, "slot", Layout(2, 4)),
+                                                     (8, False, "index", Layout(4, 4, 16))])
 def test_the_kernel_builds_for_hopper_without_spilling_registers(rows, has_m, pick, layout, tmp_path):
     cu = tmp_path / "block_gemv.cu"
     cu.write_text(source("block_gemv_check", rows, 4096, 7168, 0 if has_m else 8, has_m, pick, layout))
@@ -70,7 +71,9 @@ def test_the_kernel_builds_for_hopper_without_spilling_registers(rows, has_m, pi
 @pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("q4_1", [False, True], ids=["Q4_0", "Q4_1"])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_the_product_is_that_of_the_dequantised_weights_gathered_by_index(rows, q4_1):
+@pytest.mark.parametrize("lane_bytes", [4, 8, 16])
+def test_the_product_is_that_of_the_dequantised_weights_gathered_by_index(rows, q4_1, lane_bytes, monkeypatch):
+    monkeypatch.setenv("SWARMD_BLOCK_GEMV_LAYOUT", f"4,4,{lane_bytes}")
     rng = np.random.default_rng(rows)
     raw = random_blocks(rng, 6 * 64, 512, q4_1)
     stack = from_ggml_blocks(raw, 3 if q4_1 else 2, (6, 64, 512), Device.DEFAULT).realize()
