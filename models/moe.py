@@ -78,30 +78,43 @@ def route(blk, x: Tensor, config: TransformerConfig, logits: Tensor | None = Non
     groups); the chosen scores are normalised to sum to 1
     when `norm_topk_prob`, then multiplied by `routed_scaling_factor`. `logits`: the router's, when the
     caller computed them."""
-    from tinygrad.llm.model import pairwise_topk
-
     logits = (x.float() @ blk.ffn_gate_inp.weight.float().T if logits is None else logits).float()
     scores = logits.sigmoid() if gating_of(config) == "sigmoid" else logits.softmax(-1)
     choose = scores + blk.exp_probs_b["bias"].float() if hasattr(blk, "exp_probs_b") else scores
     if getattr(config, "expert_groups", 0) > 1:
         choose = _best_groups(choose, config.expert_groups, config.expert_groups_used)
-    _, sel = pairwise_topk(choose, config.num_experts_per_tok)
+    sel = top_k(choose, config.num_experts_per_tok)
     gates = scores.gather(-1, sel)
     if config.norm_topk_prob:
         gates = gates / gates.sum(axis=-1, keepdim=True)
     return gates * config.routed_scaling_factor, sel
 
 
+def top_k(x: Tensor, k: int) -> Tensor:
+    """The indices (int32) of the k largest of x along its last axis, the largest last; of equal values the one of
+    higher index ranks higher. The same selection as `tinygrad.llm.model.pairwise_topk`, whose kernel makes each
+    selected index count every element's rank itself (a few threads looping over n * n comparisons); here every
+    element's rank is a kernel of its own first."""
+    from tinygrad import Tensor, dtypes
+
+    n = x.shape[-1]
+    at = Tensor.arange(n, device=x.device)
+    beats = (x.unsqueeze(-1) > x.unsqueeze(-2)) | ((x.unsqueeze(-1) == x.unsqueeze(-2)) & (at.reshape(n, 1) < at.reshape(1, n)))
+    rank = beats.sum(axis=-1, dtype=dtypes.int32).contiguous()  # (..., n): a permutation of 0 .. n-1
+    wanted = Tensor.arange(n - k, n, device=x.device, dtype=dtypes.int32)  # (k,)
+    return (rank.unsqueeze(-2) == wanted.unsqueeze(-1)).where(at.cast(dtypes.int32), 0).sum(-1, dtype=dtypes.int32)
+
+
 def _best_groups(choose: Tensor, groups: int, used: int) -> Tensor:
     """`choose` (B, T, E) with the experts outside each row's `used` best groups set to -inf; a group's score
     is the sum of its two highest choice scores (DeepSeek-V3's and llama.cpp's group-limited routing)."""
     from tinygrad import Tensor
-    from tinygrad.llm.model import pairwise_topk
 
     b, t, n = choose.shape
     per = n // groups
-    top2, _ = pairwise_topk(choose.reshape(b, t * groups, per), 2)
-    _, best = pairwise_topk(top2.sum(-1).reshape(b, t, groups), used)  # (B, T, used)
+    scores = choose.reshape(b, t * groups, per)
+    top2 = scores.gather(-1, top_k(scores, 2))
+    best = top_k(top2.sum(-1).reshape(b, t, groups), used)  # (B, T, used)
     keep = (best.unsqueeze(-1) == Tensor.arange(groups, device=choose.device)).sum(-2) > 0  # (B, T, groups)
     return keep.unsqueeze(-1).where(choose.reshape(b, t, groups, per), -math.inf).reshape(b, t, n)
 
