@@ -9,7 +9,7 @@ and the single matrices), times the product in a captured graph of `--copies` pr
 of the weights as `gguf` dequantises them.
 
     python3 scripts/bench_block_gemv.py
-    python3 scripts/bench_block_gemv.py --rows 8 --layouts 2,4 4,4 1,8
+    python3 scripts/bench_block_gemv.py --rows 8 --layouts 4,4 2,4 4,4,8
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def bench_case(name: str, case: tuple, rows: int, layouts: list[str], args) -> l
     from gguf.quants import dequantize
     from tinygrad import Device, Tensor, TinyJit
 
-    from models.kernels.block_gemv import Layout, block_gemv_fits
+    from models.kernels.block_gemv import block_gemv_fits
     from models.kernels.gathered import block_matvec
     from models.kernels.quant import from_ggml_blocks
 
@@ -99,7 +99,6 @@ def bench_case(name: str, case: tuple, rows: int, layouts: list[str], args) -> l
             if not block_gemv_fits(x, copies[0], gathered=bool(stack)):
                 print(f"| {name} | {rows} | {engine} | does not fit | | |", flush=True)
                 continue
-            Layout.parse(engine)
 
         def step(x, *_ws, idx=idx):
             return [block_matvec(x, w, idx).realize() for w in copies]
@@ -123,7 +122,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="*", default=list(KIMI_CASES), help="names of KIMI_CASES")
     parser.add_argument("--rows", default="1,8", help="rows per slot, comma-separated")
-    parser.add_argument("--layouts", nargs="*", default=["2,4"], help="the hand-written kernel's per_warp,warps")
+    parser.add_argument("--layouts", nargs="*", default=["4,4"],
+                        help="the hand-written kernel's layouts, each per_warp,warps[,lane_bytes]")
     parser.add_argument("--q4-1", action="store_true", help="Q4_1 blocks instead of Q4_0")
     parser.add_argument("--copies", type=int, default=4)
     parser.add_argument("--reps", type=int, default=50)
