@@ -92,7 +92,7 @@ def route(blk, x: Tensor, config: TransformerConfig, logits: Tensor | None = Non
 
 def top_k(x: Tensor, k: int) -> Tensor:
     """The indices (int32) of the k largest of x along its last axis, the largest last; of equal values the one of
-    higher index ranks higher. The same selection as `tinygrad.llm.model.pairwise_topk`, whose kernel makes each
+    lower index ranks higher. The same selection as `tinygrad.llm.model.pairwise_topk`, whose kernel makes each
     selected index count every element's rank itself (a few threads looping over n * n comparisons); here every
     element's rank is a kernel of its own first."""
     from tinygrad import Tensor, dtypes
