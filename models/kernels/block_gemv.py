@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
     from models.kernels.quant import BlockQuantized
 
-MAX_ROWS = 8  # a slot's rows held in registers at once; more go to tinygrad's kernel
+KERNEL_ROWS = 8  # a slot's rows one kernel holds in registers; more go in kernels of this many rows each
+MAX_ROWS = 64  # more (a long prompt's chunk) go to tinygrad's kernel
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,15 @@ def block_gemv_fits(x: Tensor, blocks: BlockQuantized, *, gathered: bool) -> boo
 
 def block_gemv(x: Tensor, blocks: BlockQuantized, idx: Tensor | None = None) -> Tensor:
     """x (slots, rows, in) times `blocks` -> float32 (slots, rows, out): with `idx`, slot s times matrix idx[s] of
-    the stack; without, slot s times matrix s of a stack, or every slot times the one matrix."""
+    the stack; without, slot s times matrix s of a stack, or every slot times the one matrix. More than
+    `KERNEL_ROWS` rows go in kernels of that many: a row's arithmetic is the same in any of them, so a request's
+    row gets the same bits in a decode batch of any size (a verify step's rows included)."""
     from tinygrad import Tensor, dtypes
 
     slots, rows, width = x.shape
+    if rows > KERNEL_ROWS:
+        parts = [block_gemv(x[:, r:r + KERNEL_ROWS], blocks, idx) for r in range(0, rows, KERNEL_ROWS)]
+        return parts[0].cat(*parts[1:], dim=1)
     out_features = blocks.shape[1] if blocks.shape else blocks.rows
     inputs = (x.cast(dtypes.float32), blocks.q, blocks.d, *([blocks.m] if blocks.m is not None else []),
               *([idx.cast(dtypes.int32)] if idx is not None else []))

@@ -50,7 +50,8 @@ def test_decode_products_with_4_bit_blocks_take_the_hand_written_kernel_on_nvidi
 
     assert kernels(1) == ["block_gemv_2_1_64_256_o8_g_4x4"]
     assert kernels(8) == ["block_gemv_2_8_64_256_o8_g_4x4"]
-    assert kernels(9) == []  # more rows than its registers hold: tinygrad's kernel
+    assert kernels(9) == ["block_gemv_2_8_64_256_o8_g_4x4", "block_gemv_2_1_64_256_o8_g_4x4"]  # 8 rows a kernel
+    assert kernels(65) == []  # a long prompt's chunk: tinygrad's kernel
     monkeypatch.setenv("SWARMD_BLOCK_GEMV", "0")
     assert kernels(1) == []
 
@@ -70,7 +71,7 @@ def test_the_kernel_builds_for_hopper_without_spilling_registers(rows, has_m, pi
 
 @pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("q4_1", [False, True], ids=["Q4_0", "Q4_1"])
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 20])
 @pytest.mark.parametrize("lane_bytes", [4, 8, 16])
 def test_the_product_is_that_of_the_dequantised_weights_gathered_by_index(rows, q4_1, lane_bytes, monkeypatch):
     monkeypatch.setenv("SWARMD_BLOCK_GEMV_LAYOUT", f"4,4,{lane_bytes}")
@@ -101,8 +102,9 @@ def test_an_outputs_bits_do_not_depend_on_the_slots_and_rows_around_it():
     rng = np.random.default_rng(7)
     raw = random_blocks(rng, 4 * 64, 1024, False)
     stack = from_ggml_blocks(raw, 2, (4, 64, 1024), Device.DEFAULT).realize()
-    x = rng.standard_normal((8, 8, 1024)).astype(np.float32)
+    x = rng.standard_normal((8, 20, 1024)).astype(np.float32)
     pick = np.arange(8, dtype=np.int32) % 4
-    whole = block_matvec(Tensor(x), stack, Tensor(pick)).numpy()
-    alone = block_matvec(Tensor(x[5:6, 2:3].copy()), stack, Tensor(pick[5:6])).numpy()
-    assert np.array_equal(whole[5, 2], alone[0, 0])
+    whole = block_matvec(Tensor(x), stack, Tensor(pick)).numpy()  # 20 rows a slot: kernels of 8, 8 and 4
+    for row in (2, 13, 17):
+        alone = block_matvec(Tensor(x[5:6, row:row + 1].copy()), stack, Tensor(pick[5:6])).numpy()
+        assert np.array_equal(whole[5, row], alone[0, 0])
