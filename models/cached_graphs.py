@@ -6,11 +6,11 @@ the owner's shape (config, block range or experts held, numerics, weight dtype, 
 chunk, attention tile, segments), the graph (prefill with or without every position's logits, decode batch
 size, expert rows), the code that builds graphs (a hash of this package's sources), swarmd's kernel choices
 (`SWARMD_TENSOR_CORES`, `SWARMD_TENSOR_CORE_MIN_ROWS`, `SWARMD_TENSOR_CORE_SPLIT`, `SWARMD_HALF_PREFILL_ATTENTION`,
-`SWARMD_GEMM`, `SWARMD_GEMM_MIN_ROWS`, `SWARMD_GEMM_TILING`, `SWARMD_BLOCK_GEMV`, `SWARMD_BLOCK_GEMV_LAYOUT`, the hashes of the `SWARMD_MATVEC_OPTS`,
-`SWARMD_ATTENTION_OPTS` and `SWARMD_TENSOR_CORE_OPTS` tables), tinygrad and the machine (`graph_cache.environment`),
-and the signature of the buffers it binds to. The buffers bound are every tensor the owner holds (weights under
-their GGUF names, fused projections, GGML blocks, KV cache, RoPE table), found by walking its attributes; a graph
-that reads anything else is not stored.
+`SWARMD_GEMM`, `SWARMD_GEMM_MIN_ROWS`, `SWARMD_GEMM_TILING`, `SWARMD_BLOCK_GEMV`, `SWARMD_BLOCK_GEMV_LAYOUT`, the
+hashes of the `SWARMD_MATVEC_OPTS`, `SWARMD_ATTENTION_OPTS` and `SWARMD_TENSOR_CORE_OPTS` tables), tinygrad and the
+machine (`graph_cache.environment`), and the signature of the buffers it binds to. The buffers bound are every
+tensor the owner holds (weights under their GGUF names, fused projections, GGML blocks, KV cache, RoPE table), found
+by walking its attributes; a graph that reads anything else is not stored.
 
 `warm_from_cache(stage)` runs a stage's warm-up only when the cache holds every graph it needs (a load
 then costs a replay per graph, not a capture); `fill_cache(stage)` captures and stores what it lacks.
