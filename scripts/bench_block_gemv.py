@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -50,19 +48,8 @@ def random_blocks(rng: np.random.Generator, matrices: int, out: int, width: int,
     return raw
 
 
-def timed(fn, reps: int, rounds: int, sync) -> float:
-    times = []
-    for _ in range(rounds):
-        sync()
-        started = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync()
-        times.append((time.perf_counter() - started) / reps)
-    return statistics.median(times)
-
-
 def bench_case(name: str, case: tuple, rows: int, layouts: list[str], args) -> list[dict]:
+    from bench_gemm import timed
     from gguf.quants import dequantize
     from tinygrad import Device, Tensor, TinyJit
 

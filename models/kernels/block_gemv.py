@@ -43,7 +43,8 @@ class Layout:
         return Layout(*(int(v) for v in spec.split(",")))
 
     @property
-    def spec(self) -> str:
+    def tag(self) -> str:
+        """The layout in a kernel's name."""
         return f"{self.per_warp}x{self.warps}" + (f"b{self.lane_bytes}" if self.lane_bytes != 4 else "")
 
 
@@ -94,7 +95,7 @@ def block_gemv(x: Tensor, blocks: BlockQuantized, idx: Tensor | None = None) -> 
 def _program(device: str, slots: int, rows: int, out_features: int, width: int, offset: int, has_m: bool, pick: str,
              lay: Layout) -> UOp:
     name = (f"block_gemv_{slots}_{rows}_{out_features}_{width}" + ("_m" if has_m else f"_o{offset}")
-            + {"index": "_g", "slot": "_s", "one": ""}[pick] + f"_{lay.spec}")
+            + {"index": "_g", "slot": "_s", "one": ""}[pick] + f"_{lay.tag}")
     matrices = 1 if pick == "one" else slots
     traffic = matrices * out_features * width * (10 if has_m else 9) // 16 + 4 * slots * rows * (width + out_features)
     return cuda.program(device, name, source(name, rows, out_features, width, offset, has_m, pick, lay),
