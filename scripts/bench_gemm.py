@@ -10,7 +10,7 @@ with each tiling of `--tilings`, tinygrad's kernel as `tensor_core_matmul` build
 checked against a float32 product of the same float16 operands.
 
     python3 scripts/bench_gemm.py
-    python3 scripts/bench_gemm.py --shapes 512x28672x4096 --tilings 128,128,2,4,3 128,256,2,4,2
+    python3 scripts/bench_gemm.py --shapes 512x28672x4096 --tilings 64,128,64,2,2,2 128,128,32,2,4,3
 """
 
 from __future__ import annotations
