@@ -16,6 +16,7 @@ from swarmd.net.seam import GossipMessage
 from swarmd.observe.metrics import NodeMetrics
 from swarmd.swarm.service import SwarmService, SwarmSettings
 from swarmd.testing.memory_network import MemoryHub
+from swarmd.testing.twin import run_inline
 from swarmd.wire.gossip import PlanAnnouncement, encode
 from tests.security.helpers import planner
 from tests.swarm.swarm_helpers import descriptor, key
@@ -29,7 +30,7 @@ async def start(nursery, hub, n: int, bootstrap: str | None = None) -> SwarmServ
     desc = replace(descriptor(pid), addresses=tuple(net.addresses()))
     boot = ((bootstrap, f"/memory/{bootstrap}"),) if bootstrap else ()
     svc = SwarmService(net, Signer(key(n)), SwarmSettings(SWARM, LAN, boot), describe_self=lambda: desc,
-                       make_plan=planner)
+                       make_plan=planner, blocking=run_inline)  # the planner inline: virtual time stays put
     await nursery.start(svc.run)
     return svc
 

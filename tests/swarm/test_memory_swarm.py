@@ -14,6 +14,7 @@ from swarmd.swarm.election import term_round
 from swarmd.swarm.planning import MakePlan
 from swarmd.swarm.service import SwarmService, SwarmSettings
 from swarmd.testing.memory_network import MemoryHub
+from swarmd.testing.twin import run_inline
 from swarmd.wire.gossip import AssignmentState, AssignmentStatus
 from tests.swarm.swarm_helpers import descriptor, key
 
@@ -39,8 +40,9 @@ class Swarm:
         net = self.hub.endpoint(pid)
         desc = replace(descriptor(pid, incarnation=incarnation, model=model), addresses=tuple(net.addresses()))
         boot = ((bootstrap, f"/memory/{bootstrap}"),) if bootstrap else ()
+        # the planner inline: in a worker thread it would let the virtual clock jump while it runs
         svc = SwarmService(net, Signer(kp), SwarmSettings("test", LAN, boot), describe_self=lambda: desc,
-                           make_plan=planner)
+                           make_plan=planner, blocking=run_inline)
         scope = trio.CancelScope()
 
         async def run(task_status=trio.TASK_STATUS_IGNORED):
