@@ -2,12 +2,14 @@
 hand-written CUDA kernel in tinygrad's graph: the decode step's product with a Kimi-class model's quantised weights.
 
 x (slots, rows, in) float32; slot s multiplies matrix idx[s] of a stack, or matrix s of a stack of `slots` matrices
-(a head's own matrix), or the one matrix; the result is float32 (slots, rows, out). A warp computes `per_warp` outputs:
-each lane reads `lane_bytes` of every block's 16 bytes of codes (2 values a byte) in its share of each output's row,
-so that a warp's loads of codes are whole 128-byte lines, and the matching activations of each row once for all its
-outputs. A lane sums (code - offset) * x over its values of a block, scales the sum by the block's scale (and adds
-Q4_1's offset times the activations' sum), and the warp adds its lanes' sums in a fixed tree: each output's sum
-runs in the same order whatever the slots, rows and matrices around it.
+(a head's own matrix), or the one matrix; the result is float32 (slots, rows, out). A warp computes `per_warp` outputs
+over its part of their rows: the `split` warps of a group share each row's blocks of 32 (so that a lone small matrix
+still fills the GPU), and a thread block holds `warps / split` groups. Each lane reads `lane_bytes` of a block's 16 bytes of
+codes (2 values a byte), so that a warp's loads of codes are whole 128-byte lines, and the matching activations of
+each row once for all its outputs. A lane sums (code - offset) * x over its values of a block, scales the sum by the
+block's scale (and adds Q4_1's offset times the activations' sum); the warp adds its lanes' sums in a fixed tree, and
+the group its warps' sums in order. The split follows from the matrix's width and whether it is one of a stack, so
+each output's sum runs in the same order whatever the slots, rows and matrices around it.
 """
 
 from __future__ import annotations
@@ -31,21 +33,39 @@ MAX_ROWS = 64  # more (a long prompt's chunk) go to tinygrad's kernel
 
 @dataclass(frozen=True)
 class Layout:
-    """Outputs per warp, warps per block of threads, and bytes of a block's codes each lane reads (4, 8 or 16)."""
+    """Outputs per warp, warps per block of threads, bytes of a block's codes each lane reads (4, 8 or 16), and
+    warps sharing an output's row (0: `splits` of the row's width)."""
 
     per_warp: int = 4
     warps: int = 4
     lane_bytes: int = 4
+    split: int = 0
 
     @staticmethod
     def parse(spec: str) -> Layout:
-        """A layout from "per_warp,warps[,lane_bytes]"."""
+        """A layout from "per_warp,warps[,lane_bytes[,split]]"."""
         return Layout(*(int(v) for v in spec.split(",")))
 
-    @property
-    def tag(self) -> str:
+    def splits(self, width: int, stacked: bool = False) -> int:
+        """Warps sharing a row of `width` values: one for a stack's matrices (their slots fill the GPU), else up to
+        all of a block's, while each still reads its lanes' codes four or more times."""
+        if self.split or stacked:
+            return self.split or 1
+        per_line = 64 * self.lane_bytes  # the values a warp's lanes cover at once (2 a byte)
+        split = self.warps
+        while split > 1 and width < 4 * per_line * split:
+            split //= 2
+        return split
+
+    def outputs(self, width: int, stacked: bool = False) -> int:
+        """The outputs a block of threads computes."""
+        return self.per_warp * self.warps // self.splits(width, stacked)
+
+    def tag(self, width: int, stacked: bool = False) -> str:
         """The layout in a kernel's name."""
-        return f"{self.per_warp}x{self.warps}" + (f"b{self.lane_bytes}" if self.lane_bytes != 4 else "")
+        split = self.splits(width, stacked)
+        return (f"{self.per_warp}x{self.warps}" + (f"b{self.lane_bytes}" if self.lane_bytes != 4 else "")
+                + (f"k{split}" if split > 1 else ""))
 
 
 def layout() -> Layout:
@@ -67,7 +87,7 @@ def block_gemv_fits(x: Tensor, blocks: BlockQuantized, *, gathered: bool) -> boo
     out, per = blocks.shape[1] if blocks.shape else blocks.rows, layout()
     one_each = not blocks.shape or gathered or blocks.shape[0] == slots
     return (one_each and rows <= MAX_ROWS and width == blocks.cols and width % 32 == 0
-            and out % (per.per_warp * per.warps) == 0)
+            and out % per.outputs(width, bool(blocks.shape)) == 0 and per.warps % per.splits(width, bool(blocks.shape)) == 0)
 
 
 def block_gemv(x: Tensor, blocks: BlockQuantized, idx: Tensor | None = None) -> Tensor:
@@ -95,11 +115,11 @@ def block_gemv(x: Tensor, blocks: BlockQuantized, idx: Tensor | None = None) -> 
 def _program(device: str, slots: int, rows: int, out_features: int, width: int, offset: int, has_m: bool, pick: str,
              lay: Layout) -> UOp:
     name = (f"block_gemv_{slots}_{rows}_{out_features}_{width}" + ("_m" if has_m else f"_o{offset}")
-            + {"index": "_g", "slot": "_s", "one": ""}[pick] + f"_{lay.tag}")
+            + {"index": "_g", "slot": "_s", "one": ""}[pick] + f"_{lay.tag(width, pick != 'one')}")
     matrices = 1 if pick == "one" else slots
     traffic = matrices * out_features * width * (10 if has_m else 9) // 16 + 4 * slots * rows * (width + out_features)
     return cuda.program(device, name, source(name, rows, out_features, width, offset, has_m, pick, lay),
-                        grid=(out_features // (lay.per_warp * lay.warps), slots, 1), threads=32 * lay.warps,
+                        grid=(out_features // lay.outputs(width, pick != "one"), slots, 1), threads=32 * lay.warps,
                         buffers=4 + has_m + (pick == "index"), ops=2 * slots * rows * out_features * width, traffic=traffic)
 
 
@@ -114,6 +134,7 @@ def source(name: str, rows: int, out_features: int, width: int, offset: int, has
     matrix = {"index": "idx[slot]", "slot": "slot", "one": "0"}[pick]
     return _SOURCE.format(NAME=name, PARAMS=", ".join(params), ROWS=rows, OUT=out_features, NB=width // 32,
                           OFF=float(offset), HAS_M=int(has_m), MATRIX=matrix, NR=lay.per_warp, WARPS=lay.warps,
+                          SPLIT=lay.splits(width, pick != "one"),
                           WORDS=lay.lane_bytes // 4, UNROLL=max(1, (4 if rows <= 2 else 2) * 4 // lay.lane_bytes))
 
 
@@ -127,8 +148,12 @@ _SOURCE = r"""
 #define NR {NR}
 #define WARPS {WARPS}
 #define WORDS {WORDS}
+#define SPLIT {SPLIT}
 #define LPB (4 / WORDS)
 #define BPI (32 / LPB)
+// byte k of w (a code, 0-15) minus the offset, exactly: the byte as the low bits of 2^23's float, less 2^23 + offset
+// (no integer-to-float conversion, which runs at a quarter of the float rate)
+#define CODE(w, k) (__int_as_float(__byte_perm((w), 0x4B000000u, 0x7540u + (k))) - (8388608.0f + OFF))
 
 template <int W> __device__ __forceinline__ void codes(unsigned* c, const unsigned* p);
 template <> __device__ __forceinline__ void codes<1>(unsigned* c, const unsigned* p) {{ c[0] = __ldg(p); }}
@@ -141,7 +166,8 @@ template <> __device__ __forceinline__ void codes<4>(unsigned* c, const unsigned
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) {NAME}({PARAMS}) {{
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, part = lane % LPB;
-  const int slot = blockIdx.y, o0 = (blockIdx.x * WARPS + warp) * NR;
+  const int group = warp / SPLIT, share = warp % SPLIT;
+  const int slot = blockIdx.y, o0 = (blockIdx.x * (WARPS / SPLIT) + group) * NR;
   const size_t row0 = (size_t)({MATRIX}) * OUT + o0;
   const float* xs = x + (size_t)slot * ROWS * NB * 32 + part * WORDS * 4;
   float acc[NR][ROWS];
@@ -151,7 +177,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) {NAME}({PARAMS}) {{
     for (int i = 0; i < ROWS; i++) acc[r][i] = 0.f;
 
   #pragma unroll {UNROLL}
-  for (int b = lane / LPB; b < NB; b += BPI) {{
+  for (int b = share * BPI + lane / LPB; b < NB; b += BPI * SPLIT) {{
     unsigned c[NR][WORDS];
     float sc[NR];
 #if HAS_M
@@ -179,16 +205,16 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) {NAME}({PARAMS}) {{
 #endif
         #pragma unroll
         for (int r = 0; r < NR; r++) {{
-          const unsigned v = c[r][k];
+          const unsigned lo4 = c[r][k] & 0x0F0F0F0Fu, hi4 = (c[r][k] >> 4) & 0x0F0F0F0Fu;
           float t = s[r];
-          t = fmaf((float)(v & 15u) - OFF, lo.x, t);
-          t = fmaf((float)((v >> 8) & 15u) - OFF, lo.y, t);
-          t = fmaf((float)((v >> 16) & 15u) - OFF, lo.z, t);
-          t = fmaf((float)((v >> 24) & 15u) - OFF, lo.w, t);
-          t = fmaf((float)((v >> 4) & 15u) - OFF, hi.x, t);
-          t = fmaf((float)((v >> 12) & 15u) - OFF, hi.y, t);
-          t = fmaf((float)((v >> 20) & 15u) - OFF, hi.z, t);
-          s[r] = fmaf((float)(v >> 28) - OFF, hi.w, t);
+          t = fmaf(CODE(lo4, 0), lo.x, t);
+          t = fmaf(CODE(lo4, 1), lo.y, t);
+          t = fmaf(CODE(lo4, 2), lo.z, t);
+          t = fmaf(CODE(lo4, 3), lo.w, t);
+          t = fmaf(CODE(hi4, 0), hi.x, t);
+          t = fmaf(CODE(hi4, 1), hi.y, t);
+          t = fmaf(CODE(hi4, 2), hi.z, t);
+          s[r] = fmaf(CODE(hi4, 3), hi.w, t);
         }}
       }}
       #pragma unroll
@@ -201,6 +227,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) {NAME}({PARAMS}) {{
     }}
   }}
 
+#if SPLIT > 1
+  __shared__ float parts[WARPS][NR * ROWS];
+#endif
   #pragma unroll
   for (int r = 0; r < NR; r++)
     #pragma unroll
@@ -208,7 +237,21 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) {NAME}({PARAMS}) {{
       float v = acc[r][i];
       #pragma unroll
       for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
+#if SPLIT > 1
+      if (lane == (r * ROWS + i) % 32) parts[warp][r * ROWS + i] = v;
+#else
       if (lane == (r * ROWS + i) % 32) out[((size_t)slot * ROWS + i) * OUT + o0 + r] = v;
+#endif
     }}
+#if SPLIT > 1
+  __syncthreads();
+  if (share == 0)
+    for (int j = lane; j < NR * ROWS; j += 32) {{
+      float v = parts[warp][j];
+      #pragma unroll
+      for (int w = 1; w < SPLIT; w++) v += parts[warp + w][j];
+      out[((size_t)slot * ROWS + j % ROWS) * OUT + o0 + j / ROWS] = v;
+    }}
+#endif
 }}
 """

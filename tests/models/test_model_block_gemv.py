@@ -59,7 +59,8 @@ def test_decode_products_with_4_bit_blocks_take_the_hand_written_kernel_on_nvidi
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs CUDA's compiler")
 @pytest.mark.parametrize("rows,has_m,pick,layout", [(1, False, "index", Layout()), (8, False, "one", Layout()),
                                                      (8, True, "slot", Layout(2, 4)),
-                                                     (8, False, "index", Layout(4, 4, 16))])
+                                                     (8, False, "index", Layout(4, 4, 16)),
+                                                     (8, False, "index", Layout(4, 4, 4, 4))])
 def test_the_kernel_builds_for_hopper_without_spilling_registers(rows, has_m, pick, layout, tmp_path):
     cu = tmp_path / "block_gemv.cu"
     cu.write_text(source("block_gemv_check", rows, 4096, 7168, 0 if has_m else 8, has_m, pick, layout))
@@ -72,9 +73,10 @@ def test_the_kernel_builds_for_hopper_without_spilling_registers(rows, has_m, pi
 @pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("q4_1", [False, True], ids=["Q4_0", "Q4_1"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 20])
-@pytest.mark.parametrize("lane_bytes", [4, 8, 16])
-def test_the_product_is_that_of_the_dequantised_weights_gathered_by_index(rows, q4_1, lane_bytes, monkeypatch):
-    monkeypatch.setenv("SWARMD_BLOCK_GEMV_LAYOUT", f"4,4,{lane_bytes}")
+@pytest.mark.parametrize("layout", ["4,4,4", "4,4,8", "4,4,16", "4,4,4,2", "4,4,4,4"],
+                         ids=["4-bytes", "8-bytes", "16-bytes", "2-warps-a-row", "4-warps-a-row"])
+def test_the_product_is_that_of_the_dequantised_weights_gathered_by_index(rows, q4_1, layout, monkeypatch):
+    monkeypatch.setenv("SWARMD_BLOCK_GEMV_LAYOUT", layout)
     rng = np.random.default_rng(rows)
     raw = random_blocks(rng, 6 * 64, 512, q4_1)
     stack = from_ggml_blocks(raw, 3 if q4_1 else 2, (6, 64, 512), Device.DEFAULT).realize()
@@ -100,11 +102,26 @@ def test_without_an_index_each_slot_multiplies_its_own_matrix_of_the_stack():
 @pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
 def test_an_outputs_bits_do_not_depend_on_the_slots_and_rows_around_it():
     rng = np.random.default_rng(7)
-    raw = random_blocks(rng, 4 * 64, 1024, False)
-    stack = from_ggml_blocks(raw, 2, (4, 64, 1024), Device.DEFAULT).realize()
-    x = rng.standard_normal((8, 20, 1024)).astype(np.float32)
+    raw = random_blocks(rng, 4 * 64, 4096, False)
+    stack = from_ggml_blocks(raw, 2, (4, 64, 4096), Device.DEFAULT).realize()
+    x = rng.standard_normal((8, 20, 4096)).astype(np.float32)
     pick = np.arange(8, dtype=np.int32) % 4
     whole = block_matvec(Tensor(x), stack, Tensor(pick)).numpy()  # 20 rows a slot: kernels of 8, 8 and 4
     for row in (2, 13, 17):
         alone = block_matvec(Tensor(x[5:6, row:row + 1].copy()), stack, Tensor(pick[5:6])).numpy()
         assert np.array_equal(whole[5, row], alone[0, 0])
+
+
+@pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
+def test_a_lone_matrix_shared_by_warps_gives_each_row_the_bits_it_has_alone():
+    assert (Layout().splits(4096), Layout().splits(4096, stacked=True), Layout().splits(1024)) == (4, 1, 1)
+    rng = np.random.default_rng(8)
+    raw = random_blocks(rng, 64, 4096, True)
+    matrix = from_ggml_blocks(raw, 3, (64, 4096), Device.DEFAULT).realize()
+    x = rng.standard_normal((1, 20, 4096)).astype(np.float32)
+    whole = block_matvec(Tensor(x), matrix).numpy()
+    want = x[0].astype(np.float64) @ dequantized(raw, True).T
+    assert np.abs(whole[0] - want).max() < 1e-5 * np.abs(want).max()
+    for row in (0, 9, 19):
+        alone = block_matvec(Tensor(x[:, row:row + 1].copy()), matrix).numpy()
+        assert np.array_equal(whole[0, row], alone[0, 0])
