@@ -281,13 +281,15 @@ def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Seque
     """Block i's multi-head latent attention for `len(slots)` requests of T tokens each: h (B, T, dim), the
     attention-normed input, -> (B, T, dim). `project(w, x, name)` is the stage's matvec over GGUF-named
     weights (8-bit activations before block-quantised products under ggml numerics). `tiles`: a decode step's
-    whole cache tiles per row (GPUs, float numerics: `tiled_latent_attention`). `at`: a decode batch's slots and
-    positions as tensors, for writing its latents in one kernel."""
+    whole cache tiles per row (GPUs, float numerics: `tiled_latent_attention`, or `latent_attention`'s kernels on
+    NVIDIA GPUs). `at`: a decode batch's slots and positions as tensors, for writing its latents in one kernel
+    (and for those kernels)."""
     from tinygrad import Tensor
 
     from models.kernels import ggml_numerics
     from models.kernels.attention import tiled_latent_attention
     from models.kernels.cache_rows import write_rows
+    from models.kernels.latent_attention import latent_attention, latent_attention_fits
 
     blk, c, cache = stage.blk[i], stage.config, stage.kv.layers[i]
     batch, L, r, nope = h.shape[0], c.kv_lora_rank, c.rope_dim, c.qk_nope_dim
@@ -309,7 +311,10 @@ def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Seque
     cached = write_rows(cache, latent.reshape(batch, T, L + r), slots, starts, slot_axis=0, row_axis=1, at=at)
     query = q_latent.cat(q_rope, dim=-1)  # (B, H, T, L + r)
     scale, decode = kq_scale(c), isinstance(T, int) and T == 1
-    if tiles and decode and not ggml:  # every row over whole tiles of its cache
+    rows = query.reshape(batch, c.n_heads, L + r) if decode else None
+    if tiles and rows is not None and not ggml and at is not None and latent_attention_fits(rows, cached, L):
+        outs = [latent_attention(rows, cached, *at, values=L, scale=scale).reshape(batch, c.n_heads, 1, L)]
+    elif tiles and decode and not ggml:  # every row over whole tiles of its cache
         tiling = {"tile": stage.attention_tile, "positions": stage._positions, "values": L, "scale": scale}
         outs = [tiled_latent_attention(query[b:b + 1], cached, s, p, t, **tiling)
                 for b, (s, p, t) in enumerate(zip(slots, starts, tiles, strict=True))]
@@ -324,7 +329,7 @@ def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Seque
                 scores = scores + mask
             probs = scores.softmax(-1)
             outs.append((ggml_numerics.round_f16(probs) if ggml else probs) @ keys[..., :L])  # (1, H, T, L)
-    out = outs[0].cat(*outs[1:]) if batch > 1 else outs[0]
+    out = outs[0].cat(*outs[1:]) if len(outs) > 1 else outs[0]
     if ggml and L % ggml_numerics.BLOCK == 0:
         out = ggml_numerics.q8_activations(out.reshape(-1, L))[0].reshape(batch, c.n_heads, T, L)
     out = _per_head(stage, i, out, "attn_v_b")  # (B, H, T, v)

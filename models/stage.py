@@ -785,7 +785,7 @@ class StageModel:
             angles = angles.cat(self._rope[p:p + 1])
         angles = angles.reshape(batch, 1, 1, -1).realize()
         at = None
-        if batch > 1:  # made once a step, for every block
+        if batch > 1 or (self.mla and tiles):  # made once a step, for every block
             at = tuple(t.realize() for t in batch_rows_at(slots, starts, self.device))
         x = self._through_blocks(first, end, x, cut, lambda i, h, cut: self._block(i, h, slots, starts, 1, angles, tiles, cut=cut, span=span, at=at))
         if cut:
