@@ -94,9 +94,13 @@ def top_k(x: Tensor, k: int) -> Tensor:
     """The indices (int32) of the k largest of x along its last axis, the largest last; of equal values the one of
     lower index ranks higher. The same selection as `tinygrad.llm.model.pairwise_topk`, whose kernel makes each
     selected index count every element's rank itself (a few threads looping over n * n comparisons); here every
-    element's rank is a kernel of its own first."""
+    element's rank is a kernel of its own first, and on NVIDIA GPUs a warp a row picks them (`models.kernels.top_k`)."""
     from tinygrad import Tensor, dtypes
 
+    from models.kernels.top_k import top_k_kernel, top_k_kernel_fits
+
+    if top_k_kernel_fits(x, k):
+        return top_k_kernel(x, k)
     n = x.shape[-1]
     at = Tensor.arange(n, device=x.device)
     beats = (x.unsqueeze(-1) > x.unsqueeze(-2)) | ((x.unsqueeze(-1) == x.unsqueeze(-2)) & (at.reshape(n, 1) < at.reshape(1, n)))
