@@ -204,6 +204,30 @@ def profile_in_graph(stage, config, context: int, batch: int, path: Path) -> dic
             stage.free_request(rid)
 
 
+def profiler_range(stage, config, context: int, batches: list[int], steps: int) -> None:
+    """`steps` in-graph decode steps per batch, after a warm one, between the CUDA profiler's start and stop."""
+    import ctypes
+
+    from models.stage import StageInput
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    use_expert_path(stage, True)
+    x = np.random.default_rng(2).standard_normal((1, config.dim)).astype(np.float32) * 0.1
+    for batch in batches:
+        ids = [f"ncu-{batch}-{b}" for b in range(batch)]
+        for rid in ids:
+            stage.add_request(rid)
+        for n in range(steps + 1):
+            for rid in ids:
+                stage.slots.set_length(rid, context)
+            if n == 1:
+                cuda.cuProfilerStart()
+            stage.forward([StageInput(rid, context, x) for rid in ids])
+        cuda.cuProfilerStop()
+        for rid in ids:
+            stage.free_request(rid)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=12)
@@ -217,6 +241,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="then one step in graph run eagerly, every kernel timed (profile-kimi.txt)")
     parser.add_argument("--profile-batch", type=int, default=1, help="the profiled step's requests")
+    parser.add_argument("--ncu-steps", type=int, default=0,
+                        help="then this many in-graph steps per batch inside cuProfilerStart/Stop, for "
+                             "`ncu --profile-from-start off` to time each kernel of the graph")
     parser.add_argument("--too-many", type=int, default=20, help="a block count to show the one-line error for")
     parser.add_argument("--mini", action="store_true", help="kimi-k2-mini's width instead (a dry run on a CPU)")
     parser.add_argument("--out", default=None)
@@ -295,6 +322,8 @@ def main() -> None:
                          "first_steps_s": sum(times[:3]), "took_s": time.time() - t})
             say(json.dumps(rows[-1]))
     report["rows"] = rows
+    if args.ncu_steps:
+        profiler_range(stage, config, args.context, batches, args.ncu_steps)
     if args.profile and args.out:
         report["profile"] = profile_in_graph(stage, config, args.context, args.profile_batch,
                                              Path(args.out, "profile-kimi.txt"))
