@@ -193,7 +193,8 @@ class StageModel:
                  attention_tile: int | None = None, local_experts: bool = True, numerics: str = "float",
                  source: str = "", reuse: StageModel | None = None, held: StageParts | None = None,
                  experts_in_graph: bool = False):
-        """`weights`: GGUF name -> tensor of everything the stage holds, but the parts `held` it takes over
+        """`weights`: GGUF name -> tensor of everything the stage holds (its routed experts are taken out of it, so
+        that they are not held twice while stacked), but the parts `held` it takes over
         from `reuse` (by default all that `reuse.parts_for(...)` allows: the realised blocks both hold, and the
         embedding / head when both have it, shared, not copied). `source` names where the weights came from
         (file and dtype, or seed), so that only a stage of the same weights hands its parts over.
@@ -257,13 +258,13 @@ class StageModel:
                 else:
                     self.output_norm = nn.RMSNorm(config.dim, config.norm_eps)
                     self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
-        weights = dict(weights)
-        factors = weights.pop("rope_freqs.weight", None)
         self.expert_shard: ExpertShard | None = None  # the stage's own routed experts, when it shards them
-        if self.shards_experts:
+        if self.shards_experts:  # taken out of the caller's dict, and out of `routed` layer by layer as stacked
             routed = {k: weights.pop(k) for k in list(weights) if k.endswith(ROUTED_WEIGHTS)}
             self.expert_shard = ExpertShard(self.config, routed, {i: range(config.num_experts) for i in self.moe_blocks},
                                             self.device, numerics)
+        weights = dict(weights)
+        factors = weights.pop("rope_freqs.weight", None)
         # quantised matrices enter the blocks as lazy dequantisation graphs over their codes, dense ones
         # as realised buffers; either way under their GGUF names
         quantized = {k: v for k, v in weights.items() if isinstance(v, BlockQuantized)}
