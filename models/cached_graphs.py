@@ -6,7 +6,8 @@ the owner's shape (config, block range or experts held, numerics, weight dtype, 
 chunk, attention tile, segments), the graph (prefill with or without every position's logits, decode batch
 size, expert rows), the code that builds graphs (a hash of this package's sources), swarmd's kernel choices
 (`SWARMD_TENSOR_CORES`, `SWARMD_TENSOR_CORE_MIN_ROWS`, `SWARMD_TENSOR_CORE_SPLIT`, `SWARMD_HALF_PREFILL_ATTENTION`,
-`SWARMD_GEMM`, `SWARMD_GEMM_MIN_ROWS`, `SWARMD_GEMM_TILING`, `SWARMD_BLOCK_GEMV`, `SWARMD_BLOCK_GEMV_LAYOUT`, the
+`SWARMD_GEMM`, `SWARMD_GEMM_MIN_ROWS`, `SWARMD_GEMM_TILING`, `SWARMD_BLOCK_GEMV`, `SWARMD_BLOCK_GEMV_LAYOUT`,
+`SWARMD_LATENT_ATTENTION_KERNEL`, `SWARMD_TOP_K_KERNEL`, the
 hashes of the `SWARMD_MATVEC_OPTS`, `SWARMD_ATTENTION_OPTS` and `SWARMD_TENSOR_CORE_OPTS` tables), tinygrad and the
 machine (`graph_cache.environment`), and the signature of the buffers it binds to. The buffers bound are every
 tensor the owner holds (weights under their GGUF names, fused projections, GGML blocks, KV cache, RoPE table), found
@@ -37,7 +38,9 @@ from models.kernels.attention import half_products_on
 from models.kernels.block_gemv import block_gemv_on
 from models.kernels.gathered import pairs_per_kernel
 from models.kernels.gemm import gemm_min_rows, gemm_on
+from models.kernels.latent_attention import latent_attention_on
 from models.kernels.matvec import tensor_core_min_rows, tensor_core_split, tensor_cores_on
+from models.kernels.top_k import top_k_kernel_on
 from models.tinygrad_ext import graph_cache
 from models.tinygrad_ext.jit import Bind
 
@@ -327,6 +330,7 @@ def _common(owner: Any, source: str) -> dict[str, Any] | None:
             "tensor_core_split": tensor_core_split(), "half_prefill_attention": half_products_on(),
             "gemm": gemm_on(), "gemm_min_rows": gemm_min_rows(), "gemm_tiling": os.environ.get("SWARMD_GEMM_TILING"),
             "block_gemv": block_gemv_on(), "block_gemv_layout": os.environ.get("SWARMD_BLOCK_GEMV_LAYOUT"),
+            "latent_attention_kernel": latent_attention_on(), "top_k_kernel": top_k_kernel_on(),
             **graph_cache.environment(owner.device)}
 
 

@@ -22,9 +22,14 @@ ROWS_PER_BLOCK = 4  # warps of a block of threads, a row each
 MAX_PER_LANE = 32  # values a lane holds in registers: rows of up to 1,024
 
 
+def top_k_kernel_on() -> bool:
+    """`SWARMD_TOP_K_KERNEL=0` leaves the top-k to tinygrad's kernels (for side-by-side runs)."""
+    return os.environ.get("SWARMD_TOP_K_KERNEL", "1") != "0"
+
+
 def top_k_kernel_fits(x: Tensor, k: int) -> bool:
-    """Whether `top_k_kernel` runs for x (..., n) (`SWARMD_TOP_K_KERNEL=0`: tinygrad's kernels, for comparisons)."""
-    return (os.environ.get("SWARMD_TOP_K_KERNEL", "1") != "0" and cuda.arch(x.device) >= 70
+    """Whether `top_k_kernel` runs for x (..., n)."""
+    return (top_k_kernel_on() and cuda.arch(x.device) >= 70
             and all(isinstance(n, int) for n in x.shape) and 1 <= k <= x.shape[-1] <= 32 * MAX_PER_LANE)
 
 
