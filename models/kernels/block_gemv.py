@@ -3,13 +3,14 @@ hand-written CUDA kernel in tinygrad's graph: the decode step's product with a K
 
 x (slots, rows, in) float32; slot s multiplies matrix idx[s] of a stack, or matrix s of a stack of `slots` matrices
 (a head's own matrix), or the one matrix; the result is float32 (slots, rows, out). A warp computes `per_warp` outputs
-over its part of their rows: the `split` warps of a group share each row's blocks of 32 (so that a lone small matrix
-still fills the GPU), and a thread block holds `warps / split` groups. Each lane reads `lane_bytes` of a block's 16 bytes of
-codes (2 values a byte), so that a warp's loads of codes are whole 128-byte lines, and the matching activations of
-each row once for all its outputs. A lane sums (code - offset) * x over its values of a block, scales the sum by the
-block's scale (and adds Q4_1's offset times the activations' sum); the warp adds its lanes' sums in a fixed tree, and
-the group its warps' sums in order. The split follows from the matrix's width and whether it is one of a stack, so
-each output's sum runs in the same order whatever the slots, rows and matrices around it.
+over its part of their rows: the `split` warps of a group share each row's blocks of 32 (so that a lone small
+matrix still fills the GPU), and a thread block holds `warps / split` groups. Each lane reads `lane_bytes` of a
+block's 16 bytes of codes (2 values a byte), so that a warp's loads of codes are whole 128-byte lines, and the
+matching activations of each row once for all its outputs. A lane sums (code - offset) * x over its values of a
+block, scales the sum by the block's scale (and adds Q4_1's offset times the activations' sum); the warp adds its
+lanes' sums in a fixed tree, and the group its warps' sums in order. The split follows from the matrix's width and
+whether it is one of a stack, so each output's sum runs in the same order whatever the slots, rows and matrices
+around it.
 """
 
 from __future__ import annotations
@@ -84,10 +85,10 @@ def block_gemv_fits(x: Tensor, blocks: BlockQuantized, *, gathered: bool) -> boo
     if not (block_gemv_on() and cuda.arch(x.device) >= 70 and blocks.packed and all(isinstance(n, int) for n in x.shape)):
         return False
     slots, rows, width = x.shape
-    out, per = blocks.shape[1] if blocks.shape else blocks.rows, layout()
-    one_each = not blocks.shape or gathered or blocks.shape[0] == slots
+    out, per, stacked = blocks.shape[1] if blocks.shape else blocks.rows, layout(), bool(blocks.shape)
+    one_each = not stacked or gathered or blocks.shape[0] == slots
     return (one_each and rows <= MAX_ROWS and width == blocks.cols and width % 32 == 0
-            and out % per.outputs(width, bool(blocks.shape)) == 0 and per.warps % per.splits(width, bool(blocks.shape)) == 0)
+            and out % per.outputs(width, stacked) == 0 and per.warps % per.splits(width, stacked) == 0)
 
 
 def block_gemv(x: Tensor, blocks: BlockQuantized, idx: Tensor | None = None) -> Tensor:

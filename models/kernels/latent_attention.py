@@ -4,9 +4,10 @@ Row b's queries, absorbed into the latent space, q (B, heads, latent), attend ov
 slots[b] of the cache (slots, rows, latent), whose rows are every head's keys and whose first `values` columns are
 their values. The first kernel splits a row's cache into `SPLITS` spans of equal length (the last one shorter); a
 warp takes one head over one span, four cache rows at a time, and keeps its running maximum, the sum of its
-weights and its weighted values (a span's entry is padded to whole float4s). The second adds a head's spans in order. Where the spans fall follows from the
-row's position alone, so a row's bits do not depend on the batch around it (a verify step's rows included).
-tinygrad's own kernels for this ran per row, six of them, each on a few threads (docs/BENCHMARKS.md).
+weights and its weighted values (a span's entry padded to whole float4s). The second adds a head's spans in order.
+Where the spans fall follows from the row's position alone, so a row's bits do not depend on the batch around it
+(a verify step's rows included). tinygrad's own kernels for this ran six kernels a row, each on a few threads
+(docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -131,7 +132,10 @@ extern "C" __global__ void __launch_bounds__(HPB * 32) {NAME}(float* part, const
       const float p = expf(sc[i] - mx);
       l += p;
       #pragma unroll
-      for (int j = 0; j < VW; j++) {{ acc[j].x = fmaf(p, kv[i][j].x, acc[j].x); acc[j].y = fmaf(p, kv[i][j].y, acc[j].y); }}
+      for (int j = 0; j < VW; j++) {{
+        acc[j].x = fmaf(p, kv[i][j].x, acc[j].x);
+        acc[j].y = fmaf(p, kv[i][j].y, acc[j].y);
+      }}
     }}
     m = mx;
   }}
