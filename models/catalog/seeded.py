@@ -73,7 +73,7 @@ class SeededModel:
         from planner.arch import layout_from_arch
 
         layout = layout_from_arch(BUILTIN_ARCHS[self.arch.name], self.layout_dtype)  # the release's every block
-        left = memory - (layout.embedding_bytes + layout.head_bytes if whole else 0)
+        left = memory - (layout.embedding_bytes + layout.head_bytes if whole else 0) - _stacking_bytes(layout.blocks)
         for n, block in enumerate(layout.blocks):
             left -= block.total_bytes + block.kv_bytes_per_token * max_context * max_requests
             if left < 0:
@@ -88,6 +88,7 @@ class SeededModel:
         layout = layout_from_arch(self.arch, self.layout_dtype)
         need = sum(b.total_bytes + b.kv_bytes_per_token * max_context * max_requests for b in layout.blocks[start:end])
         need += (layout.embedding_bytes if start == 0 else 0) + (layout.head_bytes if end == len(layout.blocks) else 0)
+        need += _stacking_bytes(layout.blocks[start:end])
         if need > memory:
             fit = self.blocks_that_fit(memory, max_context, max_requests, whole=start == 0 and end == len(layout.blocks))
             raise ModelError(f"{self.name}: blocks {start}-{end - 1} need {need / 1e9:.1f} GB and the device has "
@@ -159,3 +160,9 @@ def parse_seeded_name(spec: str) -> SeededModel | None:
     except ValueError:
         raise ModelError(f"bad seed in {spec!r}: write {PREFIX}{name}@N with an integer N") from None
     return SeededModel(arch, seed, int(blocks_text) if arch_name in RELEASES else None)
+
+
+def _stacking_bytes(blocks) -> int:
+    """What a stage holds twice for a moment while it loads: one MoE block's gate and up matrices of every expert,
+    stacked into one (`models.expert_shard`) before the separate ones are let go."""
+    return max((2 * b.moe.n_experts * b.moe.bytes_per_expert // 3 for b in blocks if b.moe is not None), default=0)
