@@ -42,7 +42,7 @@ def main() -> None:
     config = arch.config(vocab=256)
     layer, experts = arch.leading_dense, list(range(arch.n_experts))
     weights = random_expert_weights(config, 1, {layer: experts})
-    shard = ExpertShard(config, weights, {layer: experts})
+    shard = ExpertShard(config, dict(weights), {layer: experts})  # a copy: the shard takes the matrices it stacks
     gathered = {}
     for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
         w = weights[f"blk.{layer}.{n}.weight"]

@@ -70,7 +70,7 @@ class Layout:
 
 
 def layout() -> Layout:
-    """`SWARMD_BLOCK_GEMV_LAYOUT` ("per_warp,warps[,lane_bytes]", for searches), else the default."""
+    """`SWARMD_BLOCK_GEMV_LAYOUT` ("per_warp,warps[,lane_bytes[,split]]", for searches), else the default."""
     spec = os.environ.get("SWARMD_BLOCK_GEMV_LAYOUT")
     return Layout.parse(spec) if spec else Layout()
 
@@ -88,7 +88,7 @@ def block_gemv_fits(x: Tensor, blocks: BlockQuantized, *, gathered: bool) -> boo
     out, per, stacked = blocks.shape[1] if blocks.shape else blocks.rows, layout(), bool(blocks.shape)
     one_each = not stacked or gathered or blocks.shape[0] == slots
     return (one_each and rows <= MAX_ROWS and width == blocks.cols and width % 32 == 0
-            and out % per.outputs(width, stacked) == 0 and per.warps % per.splits(width, stacked) == 0)
+            and per.warps % per.splits(width, stacked) == 0 and out % per.outputs(width, stacked) == 0)
 
 
 def block_gemv(x: Tensor, blocks: BlockQuantized, idx: Tensor | None = None) -> Tensor:

@@ -38,7 +38,8 @@ def latent_attention_fits(q: Tensor, cache: Tensor, values: int) -> bool:
     heads, width = q.shape[1], q.shape[2]
     return (latent_attention_on() and cuda.arch(q.device) >= 70 and cache.dtype == dtypes.float32
             and all(isinstance(n, int) for n in (*q.shape, *cache.shape)) and heads % HEADS_PER_BLOCK == 0
-            and width % 64 == 0 and values % 64 == 0 and values <= width)
+            and cache.shape[2] == width and width % 64 == 0 and values % 64 == 0
+            and 4 * SPLITS <= values <= min(width, 4 * 1024))  # the sum: a warp weighs the spans, 4 values a thread
 
 
 def latent_attention(q: Tensor, cache: Tensor, slots: Tensor, starts: Tensor, *, values: int, scale: float) -> Tensor:
