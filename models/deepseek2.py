@@ -311,13 +311,14 @@ def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Seque
     cached = write_rows(cache, latent.reshape(batch, T, L + r), slots, starts, slot_axis=0, row_axis=1, at=at)
     query = q_latent.cat(q_rope, dim=-1)  # (B, H, T, L + r)
     scale, decode = kq_scale(c), isinstance(T, int) and T == 1
-    rows = query.reshape(batch, c.n_heads, L + r) if decode else None
-    if tiles and rows is not None and not ggml and at is not None and latent_attention_fits(rows, cached, L):
-        outs = [latent_attention(rows, cached, *at, values=L, scale=scale).reshape(batch, c.n_heads, 1, L)]
-    elif tiles and decode and not ggml:  # every row over whole tiles of its cache
-        tiling = {"tile": stage.attention_tile, "positions": stage._positions, "values": L, "scale": scale}
-        outs = [tiled_latent_attention(query[b:b + 1], cached, s, p, t, **tiling)
-                for b, (s, p, t) in enumerate(zip(slots, starts, tiles, strict=True))]
+    if tiles and decode and not ggml:  # GPUs: the batch in hand-written kernels, or every row over whole tiles
+        rows = query.reshape(batch, c.n_heads, L + r)
+        if at is not None and latent_attention_fits(rows, cached, L):
+            outs = [latent_attention(rows, cached, *at, values=L, scale=scale).reshape(batch, c.n_heads, 1, L)]
+        else:
+            tiling = {"tile": stage.attention_tile, "positions": stage._positions, "values": L, "scale": scale}
+            outs = [tiled_latent_attention(query[b:b + 1], cached, s, p, t, **tiling)
+                    for b, (s, p, t) in enumerate(zip(slots, starts, tiles, strict=True))]
     else:
         outs = []
         for b, (s, p) in enumerate(zip(slots, starts, strict=True)):

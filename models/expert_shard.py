@@ -48,16 +48,13 @@ class ExpertShard:
     in its call (the kernels' reductions are pinned), and a row's outputs are summed in the order of its
     selections (`gated_sum`), so the sum does not depend on where the experts live."""
 
-    def __init__(self, config: TransformerConfig, weights: Mapping[str, Tensor | BlockQuantized],
+    def __init__(self, config: TransformerConfig, weights: dict[str, Tensor | BlockQuantized],
                  experts: Mapping[int, Sequence[int]], device: str | None = None, numerics: str = "float",
                  source: str = ""):
-        """`source` names the weights (as `StageModel.source`), so that their graphs can be cached. A dict of
-        `weights` is emptied of each layer's matrices as they are stacked, so that a caller who hands them over
-        does not hold every layer's twice (a Kimi-class layer's gate and up are 6.3 GB)."""
+        """`source` names the weights (as `StageModel.source`), so that their graphs can be cached. `weights` is
+        handed over: each layer's matrices are taken out of it as they are stacked, so that every layer's are not
+        held twice at once (a Kimi-class layer's gate and up are 6.3 GB)."""
         from tinygrad import Device
-
-        def take(name: str) -> Tensor | BlockQuantized:
-            return weights.pop(name) if isinstance(weights, dict) else weights[name]
 
         self.device = Device.canonicalize(device)
         tune_cpu_renderer(self.device)
@@ -70,9 +67,8 @@ class ExpertShard:
                 raise ModelError(f"block {layer} is not a MoE block of this model")
             if any(not 0 <= e < config.num_experts for e in es) or len(set(es)) != len(es):
                 raise ModelError(f"block {layer}: bad expert indices {es} for {config.num_experts} experts")
-            gate, up, down = (take(f"blk.{layer}.{n}.weight") for n in EXPERT_TENSORS)
+            gate, up, down = (weights.pop(f"blk.{layer}.{n}.weight") for n in EXPERT_TENSORS)
             self.weights[layer] = (_stack_gate_up(gate, up, self.device), _on_device(down, self.device))
-            del gate, up, down  # a layer's matrices live once beside their stack, not every layer's
             local = np.full(config.num_experts, -1, np.int32)
             local[list(es)] = np.arange(len(es), dtype=np.int32)
             self._local[layer] = local

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from models.kernels import cuda
@@ -58,15 +58,20 @@ class Layout:
             split //= 2
         return split
 
-    def outputs(self, width: int, stacked: bool = False) -> int:
-        """The outputs a block of threads computes."""
-        return self.per_warp * self.warps // self.splits(width, stacked)
+    def for_rows(self, width: int, stacked: bool = False) -> Layout:
+        """This layout with its split fixed for rows of `width` values (of a stack's matrices or not)."""
+        return replace(self, split=self.splits(width, stacked))
 
-    def tag(self, width: int, stacked: bool = False) -> str:
-        """The layout in a kernel's name."""
-        split = self.splits(width, stacked)
+    @property
+    def outputs(self) -> int:
+        """The outputs a block of threads computes (of a layout `for_rows`)."""
+        return self.per_warp * self.warps // self.split
+
+    @property
+    def tag(self) -> str:
+        """The layout in a kernel's name (of a layout `for_rows`)."""
         return (f"{self.per_warp}x{self.warps}" + (f"b{self.lane_bytes}" if self.lane_bytes != 4 else "")
-                + (f"k{split}" if split > 1 else ""))
+                + (f"k{self.split}" if self.split > 1 else ""))
 
 
 def layout() -> Layout:
@@ -85,10 +90,10 @@ def block_gemv_fits(x: Tensor, blocks: BlockQuantized, *, gathered: bool) -> boo
     if not (block_gemv_on() and cuda.arch(x.device) >= 70 and blocks.packed and all(isinstance(n, int) for n in x.shape)):
         return False
     slots, rows, width = x.shape
-    out, per, stacked = blocks.shape[1] if blocks.shape else blocks.rows, layout(), bool(blocks.shape)
-    one_each = not stacked or gathered or blocks.shape[0] == slots
+    out, per = blocks.shape[1] if blocks.shape else blocks.rows, layout().for_rows(width, bool(blocks.shape))
+    one_each = not blocks.shape or gathered or blocks.shape[0] == slots
     return (one_each and rows <= MAX_ROWS and width == blocks.cols and width % 32 == 0
-            and per.warps % per.splits(width, stacked) == 0 and out % per.outputs(width, stacked) == 0)
+            and per.warps % per.split == 0 and out % per.outputs == 0)
 
 
 def block_gemv(x: Tensor, blocks: BlockQuantized, idx: Tensor | None = None) -> Tensor:
@@ -108,7 +113,7 @@ def block_gemv(x: Tensor, blocks: BlockQuantized, idx: Tensor | None = None) -> 
     out = Tensor.empty(slots, rows, out_features, dtype=dtypes.float32, device=x.device)
     pick = "index" if idx is not None else "slot" if blocks.shape else "one"
     prog = _program(x.device, slots, rows, out_features, width, blocks.code_offset, blocks.m is not None, pick,
-                    layout())
+                    layout().for_rows(width, pick != "one"))
     return cuda.run(out, inputs, prog)
 
 
@@ -116,11 +121,11 @@ def block_gemv(x: Tensor, blocks: BlockQuantized, idx: Tensor | None = None) -> 
 def _program(device: str, slots: int, rows: int, out_features: int, width: int, offset: int, has_m: bool, pick: str,
              lay: Layout) -> UOp:
     name = (f"block_gemv_{slots}_{rows}_{out_features}_{width}" + ("_m" if has_m else f"_o{offset}")
-            + {"index": "_g", "slot": "_s", "one": ""}[pick] + f"_{lay.tag(width, pick != 'one')}")
+            + {"index": "_g", "slot": "_s", "one": ""}[pick] + f"_{lay.tag}")
     matrices = 1 if pick == "one" else slots
     traffic = matrices * out_features * width * (10 if has_m else 9) // 16 + 4 * slots * rows * (width + out_features)
     return cuda.program(device, name, source(name, rows, out_features, width, offset, has_m, pick, lay),
-                        grid=(out_features // lay.outputs(width, pick != "one"), slots, 1), threads=32 * lay.warps,
+                        grid=(out_features // lay.outputs, slots, 1), threads=32 * lay.warps,
                         buffers=4 + has_m + (pick == "index"), ops=2 * slots * rows * out_features * width, traffic=traffic)
 
 
@@ -129,13 +134,14 @@ def source(name: str, rows: int, out_features: int, width: int, offset: int, has
     """The kernel's CUDA source (its loop over blocks unrolled less the more rows and bytes a lane holds, within its
     registers); `pick`: how a slot's matrix is chosen ("index": idx[slot], "slot": matrix slot,
     "one": the one matrix)."""
+    lay = lay.for_rows(width, pick != "one")  # (a layout with its split fixed keeps it)
     params = ["float* out", "const float* __restrict__ x", "const unsigned* __restrict__ q",
               "const half* __restrict__ d"]
     params += ["const half* __restrict__ m"] * has_m + ["const int* __restrict__ idx"] * (pick == "index")
     matrix = {"index": "idx[slot]", "slot": "slot", "one": "0"}[pick]
     return _SOURCE.format(NAME=name, PARAMS=", ".join(params), ROWS=rows, OUT=out_features, NB=width // 32,
                           OFF=float(offset), HAS_M=int(has_m), MATRIX=matrix, NR=lay.per_warp, WARPS=lay.warps,
-                          SPLIT=lay.splits(width, pick != "one"),
+                          SPLIT=lay.split,
                           WORDS=lay.lane_bytes // 4, UNROLL=max(1, (4 if rows <= 2 else 2) * 4 // lay.lane_bytes))
 
 

@@ -6,8 +6,7 @@ their values. The first kernel splits a row's cache into `SPLITS` spans of equal
 warp takes one head over one span, four cache rows at a time, and keeps its running maximum, the sum of its
 weights and its weighted values (a span's entry padded to whole float4s). The second adds a head's spans in order.
 Where the spans fall follows from the row's position alone, so a row's bits do not depend on the batch around it
-(a verify step's rows included). tinygrad's own kernels for this ran six kernels a row, each on a few threads
-(docs/BENCHMARKS.md).
+(a verify step's rows included).
 """
 
 from __future__ import annotations
@@ -49,10 +48,11 @@ def latent_attention(q: Tensor, cache: Tensor, slots: Tensor, starts: Tensor, *,
 
     batch, heads, width = q.shape
     part, combine = _programs(q.device, batch, heads, width, values, cache.shape[1], float(scale))
+    starts = starts.cast(dtypes.int32)
     spans = Tensor.empty(batch, SPLITS, heads, values + 4, dtype=dtypes.float32, device=q.device)
-    spans = cuda.run(spans, (q.cast(dtypes.float32), cache, slots.cast(dtypes.int32), starts.cast(dtypes.int32)), part)
+    spans = cuda.run(spans, (q.cast(dtypes.float32), cache, slots.cast(dtypes.int32), starts), part)
     out = Tensor.empty(batch, heads, values, dtype=dtypes.float32, device=q.device)
-    return cuda.run(out, (spans, starts.cast(dtypes.int32)), combine)
+    return cuda.run(out, (spans, starts), combine)
 
 
 @functools.cache

@@ -2,8 +2,7 @@
 
 A warp takes a row: each lane holds every 32nd value, and k times over the warp finds the best value left (of equal
 values the one of lower index) and takes it out. The indices come out as `models.moe.top_k` gives them, the largest
-last. tinygrad's kernels for the same selection count every element's rank against every other (n x n comparisons
-a row), which took 137 us a block for a decode batch of 8 on an H200 (docs/BENCHMARKS.md).
+last, in place of tinygrad's kernels that count every element's rank against every other (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
