@@ -7,7 +7,7 @@ chunk, attention tile, segments), the graph (prefill with or without every posit
 size, expert rows), the code that builds graphs (a hash of this package's sources), swarmd's kernel choices
 (`SWARMD_TENSOR_CORES`, `SWARMD_TENSOR_CORE_MIN_ROWS`, `SWARMD_TENSOR_CORE_SPLIT`, `SWARMD_HALF_PREFILL_ATTENTION`,
 `SWARMD_GEMM`, `SWARMD_GEMM_MIN_ROWS`, `SWARMD_GEMM_TILING`, `SWARMD_BLOCK_GEMV`, `SWARMD_BLOCK_GEMV_LAYOUT`,
-`SWARMD_LATENT_ATTENTION_KERNEL`, `SWARMD_TOP_K_KERNEL`, the
+`SWARMD_LATENT_ATTENTION_KERNEL`, `SWARMD_TOP_K_KERNEL`, `SWARMD_RMS_NORM_KERNEL`, the
 hashes of the `SWARMD_MATVEC_OPTS`, `SWARMD_ATTENTION_OPTS` and `SWARMD_TENSOR_CORE_OPTS` tables), tinygrad and the
 machine (`graph_cache.environment`), and the signature of the buffers it binds to. The buffers bound are every
 tensor the owner holds (weights under their GGUF names, fused projections, GGML blocks, KV cache, RoPE table), found
@@ -40,6 +40,7 @@ from models.kernels.gathered import pairs_per_kernel
 from models.kernels.gemm import gemm_min_rows, gemm_on
 from models.kernels.latent_attention import latent_attention_on
 from models.kernels.matvec import tensor_core_min_rows, tensor_core_split, tensor_cores_on
+from models.kernels.rms_norm import rms_norm_kernel_on
 from models.kernels.top_k import top_k_kernel_on
 from models.tinygrad_ext import graph_cache
 from models.tinygrad_ext.jit import Bind
@@ -331,6 +332,7 @@ def _common(owner: Any, source: str) -> dict[str, Any] | None:
             "gemm": gemm_on(), "gemm_min_rows": gemm_min_rows(), "gemm_tiling": os.environ.get("SWARMD_GEMM_TILING"),
             "block_gemv": block_gemv_on(), "block_gemv_layout": os.environ.get("SWARMD_BLOCK_GEMV_LAYOUT"),
             "latent_attention_kernel": latent_attention_on(), "top_k_kernel": top_k_kernel_on(),
+            "rms_norm_kernel": rms_norm_kernel_on(),
             **graph_cache.environment(owner.device)}
 
 

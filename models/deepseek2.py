@@ -295,10 +295,13 @@ def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Seque
     batch, L, r, nope = h.shape[0], c.kv_lora_rank, c.rope_dim, c.qk_nope_dim
     ggml = stage.numerics == "ggml"
     q_width = c.q_lora_rank or c.n_heads * c.head_dim
-    q, kv = project(stage._qkv[i], h, "qkv").split([q_width, L + r], dim=-1)  # attn_q_a (or attn_q), attn_kv_a_mqa
+    qkv = project(stage._qkv[i], h, "qkv")  # attn_q_a (or attn_q), attn_kv_a_mqa
+    q, kv = qkv.split([q_width, L + r], dim=-1)
     if c.q_lora_rank:
-        q = project(blk.attn_q_b.weight, stage._norm(blk.attn_q_a_norm, q), "attn_q_b.weight")
-    q = q.reshape(batch, T, c.n_heads, c.head_dim).transpose(1, 2)  # (B, H, T, head_dim)
+        q = project(blk.attn_q_b.weight, stage._norm(blk.attn_q_a_norm, qkv, (0, q_width)), "attn_q_b.weight")
+    scale, decode = kq_scale(c), isinstance(T, int) and T == 1
+    q = q.reshape(batch, c.n_heads, 1, c.head_dim) if decode else \
+        q.reshape(batch, T, c.n_heads, c.head_dim).transpose(1, 2)  # (B, H, T, head_dim)
     cos, sin = angles.chunk(2, dim=-1)
     q_rope = _rotate(q[..., nope:], cos, sin)
     q_nope = q[..., :nope]
@@ -306,11 +309,10 @@ def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Seque
         q_nope = ggml_numerics.q8_activations(q_nope.reshape(-1, nope))[0].reshape(batch, c.n_heads, T, nope)
     q_latent = _per_head(stage, i, q_nope, "attn_k_b")  # (B, H, T, kv_lora): absorbed
     k_rope = _rotate(kv[..., L:].reshape(batch, 1, T, r), cos, sin)
-    latent = stage._norm(blk.attn_kv_a_norm, kv[..., :L]).reshape(batch, 1, T, L).cat(k_rope, dim=-1)
+    latent = stage._norm(blk.attn_kv_a_norm, qkv, (q_width, L)).reshape(batch, 1, T, L).cat(k_rope, dim=-1)
     # write each request's new latents into its own slot, then read its cache back through the writes
     cached = write_rows(cache, latent.reshape(batch, T, L + r), slots, starts, slot_axis=0, row_axis=1, at=at)
     query = q_latent.cat(q_rope, dim=-1)  # (B, H, T, L + r)
-    scale, decode = kq_scale(c), isinstance(T, int) and T == 1
     if tiles and decode and not ggml:  # GPUs: the batch in hand-written kernels, or every row over whole tiles
         rows = query.reshape(batch, c.n_heads, L + r)
         if at is not None and latent_attention_fits(rows, cached, L):
@@ -334,8 +336,8 @@ def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Seque
     if ggml and L % ggml_numerics.BLOCK == 0:
         out = ggml_numerics.q8_activations(out.reshape(-1, L))[0].reshape(batch, c.n_heads, T, L)
     out = _per_head(stage, i, out, "attn_v_b")  # (B, H, T, v)
-    return project(blk.attn_output.weight, out.transpose(1, 2).reshape(batch, T, c.n_heads * c.v_head_dim),
-                   "attn_output.weight")
+    out = out.reshape(batch, 1, -1) if decode else out.transpose(1, 2).reshape(batch, T, c.n_heads * c.v_head_dim)
+    return project(blk.attn_output.weight, out, "attn_output.weight")
 
 
 def _per_head(stage: Any, i: int, x: Tensor, name: str) -> Tensor:
@@ -346,9 +348,11 @@ def _per_head(stage: Any, i: int, x: Tensor, name: str) -> Tensor:
     blocks = stage._blocks.get(f"blk.{i}.{name}.weight")
     batch, heads, T, width = x.shape
     if blocks is not None and stage.numerics != "ggml" and isinstance(T, int):
-        rows = x.permute(1, 0, 2, 3).reshape(heads, batch * T, width)
+        one = batch * T == 1  # the heads' rows as they lie: no copy
+        rows = x.reshape(heads, 1, width) if one else x.permute(1, 0, 2, 3).reshape(heads, batch * T, width)
         if block_gemv_fits(rows, blocks, gathered=False):
-            return block_gemv(rows, blocks).reshape(heads, batch, T, -1).permute(1, 0, 2, 3)
+            y = block_gemv(rows, blocks)
+            return y.reshape(1, heads, 1, -1) if one else y.reshape(heads, batch, T, -1).permute(1, 0, 2, 3)
     return x @ getattr(stage.blk[i], name)["weight"].float().transpose(-1, -2)
 
 

@@ -55,6 +55,7 @@ from models.kernels.cache_rows import write_rows
 from models.kernels.gathered import block_matvec
 from models.kernels.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_renderer
 from models.kernels.quant import BlockQuantized
+from models.kernels.rms_norm import rms_norm, rms_norm_fits
 from models.kv_cache import KVCacheFull, KVPool, LatentPool, SlotTable
 from models.moe import (
     ROUTED_WEIGHTS,
@@ -293,12 +294,14 @@ class StageModel:
                 continue
             projections = (("attn_q_a" if self.config.q_lora_rank else "attn_q", "attn_kv_a_mqa") if self.mla
                            else ("attn_q", "attn_k", "attn_v"))  # the projections of the normed input, fused
-            names = [f"blk.{i}.{n}.weight" for n in (*projections, "ffn_gate", "ffn_up")]
             self._qkv[i], qkv = _fuse([getattr(blk, n) for n in projections],
-                                      [quantized.get(n) for n in names[:len(projections)]])
-            gate_up = None
-            if i not in self.moe_blocks:
-                self._gate_up[i], gate_up = _fuse([blk.ffn_gate, blk.ffn_up], [quantized.get(n) for n in names[-2:]])
+                                      [quantized.get(f"blk.{i}.{n}.weight") for n in projections])
+            gate_up, ffn = None, ("ffn_gate", "ffn_up")
+            if i in self.moe_blocks:  # on GPUs a latent-attention block's shared expert reads gate and up in one product
+                ffn = ("ffn_gate_shexp", "ffn_up_shexp") if on_gpu and self.mla and config.shared_expert_dim else ()
+            if ffn:
+                self._gate_up[i], gate_up = _fuse([getattr(blk, n) for n in ffn],
+                                                  [quantized.get(f"blk.{i}.{n}.weight") for n in ffn])
             self._blocks.update({f"blk.{i}.{n}": b for n, b in (("qkv", qkv), ("gate_up", gate_up)) if b is not None})
 
         freq_factors = None if factors is None else factors.float().numpy()
@@ -860,10 +863,13 @@ class StageModel:
         if self.mla:  # the router and shared expert through the stage's matvec (GGML blocks stay blocks)
             logits = project(blk.ffn_gate_inp.weight, normed, "ffn_gate_inp.weight")
             gates, sel = route(blk, normed, c, logits=logits)
-            if c.shared_expert_dim:
+            if i in self._gate_up:
+                gate, up = project(self._gate_up[i], normed, "gate_up").chunk(2, dim=-1)
+            elif c.shared_expert_dim:
                 up = project(blk.ffn_up_shexp.weight, normed, "ffn_up_shexp.weight")
-                act = project(blk.ffn_gate_shexp.weight, normed, "ffn_gate_shexp.weight").silu() * up
-                h = h + project(blk.ffn_down_shexp.weight, act, "ffn_down_shexp.weight")
+                gate = project(blk.ffn_gate_shexp.weight, normed, "ffn_gate_shexp.weight")
+            if c.shared_expert_dim:
+                h = h + project(blk.ffn_down_shexp.weight, gate.silu() * up, "ffn_down_shexp.weight")
         else:
             gates, sel = route(blk, normed, c)
             if (shared := shared_experts(blk, normed)) is not None:
@@ -919,13 +925,20 @@ class StageModel:
             return half_product_attention(q, keys, values, mask)
         return q.scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True)
 
-    def _norm(self, norm, x: Tensor) -> Tensor:
-        """RMSNorm, its sum of squares over a whole thread group on GPUs (tinygrad gives it 16 threads).
+    def _norm(self, norm, x: Tensor, columns: tuple[int, int] | None = None) -> Tensor:
+        """RMSNorm of x's last axis, or of a window (start, width) of it: on NVIDIA GPUs with float numerics in one
+        hand-written kernel (`models.kernels.rms_norm`, reading the window in place); on other GPUs its sum of
+        squares over a whole thread group (tinygrad gives it 16 threads).
 
         The group divides the width (256 for Llama widths; 64 for SmolLM2's 576; small test widths less)."""
         import math
 
-        group = math.gcd(256, x.shape[-1])
+        width = x.shape[-1] if columns is None else columns[1]
+        if self.numerics != "ggml" and rms_norm_fits(x, width):
+            return rms_norm(x, norm.weight, norm.eps, columns=columns)
+        if columns is not None:
+            x = x[..., columns[0]:columns[0] + width]
+        group = math.gcd(256, width)
         if not self.on_gpu or group < 16:
             return norm(x)
         sq = gpu_reduce(lambda t: t.square().sum(-1, keepdim=True), (("GROUPTOP", 0, group),), x)

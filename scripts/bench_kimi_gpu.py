@@ -164,7 +164,8 @@ def block_bytes(stage, i: int, batch: int, context: int, distinct: float) -> dic
 
     held = {u: u.buffer.nbytes for t in nn.state.get_parameters(stage.blk[i]) for u in t.uop.toposort()
             if u.op is Ops.BUFFER}
-    fused = {u: u.buffer.nbytes for t in [stage._qkv[i]] for u in t.uop.toposort() if u.op is Ops.BUFFER}
+    fused = {u: u.buffer.nbytes for t in [stage._qkv[i], *([stage._gate_up[i]] if i in stage._gate_up else [])]
+             for u in t.uop.toposort() if u.op is Ops.BUFFER}
     dense = sum((held | fused).values())  # the block's buffers, each once (fused projections are views of one)
     gate_up, down = stage.expert_shard.weights[i]
     per_expert = (gate_up.nbytes() + down.nbytes()) / stage.config.num_experts
