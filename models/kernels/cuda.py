@@ -47,4 +47,16 @@ def program(device: str, name: str, source: str, *, grid: tuple[int, int, int], 
 
 def run(out: Tensor, inputs: tuple[Tensor, ...], prog: UOp) -> Tensor:
     """`out` (an empty tensor of the result's shape) written by `prog` from `inputs` (made contiguous)."""
-    return out.custom_kernel(*(t.contiguous() for t in inputs), fxn=lambda *_params: prog)[0]
+    return out.custom_kernel(*(_unshaped(t).contiguous() for t in inputs), fxn=lambda *_params: prog)[0]
+
+
+def _unshaped(t: Tensor) -> Tensor:
+    """t without the reshapes on top of it: a kernel reads its buffer's values in order, which a reshape does not
+    change, and tinygrad copies a reshaped kernel output whole before another kernel may read it."""
+    from tinygrad import Tensor
+    from tinygrad.uop.ops import Ops
+
+    u = t.uop
+    while u.op is Ops.RESHAPE:
+        u = u.src[0]
+    return t if u is t.uop else Tensor(u)
