@@ -855,6 +855,8 @@ class StageModel:
             h = x + deepseek2.attention(self, i, normed, slots, starts, T, angles, project, tiles=tiles, at=at)
         else:
             h = x + self._attention(i, normed, slots, starts, T, angles, tiles, project, span=span, at=at)
+        if self.on_gpu:  # one buffer for the norm's kernel and the residual (else the kernel's input is a copy)
+            h = h.contiguous()
         normed = self._norm(blk.ffn_norm, h)
         if i not in self.moe_blocks:
             ffn = blk.config.hidden_dim  # a leading dense block of a MoE model has its own width

@@ -50,6 +50,15 @@ def run(out: Tensor, inputs: tuple[Tensor, ...], prog: UOp) -> Tensor:
     return out.custom_kernel(*(_unshaped(t).contiguous() for t in inputs), fxn=lambda *_params: prog)[0]
 
 
+def in_place(t: Tensor) -> Tensor:
+    """t, or, when it is a kernel's output reshaped back to that output's own shape, the output itself: a reshaped
+    kernel output is copied whole before another kernel may read it (a matvec's input)."""
+    from tinygrad.uop.ops import Ops
+
+    base = _unshaped(t)
+    return base if base.uop.op is Ops.AFTER and base.shape == t.shape else t
+
+
 def _unshaped(t: Tensor) -> Tensor:
     """t without the reshapes on top of it: a kernel reads its buffer's values in order, which a reshape does not
     change, and tinygrad copies a reshaped kernel output whole before another kernel may read it."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from models.kernels import cuda
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -216,7 +218,7 @@ def _split_matvec(x: Tensor, w: Tensor, *, view: tuple[int, ...], opts: tuple | 
         y = parts.sum(tuple(range(2, 1 + len(view)))).sum(-1)  # (out, rows)
         return y.contiguous(arg=opts) if opts else y.contiguous()
 
-    return kernel(x.contiguous(), w).transpose(0, 1)
+    return kernel(cuda.in_place(x).contiguous(), w).transpose(0, 1)
 
 
 # Options of the GPU matvec kernel (axis 0: output features, axis 1: rows; reduce axis 0: the inner

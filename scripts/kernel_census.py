@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""The kernels of one decode step's MoE block as tinygrad schedules them for an NVIDIA GPU, listed on any machine.
+
+Builds block 1 of `kimi-k2-mini` (its GGUF file, written on first use) on the CPU, which takes the GPUs' paths, with
+the hand-written kernels' checks answering as for an sm_90 GPU, builds the block's decode step for `--batch` rows without running it, and
+prints its schedule: each hand-written kernel by name, each tinygrad kernel with the sizes of its buffers (output
+first) and the operations it does, then which earlier kernels' outputs each one reads. A copy shows as a tinygrad
+kernel with no arithmetic. What differs from a GPU's graph: the realisations inside the block are left lazy (the
+cache after its write shows as a copy of the whole cache), the latent attention is tinygrad's (the mini model's
+latent is narrower than the kernel takes), and the routed experts take the CPU's exact path.
+
+    .venv/bin/python scripts/kernel_census.py --batch 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=1, help="decode rows")
+    parser.add_argument("--sources", action="store_true", help="also list which kernels' outputs each one reads")
+    args = parser.parse_args()
+
+    from models.kernels import cuda
+
+    cuda.arch = lambda device: 90  # the hand-written kernels' checks answer as on an H100 / H200
+    from tinygrad import Tensor, dtypes
+    from tinygrad.uop.ops import Ops
+
+    import models.expert_shard
+    import models.kernels.attention
+    import models.kernels.gathered
+    import models.kernels.matvec
+    import models.stage
+    from models.catalog.names import resolve_model
+
+    for module in (models.expert_shard, models.kernels.attention, models.kernels.gathered, models.kernels.matvec,
+                   models.stage):  # the CPU device takes the GPUs' paths
+        module.GPU_DEVICES = (*module.GPU_DEVICES, "CPU")
+    path = resolve_model("kimi-k2-mini").path
+    stage = models.stage.StageModel.from_gguf(path, 1, 2, dtype="quantized", experts_in_graph=True,
+                                              attention_tile=128, max_context=64)
+    b = args.batch
+    x = Tensor.rand(b, 1, stage.hidden_size).realize()
+    slots, starts = list(range(b)), [5 + r for r in range(b)]
+    at = (Tensor(slots, dtype=dtypes.int32).realize(), Tensor(starts, dtype=dtypes.int32).realize())
+    angles = stage._rope[5:5 + b].reshape(b, 1, 1, -1).realize()
+    realize = Tensor.realize
+    Tensor.realize = lambda self, *a, **k: self  # nothing runs: the hand-written kernels are CUDA
+    try:
+        out = stage._block(1, x, slots, starts, 1, angles, tiles=(1,) * b, at=at)
+    finally:
+        Tensor.realize = realize
+    calls = out.reshape(b, -1).contiguous().schedule_linear().src
+
+    def key(buf):
+        return (buf.src[0], buf.arg) if buf.op is Ops.BUFFER_VIEW else (buf, None)
+
+    def size(buf) -> str:
+        return f"{buf.arg[0] if buf.op is Ops.BUFFER_VIEW else buf.arg}{buf.dtype.name[0]}"
+
+    written: dict = {}
+    for k, call in enumerate(calls):
+        prog, bufs = call.src[0], call.src[1:]
+        sizes = " ".join(size(u) for u in bufs)
+        if prog.op is Ops.PROGRAM:
+            print(f"{k:3d} {prog.arg.name:44s} {sizes}")
+        else:
+            ops = sorted({u.op.name for u in prog.toposort()
+                          if u.op.name in ("REDUCE", "EXP2", "RECIPROCAL", "SQRT", "WHERE", "MAX", "CAST", "CMPLT")})
+            kind = "reduce" if "REDUCE" in ops else "elementwise"
+            print(f"{k:3d} tinygrad {kind:35s} {sizes}  {' '.join(o for o in ops if o != 'REDUCE')}")
+        if args.sources:
+            print("      reads", [written.get(key(u), "-") for u in bufs[1:]])
+        written.setdefault(key(bufs[0]), k)
+    print(f"{len(calls)} kernels")
+
+
+if __name__ == "__main__":
+    main()
