@@ -1,5 +1,5 @@
-"""RMSNorm of a few rows as one hand-written CUDA kernel in tinygrad's graph, in place of tinygrad's three or four
-(the sum of squares, its reciprocal root on one thread, the scaling).
+"""RMSNorm of a few rows as one hand-written CUDA kernel in tinygrad's graph, in place of tinygrad's two or more (the
+sum of squares, then the scaling, and a copy of the window of a row it norms).
 
 A block of threads takes a row, optionally a window of its columns (the normed part of a fused projection's
 output, read in place). Each thread holds every `threads`-th value; it sums their squares, the warp adds its
