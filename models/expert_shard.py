@@ -179,8 +179,8 @@ class ExpertShard:
         idx = sel.reshape(-1).cast("int32")
 
         def experts(pairs: Tensor, idx: Tensor) -> Tensor:
-            g, u = gathered_matvec(pairs, gate_up, idx, ggml=ggml).chunk(2, dim=-1)
-            return gathered_matvec((g.silu() * u).contiguous(), down, idx, ggml=ggml).float()
+            act = _glu(gathered_matvec(pairs, gate_up, idx, ggml=ggml))
+            return gathered_matvec(act, down, idx, ggml=ggml).float()
 
         n, per = b * t * k, pairs_per_kernel(x.device)
         if per and isinstance(n, int) and n > per and n % per == 0:  # kernels of `per` pairs, one after another
@@ -203,8 +203,19 @@ class ExpertShard:
         n = len(_tensors(like_gate_up))
         gate_up, down = _rebuilt(like_gate_up, weights[:n]), _rebuilt(like_down, weights[n:])
         ggml = self.numerics == "ggml"
-        g, u = gathered_matvec(x, gate_up, idx, ggml=ggml).chunk(2, dim=-1)
-        return gathered_matvec((g.silu() * u).contiguous(), down, idx, ggml=ggml).float().realize()
+        return gathered_matvec(_glu(gathered_matvec(x, gate_up, idx, ggml=ggml)), down, idx, ggml=ggml).float().realize()
+
+
+def _glu(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up of a product's output (..., 2F) [gate | up], as a product over a (gate, up) axis: one kernel
+    reads the output in place, where two slices of a hand-written kernel's output read by one kernel are copied
+    whole first (tinygrad keeps such a copy when the output's sources reach more than three buffers)."""
+    from tinygrad import Tensor
+
+    *lead, width = gate_up.shape
+    pair = gate_up.reshape(*lead, 2, width // 2)
+    gate = Tensor.arange(2, device=gate_up.device).reshape(2, 1) == 0
+    return gate.where(pair.silu(), pair).prod(axis=-2).contiguous()
 
 
 def dispatch(local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
