@@ -23,6 +23,7 @@ from tinygrad.llm.model import TransformerConfig
 from models import cached_graphs
 from models.errors import ModelError
 from models.kernels.gathered import gathered_matvec, pairs_per_kernel
+from models.kernels.glu import silu_glu
 from models.kernels.matvec import GPU_DEVICES, tune_cpu_renderer
 from models.moe import EXPERT_TENSORS, ExpertCall, gated_sum, is_moe_block
 from models.tinygrad_ext.jit import HeldInputs, read_back
@@ -179,7 +180,7 @@ class ExpertShard:
         idx = sel.reshape(-1).cast("int32")
 
         def experts(pairs: Tensor, idx: Tensor) -> Tensor:
-            act = _glu(gathered_matvec(pairs, gate_up, idx, ggml=ggml))
+            act = silu_glu(gathered_matvec(pairs, gate_up, idx, ggml=ggml)).contiguous()
             return gathered_matvec(act, down, idx, ggml=ggml).float()
 
         n, per = b * t * k, pairs_per_kernel(x.device)
@@ -203,19 +204,8 @@ class ExpertShard:
         n = len(_tensors(like_gate_up))
         gate_up, down = _rebuilt(like_gate_up, weights[:n]), _rebuilt(like_down, weights[n:])
         ggml = self.numerics == "ggml"
-        return gathered_matvec(_glu(gathered_matvec(x, gate_up, idx, ggml=ggml)), down, idx, ggml=ggml).float().realize()
-
-
-def _glu(gate_up: Tensor) -> Tensor:
-    """silu(gate) * up of a product's output (..., 2F) [gate | up], as a product over a (gate, up) axis: one kernel
-    reads the output in place, where two slices of a hand-written kernel's output read by one kernel are copied
-    whole first (tinygrad keeps such a copy when the output's sources reach more than three buffers)."""
-    from tinygrad import Tensor
-
-    *lead, width = gate_up.shape
-    pair = gate_up.reshape(*lead, 2, width // 2)
-    gate = Tensor.arange(2, device=gate_up.device).reshape(2, 1) == 0
-    return gate.where(pair.silu(), pair).prod(axis=-2).contiguous()
+        act = silu_glu(gathered_matvec(x, gate_up, idx, ggml=ggml)).contiguous()
+        return gathered_matvec(act, down, idx, ggml=ggml).float().realize()
 
 
 def dispatch(local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

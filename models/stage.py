@@ -53,6 +53,7 @@ from models.kernels.attention import (
 )
 from models.kernels.cache_rows import write_rows
 from models.kernels.gathered import block_matvec
+from models.kernels.glu import silu_glu
 from models.kernels.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_renderer
 from models.kernels.quant import BlockQuantized
 from models.kernels.rms_norm import rms_norm, rms_norm_fits
@@ -859,19 +860,18 @@ class StageModel:
             h = h.contiguous()
         normed = self._norm(blk.ffn_norm, h)
         if i not in self.moe_blocks:
-            ffn = blk.config.hidden_dim  # a leading dense block of a MoE model has its own width
-            gate, up = project(self._gate_up[i], normed, "gate_up").split([ffn, ffn], dim=-1)
-            return h + project(blk.ffn_down.weight, gate.silu() * up, "ffn_down.weight")
+            return h + project(blk.ffn_down.weight, silu_glu(project(self._gate_up[i], normed, "gate_up")),
+                               "ffn_down.weight")
         if self.mla:  # the router and shared expert through the stage's matvec (GGML blocks stay blocks)
             logits = project(blk.ffn_gate_inp.weight, normed, "ffn_gate_inp.weight")
             gates, sel = route(blk, normed, c, logits=logits)
             if i in self._gate_up:
-                gate, up = project(self._gate_up[i], normed, "gate_up").chunk(2, dim=-1)
+                act = silu_glu(project(self._gate_up[i], normed, "gate_up"))
             elif c.shared_expert_dim:
                 up = project(blk.ffn_up_shexp.weight, normed, "ffn_up_shexp.weight")
-                gate = project(blk.ffn_gate_shexp.weight, normed, "ffn_gate_shexp.weight")
+                act = project(blk.ffn_gate_shexp.weight, normed, "ffn_gate_shexp.weight").silu() * up
             if c.shared_expert_dim:
-                h = h + project(blk.ffn_down_shexp.weight, gate.silu() * up, "ffn_down_shexp.weight")
+                h = h + project(blk.ffn_down_shexp.weight, act, "ffn_down_shexp.weight")
         else:
             gates, sel = route(blk, normed, c)
             if (shared := shared_experts(blk, normed)) is not None:
