@@ -64,7 +64,7 @@ def block_config(config: TransformerConfig, i: int) -> TransformerConfig:
 
 
 def gating_of(config: TransformerConfig) -> str:
-    gating = getattr(config, "expert_gating", "sigmoid" if config.expert_bias else "softmax")
+    gating = getattr(config, "expert_gating", None) or ("sigmoid" if config.expert_bias else "softmax")
     if gating not in GATING:
         raise ModelError(f"unknown expert gating {gating!r}: use one of {', '.join(GATING)}")
     return gating
