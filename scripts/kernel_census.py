@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The kernels of one decode step's MoE block as tinygrad schedules them for an NVIDIA GPU, listed on any machine.
 
-Builds block 1 of `kimi-k2-mini` (its GGUF file, written on first use) on the CPU, which takes the GPUs' paths, with
+Builds block 1 of `kimi-k2-mini` (its GGUF file, written on first use; `--model` names another) on the CPU, which takes the GPUs' paths, with
 the hand-written kernels' checks answering as for an sm_90 GPU, builds the block's decode step for `--batch` rows without running it, and
 prints its schedule: each hand-written kernel by name, each tinygrad kernel with the sizes of its buffers (output
 first) and the operations it does, then which earlier kernels' outputs each one reads. A copy shows as a tinygrad
@@ -10,6 +10,7 @@ cache after its write shows as a copy of the whole cache), the latent attention 
 latent is narrower than the kernel takes), and the routed experts take the CPU's exact path.
 
     .venv/bin/python scripts/kernel_census.py --batch 1
+    .venv/bin/python scripts/kernel_census.py --model smollm2-135m --sources
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="kimi-k2-mini", help="a model name or GGUF file (default: kimi-k2-mini)")
     parser.add_argument("--batch", type=int, default=1, help="decode rows")
     parser.add_argument("--sources", action="store_true", help="also list which kernels' outputs each one reads")
     args = parser.parse_args()
@@ -43,7 +45,7 @@ def main() -> None:
     for module in (models.expert_shard, models.kernels.attention, models.kernels.gathered, models.kernels.matvec,
                    models.stage):  # the CPU device takes the GPUs' paths
         module.GPU_DEVICES = (*module.GPU_DEVICES, "CPU")
-    path = resolve_model("kimi-k2-mini").path
+    path = resolve_model(args.model).path
     stage = models.stage.StageModel.from_gguf(path, 1, 2, dtype="quantized", experts_in_graph=True,
                                               attention_tile=128, max_context=64)
     b = args.batch
