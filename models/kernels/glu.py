@@ -2,8 +2,8 @@
 
 Written as a product over a (gate, up) axis rather than of two slices: tinygrad writes a tensor out whole before a
 kernel reads two different slices of it, and keeps that copy when the tensor's sources reach more than three
-buffers, as a hand-written kernel's output often does. A product of two values (times 1) rounds as their product, so the
-bits are those of `gate.silu() * up`.
+buffers, as a hand-written kernel's output often does. A product of two values (times 1) rounds as their product,
+so the bits are those of `gate.silu() * up`.
 """
 
 from __future__ import annotations
