@@ -300,8 +300,7 @@ def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Seque
     if c.q_lora_rank:
         q = project(blk.attn_q_b.weight, stage._norm(blk.attn_q_a_norm, qkv, (0, q_width)), "attn_q_b.weight")
     scale, decode = kq_scale(c), isinstance(T, int) and T == 1
-    q = q.reshape(batch, c.n_heads, 1, c.head_dim) if decode else \
-        q.reshape(batch, T, c.n_heads, c.head_dim).transpose(1, 2)  # (B, H, T, head_dim)
+    q = q.reshape(batch, T, c.n_heads, c.head_dim).transpose(1, 2)  # (B, H, T, head_dim)
     cos, sin = angles.chunk(2, dim=-1)
     q_rope = _rotate(q[..., nope:], cos, sin)
     q_nope = q[..., :nope]
@@ -336,8 +335,8 @@ def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Seque
     if ggml and L % ggml_numerics.BLOCK == 0:
         out = ggml_numerics.q8_activations(out.reshape(-1, L))[0].reshape(batch, c.n_heads, T, L)
     out = _per_head(stage, i, out, "attn_v_b")  # (B, H, T, v)
-    out = out.reshape(batch, 1, -1) if decode else out.transpose(1, 2).reshape(batch, T, c.n_heads * c.v_head_dim)
-    return project(blk.attn_output.weight, out, "attn_output.weight")
+    return project(blk.attn_output.weight, out.transpose(1, 2).reshape(batch, T, c.n_heads * c.v_head_dim),
+                   "attn_output.weight")
 
 
 def _per_head(stage: Any, i: int, x: Tensor, name: str) -> Tensor:
@@ -348,11 +347,9 @@ def _per_head(stage: Any, i: int, x: Tensor, name: str) -> Tensor:
     blocks = stage._blocks.get(f"blk.{i}.{name}.weight")
     batch, heads, T, width = x.shape
     if blocks is not None and stage.numerics != "ggml" and isinstance(T, int):
-        one = batch * T == 1  # the heads' rows as they lie: no copy
-        rows = x.reshape(heads, 1, width) if one else x.permute(1, 0, 2, 3).reshape(heads, batch * T, width)
+        rows = x.permute(1, 0, 2, 3).reshape(heads, batch * T, width)
         if block_gemv_fits(rows, blocks, gathered=False):
-            y = block_gemv(rows, blocks)
-            return y.reshape(1, heads, 1, -1) if one else y.reshape(heads, batch, T, -1).permute(1, 0, 2, 3)
+            return block_gemv(rows, blocks).reshape(heads, batch, T, -1).permute(1, 0, 2, 3)
     return x @ getattr(stage.blk[i], name)["weight"].float().transpose(-1, -2)
 
 

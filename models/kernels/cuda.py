@@ -60,12 +60,18 @@ def in_place(t: Tensor) -> Tensor:
 
 
 def _unshaped(t: Tensor) -> Tensor:
-    """t without the reshapes on top of it: a kernel reads its buffer's values in order, which a reshape does not
-    change, and tinygrad copies a reshaped kernel output whole before another kernel may read it."""
+    """t without the reshapes on top of it, nor the permutes that move only axes of one: a kernel reads its buffer's
+    values in order, which neither changes, and tinygrad copies such a view of a kernel's output whole before
+    another kernel may read it."""
     from tinygrad import Tensor
     from tinygrad.uop.ops import Ops
 
     u = t.uop
-    while u.op is Ops.RESHAPE:
+    while u.op is Ops.RESHAPE or (u.op is Ops.PERMUTE and _moves_only_ones(u.marg, u.src[0].shape)):
         u = u.src[0]
     return t if u is t.uop else Tensor(u)
+
+
+def _moves_only_ones(order: tuple[int, ...], shape: tuple) -> bool:
+    kept = [a for a in order if shape[a] != 1]
+    return kept == sorted(kept)
