@@ -10,6 +10,7 @@ around it.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -48,9 +49,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, columns: tuple[int, int] 
 
     *lead, n = x.shape
     start, width = columns if columns is not None else (0, n)
-    rows = 1
-    for d in lead:
-        rows *= d
+    rows = math.prod(lead)
     out = Tensor.empty(rows, width, dtype=dtypes.float32, device=x.device)
     prog = _program(x.device, rows, n, start, width, float(eps))
     inputs = (x.reshape(rows, n).cast(dtypes.float32), weight.cast(dtypes.float32))

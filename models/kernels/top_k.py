@@ -8,6 +8,7 @@ last, in place of tinygrad's kernels that count every element's rank against eve
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -38,9 +39,7 @@ def top_k_kernel(x: Tensor, k: int) -> Tensor:
     from tinygrad import Tensor, dtypes
 
     *lead, n = x.shape
-    rows = 1
-    for d in lead:
-        rows *= d
+    rows = math.prod(lead)
     out = Tensor.empty(rows, k, dtype=dtypes.int32, device=x.device)
     prog = _program(x.device, rows, n, k)
     return cuda.run(out, (x.reshape(rows, n).cast(dtypes.float32),), prog).reshape(*lead, k)
