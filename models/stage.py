@@ -44,6 +44,7 @@ from models.gguf.loader import StageParts
 from models.kernels import ggml_numerics
 from models.kernels.attention import (
     batch_rows_at,
+    grouped_query_attention,
     half_product_attention,
     half_products_on,
     slot_ordered,
@@ -891,7 +892,10 @@ class StageModel:
         c, kv = self.config, self.kv.layers[i]
         batch = x.shape[0]
         q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        q, k, v = project(self._qkv[i], x, "qkv").split([q_dim, kv_dim, kv_dim], dim=-1)
+        qkv = project(self._qkv[i], x, "qkv")
+        if not self.on_gpu:  # one buffer (else tinygrad runs the product of several rows once for q, once for k and v)
+            qkv = qkv.contiguous()
+        q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
         q = q.reshape(batch, T, c.n_heads, c.head_dim).transpose(1, 2)
         k = k.reshape(batch, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
         v = v.reshape(batch, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
@@ -907,6 +911,8 @@ class StageModel:
                     for b, (s, p, t) in enumerate(zip(slots, starts, tiles, strict=True))]
         else:
             outs = [self._exact_attention(q[b:b + 1], cache, s, p, T) for b, (s, p) in enumerate(zip(slots, starts, strict=True))]
+            if len(outs) > 1 and not self.on_gpu:  # each row's own buffer (one kernel would run every row's sum for each)
+                outs = [o.contiguous() for o in outs]
         attn = Tensor.cat(*outs) if len(outs) > 1 else outs[0]
         return project(self.blk[i].attn_output.weight, attn.transpose(1, 2).reshape(batch, T, q_dim),
                        "attn_output.weight")
@@ -925,7 +931,9 @@ class StageModel:
             return ggml_numerics.attention(q, keys, values, mask)
         if self.on_gpu and isinstance(pos, int) and isinstance(T, int) and T > 1 and half_products_on():
             return half_product_attention(q, keys, values, mask)
-        return q.scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True)
+        if self.on_gpu:
+            return q.scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True)
+        return grouped_query_attention(q, keys, values, mask)
 
     def _norm(self, norm, x: Tensor, columns: tuple[int, int] | None = None) -> Tensor:
         """RMSNorm of x's last axis, or of a window (start, width) of it: on NVIDIA GPUs with float numerics in one

@@ -189,6 +189,29 @@ def slot_ordered_decode_attention(q: Tensor, cache: Tensor, slots: Tensor, start
     return back.reshape(batch, n_heads, 1, hd)
 
 
+def grouped_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+    """`q.scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True)`, the same arithmetic, with a
+    KV head's query heads as rows of its products instead of the KV heads repeated (`repeat_interleave` makes the
+    kernels find a query head's KV head with integer divisions in their innermost loop, several times the cost of
+    the products on a CPU). q (B, heads, T, head_dim) is written out first, so that a query's RoPE is not computed
+    again for every key; keys and values (B, kv_heads, L, head_dim); `mask` (B or 1, 1, T, L) is added to the
+    scores."""
+    from tinygrad import dtypes
+    from tinygrad.dtype import least_upper_dtype
+
+    batch, n_heads, T, hd = q.shape
+    kvh, rows = keys.shape[1], keys.shape[2]
+    group = n_heads // kvh
+    queries = q.contiguous().reshape(batch, kvh, group * T, 1, hd)
+    acc = least_upper_dtype(q.dtype, keys.dtype, dtypes.float32)
+    scores = (queries * keys.reshape(batch, kvh, 1, rows, hd)).sum(-1, dtype=acc).cast(acc) / math.sqrt(hd)
+    if mask is not None:
+        scores = (scores.reshape(batch, kvh, group, T, rows) + mask.reshape(-1, 1, 1, T, rows)).reshape(
+            batch, kvh, group * T, rows)
+    weights = scores.cast(q.dtype).softmax(-1).reshape(batch, kvh, group * T, rows, 1)
+    return (weights * values.reshape(batch, kvh, 1, rows, hd)).sum(-2).reshape(batch, n_heads, T, hd)
+
+
 def half_products_on() -> bool:
     """`SWARMD_HALF_PREFILL_ATTENTION=0` keeps a first chunk's attention products in float32 (for comparisons)."""
     return os.environ.get("SWARMD_HALF_PREFILL_ATTENTION", "1") != "0"

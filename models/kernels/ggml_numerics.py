@@ -71,13 +71,19 @@ def round_f16(x: Tensor) -> Tensor:
 def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
     """Softmax attention as ggml's CPU backend computes it without flash attention: q (B, H, T, hd) in
     float32, keys/values (B, KVH, S, hd) from a float16 cache; q and the probabilities are rounded to
-    float16 before their products, which accumulate in float32. Query head h uses KV head h // (H/KVH)."""
+    float16 before their products, which accumulate in float32. Query head h uses KV head h // (H/KVH): a KV
+    head's query heads are rows of its products (the KV heads repeated instead would cost integer divisions in the
+    innermost loop, several times the product itself on a CPU)."""
     from tinygrad import dtypes
 
-    group, head_dim = int(q.shape[1]) // int(keys.shape[1]), int(q.shape[-1])
-    keys = keys.cast(dtypes.float32).repeat_interleave(group, dim=1)
-    values = values.cast(dtypes.float32).repeat_interleave(group, dim=1)
-    scores = round_f16(q) @ keys.transpose(-1, -2) * (1.0 / math.sqrt(head_dim))
+    batch, n_heads, T, head_dim = q.shape
+    kvh, rows = keys.shape[1], keys.shape[2]
+    group = n_heads // kvh
+    queries = round_f16(q).contiguous().reshape(batch, kvh, group * T, 1, head_dim)
+    scores = (queries * keys.cast(dtypes.float32).reshape(batch, kvh, 1, rows, head_dim)).sum(-1) * (1.0 / math.sqrt(head_dim))
     if mask is not None:
-        scores = scores + mask
-    return round_f16(scores.softmax(-1)) @ values
+        scores = (scores.reshape(batch, kvh, group, T, rows) + mask.reshape(mask.shape[0], 1, 1, T, rows)).reshape(
+            batch, kvh, group * T, rows)
+    weights = round_f16(scores.softmax(-1)).reshape(batch, kvh, group * T, rows, 1)
+    out = (weights * values.cast(dtypes.float32).reshape(batch, kvh, 1, rows, head_dim)).sum(-2)
+    return out.reshape(batch, n_heads, T, head_dim)
