@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from models.sampling import SamplingParams
 from swarmd.inference.spec.acceptance import verify
+from swarmd.inference.spec.adaptive import Learned
 from swarmd.inference.spec.drafting import NgramSource
 from swarmd.inference.spec.head import SpecHead
 from swarmd.inference.spec.speculation import SpecStats, Speculation, verify_forward
@@ -82,7 +83,37 @@ def test_where_drafts_fail_the_loop_goes_back_to_the_chain_and_returns_when_gues
     assert spec.next_k(step) == planned  # the first pass after taking the loop back drafts what made it take it
 
 
-def test_a_heads_next_request_of_a_failing_draft_source_hands_the_loop_to_the_chain_at_once():
+def _fail_every_draft(spec: Speculation) -> int:
+    """Run `spec` with every draft rejected until it hands the loop to the chain; the passes it took."""
+    spec.on_result(Verified("r", 0, (9,)), 0.0, (9,))
+    step, now = 1, 0.0
+    while not spec.hands_back(k := spec.next_k(step)):
+        now += 0.1 + 0.03 * k
+        spec.on_result(Verified("r", step, (20 + step,), drafted=k), now, (20 + step,))
+        step += 1
+    return step
+
+
+def test_a_heads_next_request_of_a_failing_draft_model_hands_the_loop_to_the_chain_at_once():
+    head = SpecHead("H", SpecSettings("ngram", 4))
+    settings = SpecSettings("model:small", 4)
+
+    def start() -> Speculation:  # (any drafter: the controller goes by the draft source, the mode)
+        return head.start(settings, NgramSource([1, 2, 3, 4]), prompt_len=4, max_tokens=500, max_context=10_000)
+
+    first = start()
+    assert _fail_every_draft(first) > 2  # the first request paid a few passes of drafts to learn that
+    head.close(first)
+    second = start()
+    second.on_result(Verified("r2", 0, (9,)), 0.0, (9,))
+    assert second.hands_back(second.next_k(1))
+    # another draft source learns for itself
+    other = head.start(SpecSettings("model:other", 4), NgramSource([1]), prompt_len=1, max_tokens=500,
+                       max_context=10_000)
+    assert other.next_k(1) > 0
+
+
+def test_prompt_lookups_next_request_drafts_from_its_own_text_and_keeps_only_the_cost_of_a_draft():
     head = SpecHead("H", SpecSettings("ngram", 4))
     settings = SpecSettings("ngram", 4)
 
@@ -90,21 +121,13 @@ def test_a_heads_next_request_of_a_failing_draft_source_hands_the_loop_to_the_ch
         return head.start(settings, NgramSource([1, 2, 3, 4]), prompt_len=4, max_tokens=500, max_context=10_000)
 
     first = start()
-    first.on_result(Verified("r", 0, (9,)), 0.0, (9,))
-    step, now = 1, 0.0
-    while not first.hands_back(k := first.next_k(step)):  # every draft fails
-        now += 0.1 + 0.03 * k
-        first.on_result(Verified("r", step, (20 + step,), drafted=k), now, (20 + step,))
-        step += 1
-    assert step > 2  # the first request paid a few passes of drafts to learn that
+    _fail_every_draft(first)
+    slope = first.control.learned().slope
     head.close(first)
-    second = start()
+    second = start()  # a chat request that never repeats itself says nothing of one that quotes what it edits
     second.on_result(Verified("r2", 0, (9,)), 0.0, (9,))
-    assert second.hands_back(second.next_k(1))
-    # another draft source learns for itself
-    other = head.start(SpecSettings("model:small", 4), NgramSource([1]), prompt_len=1, max_tokens=500,
-                       max_context=10_000)
-    assert other.next_k(1) > 0
+    assert second.next_k(1) > 0
+    assert second.control.prior_slope == slope != Learned().slope
 
 
 def test_k_leaves_room_for_the_requests_last_token_and_its_context():

@@ -11,7 +11,9 @@ A request's controller starts where the last request with the same draft source 
 weighed as PRIOR_TRIALS trials, what a drafted token cost beside a pass (the prior slope), and its probe spacing if it
 ended off. So a draft model that fails for the served model is not paid for again by every request (its catch-up
 prefill and a few passes of drafts), only by its probes, which are spaced further apart than prompt lookup's; the
-request's own passes soon outweigh what it was handed.
+request's own passes soon outweigh what it was handed. Prompt lookup drafts from each request's own context, so its
+requests take over only the cost of a drafted token (`Learned.costs_only`): a chat request whose text never repeats
+says nothing of the next request, which may edit code it quotes.
 
 a is estimated from recent passes (successes over trials, each pass decayed by `decay`): a pass of k drafts with m
 accepted is m successes in m + (1 if m < k) trials. t(k) is a line a0 + a1 k fitted to the recent passes' times per
@@ -43,6 +45,12 @@ class Learned:
     slope: float = PRIOR_SLOPE
     probe_gap: int | None = None
     off_passes: int = 0
+
+    def costs_only(self) -> Learned:
+        """What the chain taught (a drafted token's cost), without what the text taught (acceptance, probes): for
+        prompt lookup, whose drafts come from each request's own context, so that one request's text says nothing
+        of the next one's."""
+        return Learned(slope=self.slope)
 
 
 @dataclass

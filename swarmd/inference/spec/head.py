@@ -92,9 +92,13 @@ class SpecHead:
 
     def start(self, settings: SpecSettings, drafter: Drafter, *, prompt_len: int, max_tokens: int,
               max_context: int) -> Speculation:
-        """A request's speculation, its controller where the last request with the same draft source left off."""
+        """A request's speculation, its controller where the last request with the same draft source left off (for
+        prompt lookup, whose drafts come from the request's own text: only what a drafted token cost)."""
+        learned = self._learned.get(settings.mode)
+        if learned is not None and settings.draft_model is None:
+            learned = learned.costs_only()
         return Speculation(settings, drafter, prompt_len=prompt_len, max_tokens=max_tokens, max_context=max_context,
-                           learned=self._learned.get(settings.mode))
+                           learned=learned)
 
     def close(self, spec: Speculation) -> None:
         """The request is over: keep what its controller learned for the next request of its draft source, and free
