@@ -85,7 +85,9 @@ def main() -> int:
         worker(args)
         return 0
 
-    argv = [a for a in sys.argv[1:] if not a.startswith("--baseline") and a != str(args.baseline)]
+    argv = ["--rows", ",".join(map(str, args.rows)), "--batches", ",".join(map(str, args.batches)), "--blocks",
+            args.blocks, "--context", str(args.context), "--rounds", str(args.rounds), "--steps", str(args.steps),
+            *(["--numerics", args.numerics] if args.numerics else [])]
     codes = {"this code": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
     procs = {}
     for name, root in codes.items():
