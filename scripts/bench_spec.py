@@ -4,7 +4,8 @@
     .venv/bin/python scripts/bench_spec.py --rounds 3 --tokens 48 --delay-ms 10
 
 N daemons (default 4) serve `--model` (smollm2-moe-8x2 by default), each behind its own emulated link
-(`scripts/link_emulator.py`, activations on libp2p streams so that every hop crosses it; see scripts/bench_wan.py). Daemon 0 holds stage 0
+(`scripts/link_emulator.py`: its libp2p port and its TLS data-plane port, which the others dial through `--dial-map`,
+so that every hop crosses it; `--data-plane libp2p` carries activations on the libp2p streams instead). Daemon 0 holds stage 0
 and heads every request, started with `--speculate ngram --draft-tokens K`; each request picks its mode with the
 `speculate` field: off, ngram, or model:smollm2-135m (the dense model drafting for its MoE split; left out when
 `--model smollm2-135m` is served, which would draft for itself). smollm2-moe-8x2 keeps 2 of the 8 parts of each
@@ -71,8 +72,10 @@ CHAT = (
 SETS = {"code editing": ("prompt", CODE_EDITING), "chat": ("chat", CHAT)}
 
 
-def start(model: str, n: int, context: int, draft_tokens: int, bandwidth_mbit: float) -> tuple[LocalSwarm, Emulator]:
-    """N daemons with an even plan, each behind an emulated link; daemon 0 speculates."""
+def start(model: str, n: int, context: int, draft_tokens: int, bandwidth_mbit: float,
+          data_plane: str = "tls") -> tuple[LocalSwarm, Emulator]:
+    """N daemons with an even plan, each behind an emulated link (its libp2p port and, on the TLS data plane, its
+    data-plane port, which the others reach through `--dial-map`); daemon 0 speculates."""
     import tempfile
 
     from planner.plan import ModelRef, Plan, Stage, stage_actor
@@ -91,12 +94,20 @@ def start(model: str, n: int, context: int, draft_tokens: int, bandwidth_mbit: f
                                           for i, p in enumerate(peers)), experts=experts)
     (base / "plan.json").write_text(plan.dumps())
     listen, front = free_ports(n), free_ports(n)
-    emu = Emulator({f"d{i}": (front[i], listen[i]) for i in range(n)}, bandwidth_mbit)
+    links = {f"d{i}": (front[i], listen[i]) for i in range(n)}
+    plane: dict[int, tuple[str, ...]] = {i: ("--data-plane", "libp2p") for i in range(n)}
+    if data_plane == "tls":  # the data plane's own ports behind links of their own, dialled through the emulator
+        data, data_front = free_ports(n), free_ports(n)
+        links |= {f"p{i}": (data_front[i], data[i]) for i in range(n)}
+        plane = {i: ("--data-plane-port", str(data[i]),
+                     *(arg for j in range(n) if j != i
+                       for arg in ("--dial-map", f"127.0.0.1:{data[j]}=127.0.0.1:{data_front[j]}"))) for i in range(n)}
+    emu = Emulator(links, bandwidth_mbit)
     spec = ("--speculate", "ngram", "--draft-tokens", str(draft_tokens))
     swarm = LocalSwarm(n, model=model, base=base, swarm="benchspec", first_extra=("--plan", str(base / "plan.json")),
                        extra=("--max-context", str(context), "--max-requests", "4"),
                        listen_of=lambda i: f"/ip4/127.0.0.1/tcp/{listen[i]}",
-                       extra_of=lambda i: ("--announce", f"/ip4/127.0.0.1/tcp/{front[i]}", "--data-plane", "libp2p",
+                       extra_of=lambda i: ("--announce", f"/ip4/127.0.0.1/tcp/{front[i]}", *plane[i],
                                            *(spec if i == 0 else ())),
                        bootstrap=f"/ip4/127.0.0.1/tcp/{front[0]}/p2p/{peers[0]}")
     try:
@@ -220,6 +231,9 @@ def main() -> int:
     p.add_argument("--draft-tokens", type=int, default=7, help="the daemon's limit and each mode's k (default 7)")
     p.add_argument("--delay-ms", type=float, default=10.0)
     p.add_argument("--bandwidth-mbit", type=float, default=100.0)
+    p.add_argument("--data-plane", choices=("tls", "libp2p"), default="tls",
+                   help="where activations travel: the TLS data plane and its hot lane (default, as daemons run), "
+                        "or the libp2p streams (the benchmark's runs before 2026-12-05)")
     p.add_argument("--loopback-rounds", type=int, default=2, help="rounds at 0 ms (0: none)")
     p.add_argument("--far-delay-ms", type=float, default=0.0, help="also the draft model at fixed k at this delay "
                    f"(not with --model {DRAFT_MODEL})")
@@ -233,7 +247,7 @@ def main() -> int:
         p.error(f"--far-delay-ms measures the draft model, which --model {DRAFT_MODEL} would be drafting for itself")
     by_set = modes(args.model, args.draft_tokens)
     results: dict[str, Any] = {"command": " ".join(sys.argv[1:])}
-    swarm, emu = start(args.model, args.daemons, args.context, args.draft_tokens, args.bandwidth_mbit)
+    swarm, emu = start(args.model, args.daemons, args.context, args.draft_tokens, args.bandwidth_mbit, args.data_plane)
     try:
         api = swarm.daemons[0].api
         emu.set_delay(0)
