@@ -331,9 +331,7 @@ def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Seque
                 scores = scores + mask
             probs = scores.softmax(-1)
             outs.append((ggml_numerics.round_f16(probs) if ggml else probs) @ keys[..., :L])  # (1, H, T, L)
-        if len(outs) > 1 and not stage.on_gpu:  # each row's own buffer (one kernel would run every row's sum for each)
-            outs = [o.contiguous() for o in outs]
-    out = outs[0].cat(*outs[1:]) if len(outs) > 1 else outs[0]
+    out = stage.joined_rows(outs)
     if ggml and L % ggml_numerics.BLOCK == 0:
         out = ggml_numerics.q8_activations(out.reshape(-1, L))[0].reshape(batch, c.n_heads, T, L)
     out = _per_head(stage, i, out, "attn_v_b")  # (B, H, T, v)

@@ -866,12 +866,12 @@ class StageModel:
         if self.mla:  # the router and shared expert through the stage's matvec (GGML blocks stay blocks)
             logits = project(blk.ffn_gate_inp.weight, normed, "ffn_gate_inp.weight")
             gates, sel = route(blk, normed, c, logits=logits)
-            if i in self._gate_up:
-                act = silu_glu(project(self._gate_up[i], normed, "gate_up"))
-            elif c.shared_expert_dim:
-                up = project(blk.ffn_up_shexp.weight, normed, "ffn_up_shexp.weight")
-                act = project(blk.ffn_gate_shexp.weight, normed, "ffn_gate_shexp.weight").silu() * up
             if c.shared_expert_dim:
+                if i in self._gate_up:
+                    act = silu_glu(project(self._gate_up[i], normed, "gate_up"))
+                else:
+                    up = project(blk.ffn_up_shexp.weight, normed, "ffn_up_shexp.weight")
+                    act = project(blk.ffn_gate_shexp.weight, normed, "ffn_gate_shexp.weight").silu() * up
                 h = h + project(blk.ffn_down_shexp.weight, act, "ffn_down_shexp.weight")
         else:
             gates, sel = route(blk, normed, c)
@@ -887,7 +887,6 @@ class StageModel:
                    angles: Tensor, tiles: Sequence[UOp], project, *, span: int = 0,
                    at: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """Block i's grouped-query attention of x (B, T, dim), attention-normed, through the requests' KV slots."""
-        from tinygrad import Tensor
 
         c, kv = self.config, self.kv.layers[i]
         batch = x.shape[0]
@@ -911,11 +910,18 @@ class StageModel:
                     for b, (s, p, t) in enumerate(zip(slots, starts, tiles, strict=True))]
         else:
             outs = [self._exact_attention(q[b:b + 1], cache, s, p, T) for b, (s, p) in enumerate(zip(slots, starts, strict=True))]
-            if len(outs) > 1 and not self.on_gpu:  # each row's own buffer (one kernel would run every row's sum for each)
-                outs = [o.contiguous() for o in outs]
-        attn = Tensor.cat(*outs) if len(outs) > 1 else outs[0]
+        attn = self.joined_rows(outs)
         return project(self.blk[i].attn_output.weight, attn.transpose(1, 2).reshape(batch, T, q_dim),
                        "attn_output.weight")
+
+    def joined_rows(self, outs: list[Tensor]) -> Tensor:
+        """The attention outputs of a batch's rows, one each, as one tensor. On a CPU each is written out first: joined
+        lazily, they become one kernel that runs every row's sum for each output."""
+        from tinygrad import Tensor
+
+        if len(outs) == 1:
+            return outs[0]
+        return Tensor.cat(*(outs if self.on_gpu else [o.contiguous() for o in outs]))
 
     def _exact_attention(self, q: Tensor, cache: Tensor, slot: UOp, pos: UOp | int, T: int | UOp) -> Tensor:
         """One request's T tokens, q (1, heads, T, head_dim), over rows [0, pos + T) of its slot: causal within

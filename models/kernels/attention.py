@@ -191,25 +191,38 @@ def slot_ordered_decode_attention(q: Tensor, cache: Tensor, slots: Tensor, start
 
 def grouped_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
     """`q.scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True)`, the same arithmetic, with a
-    KV head's query heads as rows of its products instead of the KV heads repeated (`repeat_interleave` makes the
-    kernels find a query head's KV head with integer divisions in their innermost loop, several times the cost of
-    the products on a CPU). q (B, heads, T, head_dim) is written out first, so that a query's RoPE is not computed
-    again for every key; keys and values (B, kv_heads, L, head_dim); `mask` (B or 1, 1, T, L) is added to the
-    scores."""
+    KV head's query heads as rows of its products (`query_rows`). q (B, heads, T, head_dim); keys and values (B,
+    kv_heads, L, head_dim); `mask` (B or 1, 1, T, L) is added to the scores."""
     from tinygrad import dtypes
     from tinygrad.dtype import least_upper_dtype
 
-    batch, n_heads, T, hd = q.shape
-    kvh, rows = keys.shape[1], keys.shape[2]
-    group = n_heads // kvh
-    queries = q.contiguous().reshape(batch, kvh, group * T, 1, hd)
     acc = least_upper_dtype(q.dtype, keys.dtype, dtypes.float32)
-    scores = (queries * keys.reshape(batch, kvh, 1, rows, hd)).sum(-1, dtype=acc).cast(acc) / math.sqrt(hd)
-    if mask is not None:
-        scores = (scores.reshape(batch, kvh, group, T, rows) + mask.reshape(-1, 1, 1, T, rows)).reshape(
-            batch, kvh, group * T, rows)
-    weights = scores.cast(q.dtype).softmax(-1).reshape(batch, kvh, group * T, rows, 1)
-    return (weights * values.reshape(batch, kvh, 1, rows, hd)).sum(-2).reshape(batch, n_heads, T, hd)
+    scores = (query_rows(q, keys.shape[1]) * keys.unsqueeze(2)).sum(-1, dtype=acc).cast(acc) / math.sqrt(q.shape[-1])
+    return heads_of(masked_rows(scores, mask, q.shape[2]).cast(q.dtype).softmax(-1), values, q.shape)
+
+
+def query_rows(q: Tensor, kv_heads: int) -> Tensor:
+    """q (B, heads, T, head_dim) -> (B, kv_heads, group x T, 1, head_dim), written out: each KV head's query heads as
+    rows of its products. Repeating the KV heads instead (`repeat_interleave`) makes the kernels find a query head's
+    KV head with integer divisions in their innermost loop, several times the cost of the products on a CPU; and a
+    query not written out is computed again (its RoPE) for every key."""
+    batch, n_heads, T, hd = q.shape
+    return q.contiguous().reshape(batch, kv_heads, n_heads // kv_heads * T, 1, hd)
+
+
+def masked_rows(scores: Tensor, mask: Tensor | None, T: int | UOp) -> Tensor:
+    """Scores (B, kv_heads, group x T, L) of `query_rows` plus `mask` (B or 1, 1, T, L), the same for every head."""
+    if mask is None:
+        return scores
+    batch, kvh, rows, length = scores.shape
+    grouped = scores.reshape(batch, kvh, rows // T, T, length) + mask.reshape(mask.shape[0], 1, 1, T, length)
+    return grouped.reshape(batch, kvh, rows, length)
+
+
+def heads_of(weights: Tensor, values: Tensor, q_shape: tuple) -> Tensor:
+    """Attention weights (B, kv_heads, group x T, L) of `query_rows` times values (B, kv_heads, L, head_dim), back in
+    the query's shape (B, heads, T, head_dim)."""
+    return (weights.unsqueeze(-1) * values.unsqueeze(2)).sum(-2).reshape(q_shape)
 
 
 def half_products_on() -> bool:

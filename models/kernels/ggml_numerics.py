@@ -71,19 +71,13 @@ def round_f16(x: Tensor) -> Tensor:
 def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
     """Softmax attention as ggml's CPU backend computes it without flash attention: q (B, H, T, hd) in
     float32, keys/values (B, KVH, S, hd) from a float16 cache; q and the probabilities are rounded to
-    float16 before their products, which accumulate in float32. Query head h uses KV head h // (H/KVH): a KV
-    head's query heads are rows of its products (the KV heads repeated instead would cost integer divisions in the
-    innermost loop, several times the product itself on a CPU)."""
+    float16 before their products, which accumulate in float32. Query head h uses KV head h // (H/KVH), whose query
+    heads are rows of its products (`models.kernels.attention.query_rows`)."""
     from tinygrad import dtypes
 
-    batch, n_heads, T, head_dim = q.shape
-    kvh, rows = keys.shape[1], keys.shape[2]
-    group = n_heads // kvh
-    queries = round_f16(q).contiguous().reshape(batch, kvh, group * T, 1, head_dim)
-    scores = (queries * keys.cast(dtypes.float32).reshape(batch, kvh, 1, rows, head_dim)).sum(-1) * (1.0 / math.sqrt(head_dim))
-    if mask is not None:
-        scores = (scores.reshape(batch, kvh, group, T, rows) + mask.reshape(mask.shape[0], 1, 1, T, rows)).reshape(
-            batch, kvh, group * T, rows)
-    weights = round_f16(scores.softmax(-1)).reshape(batch, kvh, group * T, rows, 1)
-    out = (weights * values.cast(dtypes.float32).reshape(batch, kvh, 1, rows, head_dim)).sum(-2)
-    return out.reshape(batch, n_heads, T, head_dim)
+    from models.kernels.attention import heads_of, masked_rows, query_rows
+
+    queries = query_rows(round_f16(q), keys.shape[1])
+    scores = (queries * keys.cast(dtypes.float32).unsqueeze(2)).sum(-1) * (1.0 / math.sqrt(q.shape[-1]))
+    weights = round_f16(masked_rows(scores, mask, q.shape[2]).softmax(-1))
+    return heads_of(weights, values.cast(dtypes.float32), q.shape)
