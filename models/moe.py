@@ -77,13 +77,18 @@ def route(blk, x: Tensor, config: TransformerConfig, logits: Tensor | None = Non
     `exp_probs_b`) is added only to choose the top k (within the best groups, when the config has
     groups); the chosen scores are normalised to sum to 1
     when `norm_topk_prob`, then multiplied by `routed_scaling_factor`. `logits`: the router's, when the
-    caller computed them."""
+    caller computed them. On NVIDIA GPUs a sigmoid router without groups is one kernel (`routed_top_k`)."""
+    from models.kernels.top_k import routed_top_k, top_k_kernel_fits
+
     logits = (x.float() @ blk.ffn_gate_inp.weight.float().T if logits is None else logits).float()
+    k, bias = config.num_experts_per_tok, blk.exp_probs_b["bias"] if hasattr(blk, "exp_probs_b") else None
+    if gating_of(config) == "sigmoid" and getattr(config, "expert_groups", 0) <= 1 and top_k_kernel_fits(logits, k):
+        return routed_top_k(logits, bias, k, normalise=config.norm_topk_prob, scale=config.routed_scaling_factor)
     scores = logits.sigmoid() if gating_of(config) == "sigmoid" else logits.softmax(-1)
-    choose = scores + blk.exp_probs_b["bias"].float() if hasattr(blk, "exp_probs_b") else scores
+    choose = scores + bias.float() if bias is not None else scores
     if getattr(config, "expert_groups", 0) > 1:
         choose = _best_groups(choose, config.expert_groups, config.expert_groups_used)
-    sel = top_k(choose, config.num_experts_per_tok)
+    sel = top_k(choose, k)
     gates = scores.gather(-1, sel)
     if config.norm_topk_prob:
         gates = gates / gates.sum(axis=-1, keepdim=True)

@@ -31,23 +31,29 @@ def arch(device: str) -> int:
 
 
 def program(device: str, name: str, source: str, *, grid: tuple[int, int, int], threads: int, buffers: int,
-            ops: int, traffic: int) -> UOp:
-    """The kernel `name` of CUDA `source` as a program of `buffers` pointer arguments (the first its output, the
-    others its inputs), launched on `grid` blocks of `threads` threads; `ops` and `traffic` (bytes) are tinygrad's
-    estimates for its statistics."""
+            ops: int, traffic: int, outputs: int = 1) -> UOp:
+    """The kernel `name` of CUDA `source` as a program of `buffers` pointer arguments (the first `outputs` its
+    outputs, the others its inputs), launched on `grid` blocks of `threads` threads; `ops` and `traffic` (bytes) are
+    tinygrad's estimates for its statistics."""
     from tinygrad.renderer import Estimates
     from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
 
     sink = UOp.sink(arg=KernelInfo(name=name, estimates=Estimates(ops=ops, lds=traffic, mem=traffic)))
     info = ProgramInfo(name=name, global_size=grid, local_size=(threads, 1, 1), globals=tuple(range(buffers)),
-                       outs=(0,), ins=tuple(range(1, buffers)))
+                       outs=tuple(range(outputs)), ins=tuple(range(outputs, buffers)))
     return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.DEVICE, arg=device), UOp(Ops.LINEAR, src=()),
                                  UOp(Ops.SOURCE, arg=source)), arg=info)
 
 
 def run(out: Tensor, inputs: tuple[Tensor, ...], prog: UOp) -> Tensor:
     """`out` (an empty tensor of the result's shape) written by `prog` from `inputs` (made contiguous)."""
-    return out.custom_kernel(*(_unshaped(t).contiguous() for t in inputs), fxn=lambda *_params: prog)[0]
+    return run_outputs((out,), inputs, prog)[0]
+
+
+def run_outputs(outs: tuple[Tensor, ...], inputs: tuple[Tensor, ...], prog: UOp) -> tuple[Tensor, ...]:
+    """`outs` (empty tensors of the results' shapes) written by `prog` from `inputs` (made contiguous)."""
+    done = outs[0].custom_kernel(*outs[1:], *(_unshaped(t).contiguous() for t in inputs), fxn=lambda *_params: prog)
+    return tuple(done[:len(outs)])
 
 
 def in_place(t: Tensor) -> Tensor:

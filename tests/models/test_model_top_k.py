@@ -1,5 +1,6 @@
-"""The router's top-k as a hand-written kernel (`models.kernels.top_k`): its CUDA source builds for a Hopper GPU
-without spilling registers, and, on an NVIDIA GPU, it picks what `models.moe.top_k`'s tinygrad kernels pick."""
+"""The router's top-k as hand-written kernels (`models.kernels.top_k`): their CUDA sources build for a Hopper GPU
+without spilling registers, and, on an NVIDIA GPU, they pick what `models.moe.top_k`'s tinygrad kernels pick, and the
+whole sigmoid router gives `models.moe.route`'s gates."""
 
 import shutil
 import subprocess
@@ -9,14 +10,18 @@ import pytest
 from tinygrad import Device, Tensor
 
 from models.kernels import cuda
-from models.kernels.top_k import _SOURCE, top_k_kernel
+from models.kernels.top_k import _SOURCE, PLAIN_PARAMS, routed_source, routed_top_k, top_k_kernel
 
 ON_NVIDIA = cuda.arch(Device.DEFAULT) >= 70
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs CUDA's compiler")
-def test_the_kernel_builds_for_hopper_without_spilling_registers(tmp_path):
-    (tmp_path / "top_k.cu").write_text(_SOURCE.format(NAME="top_k", ROWS=8, N=1024, K=8, PER=32, RPB=4))
+@pytest.mark.parametrize("routed", [False, True])
+def test_the_kernels_build_for_hopper_without_spilling_registers(tmp_path, routed):
+    text = routed_source("top_k", 8, 1024, 8, True, True, 2.827) if routed else _SOURCE.format(
+        NAME="top_k", ROWS=8, N=1024, K=8, PER=32, RPB=4, ROUTED=0, PARAMS=PLAIN_PARAMS, HAS_BIAS=0, NORMALISE=0,
+        SCALE="1.0")
+    (tmp_path / "top_k.cu").write_text(text)
     built = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
                             str(tmp_path / "top_k.cu")], capture_output=True, text=True, timeout=120)
     assert built.returncode == 0, built.stderr
@@ -35,3 +40,25 @@ def test_it_picks_what_tinygrads_kernels_pick(n, k, monkeypatch):
     got = top_k_kernel(Tensor(x), k).numpy()
     monkeypatch.setenv("SWARMD_TOP_K_KERNEL", "0")
     assert np.array_equal(got, top_k(Tensor(x), k).numpy())
+
+
+@pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("bias,normalise", [(True, True), (False, True), (True, False)])
+def test_the_routed_kernel_gives_the_routers_choice_and_gates(bias, normalise, monkeypatch):
+    from types import SimpleNamespace
+
+    from models.moe import route
+
+    rng = np.random.default_rng(7)
+    logits = rng.integers(-3, 4, (5, 384)).astype(np.float32)  # many ties
+    blk = SimpleNamespace(ffn_gate_inp=None)
+    if bias:
+        blk.exp_probs_b = {"bias": Tensor(rng.integers(0, 3, 384).astype(np.float32))}
+    config = SimpleNamespace(num_experts_per_tok=8, norm_topk_prob=normalise, routed_scaling_factor=2.827,
+                             expert_gating="sigmoid", expert_bias=bias, expert_groups=1)
+    gates, sel = routed_top_k(Tensor(logits), blk.exp_probs_b["bias"] if bias else None, 8, normalise=normalise,
+                              scale=2.827)
+    monkeypatch.setenv("SWARMD_TOP_K_KERNEL", "0")
+    want_gates, want_sel = route(blk, None, config, logits=Tensor(logits))
+    assert np.array_equal(sel.numpy(), want_sel.numpy())
+    np.testing.assert_allclose(gates.numpy(), want_gates.numpy(), rtol=1e-5)  # g / sum against tinygrad's g * (1 / sum)
