@@ -22,7 +22,7 @@ from tinygrad.llm.model import TransformerConfig
 
 from models import cached_graphs
 from models.errors import ModelError
-from models.kernels.gathered import gathered_matvec, pairs_per_kernel
+from models.kernels.gathered import gathered_matvec, pairs_per_kernel, shared_rows
 from models.kernels.glu import silu_glu
 from models.kernels.matvec import GPU_DEVICES, tune_cpu_renderer
 from models.moe import EXPERT_TENSORS, ExpertCall, gated_sum, is_moe_block
@@ -176,19 +176,20 @@ class ExpertShard:
         b, t, dim = x.shape
         k = sel.shape[-1]
         ggml = self.numerics == "ggml"
-        pairs = x.reshape(b * t, 1, 1, dim).expand(b * t, k, 1, dim).reshape(b * t * k, 1, dim)
+        rows = x.reshape(b * t, 1, dim)  # each read by its k (row, expert) pairs
         idx = sel.reshape(-1).cast("int32")
 
-        def experts(pairs: Tensor, idx: Tensor) -> Tensor:
-            act = silu_glu(gathered_matvec(pairs, gate_up, idx, ggml=ggml)).contiguous()
+        def experts(rows: Tensor, idx: Tensor, share: int) -> Tensor:
+            act = silu_glu(gathered_matvec(rows, gate_up, idx, ggml=ggml, share=share)).contiguous()
             return gathered_matvec(act, down, idx, ggml=ggml).float()
 
         n, per = b * t * k, pairs_per_kernel(x.device)
         if per and isinstance(n, int) and n > per and n % per == 0:  # kernels of `per` pairs, one after another
-            parts = [experts(pairs[s:s + per], idx[s:s + per]) for s in range(0, n, per)]
+            pairs = shared_rows(rows, k)
+            parts = [experts(pairs[s:s + per], idx[s:s + per], 1) for s in range(0, n, per)]
             out = parts[0].cat(*parts[1:])
         else:
-            out = experts(pairs, idx)
+            out = experts(rows, idx, k)
         # on the CPU the gates, each gated output and their sum are each realised, as `gated_sum` rounds them on a
         # swarm's host (fused, a kernel's multiply-adds round otherwise); on GPUs the cut graph's bits differ
         # anyway (docs/BENCHMARKS.md) and the sum stays in one kernel

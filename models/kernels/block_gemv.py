@@ -96,44 +96,48 @@ def block_gemv_fits(x: Tensor, blocks: BlockQuantized, *, gathered: bool) -> boo
             and per.warps % per.split == 0 and out % per.outputs == 0)
 
 
-def block_gemv(x: Tensor, blocks: BlockQuantized, idx: Tensor | None = None) -> Tensor:
+def block_gemv(x: Tensor, blocks: BlockQuantized, idx: Tensor | None = None, *, share: int = 1) -> Tensor:
     """x (slots, rows, in) times `blocks` -> float32 (slots, rows, out): with `idx`, slot s times matrix idx[s] of
-    the stack; without, slot s times matrix s of a stack, or every slot times the one matrix. More than
+    the stack; without, slot s times matrix s of a stack, or every slot times the one matrix. With `share`, x holds
+    slots / share slots, each read by `share` consecutive slots of idx (a row's chosen experts). More than
     `KERNEL_ROWS` rows go in kernels of that many: a row's arithmetic is the same in any of them, so a request's
     row gets the same bits in a decode batch of any size (a verify step's rows included)."""
     from tinygrad import Tensor, dtypes
 
-    slots, rows, width = x.shape
+    x_slots, rows, width = x.shape
     if rows > KERNEL_ROWS:
-        parts = [block_gemv(x[:, r:r + KERNEL_ROWS], blocks, idx) for r in range(0, rows, KERNEL_ROWS)]
+        parts = [block_gemv(x[:, r:r + KERNEL_ROWS], blocks, idx, share=share) for r in range(0, rows, KERNEL_ROWS)]
         return parts[0].cat(*parts[1:], dim=1)
+    assert share == 1 or idx is not None, "slots share their rows only when gathered by index"
+    slots = x_slots * share
     out_features = blocks.shape[1] if blocks.shape else blocks.rows
     inputs = (x.cast(dtypes.float32), blocks.q, blocks.d, *([blocks.m] if blocks.m is not None else []),
               *([idx.cast(dtypes.int32)] if idx is not None else []))
     out = Tensor.empty(slots, rows, out_features, dtype=dtypes.float32, device=x.device)
     pick = "index" if idx is not None else "slot" if blocks.shape else "one"
     prog = _program(x.device, slots, rows, out_features, width, blocks.code_offset, blocks.m is not None, pick,
-                    layout().for_rows(width, pick != "one"))
+                    layout().for_rows(width, pick != "one"), share)
     return cuda.run(out, inputs, prog)
 
 
 @functools.cache
 def _program(device: str, slots: int, rows: int, out_features: int, width: int, offset: int, has_m: bool, pick: str,
-             lay: Layout) -> UOp:
+             lay: Layout, share: int = 1) -> UOp:
     name = (f"block_gemv_{slots}_{rows}_{out_features}_{width}" + ("_m" if has_m else f"_o{offset}")
-            + {"index": "_g", "slot": "_s", "one": ""}[pick] + f"_{lay.tag}")
+            + {"index": "_g", "slot": "_s", "one": ""}[pick] + (f"_x{share}" if share > 1 else "") + f"_{lay.tag}")
     matrices = 1 if pick == "one" else slots
-    traffic = matrices * out_features * width * (10 if has_m else 9) // 16 + 4 * slots * rows * (width + out_features)
-    return cuda.program(device, name, source(name, rows, out_features, width, offset, has_m, pick, lay),
+    traffic = (matrices * out_features * width * (10 if has_m else 9) // 16
+               + 4 * slots * rows * (width // share + out_features))
+    return cuda.program(device, name, source(name, rows, out_features, width, offset, has_m, pick, lay, share),
                         grid=(out_features // lay.outputs, slots, 1), threads=32 * lay.warps,
                         buffers=4 + has_m + (pick == "index"), ops=2 * slots * rows * out_features * width, traffic=traffic)
 
 
 def source(name: str, rows: int, out_features: int, width: int, offset: int, has_m: bool, pick: str,
-           lay: Layout) -> str:
+           lay: Layout, share: int = 1) -> str:
     """The kernel's CUDA source (its loop over blocks unrolled less the more rows and bytes a lane holds, within its
     registers); `pick`: how a slot's matrix is chosen ("index": idx[slot], "slot": matrix slot,
-    "one": the one matrix)."""
+    "one": the one matrix); `share`: slots that read each slot of x."""
     lay = lay.for_rows(width, pick != "one")  # (a layout with its split fixed keeps it)
     params = ["float* out", "const float* __restrict__ x", "const unsigned* __restrict__ q",
               "const half* __restrict__ d"]
@@ -141,7 +145,7 @@ def source(name: str, rows: int, out_features: int, width: int, offset: int, has
     matrix = {"index": "idx[slot]", "slot": "slot", "one": "0"}[pick]
     return _SOURCE.format(NAME=name, PARAMS=", ".join(params), ROWS=rows, OUT=out_features, NB=width // 32,
                           OFF=float(offset), HAS_M=int(has_m), MATRIX=matrix, NR=lay.per_warp, WARPS=lay.warps,
-                          SPLIT=lay.split,
+                          SPLIT=lay.split, SHARE=share,
                           WORDS=lay.lane_bytes // 4, UNROLL=max(1, (4 if rows <= 2 else 2) * 4 // lay.lane_bytes))
 
 
@@ -156,6 +160,7 @@ _SOURCE = r"""
 #define WARPS {WARPS}
 #define WORDS {WORDS}
 #define SPLIT {SPLIT}
+#define SHARE {SHARE}
 #define LPB (4 / WORDS)
 #define BPI (32 / LPB)
 // byte k of w (a code, 0-15) minus the offset, exactly: the byte as the low bits of 2^23's float, less 2^23 + offset
@@ -176,7 +181,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) {NAME}({PARAMS}) {{
   const int group = warp / SPLIT, share = warp % SPLIT;
   const int slot = blockIdx.y, o0 = (blockIdx.x * (WARPS / SPLIT) + group) * NR;
   const size_t row0 = (size_t)({MATRIX}) * OUT + o0;
-  const float* xs = x + (size_t)slot * ROWS * NB * 32 + part * WORDS * 4;
+  const float* xs = x + (size_t)(slot / SHARE) * ROWS * NB * 32 + part * WORDS * 4;
   float acc[NR][ROWS];
   #pragma unroll
   for (int r = 0; r < NR; r++)

@@ -15,8 +15,10 @@ if TYPE_CHECKING:
     from tinygrad import Tensor
 
 
-def gathered_matvec(x: Tensor, w, idx: Tensor, *, ggml: bool = False) -> Tensor:
-    """x (slots, rows, in) times, per slot, matrix idx[slot] of a stack w (n, out, in) -> (slots, rows, out).
+def gathered_matvec(x: Tensor, w, idx: Tensor, *, ggml: bool = False, share: int = 1) -> Tensor:
+    """x (slots, rows, in) times, per slot, matrix idx[slot] of a stack w (n, out, in) -> (slots, rows, out). With
+    `share`, x holds slots / share slots, each for `share` consecutive slots of idx (a row's chosen experts): read
+    in place by `models.kernels.block_gemv`, repeated for the other kernels.
 
     `w` is a float tensor or a `models.kernels.quant.BlockQuantized` stack; either way the gather by index
     folds into the kernel's loads, so only the chosen matrices are read (dequantised in the kernel). The
@@ -27,8 +29,11 @@ def gathered_matvec(x: Tensor, w, idx: Tensor, *, ggml: bool = False) -> Tensor:
 
     from models.kernels.quant import BlockQuantized
 
-    slots, rows, in_features = x.shape
     quantized = isinstance(w, BlockQuantized)
+    if quantized and x.device.split(":")[0] in GPU_DEVICES and not ggml:
+        return block_matvec(x, w, idx, share=share)
+    x = shared_rows(x, share)
+    slots, rows, in_features = x.shape
     err = None
     if ggml and quantized and in_features % 32 == 0:
         values, err = ggml_numerics.q8_activations(x.reshape(slots * rows, in_features))
@@ -56,16 +61,25 @@ def gathered_matvec(x: Tensor, w, idx: Tensor, *, ggml: bool = False) -> Tensor:
     return y
 
 
-def block_matvec(x: Tensor, blocks, idx: Tensor | None = None) -> Tensor:
+def shared_rows(x: Tensor, share: int) -> Tensor:
+    """x (n, rows, in) with each slot repeated `share` times in a row -> (n * share, rows, in)."""
+    if share == 1:
+        return x
+    n, rows, width = x.shape
+    return x.reshape(n, 1, rows, width).expand(n, share, rows, width).reshape(n * share, rows, width)
+
+
+def block_matvec(x: Tensor, blocks, idx: Tensor | None = None, *, share: int = 1) -> Tensor:
     """x (slots, rows, in) times GGML-block matrices -> (slots, rows, out), as one GPU kernel whose reduction
     (over blocks of 32 and the 16 bytes of a block's codes, both nibbles at once) is split over a thread group:
     with `idx`, slot s multiplies matrix idx[s] of the stack `blocks` (gathered by index inside the kernel,
     reading only those matrices' codes); without, the one matrix (slots = 1). On NVIDIA GPUs, where it fits, the
-    product is `models.kernels.block_gemv`'s hand-written kernel instead."""
+    product is `models.kernels.block_gemv`'s hand-written kernel instead. `share`: as `gathered_matvec`'s."""
     from tinygrad import dtypes, function
 
     if block_gemv_fits(x, blocks, gathered=idx is not None):
-        return block_gemv(x, blocks, idx)
+        return block_gemv(x, blocks, idx, share=share)
+    x = shared_rows(x, share)
     slots, rows, in_features = x.shape
     n, out_features = (blocks.shape[0], blocks.shape[1]) if blocks.shape else (1, blocks.rows)
     nb, per = in_features // 32, (16 if blocks.packed else 32)

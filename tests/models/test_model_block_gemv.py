@@ -52,6 +52,8 @@ def test_decode_products_with_4_bit_blocks_take_the_hand_written_kernel_on_nvidi
     assert kernels(8) == ["block_gemv_2_8_64_256_o8_g_4x4"]
     assert kernels(9) == ["block_gemv_2_8_64_256_o8_g_4x4", "block_gemv_2_1_64_256_o8_g_4x4"]  # 8 rows a kernel
     assert kernels(65) == []  # a long prompt's chunk: tinygrad's kernel
+    shared = programs(block_matvec(Tensor.empty(1, 1, 256, device="NULL"), stack, idx, share=2))
+    assert [n for n in shared if n.startswith("block_gemv")] == ["block_gemv_2_1_64_256_o8_g_x2_4x4"]
     monkeypatch.setenv("SWARMD_BLOCK_GEMV", "0")
     assert kernels(1) == []
 
@@ -63,7 +65,8 @@ def test_decode_products_with_4_bit_blocks_take_the_hand_written_kernel_on_nvidi
                                                      (8, False, "index", Layout(4, 4, 4, 4))])
 def test_the_kernel_builds_for_hopper_without_spilling_registers(rows, has_m, pick, layout, tmp_path):
     cu = tmp_path / "block_gemv.cu"
-    cu.write_text(source("block_gemv_check", rows, 4096, 7168, 0 if has_m else 8, has_m, pick, layout))
+    cu.write_text(source("block_gemv_check", rows, 4096, 7168, 0 if has_m else 8, has_m, pick, layout,
+                         8 if pick == "index" else 1))
     built = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
                             str(cu)], capture_output=True, text=True, timeout=120)
     assert built.returncode == 0, built.stderr
@@ -86,6 +89,19 @@ def test_the_product_is_that_of_the_dequantised_weights_gathered_by_index(rows, 
     want = np.einsum("sri,soi->sro", x.astype(np.float64), dequantized(raw, q4_1).reshape(6, 64, 512)[pick])
     assert got.shape == (4, rows, 64)
     assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("rows", [1, 9])
+def test_slots_that_share_their_rows_give_the_bits_of_the_rows_repeated(rows):
+    rng = np.random.default_rng(12)
+    raw = random_blocks(rng, 6 * 64, 512, False)
+    stack = from_ggml_blocks(raw, 2, (6, 64, 512), Device.DEFAULT).realize()
+    x = rng.standard_normal((2, rows, 512)).astype(np.float32)  # two rows' activations, four experts each
+    pick = Tensor(np.array([4, 0, 5, 2, 1, 0, 3, 2], np.int32))
+    shared = block_gemv(Tensor(x), stack, pick, share=4).numpy()
+    repeated = block_gemv(Tensor(np.repeat(x, 4, axis=0)), stack, pick).numpy()
+    assert shared.shape == (8, rows, 64) and np.array_equal(shared, repeated)
 
 
 @pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
