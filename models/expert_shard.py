@@ -22,9 +22,10 @@ from tinygrad.llm.model import TransformerConfig
 
 from models import cached_graphs
 from models.errors import ModelError
+from models.kernels.gated_sum import gated_sum_fits, residual_plus_gated
 from models.kernels.gathered import gathered_matvec, pairs_per_kernel, shared_rows
 from models.kernels.glu import silu_glu
-from models.kernels.matvec import GPU_DEVICES, tune_cpu_renderer
+from models.kernels.matvec import tune_cpu_renderer
 from models.moe import EXPERT_TENSORS, ExpertCall, gated_sum, is_moe_block
 from models.tinygrad_ext.jit import HeldInputs, read_back
 
@@ -167,11 +168,11 @@ class ExpertShard:
         res = self._jits[key].replay(call.layer, (self._inputs(x, slot=0), self._inputs(idx, slot=1), *weights))
         return read_back(res)[place[:, 0], place[:, 1]]
 
-    def in_graph(self, layer: int, x: Tensor, gates: Tensor, sel: Tensor) -> Tensor:
+    def in_graph(self, layer: int, x: Tensor, gates: Tensor, sel: Tensor, residual: Tensor) -> Tensor:
         """The routed experts inside a stage's graph (no host round trip): x (B, T, dim) normed rows, gates and
         sel (B, T, k) as `route` gives them (every expert held here, local index = global index); each
-        (row, selection) pair gathers its expert's matrices by index. -> (B, T, dim): on the CPU the bits of
-        `compute`."""
+        (row, selection) pair gathers its expert's matrices by index. -> `residual` (B, T, dim) plus the rows'
+        gated sums: the bits of `compute`'s sums added to it, as a graph cut after the router adds them."""
         gate_up, down = self.weights[layer]
         b, t, dim = x.shape
         k = sel.shape[-1]
@@ -190,12 +191,10 @@ class ExpertShard:
             out = parts[0].cat(*parts[1:])
         else:
             out = experts(rows, idx, k)
-        # on the CPU the gates, each gated output and their sum are each realised, as `gated_sum` rounds them on a
-        # swarm's host (fused, a kernel's multiply-adds round otherwise); on GPUs the cut graph's bits differ
-        # anyway (docs/BENCHMARKS.md) and the sum stays in one kernel
-        exact = x.device.split(":")[0] not in GPU_DEVICES
-        gated = out.reshape(b, t, k, dim) * (gates.contiguous() if exact else gates).unsqueeze(-1)
-        return gated.contiguous().sum(axis=2).contiguous() if exact else gated.sum(axis=2)
+        out = out.reshape(b, t, k, dim)
+        if gated_sum_fits(out):
+            return residual_plus_gated(residual, out, gates)
+        return residual + gated_rows(out, gates)
 
     def _step(self, like_gate_up: Tensor | BlockQuantized, like_down: Tensor | BlockQuantized, x: Tensor, idx: Tensor,
               *weights: Tensor) -> Tensor:
@@ -207,6 +206,18 @@ class ExpertShard:
         ggml = self.numerics == "ggml"
         act = silu_glu(gathered_matvec(x, gate_up, idx, ggml=ggml)).contiguous()
         return gathered_matvec(act, down, idx, ggml=ggml).float().realize()
+
+
+def gated_rows(outputs: Tensor, gates: Tensor) -> Tensor:
+    """Per row, gate times output of each selection (outputs (..., k, dim), gates (..., k)), added in the order of
+    the row's selections, each product and sum rounded as `models.moe.gated_sum` rounds them on a swarm's host:
+    the products are written out (fused, a multiply-add rounds once), then added one after another, and the sum
+    written out (fused with what follows, tinygrad's kernel rounds otherwise)."""
+    products = (outputs * gates.contiguous().unsqueeze(-1)).contiguous()
+    total = products[..., 0, :]
+    for j in range(1, outputs.shape[-2]):
+        total = total + products[..., j, :]
+    return total.contiguous()
 
 
 def dispatch(local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -880,7 +880,7 @@ class StageModel:
         if cut:
             return h, normed, gates, sel
         if self.experts_in_graph:
-            return h + self.expert_shard.in_graph(i, normed, gates, sel)
+            return self.expert_shard.in_graph(i, normed, gates, sel, h)
         return h + routed_experts(blk, normed, gates, sel)
 
     def _attention(self, i: int, x: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,

@@ -35,14 +35,13 @@ def main() -> None:
     from tinygrad import Tensor, dtypes
     from tinygrad.uop.ops import Ops
 
-    import models.expert_shard
     import models.kernels.attention
     import models.kernels.gathered
     import models.kernels.matvec
     import models.stage
     from models.catalog.names import resolve_model
 
-    for module in (models.expert_shard, models.kernels.attention, models.kernels.gathered, models.kernels.matvec,
+    for module in (models.kernels.attention, models.kernels.gathered, models.kernels.matvec,
                    models.stage):  # the CPU device takes the GPUs' paths
         module.GPU_DEVICES = (*module.GPU_DEVICES, "CPU")
     path = resolve_model(args.model).path

@@ -1,0 +1,76 @@
+"""A MoE block's residual plus its rows' gated expert outputs as one hand-written CUDA kernel in tinygrad's graph,
+rounded as `models.moe.gated_sum` rounds them on a swarm's host: per row, each selection's gate times its output
+(rounded), added in the order of the row's selections, then added to the residual. The kernel's operations are
+`__fmul_rn` and `__fadd_rn`, which the compiler never fuses into multiply-adds, so a stage running its experts in
+its graph gets the bits of one whose graph is cut after each router (tinygrad's kernels fuse and reorder them).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import TYPE_CHECKING
+
+from models.kernels import cuda
+
+if TYPE_CHECKING:
+    from tinygrad import Tensor
+    from tinygrad.uop.ops import UOp
+
+THREADS = 128
+
+
+def gated_sum_kernel_on() -> bool:
+    """`SWARMD_GATED_SUM_KERNEL=0` leaves the sum to tinygrad's kernels (for side-by-side runs)."""
+    return os.environ.get("SWARMD_GATED_SUM_KERNEL", "1") != "0"
+
+
+def gated_sum_fits(outputs: Tensor) -> bool:
+    """Whether `residual_plus_gated` runs for expert outputs (..., k, dim)."""
+    return (gated_sum_kernel_on() and cuda.arch(outputs.device) >= 70
+            and all(isinstance(n, int) for n in outputs.shape))
+
+
+def residual_plus_gated(residual: Tensor, outputs: Tensor, gates: Tensor) -> Tensor:
+    """residual (..., dim) + per row the sum over j of gates[..., j] * outputs[..., j, :] (outputs (..., k, dim),
+    gates (..., k)), each product and sum rounded in turn -> float32 (..., dim)."""
+    from tinygrad import Tensor, dtypes
+
+    *lead, k, dim = outputs.shape
+    rows = math.prod(lead)
+    out = Tensor.empty(*lead, dim, dtype=dtypes.float32, device=outputs.device)
+    inputs = (residual.reshape(rows, dim).cast(dtypes.float32), outputs.reshape(rows, k, dim).cast(dtypes.float32),
+              gates.reshape(rows, k).cast(dtypes.float32))
+    return cuda.run(out, inputs, _program(outputs.device, rows, k, dim))
+
+
+@functools.cache
+def _program(device: str, rows: int, k: int, dim: int) -> UOp:
+    name = f"gated_sum_{rows}_{k}_{dim}"
+    return cuda.program(device, name, source(name, rows, k, dim), grid=(-(-rows * dim // THREADS), 1, 1),
+                        threads=THREADS, buffers=4, ops=2 * rows * k * dim, traffic=4 * rows * (k + 2) * dim)
+
+
+def source(name: str, rows: int, k: int, dim: int) -> str:
+    """The kernel's CUDA source: a thread an output value."""
+    return _SOURCE.format(NAME=name, ROWS=rows, K=k, DIM=dim, T=THREADS)
+
+
+_SOURCE = r"""
+#define ROWS {ROWS}
+#define K {K}
+#define DIM {DIM}
+
+extern "C" __global__ void __launch_bounds__({T}) {NAME}(float* out, const float* __restrict__ h,
+                                                       const float* __restrict__ y, const float* __restrict__ g) {{
+  const int i = blockIdx.x * {T} + threadIdx.x;
+  if (i >= ROWS * DIM) return;
+  const int row = i / DIM, c = i % DIM;
+  const float* yr = y + (size_t)row * K * DIM + c;
+  float total = __fmul_rn(g[row * K], yr[0]);
+  #pragma unroll
+  for (int j = 1; j < K; j++) total = __fadd_rn(total, __fmul_rn(g[row * K + j], yr[(size_t)j * DIM]));
+  out[i] = __fadd_rn(h[i], total);
+}}
+"""

@@ -1,0 +1,39 @@
+"""The hand-written gated sum (`models.kernels.gated_sum`): its CUDA source builds for a Hopper GPU, and on an NVIDIA
+GPU a MoE block's residual plus its rows' gated expert outputs has the bits of a swarm's host adding the experts'
+answers (`models.moe.gated_sum`) to the residual."""
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from tinygrad import Device, Tensor
+
+from models.kernels import cuda
+from models.kernels.gated_sum import residual_plus_gated, source
+from models.moe import ExpertCall, gated_sum
+
+ON_NVIDIA = cuda.arch(Device.DEFAULT) >= 70
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs CUDA's compiler")
+def test_the_kernel_builds_for_hopper(tmp_path):
+    (tmp_path / "gated_sum.cu").write_text(source("gated_sum", 8, 8, 7168))
+    built = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
+                            str(tmp_path / "gated_sum.cu")], capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    assert "0 bytes spill stores" in built.stderr
+
+
+@pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("rows,k,dim", [(1, 8, 7168), (8, 8, 7168), (3, 2, 100)])
+def test_the_sum_has_the_bits_of_the_hosts_sum_added_to_the_residual(rows, k, dim):
+    rng = np.random.default_rng(rows * k)
+    h = rng.standard_normal((rows, dim)).astype(np.float32)
+    outputs = rng.standard_normal((rows, k, dim)).astype(np.float32)
+    gates = rng.random((rows, k)).astype(np.float32)
+    call = ExpertCall(1, np.zeros((rows, dim), np.float32), np.zeros((rows, k), np.int32), gates)
+    expected = h + gated_sum(call, outputs.reshape(rows * k, dim))
+    got = residual_plus_gated(Tensor(h).reshape(rows, 1, dim), Tensor(outputs).reshape(rows, 1, k, dim),
+                              Tensor(gates).reshape(rows, 1, k)).numpy()
+    np.testing.assert_array_equal(got.reshape(rows, dim), expected)
