@@ -319,11 +319,15 @@ class StageModel:
             KVPool(range(start, end), max_requests, config.n_kv_heads, max_context, config.head_dim,
                    self.device, pad_rows=pad, dtype=kv_dtype)
         self.slots = SlotTable(max_requests)
+        self._inputs = HeldInputs(self.device)
+        self._new_graphs()
+
+    def _new_graphs(self) -> None:
+        """The stage's segments as its experts say, and no graph captured yet."""
         # (batch, _segment_graph key, slot span: models.kernels.attention)
         self._decode_jits: dict[tuple[int, Any, int], cached_graphs.StoringJit] = {}
         # (all logits, _segment_graph key), then "first" for a prompt's first chunk's own graph
         self._prefill_jits: dict[tuple, cached_graphs.StoringJit] = {}
-        self._inputs = HeldInputs(self.device)
         self.segments = self._cut_segments()
         self._shared: dict[Segment, tuple[tuple, tuple[Tensor, ...]]] | None = None  # made on first use
         self._held_blocks: dict[bool, dict[int, tuple[list[str], list[UOp]]]] = {}  # see _block_buffers
@@ -449,7 +453,7 @@ class StageModel:
 
         buffers = {u: u.buffer.nbytes for t in nn.state.get_parameters(self._weight_holders())
                    for u in t.uop.toposort() if u.op is Ops.BUFFER}
-        return sum(buffers.values()) + (self.expert_shard.weight_bytes() if self.expert_shard is not None else 0)
+        return sum(buffers.values()) + (self.expert_shard.weight_bytes() if self.shards_experts else 0)
 
     # ----- requests -----
 
@@ -582,11 +586,27 @@ class StageModel:
         """`rows` on the device as the graphs take them: token ids as int32, hidden rows as float32."""
         return self._inputs(rows.astype(np.int32) if np.issubdtype(rows.dtype, np.integer) else rows.astype(np.float32))
 
+    def use_experts(self, shard: ExpertShard | None) -> bool:
+        """For a stage loaded without its routed experts: run `shard`'s inside the stage's graph when it holds
+        every expert of each of the stage's MoE blocks (a plan that keeps experts with their stage), with the bits
+        of a graph cut after each router (`ExpertShard.in_graph`) and no host round trip per MoE block; otherwise,
+        or with None, cut the graph and ask for them (`forward_steps`). Graphs captured before a change are
+        dropped. Returns whether the experts run in the graph."""
+        if self.shards_experts:
+            return self.experts_in_graph
+        every = tuple(range(self.config.num_experts))
+        fits = (shard is not None and shard.numerics == self.numerics and shard.device == self.device
+                and all(tuple(shard.holds(i)) == every for i in self.moe_blocks))
+        if (fits, shard if fits else None) != (self.experts_in_graph, self.expert_shard):
+            self.expert_shard, self.experts_in_graph = (shard, True) if fits else (None, False)
+            self._new_graphs()
+        return fits
+
     def _cut_segments(self) -> list[Segment]:
         """The stage's blocks as jitted segments: one when the experts are local, else cut after each
         MoE block's router (the last segment may hold no block: it only adds the experts' answer and,
         on the last stage, runs the head)."""
-        if self.local_experts and (not self.shards_experts or self.experts_in_graph):
+        if not self.moe_blocks or self.experts_in_graph:
             return [(self.start, self.end, False)]
         segments, first = [], self.start
         for m in self.moe_blocks:

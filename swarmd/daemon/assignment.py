@@ -218,7 +218,7 @@ class Assignment:
             if experts != self.loaded_experts and not await self._load_experts(epoch, layers, experts):
                 continue
             target = layers or copy
-            if target == self.loaded_layers:
+            if target == self.loaded_layers and not self._runs_other_experts():
                 self._fire(held(layers, copy, experts),
                            AssignmentStatus(epoch, target, experts, progress=1.0 if target or experts else 0.0))
                 continue
@@ -359,11 +359,28 @@ class Assignment:
             else:
                 stage = self.loader(self.model, a, b, self.device, self.max_context, slots, reuse=old)
             self._held = _stage_bytes(stage)
+            if self._experts_in_graph(stage):
+                log.info("blocks %d-%d run this node's experts of them inside their graph", a, b - 1)
             log.info("blocks %d-%d: %d KV cache slots (%s)", a, b - 1, slots,
                      "the most --max-requests allows" if slots == self.max_requests else "as many as memory allows")
             return stage
         finally:
             del old
+
+    def _experts_in_graph(self, stage: Any) -> bool:
+        """Hand `stage` this node's shard (`StageModel.use_experts`) where the model runs its experts in its graph as
+        `swarmd run` does (`models.stage.run_experts_in_graph`): True if the stage runs them in its graph."""
+        from models.stage import run_experts_in_graph
+
+        if not hasattr(stage, "use_experts"):
+            return False
+        return stage.use_experts(self.experts if run_experts_in_graph(stage.config) else None)
+
+    def _runs_other_experts(self) -> bool:
+        """Whether the loaded stage runs, inside its graph, experts of a shard this node no longer holds."""
+        stage = self.stage
+        return getattr(stage, "experts_in_graph", False) and not stage.shards_experts \
+            and stage.expert_shard is not self.experts
 
     def _fire(self, event: AssignmentEvent, status: AssignmentStatus) -> None:
         """Report `status` in the state the transition table gives for `event` from the current one."""

@@ -47,12 +47,13 @@ def reference_logits(path: Path) -> np.ndarray:
     return ref.forward(config, weights, [*PROMPT.tolist(), *DECODED])
 
 
-def run(model: StageModel, rid: str = "a") -> np.ndarray:
-    """Prefill's logits for every prompt position, then each decoded token's."""
+def run(model: StageModel, rid: str = "a", experts=None) -> np.ndarray:
+    """Prefill's logits for every prompt position, then each decoded token's (`experts` answering the stage's
+    expert calls, if its experts live elsewhere)."""
     model.add_request(rid)
-    out = [model.forward([StageInput(rid, 0, PROMPT, all_logits=True)])[0]]
+    out = [model.forward([StageInput(rid, 0, PROMPT, all_logits=True)], experts=experts)[0]]
     for j, t in enumerate(DECODED):
-        out.append(model.forward([StageInput(rid, len(PROMPT) + j, np.array([t]))])[0][None])
+        out.append(model.forward([StageInput(rid, len(PROMPT) + j, np.array([t]))], experts=experts)[0][None])
     model.free_request(rid)
     return np.concatenate(out)
 
@@ -154,6 +155,23 @@ def test_experts_in_the_stages_own_graph_give_the_bits_of_its_shard(files, numer
     assert len(fast.segments) == 1
     exact = StageModel.from_gguf(path, max_context=64, max_requests=1, dtype="quantized", numerics=numerics)
     np.testing.assert_array_equal(run(fast), run(exact))
+
+
+def test_a_stage_handed_a_shard_of_all_its_experts_runs_them_in_its_graph_with_the_same_bits(files):
+    """As a daemon whose plan keeps the experts with their stage: the stage loaded without them, the node's shard
+    holding every one of its MoE blocks' experts, runs them inside its graph (no cut) and gives the logits of the
+    graph cut after each router, bit for bit; a shard short of one expert is refused, and without a shard the
+    stage's graph is cut again."""
+    path = files["q4_0"]
+    n = SPEC.n_experts
+    cut = StageModel.from_gguf(path, max_context=64, max_requests=1, dtype="quantized", local_experts=False)
+    every = ExpertShard.from_gguf(path, {1: range(n), 2: range(n)}, dtype="quantized")
+    assert not cut.use_experts(ExpertShard.from_gguf(path, {1: range(n), 2: range(n - 1)}, dtype="quantized"))
+    fast = StageModel.from_gguf(path, max_context=64, max_requests=1, dtype="quantized", local_experts=False)
+    assert fast.use_experts(every) and len(fast.segments) == 1 and len(cut.segments) > 1
+    np.testing.assert_array_equal(run(fast), run(cut, experts=every.compute))
+    assert not fast.use_experts(None) and fast.segments == cut.segments  # cut again, its experts asked for
+    np.testing.assert_array_equal(run(fast, experts=every.compute), run(cut, experts=every.compute))
 
 
 def test_experts_in_the_graph_give_the_same_bits_in_kernels_of_a_few_pairs(files, monkeypatch):
