@@ -8,8 +8,8 @@ with a plan file splitting the blocks evenly (one stage each) and lossless float
 data plane; every daemon captures all its graphs before it reports ready (`--warmup`), so no timed request
 waits for the compiler. The model is a seeded one (`models.catalog.seeded`: real shapes, seeded weights) or a GGUF
 file, so every layout serves the same weights. A MoE model (`--write-moe 1b` writes one) gets the planner's
-plan instead, its experts spread over all daemons; its first layout should be 1x1 (one daemon, every expert
-local). Per layout: greedy decode tokens/s of one request (median of --rounds, from the head's token
+plan instead, its experts spread over all daemons (or with their stages: `--expert-placement local`, as for
+`random/kimi-k2:8`); its first layout should be 1x1 (one daemon, every expert local). Per layout: greedy decode tokens/s of one request (median of --rounds, from the head's token
 times), the per-token breakdown from the stages' step times (compute, stage overhead, hops), aggregate
 tokens/s with each --concurrent count, and whether the greedy tokens equal the first layout's. With
 `--trace`, one traced request per layout gives the per-token breakdown of `swarmd trace summarize`.
@@ -43,16 +43,17 @@ GPU_MEMORY = 64 << 30  # what the planner is told each daemon has: two daemons s
 GPU_FLOPS, GPU_BANDWIDTH = 500e12, 4e12
 
 
-def make_plan_for(layout: ModelLayout, peers: list[str], context: int, max_requests: int):
+def make_plan_for(layout: ModelLayout, peers: list[str], context: int, max_requests: int, placement: str = "spread"):
     """A dense model: one stage per daemon, blocks split evenly. A MoE: the planner's plan for GPUs of one
-    size with experts spread (each daemon a stage, every MoE layer's experts over all daemons)."""
+    size with experts `placement` ("spread": each daemon a stage, every MoE layer's experts over all daemons;
+    "local": each MoE layer's experts with its stage, which runs them inside its graph)."""
     from planner import NodeDescriptor, PlanOptions, make_plan
     from planner.plan import ModelRef, Plan, Stage, stage_actor
 
     if layout.is_moe:
         nodes = [NodeDescriptor(p, GPU_MEMORY, GPU_MEMORY, flops=GPU_FLOPS, mem_bandwidth=GPU_BANDWIDTH, device="CUDA")
                  for p in peers]
-        options = PlanOptions(context_length=context, concurrency=max_requests, expert_placement="spread")
+        options = PlanOptions(context_length=context, concurrency=max_requests, expert_placement=placement)
         return make_plan(layout, nodes, epoch=1, options=options)
     bounds = [round(i * layout.n_blocks / len(peers)) for i in range(len(peers) + 1)]
     return Plan(1, ModelRef(layout.name), tuple(Stage(p, (bounds[i], bounds[i + 1]), (stage_actor(i),))
@@ -60,7 +61,7 @@ def make_plan_for(layout: ModelLayout, peers: list[str], context: int, max_reque
 
 
 def start(model: str, layout: ModelLayout, stages: int, gpus: int, context: int, max_requests: int,
-          device: str) -> LocalSwarm:
+          device: str, placement: str = "spread") -> LocalSwarm:
     import tempfile
 
     from swarmd.net.identity import load_or_create_identity, peer_id_of
@@ -70,14 +71,14 @@ def start(model: str, layout: ModelLayout, stages: int, gpus: int, context: int,
     for i in range(stages):
         (base / f"daemon-{i}").mkdir(parents=True)
         peers.append(peer_id_of(load_or_create_identity(base / f"daemon-{i}")))
-    plan = make_plan_for(layout, peers, context, max_requests)
+    plan = make_plan_for(layout, peers, context, max_requests, placement)
     (base / "plan.json").write_text(plan.dumps())
     if layout.is_moe:
         holders = {p for by in plan.experts.values() for hs in by.values() for p in hs}
         say(f"{stages}x{gpus}: stages {[s.layers for s in plan.stages]}, experts on {len(holders)} daemons")
     swarm = LocalSwarm(stages, model=model, base=base, swarm=f"gpu{stages}x{gpus}",
                        extra=("--device", device, "--max-context", str(context), "--max-requests", str(max_requests),
-                              "--warmup", *(("--expert-placement", "spread") if layout.is_moe else ())),
+                              "--warmup", *(("--expert-placement", placement) if layout.is_moe else ())),
                        first_extra=("--plan", str(base / "plan.json")),
                        env_of=lambda i: {"CUDA_VISIBLE_DEVICES": str(i * gpus // stages)})
     try:
@@ -91,7 +92,8 @@ def start(model: str, layout: ModelLayout, stages: int, gpus: int, context: int,
 
 def run_layout(args: argparse.Namespace, layout: ModelLayout, stages: int, gpus: int) -> dict[str, Any]:
     started = time.monotonic()
-    swarm = start(args.model, layout, stages, gpus, args.context, max(args.concurrent_list), args.device)
+    swarm = start(args.model, layout, stages, gpus, args.context, max(args.concurrent_list), args.device,
+                  args.expert_placement)
     out: dict[str, Any] = {"layout": f"{stages}x{gpus}", "start_s": time.monotonic() - started, "rates": [],
                            "breakdown": {}, "aggregate": {}, "tokens": None}
     try:
@@ -137,6 +139,8 @@ def main() -> int:
     parser.add_argument("--write-moe", choices=sorted(SYNTHETIC_MOE), metavar="PRESET",
                         help="write the synthetic MoE preset (seed 0, a byte-level tokenizer of 49152 tokens) "
                              "to a temporary GGUF and serve it instead of --model")
+    parser.add_argument("--expert-placement", choices=("spread", "local"), default="spread",
+                        help="a MoE's experts over all daemons, or with their stages (default: spread)")
     parser.add_argument("--layouts", default="1x1,2x2", help="STAGESxGPUS, comma-separated (default: 1x1,2x2)")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
