@@ -101,12 +101,10 @@ def run_numerics(config) -> str:
 
 
 def run_experts_in_graph(config) -> bool:
-    """Whether `swarmd run` runs a MoE's routed experts inside its graph: DeepSeek-V3 / Kimi-K2 on the CPU, where
-    that gives the bits of a graph cut after each router (a swarm's) and decodes faster (docs/BENCHMARKS.md);
-    elsewhere the graph is cut, as a swarm's is."""
-    from tinygrad import Device
-
-    return is_mla(config) and Device.DEFAULT.split(":")[0] not in GPU_DEVICES
+    """Whether `swarmd run` (and a served stage whose node holds its experts) runs a MoE's routed experts inside
+    its graph: DeepSeek-V3 / Kimi-K2, where that gives the bits of a graph cut after each router (a swarm's) and
+    decodes faster (docs/BENCHMARKS.md); a Llama-family MoE's graph is cut, as a swarm's is."""
+    return is_mla(config)
 
 
 @dataclass(frozen=True)
