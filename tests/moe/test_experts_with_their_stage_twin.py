@@ -1,12 +1,18 @@
-"""A plan that keeps each MoE block's experts with its stage, on whole daemons in one process: for a DeepSeek-V3 /
-Kimi-K2 model each stage runs its node's experts inside its graph, as `swarmd run` does (no graph cut, no expert
-call), and the tokens are those of the model's graph cut after each router, as a swarm's are when its experts live
-elsewhere."""
+"""A plan that keeps each MoE block's experts with its stage: for a DeepSeek-V3 / Kimi-K2 model each stage runs its
+node's experts inside its graph, as `swarmd run` does (no graph cut, no expert call), and the tokens are those of
+the model's graph cut after each router, as a swarm's are when its experts live elsewhere (whole daemons in one
+process); a plan that takes an expert away cuts the stage's graph again (the node's assignment alone)."""
 
 from __future__ import annotations
 
 import pytest
+import trio
 
+from planner.plan import ModelRef, Plan, Stage
+from swarmd.daemon.assignment import Assignment
+from swarmd.daemon.served_model import served_model
+from swarmd.inference.compute import ComputeThread
+from swarmd.wire.gossip import PlanAnnouncement
 from tests.models.tiny_deepseek2 import TinyDeepSeek2, tiny_deepseek2_weights, write_deepseek2_gguf
 from tests.twin_swarm import stage_daemons, twin_swarm
 
@@ -49,3 +55,28 @@ async def test_stages_holding_their_experts_run_them_in_their_graphs_with_the_cu
     assert not out.error and list(out.tokens) == cut_graph_tokens(tiny_deepseek2, 8)
     calls = sum(layer["calls"] for d in daemons for layer in d.pipeline.router.status()["layers"].values())
     assert calls == 0  # no step asked for experts
+
+
+@pytest.mark.usefixtures("tinygrad_in_process")
+async def test_a_plan_that_takes_an_expert_away_cuts_the_stages_graph_again(tiny_deepseek2, monkeypatch):
+    monkeypatch.setenv("SWARMD_GRAPH_CACHE", "off")
+    me, other = "12D3KooWMe", "12D3KooWOther"
+    every = {b: {e: (me,) for e in range(SPEC.n_experts)} for b in (1, 2)}
+    one_away = {b: {e: (other if (b, e) == (2, 0) else me,) for e in range(SPEC.n_experts)} for b in (1, 2)}
+
+    def announce(epoch: int, experts) -> PlanAnnouncement:
+        plan = Plan(epoch=epoch, model=ModelRef("tiny"), stages=(Stage(me, (0, 3)),), experts=experts)
+        return PlanAnnouncement(other, 1, plan)
+
+    a = Assignment(me, served_model(str(tiny_deepseek2)), "CPU", ComputeThread(), max_context=64, max_requests=1)
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(a.run)
+            a.apply(announce(1, every))
+            stage = await a.wait_ready()
+            assert stage.experts_in_graph and stage.expert_shard is a.experts
+            a.apply(announce(2, one_away))
+            while a.status().epoch != 2 or a.status().state != "ready":  # noqa: ASYNC110 - a status snapshot
+                await trio.sleep(0.05)
+            assert not a.stage.experts_in_graph and len(a.stage.segments) > 1
+            nursery.cancel_scope.cancel()
