@@ -584,17 +584,24 @@ class StageModel:
         """`rows` on the device as the graphs take them: token ids as int32, hidden rows as float32."""
         return self._inputs(rows.astype(np.int32) if np.issubdtype(rows.dtype, np.integer) else rows.astype(np.float32))
 
+    def can_run_in_graph(self, shard: ExpertShard | None) -> bool:
+        """Whether `use_experts(shard)` would run the shard's experts inside this stage's graph: a stage loaded
+        without its routed experts, and a shard (of this stage's numerics and device) holding every expert of each
+        of the stage's MoE blocks."""
+        every = tuple(range(self.config.num_experts))
+        return (not self.shards_experts and bool(self.moe_blocks) and shard is not None
+                and shard.numerics == self.numerics and shard.device == self.device
+                and all(tuple(shard.holds(i)) == every for i in self.moe_blocks))
+
     def use_experts(self, shard: ExpertShard | None) -> bool:
-        """For a stage loaded without its routed experts: run `shard`'s inside the stage's graph when it holds
-        every expert of each of the stage's MoE blocks (a plan that keeps experts with their stage), with the bits
-        of a graph cut after each router (`ExpertShard.in_graph`) and no host round trip per MoE block; otherwise,
-        or with None, cut the graph and ask for them (`forward_steps`). Graphs captured before a change are
-        dropped. Returns whether the experts run in the graph."""
+        """For a stage loaded without its routed experts: run `shard`'s inside the stage's graph where
+        `can_run_in_graph(shard)` (a plan that keeps experts with their stage), with the bits of a graph cut after
+        each router (`ExpertShard.in_graph`) and no host round trip per MoE block; otherwise, or with None, cut the
+        graph and ask for them (`forward_steps`). Graphs captured before a change are dropped. Returns whether the
+        experts run in the graph."""
         if self.shards_experts:
             return self.experts_in_graph
-        every = tuple(range(self.config.num_experts))
-        fits = (shard is not None and shard.numerics == self.numerics and shard.device == self.device
-                and all(tuple(shard.holds(i)) == every for i in self.moe_blocks))
+        fits = self.can_run_in_graph(shard)
         if (fits, shard if fits else None) != (self.experts_in_graph, self.expert_shard):
             self.expert_shard, self.experts_in_graph = (shard, True) if fits else (None, False)
             self._new_graphs()

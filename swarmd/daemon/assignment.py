@@ -218,7 +218,7 @@ class Assignment:
             if experts != self.loaded_experts and not await self._load_experts(epoch, layers, experts):
                 continue
             target = layers or copy
-            if target == self.loaded_layers and not self._runs_other_experts():
+            if target == self.loaded_layers and not self._stage_experts_stale():
                 self._fire(held(layers, copy, experts),
                            AssignmentStatus(epoch, target, experts, progress=1.0 if target or experts else 0.0))
                 continue
@@ -369,18 +369,23 @@ class Assignment:
 
     def _experts_in_graph(self, stage: Any) -> bool:
         """Hand `stage` this node's shard (`StageModel.use_experts`) where the model runs its experts in its graph as
-        `swarmd run` does (`models.stage.run_experts_in_graph`): True if the stage runs them in its graph."""
+        `swarmd run` does: True if the stage runs them in its graph."""
+        return hasattr(stage, "use_experts") and stage.use_experts(self._graph_shard(stage))
+
+    def _graph_shard(self, stage: Any) -> Any:
+        """This node's shard, where the model runs its experts in its graph (`models.stage.run_experts_in_graph`)."""
         from models.stage import run_experts_in_graph
 
-        if not hasattr(stage, "use_experts"):
-            return False
-        return stage.use_experts(self.experts if run_experts_in_graph(stage.config) else None)
+        return self.experts if run_experts_in_graph(stage.config) else None
 
-    def _runs_other_experts(self) -> bool:
-        """Whether the loaded stage runs, inside its graph, experts of a shard this node no longer holds."""
+    def _stage_experts_stale(self) -> bool:
+        """Whether the loaded stage runs its experts otherwise than this node's shard now allows: in its graph
+        from a shard this node no longer holds, or cut where the shard now holds them all (it is rebuilt)."""
         stage = self.stage
-        return getattr(stage, "experts_in_graph", False) and not stage.shards_experts \
-            and stage.expert_shard is not self.experts
+        if not hasattr(stage, "use_experts") or stage.shards_experts:
+            return False
+        want = stage.can_run_in_graph(self._graph_shard(stage))
+        return stage.experts_in_graph != want or (want and stage.expert_shard is not self.experts)
 
     def _fire(self, event: AssignmentEvent, status: AssignmentStatus) -> None:
         """Report `status` in the state the transition table gives for `event` from the current one."""

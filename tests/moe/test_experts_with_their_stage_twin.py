@@ -1,7 +1,8 @@
 """A plan that keeps each MoE block's experts with its stage: for a DeepSeek-V3 / Kimi-K2 model each stage runs its
 node's experts inside its graph, as `swarmd run` does (no graph cut, no expert call), and the tokens are those of
 the model's graph cut after each router, as a swarm's are when its experts live elsewhere (whole daemons in one
-process); a plan that takes an expert away cuts the stage's graph again (the node's assignment alone)."""
+process); a plan that takes an expert away cuts the stage's graph again, and one that gives it back joins it
+(the node's assignment alone)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ async def test_stages_holding_their_experts_run_them_in_their_graphs_with_the_cu
 
 
 @pytest.mark.usefixtures("tinygrad_in_process")
-async def test_a_plan_that_takes_an_expert_away_cuts_the_stages_graph_again(tiny_deepseek2, monkeypatch):
+async def test_a_plan_that_takes_an_expert_away_cuts_the_stages_graph_and_one_that_gives_it_back_joins_it(tiny_deepseek2, monkeypatch):
     monkeypatch.setenv("SWARMD_GRAPH_CACHE", "off")
     me, other = "12D3KooWMe", "12D3KooWOther"
     every = {b: {e: (me,) for e in range(SPEC.n_experts)} for b in (1, 2)}
@@ -79,4 +80,8 @@ async def test_a_plan_that_takes_an_expert_away_cuts_the_stages_graph_again(tiny
             while a.status().epoch != 2 or a.status().state != "ready":  # noqa: ASYNC110 - a status snapshot
                 await trio.sleep(0.05)
             assert not a.stage.experts_in_graph and len(a.stage.segments) > 1
+            a.apply(announce(3, every))  # and given back: in the graph again
+            while a.status().epoch != 3 or a.status().state != "ready":  # noqa: ASYNC110 - a status snapshot
+                await trio.sleep(0.05)
+            assert a.stage.experts_in_graph and a.stage.expert_shard is a.experts and len(a.stage.segments) == 1
             nursery.cancel_scope.cancel()
