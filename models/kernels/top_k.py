@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from models.kernels import cuda
@@ -43,8 +44,17 @@ def top_k_kernel(x: Tensor, k: int) -> Tensor:
     *lead, n = x.shape
     rows = math.prod(lead)
     out = Tensor.empty(rows, k, dtype=dtypes.int32, device=x.device)
-    prog = _program(x.device, rows, n, k)
+    prog = _program(x.device, rows, n, k, None)
     return cuda.run(out, (x.reshape(rows, n).cast(dtypes.float32),), prog).reshape(*lead, k)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What `routed_top_k`'s kernel does besides the choice: add a selection bias, normalise the gates, scale them."""
+
+    has_bias: bool
+    normalise: bool
+    scale: float
 
 
 def routed_top_k(logits: Tensor, bias: Tensor | None, k: int, *, normalise: bool, scale: float) -> tuple[Tensor, Tensor]:
@@ -54,46 +64,37 @@ def routed_top_k(logits: Tensor, bias: Tensor | None, k: int, *, normalise: bool
     from tinygrad import Tensor, dtypes
 
     *lead, n = logits.shape
-    rows = 1
-    for d in lead:
-        rows *= d
+    rows = math.prod(lead)
     outs = (Tensor.empty(rows, k, dtype=dtypes.int32, device=logits.device),
             Tensor.empty(rows, k, dtype=dtypes.float32, device=logits.device))
     inputs = (logits.reshape(rows, n).cast(dtypes.float32), *([] if bias is None else [bias.cast(dtypes.float32)]))
-    prog = _routed_program(logits.device, rows, n, k, bias is not None, normalise, float(scale))
+    prog = _program(logits.device, rows, n, k, Routing(bias is not None, normalise, float(scale)))
     sel, gates = cuda.run_outputs(outs, inputs, prog)
     return gates.reshape(*lead, k), sel.reshape(*lead, k)
 
 
 @functools.cache
-def _routed_program(device: str, rows: int, n: int, k: int, has_bias: bool, normalise: bool, scale: float) -> UOp:
-    name = f"routed_top_k_{rows}_{n}_{k}" + "_b" * has_bias + "_n" * normalise
-    return cuda.program(device, name, routed_source(name, rows, n, k, has_bias, normalise, scale),
-                        grid=(-(-rows // ROWS_PER_BLOCK), 1, 1), threads=32 * ROWS_PER_BLOCK, buffers=3 + has_bias,
-                        ops=rows * n * k, traffic=4 * rows * (n + 2 * k) + 4 * n * has_bias, outputs=2)
+def _program(device: str, rows: int, n: int, k: int, routing: Routing | None) -> UOp:
+    routed, has_bias = routing is not None, routing is not None and routing.has_bias
+    name = (f"top_k_{rows}_{n}_{k}" if not routed
+            else f"routed_top_k_{rows}_{n}_{k}" + "_b" * has_bias + "_n" * routing.normalise)
+    return cuda.program(device, name, source(name, rows, n, k, routing), grid=(-(-rows // ROWS_PER_BLOCK), 1, 1),
+                        threads=32 * ROWS_PER_BLOCK, buffers=2 + routed + has_bias, ops=rows * n * k,
+                        traffic=4 * rows * (n + k * (1 + routed)) + 4 * n * has_bias, outputs=1 + routed)
 
 
-def routed_source(name: str, rows: int, n: int, k: int, has_bias: bool, normalise: bool, scale: float) -> str:
-    """`routed_top_k`'s CUDA source."""
+def source(name: str, rows: int, n: int, k: int, routing: Routing | None = None) -> str:
+    """The kernel's CUDA source: the choice alone, or (`routing`) the whole router after its product."""
     import numpy as np
 
-    params = ["int* sel", "float* gates", "const float* __restrict__ x"] + ["const float* __restrict__ bias"] * has_bias
-    return _SOURCE.format(NAME=name, ROWS=rows, N=n, K=k, PER=-(-n // 32), RPB=ROWS_PER_BLOCK, ROUTED=1,
-                          PARAMS=", ".join(params), HAS_BIAS=int(has_bias), NORMALISE=int(normalise),
-                          SCALE=repr(float(np.float32(scale))))
+    params = ["int* sel"] + ["float* gates"] * (routing is not None) + ["const float* __restrict__ x"]
+    params += ["const float* __restrict__ bias"] * (routing is not None and routing.has_bias)
+    return _SOURCE.format(NAME=name, ROWS=rows, N=n, K=k, PER=-(-n // 32), RPB=ROWS_PER_BLOCK,
+                          ROUTED=int(routing is not None), PARAMS=", ".join(params),
+                          HAS_BIAS=int(routing is not None and routing.has_bias),
+                          NORMALISE=int(routing is not None and routing.normalise),
+                          SCALE=repr(float(np.float32(routing.scale if routing is not None else 1.0))))
 
-
-@functools.cache
-def _program(device: str, rows: int, n: int, k: int) -> UOp:
-    name = f"top_k_{rows}_{n}_{k}"
-    return cuda.program(device, name, _SOURCE.format(NAME=name, ROWS=rows, N=n, K=k, PER=-(-n // 32),
-                                                     RPB=ROWS_PER_BLOCK, ROUTED=0, PARAMS=PLAIN_PARAMS,
-                                                     HAS_BIAS=0, NORMALISE=0, SCALE="1.0"),
-                        grid=(-(-rows // ROWS_PER_BLOCK), 1, 1), threads=32 * ROWS_PER_BLOCK, buffers=2,
-                        ops=rows * n * k, traffic=4 * rows * (n + k))
-
-
-PLAIN_PARAMS = "int* sel, const float* __restrict__ x"
 
 _SOURCE = r"""
 #define ROWS {ROWS}

@@ -10,7 +10,7 @@ import pytest
 from tinygrad import Device, Tensor
 
 from models.kernels import cuda
-from models.kernels.top_k import _SOURCE, PLAIN_PARAMS, routed_source, routed_top_k, top_k_kernel
+from models.kernels.top_k import Routing, routed_top_k, source, top_k_kernel
 
 ON_NVIDIA = cuda.arch(Device.DEFAULT) >= 70
 
@@ -18,9 +18,7 @@ ON_NVIDIA = cuda.arch(Device.DEFAULT) >= 70
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs CUDA's compiler")
 @pytest.mark.parametrize("routed", [False, True])
 def test_the_kernels_build_for_hopper_without_spilling_registers(tmp_path, routed):
-    text = routed_source("top_k", 8, 1024, 8, True, True, 2.827) if routed else _SOURCE.format(
-        NAME="top_k", ROWS=8, N=1024, K=8, PER=32, RPB=4, ROUTED=0, PARAMS=PLAIN_PARAMS, HAS_BIAS=0, NORMALISE=0,
-        SCALE="1.0")
+    text = source("top_k", 8, 1024, 8, Routing(True, True, 2.827) if routed else None)
     (tmp_path / "top_k.cu").write_text(text)
     built = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
                             str(tmp_path / "top_k.cu")], capture_output=True, text=True, timeout=120)
