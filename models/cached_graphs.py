@@ -36,6 +36,7 @@ from tinygrad.engine.jit import JitError
 
 from models.kernels.attention import half_products_on
 from models.kernels.block_gemv import block_gemv_on
+from models.kernels.gated_sum import gated_sum_kernel_on
 from models.kernels.gathered import pairs_per_kernel
 from models.kernels.gemm import gemm_min_rows, gemm_on
 from models.kernels.latent_attention import latent_attention_on
@@ -332,7 +333,7 @@ def _common(owner: Any, source: str) -> dict[str, Any] | None:
             "gemm": gemm_on(), "gemm_min_rows": gemm_min_rows(), "gemm_tiling": os.environ.get("SWARMD_GEMM_TILING"),
             "block_gemv": block_gemv_on(), "block_gemv_layout": os.environ.get("SWARMD_BLOCK_GEMV_LAYOUT"),
             "latent_attention_kernel": latent_attention_on(), "top_k_kernel": top_k_kernel_on(),
-            "rms_norm_kernel": rms_norm_kernel_on(),
+            "rms_norm_kernel": rms_norm_kernel_on(), "gated_sum_kernel": gated_sum_kernel_on(),
             **graph_cache.environment(owner.device)}
 
 
