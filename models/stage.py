@@ -602,7 +602,8 @@ class StageModel:
         if self.shards_experts:
             return self.experts_in_graph
         fits = self.can_run_in_graph(shard)
-        if (fits, shard if fits else None) != (self.experts_in_graph, self.expert_shard):
+        # a stage without experts of its own holds a shard only while it runs the shard's experts
+        if (shard if fits else None) is not self.expert_shard:
             self.expert_shard, self.experts_in_graph = (shard, True) if fits else (None, False)
             self._new_graphs()
         return fits
