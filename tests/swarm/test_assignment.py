@@ -169,9 +169,11 @@ async def test_with_warmup_a_stage_captures_every_decode_batch_size_before_it_is
             nursery.cancel_scope.cancel()
 
 
-async def graphs_stored(stage, count: int) -> None:
+async def graphs_stored(a: Assignment, stage, count: int) -> None:
+    """Wait until `count` graphs of `stage` are stored and the job that stored them has ended."""
     for _ in range(2400):
         if len(stage.graphs.stored) >= count:
+            await a.compute.run(lambda: None)  # the one compute thread runs jobs in turn: the filling ended
             return
         await trio.sleep(0.05)
     raise AssertionError(f"the graph cache was not filled: {stage.graphs.stored}")
@@ -190,10 +192,10 @@ async def test_a_stage_fills_the_graph_cache_once_ready_and_the_next_load_of_it_
             await nursery.start(cold.run)
             cold.apply(announce(1, Stage(OTHER, (0, 5)), Stage(ME, (5, 8))))
             stage = await cold.wait_ready()
-            await graphs_stored(stage, 2)  # in the background, after ready
+            await graphs_stored(cold, stage, 2)  # in the background, after ready
             assert sorted(stage.graphs.stored) == sorted(first_graphs) and len(stage.slots) == 0
             cold.apply(announce(2, Stage(OTHER, (0, 3)), Stage(ME, (3, 8))))  # a re-plan grows the range
-            await graphs_stored(await loaded(cold, (3, 8)), 2)
+            await graphs_stored(cold, await loaded(cold, (3, 8)), 2)
 
             warm = Assignment(ME, model, "CPU", ComputeThread(), max_context=64, max_requests=2)
             await nursery.start(warm.run)
