@@ -53,6 +53,7 @@ from models.kernels.attention import (
     tiled_decode_attention,
 )
 from models.kernels.cache_rows import write_rows
+from models.kernels.cpu_gemv import cpu_gemv, cpu_gemv_fits
 from models.kernels.gathered import block_matvec
 from models.kernels.glu import silu_glu
 from models.kernels.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_renderer
@@ -863,6 +864,8 @@ class StageModel:
             return ggml_numerics.matvec(h, w, blocks)
         if self.on_gpu and self.mla and blocks is not None and h.shape[-1] % ggml_numerics.BLOCK == 0:
             return block_matvec(h.reshape(1, *h.shape), blocks)[0]  # GGML blocks in one split reduction
+        if blocks is not None and cpu_gemv_fits(h, blocks):
+            return cpu_gemv(h, blocks)  # a few rows on the CPU: each block decoded once for all rows
         return matvec(h, w)
 
     def _block(self, i: int, x: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,

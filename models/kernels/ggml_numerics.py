@@ -54,8 +54,10 @@ def matvec(x: Tensor, w: Tensor, blocks: BlockQuantized) -> Tensor:
     rounded block sums to the matrix's offsets)."""
     from tinygrad import dtypes
 
+    from models.kernels.cpu_gemv import cpu_gemv, cpu_gemv_fits
+
     values, sum_error = q8_activations(x)
-    y = float_matvec(values, w)
+    y = cpu_gemv(values, blocks) if cpu_gemv_fits(values, blocks) else float_matvec(values, w)
     if blocks.q8_1 and blocks.m is not None:
         y = y + sum_error @ blocks.m.cast(dtypes.float32).transpose()  # (rows, in/32) @ (in/32, out): small
     return y
