@@ -13,8 +13,8 @@ MLP and writes no coherent text, so its output rarely repeats its context and pr
 `--model smollm2-135m` (the dense model, 4 dense stages) measures ngram on text a model really writes. Rounds are
 interleaved: every round runs every prompt of every set in every mode, one request at a time.
 
-Sets: code editing (prompts whose answer rewrites code the prompt shows) and chat (questions through the chat
-template). Per (set, mode): the median decode tokens/s over the set's requests (the head's timings: tokens after the
+Sets: code editing (prompts whose continuation rewrites code the prompt shows), code editing via chat (the same edits
+asked through the chat template, as a user asks an assistant) and chat (questions through the chat template). Per (set, mode): the median decode tokens/s over the set's requests (the head's timings: tokens after the
 first over the time from the first to the last), its ratio to `off` in the same rounds, and what the passes did:
 drafted tokens accepted (per cent), tokens per pass through the chain. Greedy outputs must be identical in every
 mode; a difference is reported (and fails the run).
@@ -63,13 +63,25 @@ CODE_EDITING = (
     "Fix the typo in the loop.\n\n```python\nfor item in itmes:\n    total = total + item.price * item.count\n"
     "    print(item.name, item.price, item.count)\n```\n\nFixed:\n\n```python\nfor item in items:\n",
 )
+# The same edits asked of the chat model as a user asks an assistant: the instruction and the code in one message
+CODE_EDITING_CHAT = (
+    "Rename the variable x to value in this function and show the whole function:\n\n```python\ndef scale(x, "
+    "factor):\n    y = x * factor\n    if y > 100:\n        return 100\n    return y + x\n```",
+    "Add a docstring to each function and show the code:\n\n```python\ndef area(width, height):\n    return width "
+    "* height\n\n\ndef perimeter(width, height):\n    return 2 * (width + height)\n```",
+    "Change the port to 8080 and keep everything else:\n\n{\n  \"host\": \"localhost\",\n  \"port\": 8000,\n  "
+    "\"debug\": true,\n  \"workers\": 4,\n  \"timeout\": 30\n}",
+    "Fix the typo in this loop and show the fixed code:\n\n```python\nfor item in itmes:\n    total = total + "
+    "item.price * item.count\n    print(item.name, item.price, item.count)\n```",
+)
 CHAT = (
     "What is the difference between a list and a tuple in Python?",
     "Give me a short tip for sleeping better.",
     "Explain photosynthesis to a ten-year-old in two sentences.",
     "Write a haiku about autumn leaves.",
 )
-SETS = {"code editing": ("prompt", CODE_EDITING), "chat": ("chat", CHAT)}
+SETS = {"code editing": ("prompt", CODE_EDITING), "code editing via chat": ("chat", CODE_EDITING_CHAT),
+        "chat": ("chat", CHAT)}
 
 
 def start(model: str, n: int, context: int, draft_tokens: int, bandwidth_mbit: float,
@@ -150,10 +162,12 @@ class Tally:
         self.spec: dict[tuple[str, str], dict[str, float]] = {}
         self.outputs: dict[tuple[str, str], list[int]] = {}  # (set, prompt) -> ids in the first mode
         self.mismatches: list[str] = []
+        self.by_prompt: dict[tuple[str, str, str], list[float]] = {}  # (set, prompt, mode) -> rates
 
     def add(self, set_name: str, mode: str, prompt: str, got: dict[str, Any]) -> float:
         rate = got["timings"]["decode_tokens_per_s"] or 0.0
         self.rates.setdefault((set_name, mode), []).append(rate)
+        self.by_prompt.setdefault((set_name, prompt, mode), []).append(rate)
         s = got["speculation"] or {}
         acc = self.spec.setdefault((set_name, mode), {"passes": 0, "drafted": 0, "accepted": 0, "draft_s": 0.0,
                                                       "rejections": 0})
@@ -166,6 +180,12 @@ class Tally:
         if got["ids"] != first:
             self.mismatches.append(f"{set_name} / {mode}: {prompt[:40]!r}")
         return rate
+
+    def prompt_ratios(self, set_name: str, mode: str, base: str = "off") -> list[float]:
+        """Per prompt of the set (in order): the median tok/s in `mode` over the median in `base`."""
+        prompts = [p for s, p, m in self.by_prompt if s == set_name and m == base]
+        return [statistics.median(self.by_prompt[(set_name, p, mode)]) / statistics.median(self.by_prompt[
+            (set_name, p, base)]) for p in prompts if (set_name, p, mode) in self.by_prompt]
 
     def row(self, set_name: str, mode: str, base: str = "off") -> dict[str, Any]:
         rates = self.rates.get((set_name, mode), [])
@@ -181,7 +201,8 @@ class Tally:
                 "token_acceptance": accepted / trials if trials else None,
                 "drafted_per_pass": drafted / passes if passes else None,
                 "passes": passes, "tokens_per_pass": (passes + accepted) / passes if passes else None,
-                "accepted_per_pass": accepted / passes if passes else None}
+                "accepted_per_pass": accepted / passes if passes else None,
+                "per_prompt": self.prompt_ratios(set_name, mode, base) if mode != base else None}
 
 
 def run_rounds(api: str, tally: Tally, sets: dict[str, tuple[str, tuple[str, ...]]], by_mode: dict[str, dict],
@@ -213,12 +234,13 @@ def table(rows: list[dict[str, Any]]) -> str:
     def f(x: Any, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
 
-    out = ["| set | mode | requests | tok/s (median) | vs off | drafted accepted | tokens per pass |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| set | mode | requests | tok/s (median) | vs off | per prompt, vs off | drafted accepted | tokens per pass |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f} % ({r['accepted']}/{r['drafted']})"
-        out.append(f"| {r['set']} | {r['mode']} | {r['requests']} | {f(r['tok_s'], '.2f')} | {f(r['ratio'], '.2f')}x "
-                   f"| {acc} | {f(r['tokens_per_pass'], '.2f')} |")
+        each = ", ".join(f"{x:.2f}" for x in r["per_prompt"]) if r.get("per_prompt") else "-"
+        out.append(f"| {r['set']} | {r['mode']} | {r['requests']} | {f(r['tok_s'], '.2f')} | {f(r['ratio'], '.2f') + ('x' if r['ratio'] is not None else '')} "
+                   f"| {each} | {acc} | {f(r['tokens_per_pass'], '.2f')} |")
     return "\n".join(out)
 
 
@@ -239,6 +261,7 @@ def main() -> int:
                    f"(not with --model {DRAFT_MODEL})")
     p.add_argument("--far-k", default="2,4,7", help="the fixed k of the --far-delay-ms rounds")
     p.add_argument("--context", type=int, default=512)
+    p.add_argument("--sets", default=",".join(SETS), help=f"the sets of the WAN rounds (default {','.join(SETS)})")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of the tables")
     p.add_argument("--json-out", type=Path, metavar="FILE", help="also write the results as JSON to FILE (the "
                    "acceptance scale_kimi.py --acceptance reads, e.g. docs/data/spec_acceptance.json)")
@@ -246,6 +269,9 @@ def main() -> int:
     if args.far_delay_ms and args.model == DRAFT_MODEL:
         p.error(f"--far-delay-ms measures the draft model, which --model {DRAFT_MODEL} would be drafting for itself")
     by_set = modes(args.model, args.draft_tokens)
+    sets = {name: SETS[name] for name in args.sets.split(",")} if set(args.sets.split(",")) <= set(SETS) else None
+    if sets is None:
+        p.error(f"--sets takes names among: {', '.join(SETS)}")
     results: dict[str, Any] = {"command": " ".join(sys.argv[1:])}
     swarm, emu = start(args.model, args.daemons, args.context, args.draft_tokens, args.bandwidth_mbit, args.data_plane)
     try:
@@ -254,8 +280,8 @@ def main() -> int:
         warm_up(api, args.model, args.draft_tokens, 12)
         emu.set_delay(args.delay_ms)
         wan = Tally()
-        run_rounds(api, wan, SETS, by_set, args.rounds, args.tokens, f"{args.delay_ms:g} ms")
-        results["wan"] = [wan.row(s, m) for s in SETS for m in by_set]
+        run_rounds(api, wan, sets, by_set, args.rounds, args.tokens, f"{args.delay_ms:g} ms")
+        results["wan"] = [wan.row(s, m) for s in sets for m in by_set]
         results["mismatches"] = list(wan.mismatches)
         if args.loopback_rounds:
             emu.set_delay(0)
