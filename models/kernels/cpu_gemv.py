@@ -2,8 +2,8 @@
 each block's weights decoded once for all rows.
 
 tinygrad's kernel for such a product loops over the rows outside its reduction, so it decodes every weight again
-for each row, and its code for rows kept side by side is not vectorised by clang: on this project's CPUs a step of
-8 rows cost about 3x one row. Here a block's 32 weights are decoded into registers and then multiplied by each
+for each row (and clang does not vectorise its code for rows kept side by side): a step of a few rows cost nearly
+as many one-row steps. Here a block's 32 weights are decoded into registers and then multiplied by each
 row. Each row's arithmetic is that of `models.kernels.matvec`'s one-row kernel: 16 partial sums (lane j takes the
 values j and j + 16 of every block, in order), each product added by a multiply-add, the partial sums added left
 to right; so a row of a verify step or a batch gets the bits it gets alone (tested).
@@ -43,21 +43,14 @@ def cpu_gemv(x: Tensor, blocks: BlockQuantized) -> Tensor:
     from tinygrad import Tensor, dtypes
 
     from models.kernels import cuda
+    from models.kernels.matvec import cpu_threads
 
     rows, width = x.shape
     out = Tensor.empty(rows, blocks.rows, dtype=dtypes.float32, device=x.device)
     inputs = (blocks.q, blocks.d, *([blocks.m] if blocks.m is not None else []), x.cast(dtypes.float32))
     prog = _program(x.device, rows, blocks.rows, width, blocks.packed, blocks.m is not None, blocks.code_offset,
-                    threads(blocks.rows))
+                    cpu_threads(blocks.rows))
     return cuda.run(out, inputs, prog)
-
-
-def threads(out_features: int) -> int:
-    """The CPU threads a product runs on: as many as tinygrad's own kernels take (its CPU count), fewer when they
-    would not split the outputs evenly."""
-    from tinygrad.helpers import CPU_COUNT
-
-    return max(t for t in range(1, CPU_COUNT.value + 1) if out_features % t == 0)
 
 
 @functools.cache

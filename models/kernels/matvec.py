@@ -197,13 +197,20 @@ def split_k(out: int, width: int) -> int:
 TENSOR_CORE_BLOCKS = 2048
 
 
+def cpu_threads(out_features: int) -> int:
+    """The threads a CPU product of `out_features` outputs runs on: tinygrad's CPU count, or fewer where they would
+    not split the outputs evenly."""
+    from tinygrad.helpers import CPU_COUNT
+
+    return max(t for t in range(1, CPU_COUNT.value + 1) if out_features % t == 0)
+
+
 def cpu_matvec_opts(device: str, out_features: int, n_reduce: int) -> tuple | None:
     from tinygrad.codegen.opt import Opt, OptOps
-    from tinygrad.helpers import CPU_COUNT
 
     if not device.split(":")[0] == "CPU":
         return None
-    threads = max(t for t in range(1, CPU_COUNT.value + 1) if out_features % t == 0)
+    threads = cpu_threads(out_features)
     opts = (Opt(OptOps.UNROLL, n_reduce - 1, 0),)  # the innermost 16 (or fewer) partial sums
     return opts + ((Opt(OptOps.THREAD, 0, threads),) if threads > 1 else ())
 
