@@ -103,7 +103,7 @@ def measured_drafts(path: str) -> list[tuple[str, dict]]:
             continue
         k = max(1, round(r["drafted_per_pass"]))
         draft_ms = NGRAM_DRAFT_MS if r["mode"] == "ngram" else 1.0
-        rows.append((f"+ speculation measured: {r['mode']} on {r['set']} ({k} drafts, "
+        rows.append((f"+ speculation measured: {r['mode']} on {r['set']} ({k} draft{'s' if k > 1 else ''}, "
                      f"{100 * r['token_acceptance']:.0f} % accepted)",
                      dict(speculative_tokens=k, acceptance=r["token_acceptance"], draft_ms_per_token=draft_ms)))
     return rows

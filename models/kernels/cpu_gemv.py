@@ -1,12 +1,12 @@
-"""A few rows (a verify step, a decode batch) times a matrix in GGML blocks as one hand-written C kernel on the CPU,
-each block's weights decoded once for all rows.
+"""Rows (a verify step, a decode batch, a prompt's chunk) times a matrix in GGML blocks as one hand-written C kernel
+on the CPU, each block's weights decoded once for up to `TILE_ROWS` rows.
 
 tinygrad's kernel for such a product loops over the rows outside its reduction, so it decodes every weight again
 for each row (and clang does not vectorise its code for rows kept side by side): a step of a few rows cost nearly
-as many one-row steps. Here a block's 32 weights are decoded into registers and then multiplied by each
-row. Each row's arithmetic is that of `models.kernels.matvec`'s one-row kernel: 16 partial sums (lane j takes the
+as many one-row steps. Here a block's 32 weights are decoded into registers and then multiplied by each row of a
+tile. Each row's arithmetic is that of `models.kernels.matvec`'s one-row kernel: 16 partial sums (lane j takes the
 values j and j + 16 of every block, in order), each product added by a multiply-add, the partial sums added left
-to right; so a row of a verify step or a batch gets the bits it gets alone (tested).
+to right; so a row of a verify step, a batch or a chunk gets the bits tinygrad's kernels give it (tested).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from models.kernels.quant import BlockQuantized
 
-MAX_ROWS = 8  # more rows (prefill chunks) stay with tinygrad's kernels
+TILE_ROWS = 8  # rows that take each decoded block in turn (their sums in registers)
 
 
 def cpu_gemv_on() -> bool:
@@ -30,11 +30,11 @@ def cpu_gemv_on() -> bool:
 
 
 def cpu_gemv_fits(x: Tensor, blocks: BlockQuantized) -> bool:
-    """Whether `cpu_gemv` runs for activations x (rows, in) and these blocks: 2 to `MAX_ROWS` rows, on the CPU, a
+    """Whether `cpu_gemv` runs for activations x (rows, in) and these blocks: two rows or more, on the CPU, a
     single matrix of two blocks a row or more (with one, tinygrad takes a scale that is the same for the whole sum
     out of it: other bits)."""
     rows, width = x.shape
-    return (cpu_gemv_on() and x.device.split(":")[0] == "CPU" and isinstance(rows, int) and 2 <= rows <= MAX_ROWS
+    return (cpu_gemv_on() and x.device.split(":")[0] == "CPU" and isinstance(rows, int) and rows >= 2
             and blocks.shape is None and width == blocks.cols and width % 32 == 0 and width >= 64)
 
 
@@ -91,7 +91,7 @@ def source(name: str, rows: int, out_features: int, width: int, packed: bool, ha
         return f"{c} * dd + mm" if has_m else f"({c} - {float(offset)!r}f) * dd" if offset else f"{c} * dd"
 
     return _SOURCE.format(NAME=name, ROWS=rows, OUT=out_features, COLS=width, NB=width // 32,
-                          QB=16 if packed else 32, PER=out_features // n_threads, CODES=codes, W_LO=weight("lo"),
+                          QB=16 if packed else 32, PER=out_features // n_threads, TILE=min(rows, TILE_ROWS), CODES=codes, W_LO=weight("lo"),
                           W_HI=weight("hi"), M_ARG="const __fp16* restrict m, " if has_m else "",
                           M_LOAD="const float mm = (float)m[o * NB + b];" if has_m else "")
 
@@ -103,6 +103,7 @@ _SOURCE = r"""
 #define NB {NB}
 #define QB {QB}
 #define PER {PER}
+#define TILE {TILE}
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef unsigned char u8x16 __attribute__((vector_size(16)));
 typedef signed char i8x16 __attribute__((vector_size(16)));
@@ -110,26 +111,28 @@ typedef signed char i8x16 __attribute__((vector_size(16)));
 void {NAME}(float* restrict out, const unsigned char* restrict q, const __fp16* restrict d, {M_ARG}const float* restrict x,
             const int core_id) {{
   for (int o = core_id * PER; o < (core_id + 1) * PER; o++) {{
-    f32x16 acc[ROWS];
-    for (int r = 0; r < ROWS; r++) acc[r] = (f32x16){{0}};
-    for (int b = 0; b < NB; b++) {{
-      const unsigned char* qb = q + ((long)o * NB + b) * QB;
-      const float dd = (float)d[o * NB + b];
-      {M_LOAD}
-      {CODES}
-      const f32x16 w_lo = {W_LO}, w_hi = {W_HI};
-      for (int r = 0; r < ROWS; r++) {{
-        f32x16 x_lo, x_hi;
-        __builtin_memcpy(&x_lo, x + r * COLS + b * 32, 64);
-        __builtin_memcpy(&x_hi, x + r * COLS + b * 32 + 16, 64);
-        acc[r] = acc[r] + w_lo * x_lo;
-        acc[r] = acc[r] + w_hi * x_hi;
+    for (int r0 = 0; r0 < ROWS; r0 += TILE) {{
+      f32x16 acc[TILE];
+      for (int r = 0; r < TILE; r++) acc[r] = (f32x16){{0}};
+      for (int b = 0; b < NB; b++) {{
+        const unsigned char* qb = q + ((long)o * NB + b) * QB;
+        const float dd = (float)d[o * NB + b];
+        {M_LOAD}
+        {CODES}
+        const f32x16 w_lo = {W_LO}, w_hi = {W_HI};
+        for (int r = 0; r < TILE && r0 + r < ROWS; r++) {{
+          f32x16 x_lo, x_hi;
+          __builtin_memcpy(&x_lo, x + (r0 + r) * COLS + b * 32, 64);
+          __builtin_memcpy(&x_hi, x + (r0 + r) * COLS + b * 32 + 16, 64);
+          acc[r] = acc[r] + w_lo * x_lo;
+          acc[r] = acc[r] + w_hi * x_hi;
+        }}
       }}
-    }}
-    for (int r = 0; r < ROWS; r++) {{
-      float s = acc[r][0];
-      for (int j = 1; j < 16; j++) s = s + acc[r][j];
-      out[r * OUT + o] = s;
+      for (int r = 0; r < TILE && r0 + r < ROWS; r++) {{
+        float s = acc[r][0];
+        for (int j = 1; j < 16; j++) s = s + acc[r][j];
+        out[(r0 + r) * OUT + o] = s;
+      }}
     }}
   }}
 }}

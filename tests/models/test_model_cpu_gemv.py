@@ -1,4 +1,4 @@
-"""The hand-written CPU product of a few rows with a matrix in GGML blocks (`models.kernels.cpu_gemv`): which
+"""The hand-written CPU product of rows with a matrix in GGML blocks (`models.kernels.cpu_gemv`): which
 products take it, and that each row gets from it the bits tinygrad's one-row kernel gives that row alone, in float
 and in ggml numerics, for each block format."""
 
@@ -29,7 +29,7 @@ def programs(t: Tensor) -> list[str]:
     return [u.arg.name for u in t.uop.toposort() if u.op is Ops.PROGRAM]
 
 
-def test_two_to_eight_rows_on_the_cpu_take_the_hand_written_kernel(monkeypatch):
+def test_two_rows_or_more_on_the_cpu_take_the_hand_written_kernel(monkeypatch):
     blocks = random_blocks(np.random.default_rng(0), 3, 64, 256)
 
     def kernels(rows: int) -> list[str]:
@@ -39,7 +39,7 @@ def test_two_to_eight_rows_on_the_cpu_take_the_hand_written_kernel(monkeypatch):
     assert kernels(1) == []  # a lone row keeps tinygrad's kernel
     assert kernels(2) == ["cpu_gemv_q4_1_2_64_256"]
     assert kernels(8) == ["cpu_gemv_q4_1_8_64_256"]
-    assert kernels(9) == []  # a prompt's chunk: tinygrad's kernel
+    assert kernels(64) == ["cpu_gemv_q4_1_64_64_256"]  # a prompt's chunk: tiles of 8 rows in one kernel
     one_block = random_blocks(np.random.default_rng(1), 3, 64, 32)
     y = ggml_numerics.matvec(Tensor.empty(2, 32, device="CPU"), one_block.dequantized(), one_block)
     assert not any(n.startswith("cpu_gemv") for n in programs(y))  # tinygrad takes its one scale out of the sum
@@ -49,7 +49,7 @@ def test_two_to_eight_rows_on_the_cpu_take_the_hand_written_kernel(monkeypatch):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", [(192, 576), (64, 1536), (32, 64)], ids=["18-blocks", "48-blocks", "2-blocks"])
-@pytest.mark.parametrize("rows", [2, 5, 8])
+@pytest.mark.parametrize("rows", [2, 5, 8, 20])
 def test_each_row_gets_the_bits_of_tinygrads_kernel_for_that_row_alone(fmt, shape, rows):
     tune_cpu_renderer("CPU")  # as a stage does: the one-row kernels' form on the CPU
     rng = np.random.default_rng(rows)
