@@ -36,6 +36,7 @@ from tinygrad.engine.jit import JitError
 
 from models.kernels.attention import half_products_on
 from models.kernels.block_gemv import block_gemv_on
+from models.kernels.cpu_attention import cpu_attention_on
 from models.kernels.cpu_gemv import cpu_gemv_on
 from models.kernels.gated_sum import gated_sum_kernel_on
 from models.kernels.gathered import pairs_per_kernel
@@ -335,7 +336,7 @@ def _common(owner: Any, source: str) -> dict[str, Any] | None:
             "block_gemv": block_gemv_on(), "block_gemv_layout": os.environ.get("SWARMD_BLOCK_GEMV_LAYOUT"),
             "latent_attention_kernel": latent_attention_on(), "top_k_kernel": top_k_kernel_on(),
             "rms_norm_kernel": rms_norm_kernel_on(), "gated_sum_kernel": gated_sum_kernel_on(),
-            "cpu_gemv": cpu_gemv_on(), **graph_cache.environment(owner.device)}
+            "cpu_gemv": cpu_gemv_on(), "cpu_attention": cpu_attention_on(), **graph_cache.environment(owner.device)}
 
 
 def _options_file(variable: str) -> str | None:

@@ -53,6 +53,7 @@ from models.kernels.attention import (
     tiled_decode_attention,
 )
 from models.kernels.cache_rows import write_rows
+from models.kernels.cpu_attention import cpu_attention_fits, cpu_decode_attention
 from models.kernels.cpu_gemv import cpu_gemv, cpu_gemv_fits
 from models.kernels.gathered import block_matvec
 from models.kernels.glu import silu_glu
@@ -237,6 +238,8 @@ class StageModel:
         # shard's kernels inside the graph (tinygrad.llm's in-graph experts round differently and turn near-ties
         # into other tokens)
         self.mla = is_mla(config)
+        # decode attention in one hand-written kernel a step (grouped-query attention in ggml numerics, on the CPU)
+        self._cpu_attention = not self.mla and cpu_attention_fits(self.device, numerics)
         self.shards_experts = bool(self.moe_blocks) and self.local_experts
         self.experts_in_graph = experts_in_graph and self.shards_experts
         self.source = source
@@ -818,7 +821,7 @@ class StageModel:
             angles = angles.cat(self._rope[p:p + 1])
         angles = angles.reshape(batch, 1, 1, -1).realize()
         at = None
-        if batch > 1 or (self.mla and tiles):  # made once a step, for every block
+        if batch > 1 or (self.mla and tiles) or self._cpu_attention:  # made once a step, for every block
             at = tuple(t.realize() for t in batch_rows_at(slots, starts, self.device))
         x = self._through_blocks(first, end, x, cut, lambda i, h, cut: self._block(i, h, slots, starts, 1, angles, tiles, cut=cut, span=span, at=at))
         if cut:
@@ -937,6 +940,8 @@ class StageModel:
         elif tiles:  # a decode step on a GPU: each row over whole tiles of its cache
             outs = [tiled_decode_attention(q[b:b + 1], cache, s, p, t, **tiling)
                     for b, (s, p, t) in enumerate(zip(slots, starts, tiles, strict=True))]
+        elif at is not None and self._cpu_attention:  # a decode step on the CPU: every row in one kernel
+            outs = [cpu_decode_attention(q, cache, *at)]
         else:
             outs = [self._exact_attention(q[b:b + 1], cache, s, p, T) for b, (s, p) in enumerate(zip(slots, starts, strict=True))]
         attn = self.joined_rows(outs)

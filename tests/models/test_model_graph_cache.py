@@ -283,7 +283,8 @@ def test_graphs_built_with_other_kernel_choices_have_another_key(graphs_dir, mon
     monkeypatch.delenv("SWARMD_TENSOR_CORE_MIN_ROWS", raising=False)
     kernels = ("SWARMD_GEMM", "SWARMD_GEMM_MIN_ROWS", "SWARMD_GEMM_TILING", "SWARMD_BLOCK_GEMV",
                "SWARMD_BLOCK_GEMV_LAYOUT", "SWARMD_LATENT_ATTENTION_KERNEL", "SWARMD_TOP_K_KERNEL",
-               "SWARMD_RMS_NORM_KERNEL", "SWARMD_GATED_SUM_KERNEL", "SWARMD_CPU_GEMV")
+               "SWARMD_RMS_NORM_KERNEL", "SWARMD_GATED_SUM_KERNEL", "SWARMD_CPU_GEMV",
+               "SWARMD_CPU_ATTENTION")
     for variable in kernels:
         monkeypatch.delenv(variable, raising=False)
     plain = key()
@@ -292,7 +293,7 @@ def test_graphs_built_with_other_kernel_choices_have_another_key(graphs_dir, mon
                             ("SWARMD_BLOCK_GEMV", "0"), ("SWARMD_BLOCK_GEMV_LAYOUT", "4,4,4,1"),
                             ("SWARMD_LATENT_ATTENTION_KERNEL", "0"), ("SWARMD_TOP_K_KERNEL", "0"),
                             ("SWARMD_RMS_NORM_KERNEL", "0"), ("SWARMD_GATED_SUM_KERNEL", "0"),
-                            ("SWARMD_CPU_GEMV", "0")):
+                            ("SWARMD_CPU_GEMV", "0"), ("SWARMD_CPU_ATTENTION", "0")):
         monkeypatch.setenv(variable, value)
         assert key() != plain, variable
         monkeypatch.delenv(variable)
