@@ -868,7 +868,7 @@ class StageModel:
         if self.on_gpu and self.mla and blocks is not None and h.shape[-1] % ggml_numerics.BLOCK == 0:
             return block_matvec(h.reshape(1, *h.shape), blocks)[0]  # GGML blocks in one split reduction
         if blocks is not None and cpu_gemv_fits(h, blocks):
-            return cpu_gemv(h, blocks)  # a few rows on the CPU: each block decoded once for all rows
+            return cpu_gemv(h, blocks)  # rows on the CPU: each block decoded once for a tile of rows
         return matvec(h, w)
 
     def _block(self, i: int, x: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,

@@ -26,12 +26,14 @@ def cpu_attention_on() -> bool:
 
 
 def cpu_attention_fits(device: str, numerics: str) -> bool:
+    """Whether a stage on `device` computing in `numerics` runs its decode steps' attention with this kernel."""
     return cpu_attention_on() and device.split(":")[0] == "CPU" and numerics == "ggml"
 
 
 def cpu_decode_attention(q: Tensor, cache: Tensor, slots: Tensor, starts: Tensor) -> Tensor:
     """q (B, heads, 1, head_dim) float32, row b over positions [0, starts[b]] of slot slots[b] of `cache` (2, slots,
-    kv_heads, rows, head_dim) float16 -> (B, heads, 1, head_dim) float32."""
+    kv_heads, rows, head_dim) float16 -> (B, heads, 1, head_dim) float32. A row's scores live on its thread's stack
+    (4 bytes a cache row)."""
     from tinygrad import Tensor, dtypes
 
     from models.kernels import cuda
