@@ -14,8 +14,10 @@ MLP and writes no coherent text, so its output rarely repeats its context and pr
 interleaved: every round runs every prompt of every set in every mode, one request at a time.
 
 Sets: code editing (prompts whose continuation rewrites code the prompt shows), code editing via chat (the same edits
-asked through the chat template, as a user asks an assistant) and chat (questions through the chat template). Per (set, mode): the median decode tokens/s over the set's requests (the head's timings: tokens after the
-first over the time from the first to the last), its ratio to `off` in the same rounds, and what the passes did:
+asked through the chat template, as a user asks an assistant) and chat (questions through the chat template); pick
+them with --sets. Per (set, mode): the median decode tokens/s over the set's requests (the head's timings: tokens
+after the first over the time from the first to the last), its ratio to `off` in the same rounds (the median of
+the requests' ratios; per prompt, the ratio of the rounds' medians), and what the passes did:
 drafted tokens accepted (per cent), tokens per pass through the chain. Greedy outputs must be identical in every
 mode; a difference is reported (and fails the run).
 
@@ -239,8 +241,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f} % ({r['accepted']}/{r['drafted']})"
         each = ", ".join(f"{x:.2f}" for x in r["per_prompt"]) if r.get("per_prompt") else "-"
-        out.append(f"| {r['set']} | {r['mode']} | {r['requests']} | {f(r['tok_s'], '.2f')} | {f(r['ratio'], '.2f') + ('x' if r['ratio'] is not None else '')} "
-                   f"| {each} | {acc} | {f(r['tokens_per_pass'], '.2f')} |")
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        out.append(f"| {r['set']} | {r['mode']} | {r['requests']} | {f(r['tok_s'], '.2f')} | {ratio} | {each} | {acc} "
+                   f"| {f(r['tokens_per_pass'], '.2f')} |")
     return "\n".join(out)
 
 
@@ -269,9 +272,10 @@ def main() -> int:
     if args.far_delay_ms and args.model == DRAFT_MODEL:
         p.error(f"--far-delay-ms measures the draft model, which --model {DRAFT_MODEL} would be drafting for itself")
     by_set = modes(args.model, args.draft_tokens)
-    sets = {name: SETS[name] for name in args.sets.split(",")} if set(args.sets.split(",")) <= set(SETS) else None
-    if sets is None:
-        p.error(f"--sets takes names among: {', '.join(SETS)}")
+    names = args.sets.split(",")
+    if unknown := [n for n in names if n not in SETS]:
+        p.error(f"no set {unknown[0]!r}: --sets takes names among {', '.join(SETS)}")
+    sets = {n: SETS[n] for n in names}
     results: dict[str, Any] = {"command": " ".join(sys.argv[1:])}
     swarm, emu = start(args.model, args.daemons, args.context, args.draft_tokens, args.bandwidth_mbit, args.data_plane)
     try:
