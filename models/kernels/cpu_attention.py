@@ -48,19 +48,13 @@ def cpu_decode_attention(q: Tensor, cache: Tensor, slots: Tensor, starts: Tensor
 
 @functools.cache
 def _program(device: str, batch: int, heads: int, kvh: int, n_slots: int, rows: int, hd: int, n_threads: int) -> UOp:
-    from tinygrad.renderer import Estimates
-    from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
+    from models.kernels import cpu
 
-    name = f"cpu_attention_{batch}_{heads}_{kvh}_{hd}"
-    sink = UOp.sink(arg=KernelInfo(name=name, estimates=Estimates(ops=4 * batch * heads * rows * hd,
-                                                                      mem=4 * batch * kvh * rows * hd)))
-    core = UOp.variable("core_id", 0, n_threads - 1)
-    info = ProgramInfo(name=name, global_size=(n_threads, 1, 1), vars=(core,), globals=tuple(range(5)), outs=(0,),
-                       ins=(1, 2, 3, 4))
+    name = f"cpu_attention_{batch}_{heads}_{kvh}_{hd}_{rows}"
     src = _SOURCE.format(NAME=name, B=batch, H=heads, KVH=kvh, S=n_slots, L=rows, HD=hd, THREADS=n_threads,
                          SCALE=repr(float(1.0 / hd ** 0.5)) + "f")
-    return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.DEVICE, arg=device), UOp(Ops.LINEAR, src=()), UOp(Ops.SOURCE, arg=src)),
-               arg=info)
+    return cpu.program(device, name, src, threads=n_threads, buffers=5, ops=4 * batch * heads * rows * hd,
+                       traffic=4 * batch * kvh * rows * hd)
 
 
 _SOURCE = r"""

@@ -56,22 +56,14 @@ def cpu_gemv(x: Tensor, blocks: BlockQuantized) -> Tensor:
 @functools.cache
 def _program(device: str, rows: int, out_features: int, width: int, packed: bool, has_m: bool, offset: int,
              n_threads: int) -> UOp:
-    from tinygrad.renderer import Estimates
-    from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
+    from models.kernels import cpu
 
     kind = "q4_1" if has_m else "q4_0" if packed else "q8_0"
     name = f"cpu_gemv_{kind}_{rows}_{out_features}_{width}"
     code_bytes = out_features * width // (2 if packed else 1)
     traffic = code_bytes + out_features * width // 32 * (4 if has_m else 2) + 4 * rows * (width + out_features)
-    sink = UOp.sink(arg=KernelInfo(name=name, estimates=Estimates(ops=2 * rows * out_features * width, lds=traffic,
-                                                                      mem=traffic)))
-    buffers = 4 + has_m
-    core = UOp.variable("core_id", 0, n_threads - 1)
-    info = ProgramInfo(name=name, global_size=(n_threads, 1, 1), vars=(core,), globals=tuple(range(buffers)),
-                       outs=(0,), ins=tuple(range(1, buffers)))
-    src = source(name, rows, out_features, width, packed, has_m, offset, n_threads)
-    return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.DEVICE, arg=device), UOp(Ops.LINEAR, src=()), UOp(Ops.SOURCE, arg=src)),
-               arg=info)
+    return cpu.program(device, name, source(name, rows, out_features, width, packed, has_m, offset, n_threads),
+                       threads=n_threads, buffers=4 + has_m, ops=2 * rows * out_features * width, traffic=traffic)
 
 
 def source(name: str, rows: int, out_features: int, width: int, packed: bool, has_m: bool, offset: int,

@@ -1,6 +1,6 @@
 """Hand-written CUDA kernels in tinygrad's graphs: which devices take them, and a kernel's source as the compiled
 program that `Tensor.custom_kernel` runs, so that captured steps and the graph cache hold it like any other kernel
-(`run` runs any device's program: `models.kernels.cpu_gemv` is C on the CPU).
+(`run` runs any device's program: `models.kernels.cpu` makes C ones for the CPU).
 
 tinygrad's CUDA graphs launch every kernel with no dynamic shared memory: a kernel declares what it uses.
 """
