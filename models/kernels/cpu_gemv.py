@@ -30,12 +30,12 @@ def cpu_gemv_on() -> bool:
 
 
 def cpu_gemv_fits(x: Tensor, blocks: BlockQuantized) -> bool:
-    """Whether `cpu_gemv` runs for activations x (rows, in) and these blocks: two rows or more, on the CPU, a
-    single matrix of two blocks a row or more (with one, tinygrad takes a scale that is the same for the whole sum
-    out of it: other bits)."""
+    """Whether `cpu_gemv` runs for activations x (rows, in) and these blocks: two rows or more (a lone row is no
+    faster here than in tinygrad's kernel), on the CPU, a single matrix of two blocks a row or more (with one,
+    tinygrad takes a scale that is the same for the whole sum out of it: other bits)."""
     rows, width = x.shape
     return (cpu_gemv_on() and x.device.split(":")[0] == "CPU" and isinstance(rows, int) and rows >= 2
-            and blocks.shape is None and width == blocks.cols and width % 32 == 0 and width >= 64)
+            and blocks.shape is None and width == blocks.cols and width >= 64)
 
 
 def cpu_gemv(x: Tensor, blocks: BlockQuantized) -> Tensor:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from models.kernels.cpu_gemv import cpu_gemv, cpu_gemv_fits
 from models.kernels.matvec import matvec as float_matvec
 
 if TYPE_CHECKING:
@@ -53,8 +54,6 @@ def matvec(x: Tensor, w: Tensor, blocks: BlockQuantized) -> Tensor:
     the activations quantised to 8 bits (Q8_0, or Q8_1 for Q4_1 matrices, which also bring their
     rounded block sums to the matrix's offsets)."""
     from tinygrad import dtypes
-
-    from models.kernels.cpu_gemv import cpu_gemv, cpu_gemv_fits
 
     values, sum_error = q8_activations(x)
     y = cpu_gemv(values, blocks) if cpu_gemv_fits(values, blocks) else float_matvec(values, w)

@@ -57,6 +57,9 @@ class Routing:
     scale: float
 
 
+CHOICE_ONLY = Routing(has_bias=False, normalise=False, scale=1.0)  # the plain top-k's constants in the shared source
+
+
 def routed_top_k(logits: Tensor, bias: Tensor | None, k: int, *, normalise: bool, scale: float) -> tuple[Tensor, Tensor]:
     """A sigmoid router's gates (..., k) float32 and choice (..., k) int32 from its logits (..., n), as
     `models.moe.route` makes them: the k best of sigmoid(logits) + `bias`, the largest last; their scores, divided by
@@ -75,25 +78,23 @@ def routed_top_k(logits: Tensor, bias: Tensor | None, k: int, *, normalise: bool
 
 @functools.cache
 def _program(device: str, rows: int, n: int, k: int, routing: Routing | None) -> UOp:
-    routed, has_bias = routing is not None, routing is not None and routing.has_bias
-    name = (f"top_k_{rows}_{n}_{k}" if not routed
-            else f"routed_top_k_{rows}_{n}_{k}" + "_b" * has_bias + "_n" * routing.normalise)
+    routed, r = routing is not None, routing or CHOICE_ONLY
+    name = f"top_k_{rows}_{n}_{k}" if not routed else f"routed_top_k_{rows}_{n}_{k}" + "_b" * r.has_bias + "_n" * r.normalise
     return cuda.program(device, name, source(name, rows, n, k, routing), grid=(-(-rows // ROWS_PER_BLOCK), 1, 1),
-                        threads=32 * ROWS_PER_BLOCK, buffers=2 + routed + has_bias, ops=rows * n * k,
-                        traffic=4 * rows * (n + k * (1 + routed)) + 4 * n * has_bias, outputs=1 + routed)
+                        threads=32 * ROWS_PER_BLOCK, buffers=2 + routed + r.has_bias, ops=rows * n * k,
+                        traffic=4 * rows * (n + k * (1 + routed)) + 4 * n * r.has_bias, outputs=1 + routed)
 
 
 def source(name: str, rows: int, n: int, k: int, routing: Routing | None = None) -> str:
     """The kernel's CUDA source: the choice alone, or (`routing`) the whole router after its product."""
     import numpy as np
 
-    params = ["int* sel"] + ["float* gates"] * (routing is not None) + ["const float* __restrict__ x"]
-    params += ["const float* __restrict__ bias"] * (routing is not None and routing.has_bias)
-    return _SOURCE.format(NAME=name, ROWS=rows, N=n, K=k, PER=-(-n // 32), RPB=ROWS_PER_BLOCK,
-                          ROUTED=int(routing is not None), PARAMS=", ".join(params),
-                          HAS_BIAS=int(routing is not None and routing.has_bias),
-                          NORMALISE=int(routing is not None and routing.normalise),
-                          SCALE=repr(float(np.float32(routing.scale if routing is not None else 1.0))))
+    routed, r = routing is not None, routing or CHOICE_ONLY
+    params = ["int* sel", *["float* gates"] * routed, "const float* __restrict__ x",
+              *["const float* __restrict__ bias"] * r.has_bias]
+    return _SOURCE.format(NAME=name, ROWS=rows, N=n, K=k, PER=-(-n // 32), RPB=ROWS_PER_BLOCK, ROUTED=int(routed),
+                          PARAMS=", ".join(params), HAS_BIAS=int(r.has_bias), NORMALISE=int(r.normalise),
+                          SCALE=repr(float(np.float32(r.scale))))
 
 
 _SOURCE = r"""

@@ -58,6 +58,12 @@ async def test_stages_holding_their_experts_run_them_in_their_graphs_with_the_cu
     assert calls == 0  # no step asked for experts
 
 
+async def ready_at(a: Assignment, epoch: int) -> None:
+    """Wait until the assignment has taken plan `epoch` and is ready."""
+    while a.status().epoch != epoch or a.status().state != "ready":  # noqa: ASYNC110 - a status snapshot
+        await trio.sleep(0.05)
+
+
 @pytest.mark.usefixtures("tinygrad_in_process")
 async def test_a_plan_that_takes_an_expert_away_cuts_the_stages_graph_and_one_that_gives_it_back_joins_it(tiny_deepseek2, monkeypatch):
     monkeypatch.setenv("SWARMD_GRAPH_CACHE", "off")
@@ -77,11 +83,9 @@ async def test_a_plan_that_takes_an_expert_away_cuts_the_stages_graph_and_one_th
             stage = await a.wait_ready()
             assert stage.experts_in_graph and stage.expert_shard is a.experts
             a.apply(announce(2, one_away))
-            while a.status().epoch != 2 or a.status().state != "ready":  # noqa: ASYNC110 - a status snapshot
-                await trio.sleep(0.05)
+            await ready_at(a, 2)
             assert not a.stage.experts_in_graph and len(a.stage.segments) > 1
             a.apply(announce(3, every))  # and given back: in the graph again
-            while a.status().epoch != 3 or a.status().state != "ready":  # noqa: ASYNC110 - a status snapshot
-                await trio.sleep(0.05)
+            await ready_at(a, 3)
             assert a.stage.experts_in_graph and a.stage.expert_shard is a.experts and len(a.stage.segments) == 1
             nursery.cancel_scope.cancel()
