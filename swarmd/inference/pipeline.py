@@ -178,17 +178,16 @@ class Pipeline:
         swarm = self.node.swarm
         if swarm is None:
             return ChainStatus(False, "the daemon is starting")
-        snap = swarm.snapshot()
-        status = chain_status(snap["plan"], snap["members"])
-        if not status.ready and snap.get("plan_error"):  # on the leader: why no plan can replace the broken one
-            return replace(status, detail=f"{status.detail}; the swarm cannot hold the model: {snap['plan_error']}",
-                           cannot_hold=True)
+        status = chain_status(*swarm.chain_view())
+        error = swarm.coordinator.error
+        if not status.ready and error:  # on the leader: why no plan can replace the broken one
+            return replace(status, detail=f"{status.detail}; the swarm cannot hold the model: {error}", cannot_hold=True)
         return status
 
     def capacity(self) -> dict[str, StageSlots | None]:
         """The members' KV slots as gossiped (this daemon's own as they are now)."""
         swarm = self.node.swarm
-        return stage_slots(swarm.snapshot()["members"]) if swarm is not None else {}
+        return stage_slots(swarm.chain_view()[1]) if swarm is not None else {}
 
     async def forget_dead_heads(self, interval: float = 1.0) -> None:
         """Requests whose head died hold KV caches no one reads: free them as soon as membership says so."""
@@ -196,7 +195,7 @@ class Pipeline:
             await trio.sleep(interval)
             swarm = self.node.swarm
             if swarm is not None:
-                gone = {m["peer_id"] for m in swarm.snapshot()["members"] if m.get("state") == "dead"}
+                gone = {m["peer_id"] for m in swarm.chain_view()[1] if m["state"] == "dead"}
                 self.stage.forget_heads(gone)
 
     def _count(self, delta: int) -> None:

@@ -229,6 +229,14 @@ class SwarmService:
         return {p: round(m.rtt_ms, 3) for p, m in self.membership.members.items()
                 if m.rtt_ms is not None and m.state != State.DEAD}
 
+    def chain_view(self) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """The plan (its JSON) and each member's peer id, state and assignment: what a head looks at ten times a
+        second while it serves, the rows of `snapshot` without describing anyone (this node's links included)."""
+        rows = [{"peer_id": self.peer_id, "state": str(State.ALIVE), "assignment": self.assignment_status().to_json()}]
+        rows += [{"peer_id": p, "state": str(m.state), "assignment": m.heartbeat.assignment.to_json()}
+                 for p, m in self.membership.members.items()]
+        return (self.plan.to_json() if self.plan else None), rows
+
     def snapshot(self) -> dict[str, Any]:
         """What `swarmd status --json` shows about the swarm (the node adds its own parts)."""
         now = trio.current_time()

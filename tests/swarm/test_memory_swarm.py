@@ -98,6 +98,22 @@ async def test_a_killed_leader_is_replaced_by_the_lowest_survivor_with_a_newer_p
     assert founder.peer_id not in {st.peer_id for st in swarm.services[leader].plan.stages}
 
 
+async def test_the_chain_view_a_head_polls_is_the_status_snapshot_without_the_descriptors(swarm, autojump_clock):
+    founder = await swarm.start(1)
+    for n in range(2, 5):
+        await swarm.start(n, bootstrap=founder.peer_id)
+    await settle(swarm)
+    swarm.kill(max(swarm.services))
+    await settle(swarm, 5)
+    for svc in swarm.services.values():
+        plan, rows = svc.chain_view()
+        snap = svc.snapshot()
+        assert plan == snap["plan"]
+        brief = [{k: m[k] for k in ("peer_id", "state", "assignment")} for m in snap["members"]]
+        assert sorted(rows, key=lambda r: r["peer_id"]) == sorted(brief, key=lambda r: r["peer_id"])
+        assert "dead" in {r["state"] for r in rows}
+
+
 async def test_a_joiner_whose_bootstrap_peer_is_gone_never_founds_its_own_swarm(swarm, autojump_clock):
     founder = await swarm.start(1)
     swarm.kill(founder.peer_id)
