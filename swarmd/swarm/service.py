@@ -231,7 +231,7 @@ class SwarmService:
 
     def chain_view(self) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
         """The plan (its JSON) and each member's peer id, state and assignment: what a head looks at ten times a
-        second while it serves, the rows of `snapshot` without describing anyone (this node's links included)."""
+        second while it serves. `snapshot`'s rows without the descriptors (this node's asks about every link)."""
         rows = [{"peer_id": self.peer_id, "state": str(State.ALIVE), "assignment": self.assignment_status().to_json()}]
         rows += [{"peer_id": p, "state": str(m.state), "assignment": m.heartbeat.assignment.to_json()}
                  for p, m in self.membership.members.items()]
