@@ -83,8 +83,9 @@ def source(name: str, rows: int, out_features: int, width: int, packed: bool, ha
         return f"{c} * dd + mm" if has_m else f"({c} - {float(offset)!r}f) * dd" if offset else f"{c} * dd"
 
     return _SOURCE.format(NAME=name, ROWS=rows, OUT=out_features, COLS=width, NB=width // 32,
-                          QB=16 if packed else 32, PER=out_features // n_threads, TILE=min(rows, TILE_ROWS), CODES=codes, W_LO=weight("lo"),
-                          W_HI=weight("hi"), M_ARG="const __fp16* restrict m, " if has_m else "",
+                          QB=16 if packed else 32, PER=out_features // n_threads, TILE=min(rows, TILE_ROWS),
+                          CODES=codes, W_LO=weight("lo"), W_HI=weight("hi"),
+                          M_ARG="const __fp16* restrict m, " if has_m else "",
                           M_LOAD="const float mm = (float)m[o * NB + b];" if has_m else "")
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tinygrad import Tensor
-    from tinygrad.uop.ops import UOp
+    from tinygrad.uop.ops import ProgramInfo, UOp
 
 # What a CUDA kernel may declare. More must be asked for at launch, which tinygrad's CUDA graphs do not do.
 STATIC_SHARED_BYTES = 48 * 1024
@@ -36,12 +36,20 @@ def program(device: str, name: str, source: str, *, grid: tuple[int, int, int], 
     """The kernel `name` of CUDA `source` as a program of `buffers` pointer arguments (the first `outputs` its
     outputs, the others its inputs), launched on `grid` blocks of `threads` threads; `ops` and `traffic` (bytes) are
     tinygrad's estimates for its statistics."""
-    from tinygrad.renderer import Estimates
-    from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
+    from tinygrad.uop.ops import ProgramInfo
 
-    sink = UOp.sink(arg=KernelInfo(name=name, estimates=Estimates(ops=ops, lds=traffic, mem=traffic)))
     info = ProgramInfo(name=name, global_size=grid, local_size=(threads, 1, 1), globals=tuple(range(buffers)),
                        outs=tuple(range(outputs)), ins=tuple(range(outputs, buffers)))
+    return compiled(device, source, info, ops=ops, traffic=traffic)
+
+
+def compiled(device: str, source: str, info: ProgramInfo, *, ops: int, traffic: int) -> UOp:
+    """`source` as the program tinygrad compiles for `device` and launches as `info` says (its name, launch and
+    buffers); `ops` and `traffic` (bytes) are tinygrad's estimates for its statistics."""
+    from tinygrad.renderer import Estimates
+    from tinygrad.uop.ops import KernelInfo, Ops, UOp
+
+    sink = UOp.sink(arg=KernelInfo(name=info.name, estimates=Estimates(ops=ops, lds=traffic, mem=traffic)))
     return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.DEVICE, arg=device), UOp(Ops.LINEAR, src=()),
                                  UOp(Ops.SOURCE, arg=source)), arg=info)
 
