@@ -32,9 +32,10 @@ def test_each_row_gets_the_bits_of_ggml_attention_over_its_own_cache(heads, kv_h
 def test_a_stages_decode_steps_give_the_logits_they_give_without_it(tiny_quantized_gguf, monkeypatch):
     prompt = np.asarray([3, 9, 27, 81, 50, 7], np.int32)
 
-    def steps() -> list[np.ndarray]:
+    def steps(kernel: bool) -> list[np.ndarray]:
         model = StageModel.from_gguf(tiny_quantized_gguf, max_context=64, max_requests=2, numerics="ggml",
                                      dtype="quantized")
+        assert model._cpu_attention is kernel  # the comparison is between the two paths, not one path twice
         out = []
         for rid in ("a", "b"):
             model.add_request(rid)
@@ -46,7 +47,7 @@ def test_a_stages_decode_steps_give_the_logits_they_give_without_it(tiny_quantiz
         return out
 
     monkeypatch.setenv("SWARMD_CPU_ATTENTION", "0")
-    without = steps()
+    without = steps(kernel=False)
     monkeypatch.setenv("SWARMD_CPU_ATTENTION", "1")
-    with_kernel = steps()
+    with_kernel = steps(kernel=True)
     assert all(np.array_equal(a, b) for a, b in zip(with_kernel, without, strict=True))
