@@ -55,15 +55,24 @@ def timing(default: float, help: str) -> Any:
     return field(default=default, metadata={"setting": Setting(help)})
 
 
+# Members a daemon hears from at the base rates (a heartbeat each `heartbeat_interval`, a probe each
+# `probe_interval`). Each message costs every daemon's event loop about the same, so a larger swarm spreads both
+# out (`Timings.spread`), and what a daemon handles a second stays that of a swarm this size.
+BASE_RATE_MEMBERS = 8
+
+
 @dataclass(frozen=True)
 class Timings:
     """Seconds, all of them."""
 
-    heartbeat_interval: float = timing(1.0, "a signed descriptor on the gossip topic this often, and at once when "
-                                            "the node's view, plan or part of it changes")
-    suspect_after: float = timing(3.0, "silence after which a member is suspect (scaled by log N)")
+    heartbeat_interval: float = timing(1.0, "a signed descriptor on the gossip topic this often (less often in swarms "
+                                            f"of over {BASE_RATE_MEMBERS} members), and at once when the node's "
+                                            "view, plan or part of it changes")
+    suspect_after: float = timing(3.0, "silence (no heartbeat, no probe answer) after which a member is suspect "
+                                       "(scaled by log N, and as heartbeats spread)")
     probe_timeout: float = timing(1.0, "a direct probe slower than this failed")
-    probe_interval: float = timing(2.0, "routine direct probes (RTT and hung-peer detection)")
+    probe_interval: float = timing(2.0, "routine direct probes of each member (liveness, RTT, hung peers; less often "
+                                        f"in swarms of over {BASE_RATE_MEMBERS} members)")
     dead_retention: float = timing(60.0, "how long a dead member stays in status before it is forgotten")
     replan_debounce: float = timing(1.0, "membership quiet for this long before the leader re-plans")
     replan_after_loss: float = timing(0.1, "the debounce when a member holding a stage is gone (the chain is broken)")
@@ -82,9 +91,27 @@ class Timings:
                                          "as a frame of it may still arrive")
     drain_timeout: float = timing(60.0, "a daemon leaving on purpose waits this long for the requests it heads")
 
+    def spread(self, n_members: int) -> float:
+        """How much further apart heartbeats and routine probes are in a swarm of this size than the intervals
+        say: 1 up to `BASE_RATE_MEMBERS` members, in proportion to the members above."""
+        return max(1.0, n_members / BASE_RATE_MEMBERS)
+
+    def heartbeat_period(self, n_members: int) -> float:
+        """How often a member publishes its heartbeat when nothing in it changed."""
+        return self.heartbeat_interval * self.spread(n_members)
+
+    def probe_period(self, n_members: int) -> float:
+        """How often a member probes each other member."""
+        return self.probe_interval * self.spread(n_members)
+
     def suspicion_timeout(self, n_members: int) -> float:
-        """memberlist's rule: suspicion grows with log10 of the swarm size, never below the base."""
-        return self.suspect_after * max(1.0, math.log10(max(1, n_members)))
+        """memberlist's rule: suspicion grows with log10 of the swarm size, never below the base; and as many
+        heartbeats and probes may be missed as at the base, however far apart `spread` puts them."""
+        return self.suspect_after * max(1.0, math.log10(max(1, n_members))) * self.spread(n_members)
+
+    def gossip_timeout(self, n_members: int) -> float:
+        """No heartbeat from a member that answers its probes for this long: its gossip stream is broken."""
+        return 2 * self.suspicion_timeout(n_members)
 
 
 LAN = Timings()

@@ -4,14 +4,21 @@ Every change of a member's state is one row of `TRANSITIONS`, fired by `_fire`; 
 `LocalProtocolError`. In words:
 
     (unknown) --compatible heartbeat (JOINED)--> alive
-    alive   --no heartbeat for the suspicion timeout (SILENT), a lost connection, a failed probe--> suspect
-    suspect --heartbeat or probe answer--> alive   (the second probe answer in a row with no heartbeat
-                                                 between: reconnect, its gossip path is broken)
+    alive   --neither a heartbeat nor a probe answer for the suspicion timeout (SILENT), a lost connection,
+              a failed probe--> suspect
+    suspect --heartbeat or probe answer--> alive
     suspect --direct probe failed, or no answer for another timeout (SUSPICION_EXPIRED)--> dead
     suspect (its connection dropped) --redials refused for a heartbeat interval (REDIALS_REFUSED)--> dead
     dead    --a newer heartbeat confirmed by a probe (CONFIRMED_BACK)--> alive
     any     --higher incarnation (REJOINED, a restart)--> alive;  any --LEFT--> dead
     any     --incompatible heartbeat (REFUSED)--> (unknown);  dead --dead_retention (FORGOTTEN)--> (unknown)
+
+Liveness is heartbeats and direct probes alike: a member that answers its routine probes is alive however
+rarely it publishes (large swarms publish and probe less often: `Timings.spread`). One that answers its probes
+but whose heartbeats stop for `Timings.gossip_timeout` is reconnected (a `Reconnect` action, no state change):
+its connection stands but the gossip stream over it is broken (py-libp2p can keep a dead pubsub stream on a
+live connection after a reset), so no heartbeat or plan would come that way again until the connection is
+made anew.
 
 A member whose connection dropped is not dead at its first failed probe (a reset link fails the first
 redials while it comes back), but it need not be silent for a whole suspicion timeout either: when
@@ -40,10 +47,6 @@ from swarmd.wire.gossip import Heartbeat
 # silence): one refusal can be a reset of the new connection, several in a row are a dead process. (Each
 # redial is itself several connection attempts: py-libp2p retries a refused dial three times.)
 REFUSALS_TO_DIE = 2
-# Times in a row a member went silent on gossip yet answered the direct probe: its connection stands but the
-# gossip stream over it is broken (py-libp2p can keep a dead pubsub stream on a live connection after a
-# reset), so no heartbeat or plan will come that way again until the connection is made anew.
-SILENT_BUT_REACHABLE_TO_RECONNECT = 2
 
 
 class State(enum.StrEnum):
@@ -60,7 +63,7 @@ class Cause(enum.Enum):
     HEARTBEAT = "heartbeat"  # a heartbeat after silence
     PROBE_ANSWERED = "probe answered"
     CONFIRMED_BACK = "confirmed back"  # dead, then a newer heartbeat and a probe answer
-    SILENT = "silent"  # no heartbeat for the suspicion timeout
+    SILENT = "silent"  # no heartbeat nor probe answer for the suspicion timeout
     CONNECTION_LOST = "connection lost"
     PROBE_FAILED = "probe failed"
     REDIALS_REFUSED = "redials refused"  # its connection dropped and nothing listens at its address
@@ -182,7 +185,7 @@ class Member:
     peer_id: str
     state: State
     heartbeat: Heartbeat
-    last_heard: float
+    last_heard: float  # its last heartbeat or probe answer
     since: float  # when `state` was entered
     seq: int
     cause: Cause = Cause.JOINED  # of the last transition
@@ -191,7 +194,7 @@ class Member:
     rtt_ms: float | None = None
     newer_while_dead: bool = False  # a fresh heartbeat arrived while dead: a probe decides
     refused_redials: int = 0  # probes in a row, since the connection dropped, whose dial was refused
-    silent_but_reachable: int = 0  # times in a row it went silent and then answered the probe
+    last_gossip: float = 0.0  # its last heartbeat (or when a reconnect was asked for, or it joined)
     reason: str = ""
 
     @property
@@ -275,15 +278,22 @@ class Membership:
     def tick(self, now: float) -> list[MembershipAction]:
         out: list[MembershipAction] = []
         timeout = self.suspicion_timeout()
+        members = len(self.live())
+        gossip_timeout, probe_period = self.timings.gossip_timeout(members), self.timings.probe_period(members)
         for m in list(self.members.values()):
             if m.probe_sent is not None and now - m.probe_sent > 3 * self.timings.probe_timeout:
                 m.probe_sent = None  # its result was lost: allow another
             if m.state == State.ALIVE:
                 if now - m.last_heard > timeout:
-                    out += self._fire(m, Cause.SILENT, now, f"no heartbeat for {now - m.last_heard:.1f} s")
+                    out += self._fire(m, Cause.SILENT, now, f"no heartbeat or probe answer for "
+                                                            f"{now - m.last_heard:.1f} s")
                     out += self._probe(m, now)
-                elif now - m.last_probe >= self.timings.probe_interval:
+                elif now - m.last_probe >= probe_period:
                     out += self._probe(m, now)
+                if m.state == State.ALIVE and now - m.last_gossip > gossip_timeout:
+                    m.last_gossip = now  # one reconnect per timeout
+                    out.append(Reconnect(m.peer_id, f"it answers probes but sent no heartbeat for "
+                                                    f"{gossip_timeout:.1f} s"))
             elif m.state == State.SUSPECT:
                 if now - m.since > timeout:
                     out += self._fire(m, Cause.SUSPICION_EXPIRED, now, "suspect for a whole timeout without an answer")
@@ -309,27 +319,26 @@ class Membership:
         out: list[MembershipAction] = []
         m = self.members.get(peer)
         if m is None:
-            m = Member(peer, State.ALIVE, hb, last_heard=now, since=now, seq=hb.seq, last_probe=now)
+            m = Member(peer, State.ALIVE, hb, last_heard=now, since=now, seq=hb.seq, last_probe=now, last_gossip=now)
             out += self._fire(m, Cause.JOINED, now, "joined", entering=True)
             out.append(Dial(peer, hb.descriptor.addresses))
         elif hb.incarnation > m.incarnation:
             addresses_changed = hb.descriptor.addresses != m.descriptor.addresses
             old = m.state
-            m.heartbeat, m.seq, m.last_heard, m.newer_while_dead = hb, hb.seq, now, False
+            m.heartbeat, m.seq, m.last_heard, m.last_gossip, m.newer_while_dead = hb, hb.seq, now, now, False
             out += self._fire(m, Cause.REJOINED, now, f"rejoined (incarnation {hb.incarnation})")
             if addresses_changed or old == State.DEAD:
                 out.append(Dial(peer, hb.descriptor.addresses))
         elif hb.incarnation < m.incarnation or hb.seq <= m.seq:
             return []  # stale or duplicate
         elif m.state == State.DEAD:
-            m.seq = hb.seq
+            m.seq, m.last_gossip = hb.seq, now
             if not m.left:
                 m.newer_while_dead = True
                 out += self._probe(m, now)
             return out
         else:
-            m.heartbeat, m.seq, m.last_heard = hb, hb.seq, now
-            m.silent_but_reachable = 0
+            m.heartbeat, m.seq, m.last_heard, m.last_gossip = hb, hb.seq, now, now
             if m.state == State.SUSPECT:
                 out += self._fire(m, Cause.HEARTBEAT, now, "heartbeat resumed")
         if not self.admitted and hb.admitted and self.self_id in hb.view and m.state == State.ALIVE:
@@ -351,16 +360,10 @@ class Membership:
         if r.ok:
             if r.rtt_ms is not None:
                 m.rtt_ms = r.rtt_ms
-            if m.state == State.SUSPECT:
-                silent = not m.connection_lost
+            if m.state != State.DEAD:
                 m.last_heard = now
-                out = self._fire(m, Cause.PROBE_ANSWERED, now, "answered a direct probe")
-                if silent:
-                    m.silent_but_reachable += 1
-                    if m.silent_but_reachable >= SILENT_BUT_REACHABLE_TO_RECONNECT:
-                        m.silent_but_reachable = 0
-                        out.append(Reconnect(m.peer_id, "it answers probes but its heartbeats stopped coming"))
-                return out
+            if m.state == State.SUSPECT:
+                return self._fire(m, Cause.PROBE_ANSWERED, now, "answered a direct probe")
             if m.state == State.DEAD and m.newer_while_dead and not m.left:
                 m.newer_while_dead = False
                 m.last_heard = now
@@ -379,8 +382,8 @@ class Membership:
                 return []
             return self._fire(m, Cause.PROBE_FAILED, now, f"direct probe failed{detail}")
         if m.state == State.ALIVE:
-            # A routine probe (an RTT measurement) that fails while heartbeats still arrive says the
-            # path is slow (a busy CPU), not that the member is gone: only silence makes it suspect.
+            # A routine probe that fails while heartbeats or other probe answers still arrive says the path
+            # is slow (a busy CPU), not that the member is gone: only silence makes it suspect.
             if now - m.last_heard <= self.suspicion_timeout():
                 return []
             return [*self._fire(m, Cause.PROBE_FAILED, now, f"no heartbeat and probe failed{detail}"),

@@ -281,8 +281,10 @@ class SwarmService:
 
     # --- the state machines -------------------------------------------------------------------
     def _feed(self, msg: MembershipInput, now: float) -> None:
-        self._on_membership(self.membership.handle(msg, now))
-        self._sync(now)
+        actions = self.membership.handle(msg, now)
+        self._on_membership(actions)
+        if any(not isinstance(a, Probe) for a in actions):  # else (a probe's answer) the next tick syncs
+            self._sync(now)
 
     def _sync(self, now: float) -> None:
         m = self.membership
@@ -395,7 +397,8 @@ class SwarmService:
                 self.coordinator.epoch, a.epoch, a.layers, a.state, tuple(sorted(a.experts.items())), full)
 
     async def _heartbeat_loop(self) -> None:
-        """A heartbeat every `heartbeat_interval`, and one at the next tick when `_news()` changes in between."""
+        """A heartbeat every `heartbeat_period` (the interval, spread out in large swarms), and one at the next tick
+        when `_news()` changes in between."""
         next_at = trio.current_time()
         while not self._leaving:
             self.seq += 1
@@ -403,7 +406,7 @@ class SwarmService:
             await self._publish(encode(self._heartbeat(), self.signer, self.settings.swarm))
             self.stats["heartbeats_sent"] += 1
             if trio.current_time() >= next_at:
-                next_at += self.timings.heartbeat_interval
+                next_at += self.timings.heartbeat_period(len(self.membership.live()))
             with trio.move_on_at(next_at):
                 await self._news_event.wait()
 

@@ -66,31 +66,72 @@ def test_a_suspect_that_answers_its_probe_is_alive_again():
     assert m.members[A].rtt_ms == 1.5
 
 
-def silent_then_answers_probe(m: Membership, peer_id: str, now: float) -> tuple[float, list]:
-    """`peer_id` sends no heartbeat for a suspicion timeout, then answers the probe; the time it answered."""
-    now += LAN.suspect_after + 0.1
-    m.tick(now=now)
-    return now + 0.1, m.handle(ProbeResult(peer_id, ok=True, rtt_ms=1.0), now=now + 0.1)
+def answering_probes_only(m: Membership, peer_id: str, start: float, until: float) -> list:
+    """Ticks every quarter second from `start` to `until`; `peer_id` answers every probe at once and sends no
+    heartbeat. Every action in that time."""
+    out, now = [], start
+    while now < until:
+        now += 0.25
+        for a in m.tick(now=now):
+            out.append(a)
+            if isinstance(a, Probe):
+                out += m.handle(ProbeResult(a.peer_id, ok=True, rtt_ms=1.0), now=now)
+    return out
 
 
-def test_a_member_silent_on_gossip_twice_running_yet_answering_probes_is_reconnected():
+def test_a_member_that_answers_its_probes_is_alive_without_heartbeats():
     m = founder()
     m.handle(HeartbeatReceived(heartbeat(A, 1)), now=0.0)
-    now, first = silent_then_answers_probe(m, A, 0.0)
-    assert changes(first) == [(A, State.SUSPECT, State.ALIVE)]
-    assert not [a for a in first if isinstance(a, Reconnect)]  # once may be a busy CPU
-    now, second = silent_then_answers_probe(m, A, now)
-    assert changes(second) == [(A, State.SUSPECT, State.ALIVE)]
-    assert [a.peer_id for a in second if isinstance(a, Reconnect)] == [A]  # its gossip stream is broken
+    out = answering_probes_only(m, A, 0.0, 5 * LAN.suspect_after)
+    assert changes(out) == []
+    assert m.state_of(A) == State.ALIVE
 
 
-def test_a_heartbeat_between_two_silences_means_gossip_works_and_nothing_reconnects():
+def test_a_member_answering_probes_but_silent_on_gossip_is_reconnected_once_per_gossip_timeout():
     m = founder()
     m.handle(HeartbeatReceived(heartbeat(A, 1)), now=0.0)
-    now, _ = silent_then_answers_probe(m, A, 0.0)
-    m.handle(HeartbeatReceived(heartbeat(A, 2)), now=now + 0.5)
-    _, out = silent_then_answers_probe(m, A, now + 0.5)
+    timeout = LAN.gossip_timeout(2)
+    before = answering_probes_only(m, A, 0.0, timeout - 0.25)
+    assert not [a for a in before if isinstance(a, Reconnect)]  # a heartbeat may just be late
+    after = answering_probes_only(m, A, timeout - 0.25, 2 * timeout - 0.25)
+    assert [a.peer_id for a in after if isinstance(a, Reconnect)] == [A]  # its gossip stream is broken
+    assert changes(before + after) == []
+
+
+def test_heartbeats_between_probes_mean_gossip_works_and_nothing_reconnects():
+    m = founder()
+    out = []
+    for i in range(1, 40):
+        now = i * LAN.heartbeat_interval
+        out += m.handle(HeartbeatReceived(heartbeat(A, i)), now=now)
+        out += answering_probes_only(m, A, now, now + LAN.heartbeat_interval - 0.01)
     assert not [a for a in out if isinstance(a, Reconnect)]
+    assert changes(out) == [(A, None, State.ALIVE)]
+
+
+def test_swarms_larger_than_eight_heartbeat_and_probe_less_often_so_each_member_handles_as_many_messages():
+    assert [LAN.heartbeat_period(n) for n in (1, 4, 8)] == [LAN.heartbeat_interval] * 3
+    assert [LAN.probe_period(n) for n in (1, 4, 8)] == [LAN.probe_interval] * 3
+    for n in (9, 16, 52, 400):
+        assert n / LAN.heartbeat_period(n) == 8 / LAN.heartbeat_interval
+        assert n / LAN.probe_period(n) == 8 / LAN.probe_interval
+    assert LAN.suspicion_timeout(52) > 3 * LAN.heartbeat_period(52)  # as many heartbeats missed as in small swarms
+
+
+def test_a_member_of_a_large_swarm_is_alive_on_rare_heartbeats_and_its_probes():
+    m = founder()
+    for i in range(40):  # 41 members: heartbeats every 5 intervals
+        m.handle(HeartbeatReceived(heartbeat(peer(10 + i), 1)), now=0.0)
+    period = LAN.heartbeat_period(len(m.live()))
+    assert period == 41 / 8 * LAN.heartbeat_interval
+    out, now, seq = [], 0.0, 1
+    while now < 10 * period:
+        seq += 1
+        out += m.handle(HeartbeatReceived(heartbeat(A, seq)), now=now) if seq > 2 else []
+        out += answering_probes_only(m, A, now, now + period)
+        now += period
+    assert [c for c in changes(out) if c[0] == A] == [(A, None, State.ALIVE)]
+    assert not [a for a in out if isinstance(a, Reconnect) and a.peer_id == A]
 
 
 def test_a_heartbeat_clears_suspicion():
@@ -225,6 +266,6 @@ def test_a_failed_routine_probe_of_a_member_that_still_heartbeats_changes_nothin
     assert m.state_of(A) == State.ALIVE and m.members[A].reason == "joined"
 
 
-def test_suspicion_timeout_grows_with_the_log_of_the_swarm_size():
-    assert LAN.suspicion_timeout(4) == LAN.suspect_after
-    assert LAN.suspicion_timeout(100) == 2 * LAN.suspect_after
+def test_suspicion_timeout_grows_with_the_log_of_the_swarm_size_and_as_its_heartbeats_spread():
+    assert LAN.suspicion_timeout(4) == LAN.suspicion_timeout(8) == LAN.suspect_after
+    assert LAN.suspicion_timeout(100) == 2 * LAN.suspect_after * LAN.heartbeat_period(100) / LAN.heartbeat_interval

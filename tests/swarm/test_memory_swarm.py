@@ -254,3 +254,19 @@ async def test_a_settled_member_heartbeats_once_an_interval_and_tells_its_news_a
     seen = founder.membership.members[member.peer_id].heartbeat.assignment
     assert (seen.state, seen.layers) == (AssignmentState.LOADING, (0, 30))
     assert member.stats["heartbeats_sent"] == sent + 1  # told at once, in one heartbeat of its own
+
+
+async def test_a_swarm_of_sixteen_heartbeats_half_as_often_and_its_probes_keep_everyone_alive(swarm, autojump_clock):
+    founder = await swarm.start(1)
+    for n in range(2, 17):
+        await swarm.start(n, bootstrap=founder.peer_id)
+    await settle(swarm, 30)
+    period = LAN.heartbeat_period(16)
+    assert period == 2 * LAN.heartbeat_interval
+    sent = {p: s.stats["heartbeats_sent"] for p, s in swarm.services.items()}
+    suspected = {p: s.stats["transitions_to_suspect"] for p, s in swarm.services.items()}
+    await trio.sleep(20 * period)
+    assert {s.stats["heartbeats_sent"] - sent[p] for p, s in swarm.services.items()} <= {20, 21}
+    assert {s.stats["transitions_to_suspect"] - suspected[p] for p, s in swarm.services.items()} == {0}
+    [(leader, _, _, live)] = swarm.views()
+    assert len(live) == 16 and leader == founder.peer_id
