@@ -277,9 +277,9 @@ class Membership:
 
     def tick(self, now: float) -> list[MembershipAction]:
         out: list[MembershipAction] = []
-        timeout = self.suspicion_timeout()
         members = len(self.live())
-        gossip_timeout, probe_period = self.timings.gossip_timeout(members), self.timings.probe_period(members)
+        timeout, probe_period = self.timings.suspicion_timeout(members), self.timings.probe_period(members)
+        gossip_timeout = self.timings.gossip_timeout(members)
         for m in list(self.members.values()):
             if m.probe_sent is not None and now - m.probe_sent > 3 * self.timings.probe_timeout:
                 m.probe_sent = None  # its result was lost: allow another
