@@ -17,7 +17,6 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import trio
@@ -26,15 +25,8 @@ import trio.testing
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from planner import BUILTIN_ARCHS, layout_from_arch, make_plan  # noqa: E402
-from swarmd.config import LAN  # noqa: E402
-from swarmd.net.identity import Signer, peer_id_of  # noqa: E402
-from swarmd.swarm.service import SwarmService, SwarmSettings  # noqa: E402
 from swarmd.testing.memory_network import MemoryHub  # noqa: E402
-from swarmd.testing.twin import run_inline  # noqa: E402
-from tests.swarm.swarm_helpers import descriptor, key  # noqa: E402
-
-LAYOUT = layout_from_arch(BUILTIN_ARCHS["smollm2-135m"], "f16")
+from tests.swarm.memory_swarm import Swarm  # noqa: E402
 
 
 def measure(members: int, settle: float, seconds: float) -> dict[str, float]:
@@ -43,18 +35,11 @@ def measure(members: int, settle: float, seconds: float) -> dict[str, float]:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             hub = await nursery.start(MemoryHub().run)
-            services: list[SwarmService] = []
-            for n in range(1, members + 1):
-                kp = key(n)
-                pid = peer_id_of(kp)
-                net = hub.endpoint(pid)
-                desc = replace(descriptor(pid), addresses=tuple(net.addresses()))
-                boot = ((services[0].peer_id, f"/memory/{services[0].peer_id}"),) if services else ()
-                svc = SwarmService(net, Signer(kp), SwarmSettings("bench", LAN, boot), describe_self=lambda d=desc: d,
-                                   make_plan=lambda a: make_plan(LAYOUT, a.nodes, epoch=a.epoch, previous=a.previous),
-                                   blocking=run_inline)
-                await nursery.start(svc.run)
-                services.append(svc)
+            swarm = Swarm(nursery, hub)
+            founder = await swarm.start(1)
+            for n in range(2, members + 1):
+                await swarm.start(n, bootstrap=founder.peer_id)
+            services = list(swarm.services.values())
             await trio.sleep(settle)
             keys = ("messages_received", "heartbeats_sent", "transitions_to_suspect")
             before = [{k: s.stats[k] for k in keys} for s in services]
