@@ -32,6 +32,7 @@ import numpy as np
 
 from models.errors import ModelError
 from models.gguf.header import GGUFHeader
+from models.kernels.block_gemv import Strided
 from models.moe import GATING, MoEConfig
 
 if TYPE_CHECKING:
@@ -277,10 +278,12 @@ def rope_table(config: DeepSeek2Config, rows: int) -> np.ndarray:
 # ----- the attention of a stage's block -----
 
 def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,
-              angles: Tensor, project, *, tiles: Sequence[UOp] = (), at: tuple[Tensor, Tensor] | None = None) -> Tensor:
+              angles: Tensor, project, *, tiles: Sequence[UOp] = (), at: tuple[Tensor, Tensor] | None = None,
+              residual: Tensor | None = None) -> Tensor:
     """Block i's multi-head latent attention for `len(slots)` requests of T tokens each: h (B, T, dim), the
-    attention-normed input, -> (B, T, dim). `project(w, x, name)` is the stage's matvec over GGUF-named
-    weights (8-bit activations before block-quantised products under ggml numerics). `tiles`: a decode step's
+    attention-normed input, -> (B, T, dim), plus `residual` (B, T, dim) if given. `project(w, x, name, residual)`
+    is the stage's matvec over GGUF-named weights (8-bit activations before block-quantised products under ggml
+    numerics), adding the residual to its product. `tiles`: a decode step's
     whole cache tiles per row (GPUs, float numerics: `tiled_latent_attention`, or `latent_attention`'s kernels on
     NVIDIA GPUs). `at`: a decode batch's slots and positions as tensors, for writing its latents in one kernel
     (and for those kernels)."""
@@ -289,7 +292,13 @@ def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Seque
     from models.kernels import ggml_numerics
     from models.kernels.attention import tiled_latent_attention
     from models.kernels.cache_rows import write_rows
-    from models.kernels.latent_attention import latent_attention, latent_attention_fits
+    from models.kernels.latent_attention import (
+        QueryRope,
+        latent_attention,
+        latent_attention_fits,
+        query_rope_on,
+    )
+    from models.kernels.latent_rows import LatentNorms, latent_rows, latent_rows_fits
 
     blk, c, cache = stage.blk[i], stage.config, stage.kv.layers[i]
     batch, L, r, nope = h.shape[0], c.kv_lora_rank, c.rope_dim, c.qk_nope_dim
@@ -297,25 +306,40 @@ def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Seque
     q_width = c.q_lora_rank or c.n_heads * c.head_dim
     qkv = project(stage._qkv[i], h, "qkv")  # attn_q_a (or attn_q), attn_kv_a_mqa
     q, kv = qkv.split([q_width, L + r], dim=-1)
-    if c.q_lora_rank:
-        q = project(blk.attn_q_b.weight, stage._norm(blk.attn_q_a_norm, qkv, (0, q_width)), "attn_q_b.weight")
     scale, decode = kq_scale(c), isinstance(T, int) and T == 1
+    cached = None  # the cache after this step's writes
+    if tiles and decode and not ggml and at is not None and latent_rows_fits(qkv.reshape(batch, -1), cache,
+                                                                            c.q_lora_rank, L, r):
+        norms = LatentNorms(blk.attn_q_a_norm.weight, blk.attn_kv_a_norm.weight, blk.attn_q_a_norm.eps,
+                            blk.attn_kv_a_norm.eps)  # both norms, the key's rotation and the write in one kernel
+        q_normed, cached = latent_rows(qkv.reshape(batch, -1), norms, angles.reshape(batch, r), cache, *at,
+                                       q_width=q_width)
+        q = project(blk.attn_q_b.weight, q_normed.reshape(batch, T, q_width), "attn_q_b.weight")
+    elif c.q_lora_rank:
+        q = project(blk.attn_q_b.weight, stage._norm(blk.attn_q_a_norm, qkv, (0, q_width)), "attn_q_b.weight")
+    q_heads = q  # (B, T, heads x head_dim) as the projection wrote it
+    heads_in_place = Strided(q, c.head_dim, c.n_heads * c.head_dim)  # q's heads' values where they lie
     q = q.reshape(batch, T, c.n_heads, c.head_dim).transpose(1, 2)  # (B, H, T, head_dim)
     cos, sin = angles.chunk(2, dim=-1)
     q_rope = _rotate(q[..., nope:], cos, sin)
     q_nope = q[..., :nope]
     if ggml and nope % ggml_numerics.BLOCK == 0:
         q_nope = ggml_numerics.q8_activations(q_nope.reshape(-1, nope))[0].reshape(batch, c.n_heads, T, nope)
-    q_latent = _per_head(stage, i, q_nope, "attn_k_b")  # (B, H, T, kv_lora): absorbed
-    k_rope = _rotate(kv[..., L:].reshape(batch, 1, T, r), cos, sin)
-    latent = stage._norm(blk.attn_kv_a_norm, qkv, (q_width, L)).reshape(batch, 1, T, L).cat(k_rope, dim=-1)
-    # write each request's new latents into its own slot, then read its cache back through the writes
-    cached = write_rows(cache, latent.reshape(batch, T, L + r), slots, starts, slot_axis=0, row_axis=1, at=at)
+    q_latent = _per_head(stage, i, q_nope, "attn_k_b", None if ggml else heads_in_place)  # (B, H, T, kv_lora): absorbed
+    if cached is None:
+        k_rope = _rotate(kv[..., L:].reshape(batch, 1, T, r), cos, sin)
+        latent = stage._norm(blk.attn_kv_a_norm, qkv, (q_width, L)).reshape(batch, 1, T, L).cat(k_rope, dim=-1)
+        # write each request's new latents into its own slot, then read its cache back through the writes
+        cached = write_rows(cache, latent.reshape(batch, T, L + r), slots, starts, slot_axis=0, row_axis=1, at=at)
     query = q_latent.cat(q_rope, dim=-1)  # (B, H, T, L + r)
     if tiles and decode and not ggml:  # GPUs: the batch in hand-written kernels, or every row over whole tiles
         rows = query.reshape(batch, c.n_heads, L + r)
         if at is not None and latent_attention_fits(rows, cached, L):
-            outs = [latent_attention(rows, cached, *at, values=L, scale=scale).reshape(batch, c.n_heads, 1, L)]
+            rope = QueryRope(q_heads.reshape(batch, c.n_heads, c.head_dim), nope, angles.reshape(batch, r)) \
+                if query_rope_on() else None  # rotated in the kernel: no kernel joins the query first
+            queries = q_latent.reshape(batch, c.n_heads, L) if rope else rows
+            outs = [latent_attention(queries, cached, *at, values=L, scale=scale, rope=rope)
+                    .reshape(batch, c.n_heads, 1, L)]
         else:
             tiling = {"tile": stage.attention_tile, "positions": stage._positions, "values": L, "scale": scale}
             outs = [tiled_latent_attention(query[b:b + 1], cached, s, p, t, **tiling)
@@ -336,12 +360,13 @@ def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Seque
         out = ggml_numerics.q8_activations(out.reshape(-1, L))[0].reshape(batch, c.n_heads, T, L)
     out = _per_head(stage, i, out, "attn_v_b")  # (B, H, T, v)
     return project(blk.attn_output.weight, out.transpose(1, 2).reshape(batch, T, c.n_heads * c.v_head_dim),
-                   "attn_output.weight")
+                   "attn_output.weight", residual)
 
 
-def _per_head(stage: Any, i: int, x: Tensor, name: str) -> Tensor:
+def _per_head(stage: Any, i: int, x: Tensor, name: str, lying: Strided | None = None) -> Tensor:
     """x (B, H, T, in) times block i's per-head matrices `name` (H, out, in) -> (B, H, T, out): on NVIDIA GPUs, with
-    float numerics and a few rows, `block_gemv` reads the heads' GGML blocks once for all rows."""
+    float numerics and a few rows, `block_gemv` reads the heads' GGML blocks once for all rows, and x's values
+    where they lie when `lying` says where (row b * T + t of head h at h * `lying.slot` + row * `lying.row`)."""
     from models.kernels.block_gemv import block_gemv, block_gemv_fits
 
     blocks = stage._blocks.get(f"blk.{i}.{name}.weight")
@@ -349,7 +374,9 @@ def _per_head(stage: Any, i: int, x: Tensor, name: str) -> Tensor:
     if blocks is not None and stage.numerics != "ggml" and isinstance(T, int):
         rows = x.permute(1, 0, 2, 3).reshape(heads, batch * T, width)
         if block_gemv_fits(rows, blocks, gathered=False):
-            return block_gemv(rows, blocks).reshape(heads, batch, T, -1).permute(1, 0, 2, 3)
+            if lying is not None and (lying.slot % 4 or lying.row % 4):
+                lying = None  # the kernel's loads are 16 bytes
+            return block_gemv(lying or rows, blocks, shape=rows.shape).reshape(heads, batch, T, -1).permute(1, 0, 2, 3)
     return x @ getattr(stage.blk[i], name)["weight"].float().transpose(-1, -2)
 
 

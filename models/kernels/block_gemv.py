@@ -10,7 +10,9 @@ matching activations of each row once for all its outputs. A lane sums (code - o
 block, scales the sum by the block's scale (and adds Q4_1's offset times the activations' sum); the warp adds its
 lanes' sums in a fixed tree, and the group its warps' sums in order. The split follows from the matrix's width and
 whether it is one of a stack, so each output's sum runs in the same order whatever the slots, rows and matrices
-around it.
+around it. Two things a neighbouring kernel would do come inside: a `residual` added to each output (the residual
+stream's add after a block's attention or shared expert), and activations read where they lie (`Strided`: a head's
+part of a fused projection's output) instead of a copy.
 """
 
 from __future__ import annotations
@@ -85,6 +87,11 @@ def block_gemv_on() -> bool:
     return os.environ.get("SWARMD_BLOCK_GEMV", "1") != "0"
 
 
+def residual_in_kernel_on() -> bool:
+    """`SWARMD_RESIDUAL_IN_KERNEL=0` adds a product's residual in a kernel of its own (for side-by-side runs)."""
+    return os.environ.get("SWARMD_RESIDUAL_IN_KERNEL", "1") != "0"
+
+
 def block_gemv_fits(x: Tensor, blocks: BlockQuantized, *, gathered: bool) -> bool:
     """Whether `block_gemv` runs for activations x (slots, rows, in) and these blocks, `gathered` by index or not."""
     if not (block_gemv_on() and cuda.arch(x.device) >= 70 and blocks.packed and all(isinstance(n, int) for n in x.shape)):
@@ -96,56 +103,86 @@ def block_gemv_fits(x: Tensor, blocks: BlockQuantized, *, gathered: bool) -> boo
             and per.warps % per.split == 0 and out % per.outputs == 0)
 
 
-def block_gemv(x: Tensor, blocks: BlockQuantized, idx: Tensor | None = None, *, share: int = 1) -> Tensor:
+@dataclass(frozen=True)
+class Strided:
+    """Activations read where they lie: slot s's row r starts `slot` floats after slot s - 1's and `row` floats after
+    row r - 1's, in a buffer `base` (a head's query values in a fused projection's output, each head's a part of a
+    row). Both are multiples of 4 (the kernel's loads are 16 bytes)."""
+
+    base: Tensor
+    slot: int
+    row: int
+
+
+def block_gemv(x: Tensor | Strided, blocks: BlockQuantized, idx: Tensor | None = None, *, share: int = 1,
+               residual: Tensor | None = None, shape: tuple[int, int, int] | None = None) -> Tensor:
     """x (slots, rows, in) times `blocks` -> float32 (slots, rows, out): with `idx`, slot s times matrix idx[s] of
     the stack; without, slot s times matrix s of a stack, or every slot times the one matrix. With `share`, x holds
-    slots / share slots, each read by `share` consecutive slots of idx (a row's chosen experts). More than
-    `KERNEL_ROWS` rows go in kernels of that many: a row's arithmetic is the same in any of them, so a request's
-    row gets the same bits in a decode batch of any size (a verify step's rows included)."""
+    slots / share slots, each read by `share` consecutive slots of idx (a row's chosen experts). `residual` (slots,
+    rows, out), float32, is added to each output in the kernel (the bits of a separate add). x `Strided`: its
+    values where they lie, of `shape` (slots, rows, in). More than `KERNEL_ROWS` rows go in kernels of that many:
+    a row's arithmetic is the same in any of them, so a request's row gets the same bits in a decode batch of any
+    size (a verify step's rows included)."""
     from tinygrad import Tensor, dtypes
 
-    x_slots, rows, width = x.shape
+    x_slots, rows, width = shape if isinstance(x, Strided) else x.shape
     if rows > KERNEL_ROWS:
-        parts = [block_gemv(x[:, r:r + KERNEL_ROWS], blocks, idx, share=share) for r in range(0, rows, KERNEL_ROWS)]
+        def rows_of(r: int) -> Tensor | Strided:
+            if isinstance(x, Strided):
+                return replace(x, base=x.base.reshape(-1)[r * x.row:].reshape(-1)) if r else x
+            return x[:, r:r + KERNEL_ROWS]
+
+        parts = [block_gemv(rows_of(r), blocks, idx, share=share, shape=(x_slots, min(KERNEL_ROWS, rows - r), width),
+                            residual=None if residual is None else residual[:, r:r + KERNEL_ROWS])
+                 for r in range(0, rows, KERNEL_ROWS)]
         return parts[0].cat(*parts[1:], dim=1)
     assert share == 1 or idx is not None, "slots share their rows only when gathered by index"
     slots = x_slots * share
     out_features = blocks.shape[1] if blocks.shape else blocks.rows
-    inputs = (x.cast(dtypes.float32), blocks.q, blocks.d, *([blocks.m] if blocks.m is not None else []),
-              *([idx.cast(dtypes.int32)] if idx is not None else []))
-    out = Tensor.empty(slots, rows, out_features, dtype=dtypes.float32, device=x.device)
+    strides = (x.slot, x.row) if isinstance(x, Strided) else (rows * width, width)
+    inputs = ((x.base if isinstance(x, Strided) else x).cast(dtypes.float32), blocks.q, blocks.d,
+              *([blocks.m] if blocks.m is not None else []), *([idx.cast(dtypes.int32)] if idx is not None else []),
+              *([residual.cast(dtypes.float32)] if residual is not None else []))
+    out = Tensor.empty(slots, rows, out_features, dtype=dtypes.float32, device=blocks.q.device)
     pick = "index" if idx is not None else "slot" if blocks.shape else "one"
-    prog = _program(x.device, slots, rows, out_features, width, blocks.code_offset, blocks.m is not None, pick,
-                    layout().for_rows(width, pick != "one"), share)
+    prog = _program(blocks.q.device, slots, rows, out_features, width, blocks.code_offset, blocks.m is not None, pick,
+                    layout().for_rows(width, pick != "one"), share, residual is not None, strides)
     return cuda.run(out, inputs, prog)
 
 
 @functools.cache
 def _program(device: str, slots: int, rows: int, out_features: int, width: int, offset: int, has_m: bool, pick: str,
-             lay: Layout, share: int = 1) -> UOp:
+             lay: Layout, share: int = 1, has_r: bool = False, strides: tuple[int, int] | None = None) -> UOp:
+    strided = strides is not None and strides != (rows * width, width)
     name = (f"block_gemv_{slots}_{rows}_{out_features}_{width}" + ("_m" if has_m else f"_o{offset}")
-            + {"index": "_g", "slot": "_s", "one": ""}[pick] + (f"_x{share}" if share > 1 else "") + f"_{lay.tag}")
+            + {"index": "_g", "slot": "_s", "one": ""}[pick] + (f"_x{share}" if share > 1 else "")
+            + ("_r" if has_r else "") + (f"_v{strides[0]}_{strides[1]}" if strided else "") + f"_{lay.tag}")
     matrices = 1 if pick == "one" else slots
     traffic = (matrices * out_features * width * (10 if has_m else 9) // 16
-               + 4 * slots * rows * (width // share + out_features))
-    return cuda.program(device, name, source(name, rows, out_features, width, offset, has_m, pick, lay, share),
+               + 4 * slots * rows * (width // share + out_features * (1 + has_r)))
+    return cuda.program(device, name, source(name, rows, out_features, width, offset, has_m, pick, lay, share, has_r,
+                                             strides if strided else None),
                         grid=(out_features // lay.outputs, slots, 1), threads=32 * lay.warps,
-                        buffers=4 + has_m + (pick == "index"), ops=2 * slots * rows * out_features * width, traffic=traffic)
+                        buffers=4 + has_m + (pick == "index") + has_r, ops=2 * slots * rows * out_features * width,
+                        traffic=traffic)
 
 
 def source(name: str, rows: int, out_features: int, width: int, offset: int, has_m: bool, pick: str,
-           lay: Layout, share: int = 1) -> str:
+           lay: Layout, share: int = 1, has_r: bool = False, strides: tuple[int, int] | None = None) -> str:
     """The kernel's CUDA source (its loop over blocks unrolled less the more rows and bytes a lane holds, within its
     registers); `pick`: how a slot's matrix is chosen ("index": idx[slot], "slot": matrix slot,
-    "one": the one matrix); `share`: slots that read each slot of x."""
+    "one": the one matrix); `share`: slots that read each slot of x; `has_r`: a residual to add; `strides`: x's
+    (slot, row) strides in floats, where they are not those of a contiguous x."""
     lay = lay.for_rows(width, pick != "one")  # (a layout with its split fixed keeps it)
     params = ["float* out", "const float* __restrict__ x", "const unsigned* __restrict__ q",
               "const half* __restrict__ d"]
     params += ["const half* __restrict__ m"] * has_m + ["const int* __restrict__ idx"] * (pick == "index")
+    params += ["const float* __restrict__ res"] * has_r
     matrix = {"index": "idx[slot]", "slot": "slot", "one": "0"}[pick]
+    slot_stride, row_stride = strides or (rows * width, width)
     return _SOURCE.format(NAME=name, PARAMS=", ".join(params), ROWS=rows, OUT=out_features, NB=width // 32,
-                          OFF=float(offset), HAS_M=int(has_m), MATRIX=matrix, NR=lay.per_warp, WARPS=lay.warps,
-                          SPLIT=lay.split, SHARE=share,
+                          OFF=float(offset), HAS_M=int(has_m), HAS_R=int(has_r), MATRIX=matrix, NR=lay.per_warp,
+                          WARPS=lay.warps, SPLIT=lay.split, SHARE=share, XS=slot_stride, XR=row_stride,
                           WORDS=lay.lane_bytes // 4, UNROLL=max(1, (4 if rows <= 2 else 2) * 4 // lay.lane_bytes))
 
 
@@ -156,6 +193,14 @@ _SOURCE = r"""
 #define NB {NB}
 #define OFF {OFF}f
 #define HAS_M {HAS_M}
+#define HAS_R {HAS_R}
+#if HAS_R
+#define RESIDUAL(v, at) ((v) + res[at])
+#else
+#define RESIDUAL(v, at) (v)
+#endif
+#define XS {XS}
+#define XR {XR}
 #define NR {NR}
 #define WARPS {WARPS}
 #define WORDS {WORDS}
@@ -181,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) {NAME}({PARAMS}) {{
   const int group = warp / SPLIT, share = warp % SPLIT;
   const int slot = blockIdx.y, o0 = (blockIdx.x * (WARPS / SPLIT) + group) * NR;
   const size_t row0 = (size_t)({MATRIX}) * OUT + o0;
-  const float* xs = x + (size_t)(slot / SHARE) * ROWS * NB * 32 + part * WORDS * 4;
+  const float* xs = x + (size_t)(slot / SHARE) * XS + part * WORDS * 4;
   float acc[NR][ROWS];
   #pragma unroll
   for (int r = 0; r < NR; r++)
@@ -210,8 +255,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) {NAME}({PARAMS}) {{
       for (int r = 0; r < NR; r++) s[r] = 0.f;
       #pragma unroll
       for (int k = 0; k < WORDS; k++) {{
-        const float4 lo = __ldg((const float4*)(xs + i * NB * 32 + b * 32 + k * 4));
-        const float4 hi = __ldg((const float4*)(xs + i * NB * 32 + b * 32 + k * 4 + 16));
+        const float4 lo = __ldg((const float4*)(xs + i * XR + b * 32 + k * 4));
+        const float4 hi = __ldg((const float4*)(xs + i * XR + b * 32 + k * 4 + 16));
 #if HAS_M
         sx += ((lo.x + lo.y) + (lo.z + lo.w)) + ((hi.x + hi.y) + (hi.z + hi.w));
 #endif
@@ -252,7 +297,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) {NAME}({PARAMS}) {{
 #if SPLIT > 1
       if (lane == (r * ROWS + i) % 32) parts[warp][r * ROWS + i] = v;
 #else
-      if (lane == (r * ROWS + i) % 32) out[((size_t)slot * ROWS + i) * OUT + o0 + r] = v;
+      if (lane == (r * ROWS + i) % 32) {{
+        const size_t at = ((size_t)slot * ROWS + i) * OUT + o0 + r;
+        out[at] = RESIDUAL(v, at);
+      }}
 #endif
     }}
 #if SPLIT > 1
@@ -262,7 +310,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) {NAME}({PARAMS}) {{
       float v = parts[warp][j];
       #pragma unroll
       for (int w = 1; w < SPLIT; w++) v += parts[warp + w][j];
-      out[((size_t)slot * ROWS + j % ROWS) * OUT + o0 + j / ROWS] = v;
+      const size_t at = ((size_t)slot * ROWS + j % ROWS) * OUT + o0 + j / ROWS;
+      out[at] = RESIDUAL(v, at);
     }}
 #endif
 }}

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from models.kernels import cuda, ggml_numerics
-from models.kernels.block_gemv import block_gemv, block_gemv_fits, block_gemv_on
+from models.kernels.block_gemv import block_gemv, block_gemv_fits, block_gemv_on, residual_in_kernel_on
 from models.kernels.matvec import GPU_DEVICES, as_opts, cpu_matvec_opts, opts_fit
 
 if TYPE_CHECKING:
@@ -69,16 +69,20 @@ def shared_rows(x: Tensor, share: int) -> Tensor:
     return x.reshape(n, 1, rows, width).expand(n, share, rows, width).reshape(n * share, rows, width)
 
 
-def block_matvec(x: Tensor, blocks, idx: Tensor | None = None, *, share: int = 1) -> Tensor:
+def block_matvec(x: Tensor, blocks, idx: Tensor | None = None, *, share: int = 1,
+                 residual: Tensor | None = None) -> Tensor:
     """x (slots, rows, in) times GGML-block matrices -> (slots, rows, out), as one GPU kernel whose reduction
     (over blocks of 32 and the 16 bytes of a block's codes, both nibbles at once) is split over a thread group:
     with `idx`, slot s multiplies matrix idx[s] of the stack `blocks` (gathered by index inside the kernel,
     reading only those matrices' codes); without, the one matrix (slots = 1). On NVIDIA GPUs, where it fits, the
-    product is `models.kernels.block_gemv`'s hand-written kernel instead. `share`: as `gathered_matvec`'s."""
+    product is `models.kernels.block_gemv`'s hand-written kernel instead, which adds `residual` (slots, rows, out)
+    itself (elsewhere `residual + product`, the same bits). `share`: as `gathered_matvec`'s."""
     from tinygrad import dtypes, function
 
     if block_gemv_fits(x, blocks, gathered=idx is not None):
-        return block_gemv(x, blocks, idx, share=share)
+        if residual is None or residual_in_kernel_on():
+            return block_gemv(x, blocks, idx, share=share, residual=residual)
+        return residual + block_gemv(x, blocks, idx, share=share)
     x = shared_rows(x, share)
     slots, rows, in_features = x.shape
     n, out_features = (blocks.shape[0], blocks.shape[1]) if blocks.shape else (1, blocks.rows)
@@ -117,7 +121,8 @@ def block_matvec(x: Tensor, blocks, idx: Tensor | None = None, *, share: int = 1
         return y.contiguous(arg=opts) if opts else y.contiguous()
 
     args = [x.contiguous(), blocks.q, blocks.d, *([blocks.m] if has_m else []), *([idx] if gathered else [])]
-    return kernel(*args).permute(0, 2, 1)
+    y = kernel(*args).permute(0, 2, 1)
+    return y if residual is None else residual + y
 
 
 def pairs_per_kernel(device: str) -> int:

@@ -6,13 +6,15 @@ their values. The first kernel splits a row's cache into `SPLITS` spans of equal
 warp takes one head over one span, four cache rows at a time, and keeps its running maximum, the sum of its
 weights and its weighted values (a span's entry padded to whole float4s). The second adds a head's spans in order.
 Where the spans fall follows from the row's position alone, so a row's bits do not depend on the batch around it
-(a verify step's rows included).
+(a verify step's rows included). With `QueryRope` the first kernel rotates the queries' RoPE part itself, read
+where the query projection left it, in place of a kernel that rotates and joins them first.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from models.kernels import cuda
@@ -41,30 +43,60 @@ def latent_attention_fits(q: Tensor, cache: Tensor, values: int) -> bool:
             and 4 * SPLITS <= values <= min(width, 4 * 1024))  # the sum: a warp weighs the spans, 4 values a thread
 
 
-def latent_attention(q: Tensor, cache: Tensor, slots: Tensor, starts: Tensor, *, values: int, scale: float) -> Tensor:
+def query_rope_on() -> bool:
+    """`SWARMD_QUERY_ROPE_IN_KERNEL=0` rotates and joins the queries in tinygrad's kernel first (side-by-side runs)."""
+    return os.environ.get("SWARMD_QUERY_ROPE_IN_KERNEL", "1") != "0"
+
+
+@dataclass(frozen=True)
+class QueryRope:
+    """The queries' RoPE part, unrotated, where the query projection left it: `heads` (B, heads, head_dim), each
+    head's values from column `start` on, and each row's angles (B, rope_dim): cos of its half, then sin (the
+    half-split RoPE of `models.deepseek2._rotate`, each product and sum rounded on its own)."""
+
+    heads: Tensor
+    start: int
+    angles: Tensor
+
+
+def latent_attention(q: Tensor, cache: Tensor, slots: Tensor, starts: Tensor, *, values: int, scale: float,
+                     rope: QueryRope | None = None) -> Tensor:
     """Each row's attention output (B, heads, values) float32; scores scaled by `scale`. `slots` and `starts` are
-    (B,) int32 tensors (`models.kernels.attention.batch_rows_at`)."""
+    (B,) int32 tensors (`models.kernels.attention.batch_rows_at`). With `rope`, q (B, heads, values) is only the
+    queries' latent part, and the kernel rotates their RoPE part itself."""
     from tinygrad import Tensor, dtypes
 
     batch, heads, width = q.shape
-    part, combine = _programs(q.device, batch, heads, width, values, cache.shape[1], float(scale))
+    if rope is not None:
+        width += rope.angles.shape[-1]
+    part, combine = _programs(q.device, batch, heads, width, values, cache.shape[1], float(scale),
+                              None if rope is None else (rope.heads.shape[-1], rope.start))
     starts = starts.cast(dtypes.int32)
     spans = Tensor.empty(batch, SPLITS, heads, values + 4, dtype=dtypes.float32, device=q.device)
-    spans = cuda.run(spans, (q.cast(dtypes.float32), cache, slots.cast(dtypes.int32), starts), part)
+    inputs = (q.cast(dtypes.float32), cache, slots.cast(dtypes.int32), starts)
+    if rope is not None:
+        inputs += (rope.heads.cast(dtypes.float32), rope.angles.cast(dtypes.float32))
+    spans = cuda.run(spans, inputs, part)
     out = Tensor.empty(batch, heads, values, dtype=dtypes.float32, device=q.device)
     return cuda.run(out, (spans, starts), combine)
 
 
 @functools.cache
-def _programs(device: str, batch: int, heads: int, width: int, values: int, rows: int, scale: float) -> tuple[UOp, UOp]:
+def _programs(device: str, batch: int, heads: int, width: int, values: int, rows: int, scale: float,
+              rope: tuple[int, int] | None = None) -> tuple[UOp, UOp]:
     import numpy as np
 
     tag = f"{batch}_{heads}_{width}_{values}_{rows}"
+    head_dim, start = rope or (0, 0)
     consts = dict(H=heads, W=width, V=values, ROWS=rows, NS=SPLITS, HPB=HEADS_PER_BLOCK,
                   SCALE=repr(float(np.float32(scale))))
-    part = cuda.program(device, f"latent_attention_{tag}", _PART.format(NAME=f"latent_attention_{tag}", **consts),
-                        grid=(heads // HEADS_PER_BLOCK, SPLITS, batch), threads=32 * HEADS_PER_BLOCK, buffers=5,
-                        ops=4 * batch * heads * rows * width, traffic=4 * batch * rows * width)
+    name = f"latent_attention_{tag}" + (f"_r{head_dim}_{start}" if rope else "")
+    part = cuda.program(device, name,
+                        _PART.format(NAME=name, ROPE=int(rope is not None), HD=head_dim, START=start,
+                                     PARAMS=_ROPE_PARAMS if rope else "", **consts),
+                        grid=(heads // HEADS_PER_BLOCK, SPLITS, batch), threads=32 * HEADS_PER_BLOCK,
+                        buffers=5 + 2 * (rope is not None), ops=4 * batch * heads * rows * width,
+                        traffic=4 * batch * rows * width)
     combine = cuda.program(device, f"latent_attention_sum_{tag}",
                            _COMBINE.format(NAME=f"latent_attention_sum_{tag}", **consts), grid=(heads, batch, 1),
                            threads=values // 4, buffers=3, ops=4 * batch * heads * SPLITS * values,
@@ -83,16 +115,40 @@ _PART = r"""
 #define VW (V / 64)
 #define RPI 4
 #define NEG_INF __int_as_float(0xff800000)
+#define ROPE {ROPE}
+#define HD {HD}
+#define START {START}
+#define HALF ((W - V) / 2)
+
+#if ROPE
+// value k of a head's rotated RoPE part: x1 * cos - x2 * sin, then x2 * cos + x1 * sin, each step rounded
+__device__ __forceinline__ float rotated(const float* x, const float* angles, int k) {{
+  const int i = k % HALF;
+  const float c = angles[i], sn = angles[HALF + i], x1 = x[i], x2 = x[HALF + i];
+  return k < HALF ? __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, sn)) : __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, sn));
+}}
+#endif
 
 extern "C" __global__ void __launch_bounds__(HPB * 32) {NAME}(float* part, const float* __restrict__ q,
-    const float* __restrict__ cache, const int* __restrict__ slots, const int* __restrict__ starts) {{
+    const float* __restrict__ cache, const int* __restrict__ slots, const int* __restrict__ starts{PARAMS}) {{
   const int lane = threadIdx.x & 31, h = blockIdx.x * HPB + (threadIdx.x >> 5), s = blockIdx.y, b = blockIdx.z;
   const int n = starts[b] + 1, per = (n + NS - 1) / NS, r0 = s * per, r1 = min(n, r0 + per);
   if (r0 >= r1) return;
-  const float2* qh = (const float2*)(q + ((size_t)b * H + h) * W);
   float2 qv[QW];
+#if ROPE
+  const float2* qh = (const float2*)(q + ((size_t)b * H + h) * V);
+  const float* pe = heads + ((size_t)b * H + h) * HD + START;
+  #pragma unroll
+  for (int j = 0; j < QW; j++) {{
+    const int e = 2 * (lane + 32 * j);
+    qv[j] = e < V ? qh[lane + 32 * j] : make_float2(rotated(pe, angles + b * (W - V), e - V),
+                                                    rotated(pe, angles + b * (W - V), e - V + 1));
+  }}
+#else
+  const float2* qh = (const float2*)(q + ((size_t)b * H + h) * W);
   #pragma unroll
   for (int j = 0; j < QW; j++) qv[j] = qh[lane + 32 * j];
+#endif
   const float* base = cache + (size_t)slots[b] * ROWS * W;
   float m = NEG_INF, l = 0.f;
   float2 acc[VW];
@@ -146,6 +202,8 @@ extern "C" __global__ void __launch_bounds__(HPB * 32) {NAME}(float* part, const
   if (lane == 0) {{ out[V] = m; out[V + 1] = l; }}
 }}
 """
+
+_ROPE_PARAMS = ", const float* __restrict__ heads, const float* __restrict__ angles"
 
 _COMBINE = r"""
 #define H {H}

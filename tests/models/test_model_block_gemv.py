@@ -13,7 +13,7 @@ from tinygrad import Device, Tensor
 from tinygrad.uop.ops import Ops
 
 from models.kernels import cuda
-from models.kernels.block_gemv import Layout, block_gemv, source
+from models.kernels.block_gemv import Layout, Strided, block_gemv, source
 from models.kernels.gathered import block_matvec
 from models.kernels.quant import from_ggml_blocks
 
@@ -66,7 +66,7 @@ def test_decode_products_with_4_bit_blocks_take_the_hand_written_kernel_on_nvidi
 def test_the_kernel_builds_for_hopper_without_spilling_registers(rows, has_m, pick, layout, tmp_path):
     cu = tmp_path / "block_gemv.cu"
     cu.write_text(source("block_gemv_check", rows, 4096, 7168, 0 if has_m else 8, has_m, pick, layout,
-                         8 if pick == "index" else 1))
+                         8 if pick == "index" else 1, has_r=pick == "one", strides=(192, 12288) if pick == "slot" else None))
     built = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
                             str(cu)], capture_output=True, text=True, timeout=120)
     assert built.returncode == 0, built.stderr
@@ -141,3 +141,29 @@ def test_a_lone_matrix_shared_by_warps_gives_each_row_the_bits_it_has_alone():
     for row in (0, 9, 19):
         alone = block_matvec(Tensor(x[:, row:row + 1].copy()), matrix).numpy()
         assert np.array_equal(whole[0, row], alone[0, 0])
+
+
+@pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("rows", [1, 3, 11])
+@pytest.mark.parametrize("width", [4096, 1024], ids=["split-rows", "whole-rows"])
+def test_a_residual_added_in_the_kernel_has_the_bits_of_a_separate_add(rows, width):
+    rng = np.random.default_rng(rows)
+    raw = random_blocks(rng, 64, width, False)
+    matrix = from_ggml_blocks(raw, 2, (64, width), Device.DEFAULT).realize()
+    x = rng.standard_normal((1, rows, width)).astype(np.float32)
+    residual = rng.standard_normal((1, rows, 64)).astype(np.float32)
+    added = block_gemv(Tensor(x), matrix, residual=Tensor(residual)).numpy()
+    assert np.array_equal(added, residual + block_gemv(Tensor(x), matrix).numpy())
+
+
+@pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("rows", [1, 2, 9])
+def test_heads_read_where_they_lie_give_the_bits_of_heads_copied_out(rows):
+    """Each head's first 128 of its 192 values in rows of 6 heads (a query projection's output), read in place."""
+    rng = np.random.default_rng(20 + rows)
+    raw = random_blocks(rng, 6 * 64, 128, False)
+    stack = from_ggml_blocks(raw, 2, (6, 64, 128), Device.DEFAULT).realize()
+    q = rng.standard_normal((rows, 6 * 192)).astype(np.float32)
+    copied = np.ascontiguousarray(q.reshape(rows, 6, 192)[..., :128].transpose(1, 0, 2))  # (heads, rows, 128)
+    in_place = block_gemv(Strided(Tensor(q), 192, 6 * 192), stack, shape=(6, rows, 128)).numpy()
+    assert np.array_equal(in_place, block_gemv(Tensor(copied), stack).numpy())

@@ -10,7 +10,15 @@ import pytest
 from tinygrad import Device, Tensor
 
 from models.kernels import cuda
-from models.kernels.latent_attention import _COMBINE, _PART, HEADS_PER_BLOCK, SPLITS, latent_attention
+from models.kernels.latent_attention import (
+    _COMBINE,
+    _PART,
+    _ROPE_PARAMS,
+    HEADS_PER_BLOCK,
+    SPLITS,
+    QueryRope,
+    latent_attention,
+)
 
 ON_NVIDIA = cuda.arch(Device.DEFAULT) >= 70
 HEADS, WIDTH, VALUES, ROWS, SLOTS = 16, 192, 128, 300, 4
@@ -32,8 +40,10 @@ def attend(q: np.ndarray, cache: np.ndarray, slots: list[int], starts: list[int]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs CUDA's compiler")
-def test_the_kernels_build_for_hopper_without_spilling_registers(tmp_path):
-    consts = dict(H=64, W=576, V=512, ROWS=4160, NS=SPLITS, HPB=HEADS_PER_BLOCK, SCALE="0.0625")
+@pytest.mark.parametrize("rope", [False, True], ids=["query-joined", "query-rope-in-kernel"])
+def test_the_kernels_build_for_hopper_without_spilling_registers(tmp_path, rope):
+    consts = dict(H=64, W=576, V=512, ROWS=4160, NS=SPLITS, HPB=HEADS_PER_BLOCK, SCALE="0.0625", ROPE=int(rope),
+                  HD=192, START=128, PARAMS=_ROPE_PARAMS if rope else "")
     for name, text in (("part", _PART), ("sum", _COMBINE)):
         (tmp_path / f"{name}.cu").write_text(text.format(NAME=name, **consts))
         built = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / f"{name}.cubin"),
@@ -65,3 +75,25 @@ def test_a_rows_bits_do_not_depend_on_the_rows_around_it():
     for b in range(len(slots)):
         alone = attend(q[b:b + 1].copy(), cache, slots[b:b + 1], starts[b:b + 1], 0.1)
         assert np.array_equal(whole[b], alone[0])
+
+
+@pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
+def test_queries_rotated_in_the_kernel_attend_as_queries_rotated_first():
+    """The RoPE part read where the projection left it (heads of 96 values, 32 of them unrotated first) and rotated in
+    the kernel: the reference rotates it in float32, each product and sum rounded, and joins it to the latent part."""
+    rng = np.random.default_rng(5)
+    rope, head_dim, nope = WIDTH - VALUES, 96, 32
+    cache = rng.standard_normal((SLOTS, ROWS, WIDTH)).astype(np.float32)
+    slots, starts = [1, 3, 0], [17, 250, 299]
+    latent = (rng.standard_normal((3, HEADS, VALUES)) * 0.2).astype(np.float32)
+    heads = (rng.standard_normal((3, HEADS, head_dim)) * 0.2).astype(np.float32)
+    half = rope // 2
+    angles = rng.uniform(-1, 1, (3, rope)).astype(np.float32)
+    cos, sin = angles[:, None, :half], angles[:, None, half:]
+    x1, x2 = heads[..., nope:nope + half], heads[..., nope + half:nope + rope]
+    rotated = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)  # float32, no fused steps
+    joined = attend(np.concatenate([latent, rotated], axis=-1), cache, slots, starts, 0.07)
+    got = latent_attention(Tensor(latent), Tensor(cache), Tensor(np.array(slots, np.int32)),
+                           Tensor(np.array(starts, np.int32)), values=VALUES, scale=0.07,
+                           rope=QueryRope(Tensor(heads), nope, Tensor(angles))).numpy()
+    assert np.array_equal(got, joined)
