@@ -278,12 +278,10 @@ def rope_table(config: DeepSeek2Config, rows: int) -> np.ndarray:
 # ----- the attention of a stage's block -----
 
 def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,
-              angles: Tensor, project, *, tiles: Sequence[UOp] = (), at: tuple[Tensor, Tensor] | None = None,
-              residual: Tensor | None = None) -> Tensor:
+              angles: Tensor, project, *, tiles: Sequence[UOp] = (), at: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Block i's multi-head latent attention for `len(slots)` requests of T tokens each: h (B, T, dim), the
-    attention-normed input, -> (B, T, dim), plus `residual` (B, T, dim) if given. `project(w, x, name, residual)`
-    is the stage's matvec over GGUF-named weights (8-bit activations before block-quantised products under ggml
-    numerics), adding the residual to its product. `tiles`: a decode step's
+    attention-normed input, -> (B, T, dim). `project(w, x, name)` is the stage's matvec over GGUF-named
+    weights (8-bit activations before block-quantised products under ggml numerics). `tiles`: a decode step's
     whole cache tiles per row (GPUs, float numerics: `tiled_latent_attention`, or `latent_attention`'s kernels on
     NVIDIA GPUs). `at`: a decode batch's slots and positions as tensors, for writing its latents in one kernel
     (and for those kernels)."""
@@ -360,21 +358,21 @@ def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Seque
         out = ggml_numerics.q8_activations(out.reshape(-1, L))[0].reshape(batch, c.n_heads, T, L)
     out = _per_head(stage, i, out, "attn_v_b")  # (B, H, T, v)
     return project(blk.attn_output.weight, out.transpose(1, 2).reshape(batch, T, c.n_heads * c.v_head_dim),
-                   "attn_output.weight", residual)
+                   "attn_output.weight")
 
 
 def _per_head(stage: Any, i: int, x: Tensor, name: str, lying: Strided | None = None) -> Tensor:
     """x (B, H, T, in) times block i's per-head matrices `name` (H, out, in) -> (B, H, T, out): on NVIDIA GPUs, with
     float numerics and a few rows, `block_gemv` reads the heads' GGML blocks once for all rows, and x's values
     where they lie when `lying` says where (row b * T + t of head h at h * `lying.slot` + row * `lying.row`)."""
-    from models.kernels.block_gemv import block_gemv, block_gemv_fits
+    from models.kernels.block_gemv import block_gemv, block_gemv_fits, heads_in_place_on
 
     blocks = stage._blocks.get(f"blk.{i}.{name}.weight")
     batch, heads, T, width = x.shape
     if blocks is not None and stage.numerics != "ggml" and isinstance(T, int):
         rows = x.permute(1, 0, 2, 3).reshape(heads, batch * T, width)
         if block_gemv_fits(rows, blocks, gathered=False):
-            if lying is not None and (lying.slot % 4 or lying.row % 4):
+            if lying is not None and (lying.slot % 4 or lying.row % 4 or not heads_in_place_on()):
                 lying = None  # the kernel's loads are 16 bytes
             return block_gemv(lying or rows, blocks, shape=rows.shape).reshape(heads, batch, T, -1).permute(1, 0, 2, 3)
     return x @ getattr(stage.blk[i], name)["weight"].float().transpose(-1, -2)

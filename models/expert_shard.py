@@ -23,8 +23,7 @@ from tinygrad.llm.model import TransformerConfig
 from models import cached_graphs
 from models.errors import ModelError
 from models.kernels.gated_sum import gated_sum_fits, residual_plus_gated
-from models.kernels.gathered import gathered_matvec, pairs_per_kernel, shared_rows
-from models.kernels.glu import silu_glu
+from models.kernels.gathered import gated_matvec, gathered_matvec, pairs_per_kernel, shared_rows
 from models.kernels.matvec import tune_cpu_renderer
 from models.moe import EXPERT_TENSORS, ExpertCall, gated_sum, is_moe_block
 from models.tinygrad_ext.jit import HeldInputs, read_back
@@ -181,7 +180,7 @@ class ExpertShard:
         idx = sel.reshape(-1).cast("int32")
 
         def experts(rows: Tensor, idx: Tensor, share: int) -> Tensor:
-            act = silu_glu(gathered_matvec(rows, gate_up, idx, ggml=ggml, share=share)).contiguous()
+            act = gated_matvec(rows, gate_up, idx, ggml=ggml, share=share).contiguous()
             return gathered_matvec(act, down, idx, ggml=ggml).float()
 
         n, per = b * t * k, pairs_per_kernel(x.device)
@@ -204,7 +203,7 @@ class ExpertShard:
         n = len(_tensors(like_gate_up))
         gate_up, down = _rebuilt(like_gate_up, weights[:n]), _rebuilt(like_down, weights[n:])
         ggml = self.numerics == "ggml"
-        act = silu_glu(gathered_matvec(x, gate_up, idx, ggml=ggml)).contiguous()
+        act = gated_matvec(x, gate_up, idx, ggml=ggml).contiguous()
         return gathered_matvec(act, down, idx, ggml=ggml).float().realize()
 
 

@@ -41,7 +41,7 @@ from models.deepseek2 import is_mla
 from models.errors import ModelError
 from models.expert_shard import ExpertShard
 from models.gguf.loader import StageParts
-from models.kernels import cuda, ggml_numerics
+from models.kernels import ggml_numerics
 from models.kernels.attention import (
     batch_rows_at,
     grouped_query_attention,
@@ -860,14 +860,14 @@ class StageModel:
         # transpose the logits on the host (tens of milliseconds at batch 32 and a 128k vocabulary)
         return self._matvec(h, self.output.weight, "output.weight").contiguous()
 
-    def _matvec(self, h: Tensor, w: Tensor, name: str, residual: Tensor | None = None) -> Tensor:
-        """h (rows, in) @ w.T, plus `residual` (rows, out) when given (added in the product's kernel where that is
-        `block_gemv`); with ggml numerics a matrix in GGML blocks multiplies 8-bit activations, as in llama.cpp."""
+    def _matvec(self, h: Tensor, w: Tensor, name: str, glu: bool = False) -> Tensor:
+        """h (rows, in) @ w.T; with `glu`, w is [gate | up] and the result silu(gate) * up (rows, out / 2), inside the
+        product's kernel where that is `block_gemv`. With ggml numerics a matrix in GGML blocks multiplies 8-bit
+        activations, as in llama.cpp."""
         blocks = self._blocks.get(name)
         if self.on_gpu and self.mla and blocks is not None and self.numerics != "ggml" \
                 and h.shape[-1] % ggml_numerics.BLOCK == 0:  # GGML blocks in one split reduction
-            return block_matvec(h.reshape(1, *h.shape), blocks,
-                                residual=None if residual is None else residual.reshape(1, *residual.shape))[0]
+            return block_matvec(h.reshape(1, *h.shape), blocks, glu=glu)[0]
         if self.numerics == "ggml" and blocks is not None and h.shape[-1] % ggml_numerics.BLOCK == 0:
             y = ggml_numerics.matvec(h, w, blocks)
         elif blocks is not None and cpu_gemv_fits(h, blocks):
@@ -876,7 +876,7 @@ class StageModel:
             y = half_gemv(h, w)  # a router's float16 matrix: a kernel whose output its top-k reads in place
         else:
             y = matvec(h, w)
-        return y if residual is None else residual + y
+        return silu_glu(y) if glu else y
 
     def _block(self, i: int, x: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,
                angles: Tensor, tiles: Sequence[UOp] = (), *, cut: bool = False, span: int = 0,
@@ -888,32 +888,32 @@ class StageModel:
         blk, c = self.blk[i], self.config
         batch = x.shape[0]
 
-        def project(w: Tensor, h: Tensor, name: str, residual: Tensor | None = None) -> Tensor:
-            """h (batch, T, in) times block i's matrix `name`, plus the residual stream's `residual` if given."""
-            return self._matvec(h.reshape(batch * T, h.shape[-1]), w, f"blk.{i}.{name}",
-                                None if residual is None else residual.reshape(batch * T, -1)).reshape(batch, T, w.shape[0])
+        def project(w: Tensor, h: Tensor, name: str, glu: bool = False) -> Tensor:
+            """h (batch, T, in) times block i's matrix `name`; with `glu`, silu(gate) * up of a [gate | up] matrix."""
+            out = self._matvec(h.reshape(batch * T, h.shape[-1]), w, f"blk.{i}.{name}", glu)
+            return out.reshape(batch, T, w.shape[0] // (1 + glu))
 
         normed = self._norm(blk.attn_norm, x)
         if self.mla:
-            h = deepseek2.attention(self, i, normed, slots, starts, T, angles, project, tiles=tiles, at=at, residual=x)
+            h = x + deepseek2.attention(self, i, normed, slots, starts, T, angles, project, tiles=tiles, at=at)
         else:
             h = x + self._attention(i, normed, slots, starts, T, angles, tiles, project, span=span, at=at)
-        if self.on_gpu and not cuda.is_output(h):  # one buffer for the norm's kernel and the residual
-            h = h.contiguous()  # (else the kernel's input is a copy)
+        if self.on_gpu:  # one buffer for the norm's kernel and the residual (else the kernel's input is a copy)
+            h = h.contiguous()
         normed = self._norm(blk.ffn_norm, h)
         if i not in self.moe_blocks:
-            return project(blk.ffn_down.weight, silu_glu(project(self._gate_up[i], normed, "gate_up")),
-                           "ffn_down.weight", residual=h)
+            return h + project(blk.ffn_down.weight, project(self._gate_up[i], normed, "gate_up", glu=True),
+                               "ffn_down.weight")
         if self.mla:  # the router and shared expert through the stage's matvec (GGML blocks stay blocks)
             logits = project(blk.ffn_gate_inp.weight, normed, "ffn_gate_inp.weight")
             gates, sel = route(blk, normed, c, logits=logits)
             if c.shared_expert_dim:
                 if i in self._gate_up:
-                    act = silu_glu(project(self._gate_up[i], normed, "gate_up"))
+                    act = project(self._gate_up[i], normed, "gate_up", glu=True)
                 else:
                     up = project(blk.ffn_up_shexp.weight, normed, "ffn_up_shexp.weight")
                     act = project(blk.ffn_gate_shexp.weight, normed, "ffn_gate_shexp.weight").silu() * up
-                h = project(blk.ffn_down_shexp.weight, act, "ffn_down_shexp.weight", residual=h)
+                h = h + project(blk.ffn_down_shexp.weight, act, "ffn_down_shexp.weight")
         else:
             gates, sel = route(blk, normed, c)
             if (shared := shared_experts(blk, normed)) is not None:

@@ -10,9 +10,9 @@ matching activations of each row once for all its outputs. A lane sums (code - o
 block, scales the sum by the block's scale (and adds Q4_1's offset times the activations' sum); the warp adds its
 lanes' sums in a fixed tree, and the group its warps' sums in order. The split follows from the matrix's width and
 whether it is one of a stack, so each output's sum runs in the same order whatever the slots, rows and matrices
-around it. Two things a neighbouring kernel would do come inside: a `residual` added to each output (the residual
-stream's add after a block's attention or shared expert), and activations read where they lie (`Strided`: a head's
-part of a fused projection's output) instead of a copy.
+around it. Two things a neighbouring kernel would do come inside: activations read where they lie (`Strided`: a
+head's part of a fused projection's output) instead of a copy, and, with `glu`, a feed-forward's silu(gate) * up of
+a matrix laid out [gate | up] (a warp's outputs are half gate rows, half the matching up rows).
 """
 
 from __future__ import annotations
@@ -87,9 +87,14 @@ def block_gemv_on() -> bool:
     return os.environ.get("SWARMD_BLOCK_GEMV", "1") != "0"
 
 
-def residual_in_kernel_on() -> bool:
-    """`SWARMD_RESIDUAL_IN_KERNEL=0` adds a product's residual in a kernel of its own (for side-by-side runs)."""
-    return os.environ.get("SWARMD_RESIDUAL_IN_KERNEL", "1") != "0"
+def heads_in_place_on() -> bool:
+    """`SWARMD_HEADS_IN_PLACE=0` copies a per-head product's input out first (`Strided`'s, side-by-side runs)."""
+    return os.environ.get("SWARMD_HEADS_IN_PLACE", "1") != "0"
+
+
+def glu_in_kernel_on() -> bool:
+    """`SWARMD_GLU_IN_KERNEL=0` leaves a feed-forward's silu(gate) * up to a kernel of its own (side-by-side runs)."""
+    return os.environ.get("SWARMD_GLU_IN_KERNEL", "1") != "0" and layout().per_warp % 2 == 0
 
 
 def block_gemv_fits(x: Tensor, blocks: BlockQuantized, *, gathered: bool) -> bool:
@@ -115,12 +120,12 @@ class Strided:
 
 
 def block_gemv(x: Tensor | Strided, blocks: BlockQuantized, idx: Tensor | None = None, *, share: int = 1,
-               residual: Tensor | None = None, shape: tuple[int, int, int] | None = None) -> Tensor:
+               shape: tuple[int, int, int] | None = None, glu: bool = False) -> Tensor:
     """x (slots, rows, in) times `blocks` -> float32 (slots, rows, out): with `idx`, slot s times matrix idx[s] of
     the stack; without, slot s times matrix s of a stack, or every slot times the one matrix. With `share`, x holds
-    slots / share slots, each read by `share` consecutive slots of idx (a row's chosen experts). `residual` (slots,
-    rows, out), float32, is added to each output in the kernel (the bits of a separate add). x `Strided`: its
-    values where they lie, of `shape` (slots, rows, in). More than `KERNEL_ROWS` rows go in kernels of that many:
+    slots / share slots, each read by `share` consecutive slots of idx (a row's chosen experts). x `Strided`: its
+    values where they lie, of `shape` (slots, rows, in). With `glu` the matrices are [gate | up] and the result is
+    silu(gate) * up (slots, rows, out / 2), rounded as `glu_of` says. More than `KERNEL_ROWS` rows go in kernels of that many:
     a row's arithmetic is the same in any of them, so a request's row gets the same bits in a decode batch of any
     size (a verify step's rows included)."""
     from tinygrad import Tensor, dtypes
@@ -133,7 +138,7 @@ def block_gemv(x: Tensor | Strided, blocks: BlockQuantized, idx: Tensor | None =
             return x[:, r:r + KERNEL_ROWS]
 
         parts = [block_gemv(rows_of(r), blocks, idx, share=share, shape=(x_slots, min(KERNEL_ROWS, rows - r), width),
-                            residual=None if residual is None else residual[:, r:r + KERNEL_ROWS])
+                            glu=glu)
                  for r in range(0, rows, KERNEL_ROWS)]
         return parts[0].cat(*parts[1:], dim=1)
     assert share == 1 or idx is not None, "slots share their rows only when gathered by index"
@@ -141,47 +146,46 @@ def block_gemv(x: Tensor | Strided, blocks: BlockQuantized, idx: Tensor | None =
     out_features = blocks.shape[1] if blocks.shape else blocks.rows
     strides = (x.slot, x.row) if isinstance(x, Strided) else (rows * width, width)
     inputs = ((x.base if isinstance(x, Strided) else x).cast(dtypes.float32), blocks.q, blocks.d,
-              *([blocks.m] if blocks.m is not None else []), *([idx.cast(dtypes.int32)] if idx is not None else []),
-              *([residual.cast(dtypes.float32)] if residual is not None else []))
-    out = Tensor.empty(slots, rows, out_features, dtype=dtypes.float32, device=blocks.q.device)
+              *([blocks.m] if blocks.m is not None else []), *([idx.cast(dtypes.int32)] if idx is not None else []))
+    out = Tensor.empty(slots, rows, out_features // (1 + glu), dtype=dtypes.float32, device=blocks.q.device)
     pick = "index" if idx is not None else "slot" if blocks.shape else "one"
     prog = _program(blocks.q.device, slots, rows, out_features, width, blocks.code_offset, blocks.m is not None, pick,
-                    layout().for_rows(width, pick != "one"), share, residual is not None, strides)
+                    layout().for_rows(width, pick != "one"), share, strides, glu)
     return cuda.run(out, inputs, prog)
 
 
 @functools.cache
 def _program(device: str, slots: int, rows: int, out_features: int, width: int, offset: int, has_m: bool, pick: str,
-             lay: Layout, share: int = 1, has_r: bool = False, strides: tuple[int, int] | None = None) -> UOp:
+             lay: Layout, share: int = 1, strides: tuple[int, int] | None = None, glu: bool = False) -> UOp:
     strided = strides is not None and strides != (rows * width, width)
     name = (f"block_gemv_{slots}_{rows}_{out_features}_{width}" + ("_m" if has_m else f"_o{offset}")
             + {"index": "_g", "slot": "_s", "one": ""}[pick] + (f"_x{share}" if share > 1 else "")
-            + ("_r" if has_r else "") + (f"_v{strides[0]}_{strides[1]}" if strided else "") + f"_{lay.tag}")
+            + ("_glu" if glu else "") + (f"_v{strides[0]}_{strides[1]}" if strided else "")
+            + f"_{lay.tag}")
     matrices = 1 if pick == "one" else slots
     traffic = (matrices * out_features * width * (10 if has_m else 9) // 16
-               + 4 * slots * rows * (width // share + out_features * (1 + has_r)))
-    return cuda.program(device, name, source(name, rows, out_features, width, offset, has_m, pick, lay, share, has_r,
-                                             strides if strided else None),
+               + 4 * slots * rows * (width // share + out_features // (1 + glu)))
+    return cuda.program(device, name, source(name, rows, out_features, width, offset, has_m, pick, lay, share,
+                                             strides if strided else None, glu),
                         grid=(out_features // lay.outputs, slots, 1), threads=32 * lay.warps,
-                        buffers=4 + has_m + (pick == "index") + has_r, ops=2 * slots * rows * out_features * width,
+                        buffers=4 + has_m + (pick == "index"), ops=2 * slots * rows * out_features * width,
                         traffic=traffic)
 
 
 def source(name: str, rows: int, out_features: int, width: int, offset: int, has_m: bool, pick: str,
-           lay: Layout, share: int = 1, has_r: bool = False, strides: tuple[int, int] | None = None) -> str:
+           lay: Layout, share: int = 1, strides: tuple[int, int] | None = None, glu: bool = False) -> str:
     """The kernel's CUDA source (its loop over blocks unrolled less the more rows and bytes a lane holds, within its
     registers); `pick`: how a slot's matrix is chosen ("index": idx[slot], "slot": matrix slot,
-    "one": the one matrix); `share`: slots that read each slot of x; `has_r`: a residual to add; `strides`: x's
-    (slot, row) strides in floats, where they are not those of a contiguous x."""
+    "one": the one matrix); `share`: slots that read each slot of x; `strides`: x's
+    (slot, row) strides in floats, where they are not those of a contiguous x; `glu`: silu(gate) * up out."""
     lay = lay.for_rows(width, pick != "one")  # (a layout with its split fixed keeps it)
     params = ["float* out", "const float* __restrict__ x", "const unsigned* __restrict__ q",
               "const half* __restrict__ d"]
     params += ["const half* __restrict__ m"] * has_m + ["const int* __restrict__ idx"] * (pick == "index")
-    params += ["const float* __restrict__ res"] * has_r
     matrix = {"index": "idx[slot]", "slot": "slot", "one": "0"}[pick]
     slot_stride, row_stride = strides or (rows * width, width)
     return _SOURCE.format(NAME=name, PARAMS=", ".join(params), ROWS=rows, OUT=out_features, NB=width // 32,
-                          OFF=float(offset), HAS_M=int(has_m), HAS_R=int(has_r), MATRIX=matrix, NR=lay.per_warp,
+                          OFF=float(offset), HAS_M=int(has_m), GLU=int(glu), MATRIX=matrix, NR=lay.per_warp,
                           WARPS=lay.warps, SPLIT=lay.split, SHARE=share, XS=slot_stride, XR=row_stride,
                           WORDS=lay.lane_bytes // 4, UNROLL=max(1, (4 if rows <= 2 else 2) * 4 // lay.lane_bytes))
 
@@ -193,15 +197,19 @@ _SOURCE = r"""
 #define NB {NB}
 #define OFF {OFF}f
 #define HAS_M {HAS_M}
-#define HAS_R {HAS_R}
-#if HAS_R
-#define RESIDUAL(v, at) ((v) + res[at])
-#else
-#define RESIDUAL(v, at) (v)
-#endif
 #define XS {XS}
 #define XR {XR}
+#define GLU {GLU}
 #define NR {NR}
+#if GLU
+// a warp's outputs: NR / 2 gate rows, then the matching up rows (OUT / 2 rows further); silu as tinygrad's
+#define OUTS (NR / 2)
+#define ROW_OF(r) ((r) < OUTS ? (r) : (r) - OUTS + OUT / 2)
+#define GATED(g, u) ((g) * (1.f / (1.f + exp2f((g) * -1.4426950408889634f))) * (u))
+#else
+#define OUTS NR
+#define ROW_OF(r) (r)
+#endif
 #define WARPS {WARPS}
 #define WORDS {WORDS}
 #define SPLIT {SPLIT}
@@ -224,7 +232,7 @@ template <> __device__ __forceinline__ void codes<4>(unsigned* c, const unsigned
 extern "C" __global__ void __launch_bounds__(WARPS * 32) {NAME}({PARAMS}) {{
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, part = lane % LPB;
   const int group = warp / SPLIT, share = warp % SPLIT;
-  const int slot = blockIdx.y, o0 = (blockIdx.x * (WARPS / SPLIT) + group) * NR;
+  const int slot = blockIdx.y, o0 = (blockIdx.x * (WARPS / SPLIT) + group) * OUTS;
   const size_t row0 = (size_t)({MATRIX}) * OUT + o0;
   const float* xs = x + (size_t)(slot / SHARE) * XS + part * WORDS * 4;
   float acc[NR][ROWS];
@@ -242,10 +250,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) {NAME}({PARAMS}) {{
 #endif
     #pragma unroll
     for (int r = 0; r < NR; r++) {{
-      codes<WORDS>(c[r], q + (row0 + r) * (NB * 4) + b * 4 + part * WORDS);
-      sc[r] = __half2float(d[(row0 + r) * NB + b]);
+      codes<WORDS>(c[r], q + (row0 + ROW_OF(r)) * (NB * 4) + b * 4 + part * WORDS);
+      sc[r] = __half2float(d[(row0 + ROW_OF(r)) * NB + b]);
 #if HAS_M
-      mm[r] = __half2float(m[(row0 + r) * NB + b]);
+      mm[r] = __half2float(m[(row0 + ROW_OF(r)) * NB + b]);
 #endif
     }}
     #pragma unroll
@@ -296,22 +304,34 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) {NAME}({PARAMS}) {{
       for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
 #if SPLIT > 1
       if (lane == (r * ROWS + i) % 32) parts[warp][r * ROWS + i] = v;
+#elif GLU
+      acc[r][i] = v;  // every lane holds the sum
 #else
-      if (lane == (r * ROWS + i) % 32) {{
-        const size_t at = ((size_t)slot * ROWS + i) * OUT + o0 + r;
-        out[at] = RESIDUAL(v, at);
-      }}
+      if (lane == (r * ROWS + i) % 32) out[((size_t)slot * ROWS + i) * OUT + o0 + r] = v;
 #endif
     }}
+#if SPLIT == 1 && GLU
+  #pragma unroll
+  for (int r = 0; r < OUTS; r++)
+    #pragma unroll
+    for (int i = 0; i < ROWS; i++)
+      if (lane == (r * ROWS + i) % 32) out[((size_t)slot * ROWS + i) * (OUT / 2) + o0 + r] = GATED(acc[r][i], acc[r + OUTS][i]);
+#endif
 #if SPLIT > 1
   __syncthreads();
   if (share == 0)
-    for (int j = lane; j < NR * ROWS; j += 32) {{
+    for (int j = lane; j < OUTS * ROWS; j += 32) {{
       float v = parts[warp][j];
       #pragma unroll
       for (int w = 1; w < SPLIT; w++) v += parts[warp + w][j];
-      const size_t at = ((size_t)slot * ROWS + j % ROWS) * OUT + o0 + j / ROWS;
-      out[at] = RESIDUAL(v, at);
+#if GLU
+      float u = parts[warp][j + OUTS * ROWS];
+      #pragma unroll
+      for (int w = 1; w < SPLIT; w++) u += parts[warp + w][j + OUTS * ROWS];
+      out[((size_t)slot * ROWS + j % ROWS) * (OUT / 2) + o0 + j / ROWS] = GATED(v, u);
+#else
+      out[((size_t)slot * ROWS + j % ROWS) * OUT + o0 + j / ROWS] = v;
+#endif
     }}
 #endif
 }}

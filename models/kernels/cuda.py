@@ -74,13 +74,6 @@ def in_place(t: Tensor) -> Tensor:
     return base if base.uop.op is Ops.AFTER and base.shape == t.shape else t
 
 
-def is_output(t: Tensor) -> bool:
-    """Whether t is a kernel's output, reshaped or not (one buffer already: `contiguous` would copy it)."""
-    from tinygrad.uop.ops import Ops
-
-    return _unshaped(t).uop.op is Ops.AFTER
-
-
 def _unshaped(t: Tensor) -> Tensor:
     """t without the reshapes on top of it, nor the permutes that move only axes of one: a kernel reads its buffer's
     values in order, which neither changes, and tinygrad copies such a view of a kernel's output whole before

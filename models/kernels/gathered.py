@@ -8,7 +8,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from models.kernels import cuda, ggml_numerics
-from models.kernels.block_gemv import block_gemv, block_gemv_fits, block_gemv_on, residual_in_kernel_on
+from models.kernels.block_gemv import (
+    block_gemv,
+    block_gemv_fits,
+    block_gemv_on,
+    glu_in_kernel_on,
+)
+from models.kernels.glu import silu_glu
 from models.kernels.matvec import GPU_DEVICES, as_opts, cpu_matvec_opts, opts_fit
 
 if TYPE_CHECKING:
@@ -61,6 +67,16 @@ def gathered_matvec(x: Tensor, w, idx: Tensor, *, ggml: bool = False, share: int
     return y
 
 
+def gated_matvec(x: Tensor, w, idx: Tensor, *, ggml: bool = False, share: int = 1) -> Tensor:
+    """silu(gate) * up of `gathered_matvec` with a stack of [gate | up] matrices -> (slots, rows, out / 2): on GPUs
+    with GGML blocks in `block_matvec`'s kernel where it fits."""
+    from models.kernels.quant import BlockQuantized
+
+    if isinstance(w, BlockQuantized) and x.device.split(":")[0] in GPU_DEVICES and not ggml:
+        return block_matvec(x, w, idx, share=share, glu=True)
+    return silu_glu(gathered_matvec(x, w, idx, ggml=ggml, share=share))
+
+
 def shared_rows(x: Tensor, share: int) -> Tensor:
     """x (n, rows, in) with each slot repeated `share` times in a row -> (n * share, rows, in)."""
     if share == 1:
@@ -69,20 +85,20 @@ def shared_rows(x: Tensor, share: int) -> Tensor:
     return x.reshape(n, 1, rows, width).expand(n, share, rows, width).reshape(n * share, rows, width)
 
 
-def block_matvec(x: Tensor, blocks, idx: Tensor | None = None, *, share: int = 1,
-                 residual: Tensor | None = None) -> Tensor:
+def block_matvec(x: Tensor, blocks, idx: Tensor | None = None, *, share: int = 1, glu: bool = False) -> Tensor:
     """x (slots, rows, in) times GGML-block matrices -> (slots, rows, out), as one GPU kernel whose reduction
     (over blocks of 32 and the 16 bytes of a block's codes, both nibbles at once) is split over a thread group:
     with `idx`, slot s multiplies matrix idx[s] of the stack `blocks` (gathered by index inside the kernel,
     reading only those matrices' codes); without, the one matrix (slots = 1). On NVIDIA GPUs, where it fits, the
-    product is `models.kernels.block_gemv`'s hand-written kernel instead, which adds `residual` (slots, rows, out)
-    itself (elsewhere `residual + product`, the same bits). `share`: as `gathered_matvec`'s."""
+    product is `models.kernels.block_gemv`'s hand-written kernel instead. With `glu` the matrices are [gate | up]
+    and the result silu(gate) * up (slots, rows, out / 2), inside that kernel too. `share`: as `gathered_matvec`'s."""
     from tinygrad import dtypes, function
 
     if block_gemv_fits(x, blocks, gathered=idx is not None):
-        if residual is None or residual_in_kernel_on():
-            return block_gemv(x, blocks, idx, share=share, residual=residual)
-        return residual + block_gemv(x, blocks, idx, share=share)
+        if glu and glu_in_kernel_on():
+            return block_gemv(x, blocks, idx, share=share, glu=True)
+        y = block_gemv(x, blocks, idx, share=share)
+        return silu_glu(y) if glu else y
     x = shared_rows(x, share)
     slots, rows, in_features = x.shape
     n, out_features = (blocks.shape[0], blocks.shape[1]) if blocks.shape else (1, blocks.rows)
@@ -122,7 +138,7 @@ def block_matvec(x: Tensor, blocks, idx: Tensor | None = None, *, share: int = 1
 
     args = [x.contiguous(), blocks.q, blocks.d, *([blocks.m] if has_m else []), *([idx] if gathered else [])]
     y = kernel(*args).permute(0, 2, 1)
-    return y if residual is None else residual + y
+    return silu_glu(y) if glu else y
 
 
 def pairs_per_kernel(device: str) -> int:

@@ -62,11 +62,14 @@ def test_decode_products_with_4_bit_blocks_take_the_hand_written_kernel_on_nvidi
 @pytest.mark.parametrize("rows,has_m,pick,layout", [(1, False, "index", Layout()), (8, False, "one", Layout()),
                                                      (8, True, "slot", Layout(2, 4)),
                                                      (8, False, "index", Layout(4, 4, 16)),
-                                                     (8, False, "index", Layout(4, 4, 4, 4))])
+                                                     (8, False, "index", Layout(4, 4, 4, 4)),
+                                                     (1, False, "glu", Layout()), (8, False, "glu", Layout(4, 4, 4, 4))])
 def test_the_kernel_builds_for_hopper_without_spilling_registers(rows, has_m, pick, layout, tmp_path):
     cu = tmp_path / "block_gemv.cu"
+    glu, pick = pick == "glu", "index" if pick == "glu" else pick
     cu.write_text(source("block_gemv_check", rows, 4096, 7168, 0 if has_m else 8, has_m, pick, layout,
-                         8 if pick == "index" else 1, has_r=pick == "one", strides=(192, 12288) if pick == "slot" else None))
+                         8 if pick == "index" else 1, glu=glu,
+                         strides=(192, 12288) if pick == "slot" else None))
     built = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
                             str(cu)], capture_output=True, text=True, timeout=120)
     assert built.returncode == 0, built.stderr
@@ -144,19 +147,6 @@ def test_a_lone_matrix_shared_by_warps_gives_each_row_the_bits_it_has_alone():
 
 
 @pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("rows", [1, 3, 11])
-@pytest.mark.parametrize("width", [4096, 1024], ids=["split-rows", "whole-rows"])
-def test_a_residual_added_in_the_kernel_has_the_bits_of_a_separate_add(rows, width):
-    rng = np.random.default_rng(rows)
-    raw = random_blocks(rng, 64, width, False)
-    matrix = from_ggml_blocks(raw, 2, (64, width), Device.DEFAULT).realize()
-    x = rng.standard_normal((1, rows, width)).astype(np.float32)
-    residual = rng.standard_normal((1, rows, 64)).astype(np.float32)
-    added = block_gemv(Tensor(x), matrix, residual=Tensor(residual)).numpy()
-    assert np.array_equal(added, residual + block_gemv(Tensor(x), matrix).numpy())
-
-
-@pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("rows", [1, 2, 9])
 def test_heads_read_where_they_lie_give_the_bits_of_heads_copied_out(rows):
     """Each head's first 128 of its 192 values in rows of 6 heads (a query projection's output), read in place."""
@@ -167,3 +157,21 @@ def test_heads_read_where_they_lie_give_the_bits_of_heads_copied_out(rows):
     copied = np.ascontiguousarray(q.reshape(rows, 6, 192)[..., :128].transpose(1, 0, 2))  # (heads, rows, 128)
     in_place = block_gemv(Strided(Tensor(q), 192, 6 * 192), stack, shape=(6, rows, 128)).numpy()
     assert np.array_equal(in_place, block_gemv(Tensor(copied), stack).numpy())
+
+
+@pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.mark.parametrize("width", [4096, 1024], ids=["split-rows", "whole-rows"])
+@pytest.mark.parametrize("gathered", [False, True], ids=["one-matrix", "experts"])
+def test_a_gated_product_gives_silu_of_its_gate_rows_times_its_up_rows(rows, width, gathered):
+    rng = np.random.default_rng(30 + rows)
+    raw = random_blocks(rng, 3 * 128, width, False)  # three [gate | up] matrices of 64 + 64 rows
+    stack = from_ggml_blocks(raw, 2, (3, 128, width) if gathered else (3 * 128, width), Device.DEFAULT).realize()
+    x = rng.standard_normal((2 if gathered else 1, rows, width)).astype(np.float32)
+    pick = Tensor(np.array([2, 0], np.int32)) if gathered else None
+    got = block_gemv(Tensor(x), stack, pick, glu=True).numpy()
+    plain = block_gemv(Tensor(x), stack, pick).numpy().astype(np.float64)
+    gate, up = (plain[..., :64], plain[..., 64:128]) if gathered else (plain[..., :192], plain[..., 192:])
+    want = gate / (1 + np.exp(-gate)) * up
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() < 1e-6 * np.abs(want).max()
