@@ -142,6 +142,7 @@ def block_gemv(x: Tensor | Strided, blocks: BlockQuantized, idx: Tensor | None =
                  for r in range(0, rows, KERNEL_ROWS)]
         return parts[0].cat(*parts[1:], dim=1)
     assert share == 1 or idx is not None, "slots share their rows only when gathered by index"
+    assert not glu or layout().per_warp % 2 == 0, "a gated product's warps take pairs of gate and up rows"
     slots = x_slots * share
     out_features = blocks.shape[1] if blocks.shape else blocks.rows
     strides = (x.slot, x.row) if isinstance(x, Strided) else (rows * width, width)
@@ -202,7 +203,8 @@ _SOURCE = r"""
 #define GLU {GLU}
 #define NR {NR}
 #if GLU
-// a warp's outputs: NR / 2 gate rows, then the matching up rows (OUT / 2 rows further); silu as tinygrad's
+// a warp's outputs: NR / 2 gate rows, then the matching up rows (OUT / 2 rows further); silu(g) = g * sigmoid(g),
+// the sigmoid through exp2 as tinygrad writes it
 #define OUTS (NR / 2)
 #define ROW_OF(r) ((r) < OUTS ? (r) : (r) - OUTS + OUT / 2)
 #define GATED(g, u) ((g) * (1.f / (1.f + exp2f((g) * -1.4426950408889634f))) * (u))

@@ -2,8 +2,6 @@
 CUDA source builds for a Hopper GPU without spilling registers, and, on an NVIDIA GPU, that it is the product of the
 dequantised weights, gathered by index or not, whatever the slots and rows around an output."""
 
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -16,6 +14,7 @@ from models.kernels import cuda
 from models.kernels.block_gemv import Layout, Strided, block_gemv, source
 from models.kernels.gathered import block_matvec
 from models.kernels.quant import from_ggml_blocks
+from tests.models.sm90 import built_without_spills, needs_nvcc
 
 ON_NVIDIA = cuda.arch(Device.DEFAULT) >= 70
 
@@ -58,22 +57,17 @@ def test_decode_products_with_4_bit_blocks_take_the_hand_written_kernel_on_nvidi
     assert kernels(1) == []
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs CUDA's compiler")
+@needs_nvcc
 @pytest.mark.parametrize("rows,has_m,pick,layout", [(1, False, "index", Layout()), (8, False, "one", Layout()),
                                                      (8, True, "slot", Layout(2, 4)),
                                                      (8, False, "index", Layout(4, 4, 16)),
                                                      (8, False, "index", Layout(4, 4, 4, 4)),
                                                      (1, False, "glu", Layout()), (8, False, "glu", Layout(4, 4, 4, 4))])
 def test_the_kernel_builds_for_hopper_without_spilling_registers(rows, has_m, pick, layout, tmp_path):
-    cu = tmp_path / "block_gemv.cu"
     glu, pick = pick == "glu", "index" if pick == "glu" else pick
-    cu.write_text(source("block_gemv_check", rows, 4096, 7168, 0 if has_m else 8, has_m, pick, layout,
-                         8 if pick == "index" else 1, glu=glu,
-                         strides=(192, 12288) if pick == "slot" else None))
-    built = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
-                            str(cu)], capture_output=True, text=True, timeout=120)
-    assert built.returncode == 0, built.stderr
-    assert "0 bytes spill stores" in built.stderr
+    built_without_spills(source("block_gemv_check", rows, 4096, 7168, 0 if has_m else 8, has_m, pick, layout,
+                                8 if pick == "index" else 1, glu=glu, strides=(192, 12288) if pick == "slot" else None),
+                         tmp_path)
 
 
 @pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")

@@ -2,8 +2,6 @@
 GPU a MoE block's residual plus its rows' gated expert outputs has the bits of a swarm's host adding the experts'
 answers (`models.moe.gated_sum`) to the residual."""
 
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -12,17 +10,14 @@ from tinygrad import Device, Tensor
 from models.kernels import cuda
 from models.kernels.gated_sum import residual_plus_gated, source
 from models.moe import ExpertCall, gated_sum
+from tests.models.sm90 import built_without_spills, needs_nvcc
 
 ON_NVIDIA = cuda.arch(Device.DEFAULT) >= 70
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs CUDA's compiler")
+@needs_nvcc
 def test_the_kernel_builds_for_hopper(tmp_path):
-    (tmp_path / "gated_sum.cu").write_text(source("gated_sum", 8, 8, 7168))
-    built = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
-                            str(tmp_path / "gated_sum.cu")], capture_output=True, text=True, timeout=120)
-    assert built.returncode == 0, built.stderr
-    assert "0 bytes spill stores" in built.stderr
+    built_without_spills(source("gated_sum", 8, 8, 7168), tmp_path)
 
 
 @pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")

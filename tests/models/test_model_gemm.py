@@ -3,8 +3,6 @@ for a Hopper GPU within its registers and shared memory, and, on an NVIDIA GPU, 
 float16 operands."""
 
 import re
-import shutil
-import subprocess
 from dataclasses import replace
 
 import numpy as np
@@ -15,6 +13,7 @@ from tinygrad.uop.ops import Ops
 from models.kernels import cuda
 from models.kernels.gemm import BATCH_TILING, CHUNK_TILING, Tiling, gemm, gemm_fits, source, tiling
 from models.kernels.matvec import tensor_core_matmul
+from tests.models.sm90 import built_without_spills, needs_nvcc
 
 TILINGS = [CHUNK_TILING, BATCH_TILING, replace(BATCH_TILING, split=8), Tiling.parse("128,128,32,2,4,3")]
 
@@ -52,16 +51,11 @@ def test_products_of_eight_rows_and_more_take_the_hand_written_kernel_on_nvidia_
     assert not gemm_fits("CPU", 512, 4096, 4096)
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs CUDA's compiler")
+@needs_nvcc
 @pytest.mark.parametrize("tiling", TILINGS, ids=str)
 def test_the_kernel_builds_for_hopper_without_spilling_registers(tiling, tmp_path):
-    cu = tmp_path / "gemm.cu"
-    cu.write_text(source("gemm_check", 100, 4096, 4096, tiling))
-    built = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "gemm.cubin"),
-                            str(cu)], capture_output=True, text=True, timeout=120)
-    assert built.returncode == 0, built.stderr
-    assert "0 bytes spill stores" in built.stderr
-    assert int(re.search(r"(\d+) bytes smem", built.stderr).group(1)) == tiling.shared_bytes
+    report = built_without_spills(source("gemm_check", 100, 4096, 4096, tiling), tmp_path)
+    assert int(re.search(r"(\d+) bytes smem", report).group(1)) == tiling.shared_bytes
 
 
 @pytest.mark.skipif(cuda.arch(Device.DEFAULT) < 80, reason="needs an NVIDIA GPU")

@@ -2,8 +2,6 @@
 builds for a Hopper GPU without spilling registers, and, on an NVIDIA GPU, it is the float64 product, with bits
 that do not depend on the rows around a row."""
 
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -11,18 +9,15 @@ from tinygrad import Device, Tensor, dtypes
 
 from models.kernels import cuda
 from models.kernels.half_gemv import half_gemv, half_gemv_fits, source
+from tests.models.sm90 import built_without_spills, needs_nvcc
 
 ON_NVIDIA = cuda.arch(Device.DEFAULT) >= 70
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs CUDA's compiler")
+@needs_nvcc
 @pytest.mark.parametrize("rows", [1, 7])
 def test_the_kernel_builds_for_hopper_without_spilling_registers(tmp_path, rows):
-    (tmp_path / "half_gemv.cu").write_text(source("half_gemv", rows, 384, 7168))
-    built = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
-                            str(tmp_path / "half_gemv.cu")], capture_output=True, text=True, timeout=120)
-    assert built.returncode == 0, built.stderr
-    assert "0 bytes spill stores" in built.stderr
+    built_without_spills(source("half_gemv", rows, 384, 7168), tmp_path)
 
 
 def test_it_takes_a_few_rows_times_a_float16_matrix(monkeypatch):

@@ -2,8 +2,6 @@
 a Hopper GPU without spilling registers, and, on an NVIDIA GPU, each row attends over its own slot up to its own
 position, as a float64 softmax does, with bits that do not depend on the rows around it."""
 
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -19,6 +17,7 @@ from models.kernels.latent_attention import (
     QueryRope,
     latent_attention,
 )
+from tests.models.sm90 import built_without_spills, needs_nvcc
 
 ON_NVIDIA = cuda.arch(Device.DEFAULT) >= 70
 HEADS, WIDTH, VALUES, ROWS, SLOTS = 16, 192, 128, 300, 4
@@ -39,17 +38,13 @@ def attend(q: np.ndarray, cache: np.ndarray, slots: list[int], starts: list[int]
                             Tensor(np.array(starts, np.int32)), values=VALUES, scale=scale).numpy()
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs CUDA's compiler")
+@needs_nvcc
 @pytest.mark.parametrize("rope", [False, True], ids=["query-joined", "query-rope-in-kernel"])
 def test_the_kernels_build_for_hopper_without_spilling_registers(tmp_path, rope):
     consts = dict(H=64, W=576, V=512, ROWS=4160, NS=SPLITS, HPB=HEADS_PER_BLOCK, SCALE="0.0625", ROPE=int(rope),
                   HD=192, START=128, PARAMS=_ROPE_PARAMS if rope else "")
     for name, text in (("part", _PART), ("sum", _COMBINE)):
-        (tmp_path / f"{name}.cu").write_text(text.format(NAME=name, **consts))
-        built = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / f"{name}.cubin"),
-                                str(tmp_path / f"{name}.cu")], capture_output=True, text=True, timeout=120)
-        assert built.returncode == 0, built.stderr
-        assert "0 bytes spill stores" in built.stderr
+        built_without_spills(text.format(NAME=name, **consts), tmp_path, name)
 
 
 @pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")

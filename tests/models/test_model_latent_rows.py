@@ -2,8 +2,6 @@
 without spilling registers, and, on an NVIDIA GPU, it gives the q latents the bits of `rms_norm`'s, and writes each
 row's normed kv latent and rotated key into its own slot at its own position, leaving the cache's other rows."""
 
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -12,18 +10,15 @@ from tinygrad import Device, Tensor
 from models.kernels import cuda
 from models.kernels.latent_rows import LatentNorms, latent_rows, latent_rows_fits, source
 from models.kernels.rms_norm import rms_norm
+from tests.models.sm90 import built_without_spills, needs_nvcc
 
 ON_NVIDIA = cuda.arch(Device.DEFAULT) >= 70
 Q, L, R, SLOTS, POSITIONS = 1536, 512, 64, 3, 40
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs CUDA's compiler")
+@needs_nvcc
 def test_the_kernel_builds_for_hopper_without_spilling_registers(tmp_path):
-    (tmp_path / "latent_rows.cu").write_text(source("latent_rows", Q, L, R, 4160, 1e-6, 1e-6))
-    built = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
-                            str(tmp_path / "latent_rows.cu")], capture_output=True, text=True, timeout=120)
-    assert built.returncode == 0, built.stderr
-    assert "0 bytes spill stores" in built.stderr
+    built_without_spills(source("latent_rows", Q, L, R, 4160, 1e-6, 1e-6), tmp_path)
 
 
 def test_it_takes_a_float32_cache_and_a_q_latent_only(monkeypatch):

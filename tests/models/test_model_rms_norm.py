@@ -2,8 +2,6 @@
 registers, and, on an NVIDIA GPU, it norms a row (or a window of its columns, read in place) as float64 does, with
 bits that do not depend on the rows around it."""
 
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -11,6 +9,7 @@ from tinygrad import Device, Tensor
 
 from models.kernels import cuda
 from models.kernels.rms_norm import rms_norm, source, threads_for
+from tests.models.sm90 import built_without_spills, needs_nvcc
 
 ON_NVIDIA = cuda.arch(Device.DEFAULT) >= 70
 EPS = 1e-6
@@ -25,14 +24,10 @@ def test_a_block_of_threads_holds_about_sixteen_values_a_thread():
     assert [threads_for(n) for n in (64, 512, 576, 1536, 7168, 65536)] == [32, 32, 64, 128, 512, 1024]
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs CUDA's compiler")
+@needs_nvcc
 @pytest.mark.parametrize("stride,start,width", [(7168, 0, 7168), (2112, 1536, 512), (576, 0, 576)])
 def test_the_kernel_builds_for_hopper_without_spilling_registers(tmp_path, stride, start, width):
-    (tmp_path / "rms_norm.cu").write_text(source("rms_norm", stride, start, width, EPS))
-    built = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
-                            str(tmp_path / "rms_norm.cu")], capture_output=True, text=True, timeout=120)
-    assert built.returncode == 0, built.stderr
-    assert "0 bytes spill stores" in built.stderr
+    built_without_spills(source("rms_norm", stride, start, width, EPS), tmp_path)
 
 
 @pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")

@@ -2,8 +2,6 @@
 without spilling registers, and, on an NVIDIA GPU, they pick what `models.moe.top_k`'s tinygrad kernels pick, and the
 whole sigmoid router gives `models.moe.route`'s gates."""
 
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -11,19 +9,15 @@ from tinygrad import Device, Tensor
 
 from models.kernels import cuda
 from models.kernels.top_k import Routing, routed_top_k, source, top_k_kernel
+from tests.models.sm90 import built_without_spills, needs_nvcc
 
 ON_NVIDIA = cuda.arch(Device.DEFAULT) >= 70
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs CUDA's compiler")
+@needs_nvcc
 @pytest.mark.parametrize("routed", [False, True])
 def test_the_kernels_build_for_hopper_without_spilling_registers(tmp_path, routed):
-    text = source("top_k", 8, 1024, 8, Routing(True, True, 2.827) if routed else None)
-    (tmp_path / "top_k.cu").write_text(text)
-    built = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
-                            str(tmp_path / "top_k.cu")], capture_output=True, text=True, timeout=120)
-    assert built.returncode == 0, built.stderr
-    assert "0 bytes spill stores" in built.stderr
+    built_without_spills(source("top_k", 8, 1024, 8, Routing(True, True, 2.827) if routed else None), tmp_path)
 
 
 @pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
