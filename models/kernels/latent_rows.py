@@ -64,9 +64,11 @@ def latent_rows(qkv: Tensor, norms: LatentNorms, angles: Tensor, cache: Tensor, 
     inputs = (qkv.cast(f32), norms.kv_weight.cast(f32), angles.cast(f32), slots.cast(dtypes.int32),
               starts.cast(dtypes.int32), norms.q_weight.cast(f32))
     q_normed = Tensor.empty(rows, q_width, dtype=f32, device=qkv.device)
-    # realised here, as `store_rows`'s: the cache after a kernel call, read by more than one kernel, would be copied
     cached, q_normed = cuda.run_outputs((cache, q_normed), inputs, prog)
-    return q_normed, cached.realize()
+    # realised here, as `store_rows`'s: the cache after a kernel call, read by more than one kernel, would be copied
+    # whole first; both outputs at once, or the kernel would run again for the one realised later
+    cached.realize(q_normed)
+    return q_normed, cached
 
 
 @functools.cache

@@ -52,3 +52,21 @@ def test_rows_go_normed_and_rotated_into_their_own_slots():
     for b, (s, p) in enumerate(zip(slots, starts, strict=True)):
         want[s, p] = np.concatenate([kv[b], rotated[b]])
     assert np.array_equal(after, want)
+
+
+def test_the_kernel_runs_once_for_both_of_its_outputs(monkeypatch):
+    """The cache is realised where the kernel is called; the q latents read later must not run the kernel again."""
+    from tinygrad import dtypes
+    from tinygrad.helpers import GlobalCounters
+
+    monkeypatch.setattr(cuda, "arch", lambda device: 90)
+
+    def empty(*shape, dtype=dtypes.float32):
+        return Tensor.empty(*shape, dtype=dtype, device="NULL").realize()
+
+    norms = LatentNorms(empty(Q), empty(L), 1e-6, 1e-6)
+    GlobalCounters.reset()
+    q_normed, _ = latent_rows(empty(1, Q + L + R), norms, empty(1, R), empty(SLOTS, POSITIONS, L + R),
+                              empty(1, dtype=dtypes.int32), empty(1, dtype=dtypes.int32), q_width=Q)
+    (q_normed * 2).realize()
+    assert GlobalCounters.kernel_count == 2  # the latent rows, then the product
