@@ -125,9 +125,9 @@ def block_gemv(x: Tensor | Strided, blocks: BlockQuantized, idx: Tensor | None =
     the stack; without, slot s times matrix s of a stack, or every slot times the one matrix. With `share`, x holds
     slots / share slots, each read by `share` consecutive slots of idx (a row's chosen experts). x `Strided`: its
     values where they lie, of `shape` (slots, rows, in). With `glu` the matrices are [gate | up] and the result is
-    silu(gate) * up (slots, rows, out / 2), rounded as `glu_of` says. More than `KERNEL_ROWS` rows go in kernels of that many:
-    a row's arithmetic is the same in any of them, so a request's row gets the same bits in a decode batch of any
-    size (a verify step's rows included)."""
+    silu(gate) * up (slots, rows, out / 2). More than `KERNEL_ROWS` rows go in kernels of that many: a row's
+    arithmetic is the same in any of them, so a request's row gets the same bits in a decode batch of any size (a
+    verify step's rows included)."""
     from tinygrad import Tensor, dtypes
 
     x_slots, rows, width = shape if isinstance(x, Strided) else x.shape
