@@ -93,7 +93,7 @@ def _programs(device: str, batch: int, heads: int, width: int, values: int, rows
     name = f"latent_attention_{tag}" + (f"_r{head_dim}_{start}" if rope else "")
     part = cuda.program(device, name,
                         _PART.format(NAME=name, ROPE=int(rope is not None), HD=head_dim, START=start,
-                                     PARAMS=_ROPE_PARAMS if rope else "", **consts),
+                                     PARAMS=_ROPE_PARAMS if rope else "", ROTATED=ROTATED, **consts),
                         grid=(heads // HEADS_PER_BLOCK, SPLITS, batch), threads=32 * HEADS_PER_BLOCK,
                         buffers=5 + 2 * (rope is not None), ops=4 * batch * heads * rows * width,
                         traffic=4 * batch * rows * width)
@@ -118,16 +118,7 @@ _PART = r"""
 #define ROPE {ROPE}
 #define HD {HD}
 #define START {START}
-#define HALF ((W - V) / 2)
-
-#if ROPE
-// value k of a head's rotated RoPE part: x1 * cos - x2 * sin, then x2 * cos + x1 * sin, each step rounded
-__device__ __forceinline__ float rotated(const float* x, const float* angles, int k) {{
-  const int i = k % HALF;
-  const float c = angles[i], sn = angles[HALF + i], x1 = x[i], x2 = x[HALF + i];
-  return k < HALF ? __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, sn)) : __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, sn));
-}}
-#endif
+{ROTATED}
 
 extern "C" __global__ void __launch_bounds__(HPB * 32) {NAME}(float* part, const float* __restrict__ q,
     const float* __restrict__ cache, const int* __restrict__ slots, const int* __restrict__ starts{PARAMS}) {{
@@ -141,8 +132,8 @@ extern "C" __global__ void __launch_bounds__(HPB * 32) {NAME}(float* part, const
   #pragma unroll
   for (int j = 0; j < QW; j++) {{
     const int e = 2 * (lane + 32 * j);
-    qv[j] = e < V ? qh[lane + 32 * j] : make_float2(rotated(pe, angles + b * (W - V), e - V),
-                                                    rotated(pe, angles + b * (W - V), e - V + 1));
+    qv[j] = e < V ? qh[lane + 32 * j] : make_float2(rotated<(W - V) / 2>(pe, angles + b * (W - V), e - V),
+                                                    rotated<(W - V) / 2>(pe, angles + b * (W - V), e - V + 1));
   }}
 #else
   const float2* qh = (const float2*)(q + ((size_t)b * H + h) * W);
@@ -201,6 +192,17 @@ extern "C" __global__ void __launch_bounds__(HPB * 32) {NAME}(float* part, const
   for (int j = 0; j < VW; j++) {{ out[2 * (lane + 32 * j)] = acc[j].x; out[2 * (lane + 32 * j) + 1] = acc[j].y; }}
   if (lane == 0) {{ out[V] = m; out[V + 1] = l; }}
 }}
+"""
+
+# Value k of a half-split RoPE part x of 2 * HALF values, rotated by `angles` (cos of each angle, then its sin):
+# x1 * cos - x2 * sin, then x2 * cos + x1 * sin, each product and sum rounded on its own. Shared with
+# `models.kernels.latent_rows`, which rotates the cached keys so.
+ROTATED = r"""
+template <int HALF> __device__ __forceinline__ float rotated(const float* x, const float* angles, int k) {
+  const int i = k % HALF;
+  const float c = angles[i], sn = angles[HALF + i], x1 = x[i], x2 = x[HALF + i];
+  return k < HALF ? __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, sn)) : __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, sn));
+}
 """
 
 _ROPE_PARAMS = ", const float* __restrict__ heads, const float* __restrict__ angles"

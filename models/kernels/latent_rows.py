@@ -5,8 +5,8 @@ the cache write.
 From the fused q_a / kv_a product's output (rows, q_lora + kv_lora + rope), a block of threads per row and part:
 the first part norms the q latent (columns [0, q_lora)) into its own output; the second norms the kv latent
 (the next kv_lora columns) and rotates the key's RoPE part (the last rope columns) into the row's cache slot at its
-position. Each norm is `models.kernels.rms_norm`'s arithmetic with that kernel's threads for its width (the same
-bits); the rotation rounds each product and sum on its own (`models.kernels.latent_attention.QueryRope`'s).
+position. Each norm is `models.kernels.rms_norm`'s routine with that kernel's threads for its width (the same
+bits); the rotation is `models.kernels.latent_attention`'s (each product and sum rounded on its own).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from models.kernels import cuda
-from models.kernels.rms_norm import MAX_PER_THREAD, threads_for
+from models.kernels.latent_attention import ROTATED
+from models.kernels.rms_norm import MAX_PER_THREAD, NORM, threads_for
 
 if TYPE_CHECKING:
     from tinygrad import Tensor
@@ -87,7 +88,7 @@ def source(name: str, q_width: int, kv_width: int, rope: int, positions: int, q_
 
     return _SOURCE.format(NAME=name, QW=q_width, KW=kv_width, R=rope, POS=positions, TQ=threads_for(q_width),
                           TK=threads_for(kv_width), QEPS=repr(float(np.float32(q_eps))),
-                          KEPS=repr(float(np.float32(kv_eps))))
+                          KEPS=repr(float(np.float32(kv_eps))), NORM=NORM, ROTATED=ROTATED)
 
 
 _SOURCE = r"""
@@ -96,39 +97,9 @@ _SOURCE = r"""
 #define R {R}
 #define W (QW + KW + R)
 #define POS {POS}
-#define HALF (R / 2)
 
-// models.kernels.rms_norm's arithmetic for a window of N values on the block's first T threads (the others idle)
-template <int N, int T> __device__ __forceinline__ void norm(float* out, const float* xr, const float* w, float eps,
-                                                             float* warps) {{
-  constexpr int PER = (N + T - 1) / T;
-  const int t = threadIdx.x;
-  float v[PER], s = 0.f;
-  if (t < T) {{
-    #pragma unroll
-    for (int j = 0; j < PER; j++) {{
-      const int c = t + T * j;
-      v[j] = (N % T == 0 || c < N) ? xr[c] : 0.f;
-      s = fmaf(v[j], v[j], s);
-    }}
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if ((t & 31) == 0) warps[t >> 5] = s;
-  }}
-  __syncthreads();
-  if (t < T) {{
-    float total = 0.f;
-    #pragma unroll
-    for (int k = 0; k < T / 32; k++) total += warps[k];
-    const float r = rsqrtf(total / (float)N + eps);
-    #pragma unroll
-    for (int j = 0; j < PER; j++) {{
-      const int c = t + T * j;
-      if (N % T == 0 || c < N) out[c] = v[j] * r * w[c];
-    }}
-  }}
-}}
-
+{NORM}
+{ROTATED}
 extern "C" __global__ void {NAME}(float* cache, float* __restrict__ q_out, const float* __restrict__ qkv,
     const float* __restrict__ kv_w, const float* __restrict__ angles, const int* __restrict__ slots,
     const int* __restrict__ starts, const float* __restrict__ q_w) {{
@@ -141,12 +112,6 @@ extern "C" __global__ void {NAME}(float* cache, float* __restrict__ q_out, const
   }}
   float* dst = cache + ((size_t)slots[b] * POS + starts[b]) * (KW + R);
   norm<KW, {TK}>(dst, row + QW, kv_w, {KEPS}f, warps);
-  const float* pe = row + QW + KW;
-  const float* an = angles + (size_t)b * R;
-  for (int k = threadIdx.x; k < R; k += blockDim.x) {{
-    const int i = k % HALF;
-    const float c = an[i], sn = an[HALF + i], x1 = pe[i], x2 = pe[HALF + i];
-    dst[KW + k] = k < HALF ? __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, sn)) : __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, sn));
-  }}
+  for (int k = threadIdx.x; k < R; k += blockDim.x) dst[KW + k] = rotated<R / 2>(row + QW + KW, angles + (size_t)b * R, k);
 }}
 """

@@ -69,42 +69,50 @@ def source(name: str, stride: int, start: int, width: int, eps: float) -> str:
     import numpy as np
 
     threads = threads_for(width)
-    return _SOURCE.format(NAME=name, STRIDE=stride, START=start, N=width, T=threads, PER=-(-width // threads),
-                          EPS=repr(float(np.float32(eps))))
+    return _SOURCE.format(NAME=name, STRIDE=stride, START=start, N=width, T=threads, EPS=repr(float(np.float32(eps))),
+                          NORM=NORM)
 
+
+# A block's first T threads norm one window of N values (the others idle but meet its barrier), writing `out`: each
+# thread holds every T-th value, the warp adds its lanes' squares in a fixed tree and every thread the warps' sums in
+# order. Shared by this kernel and `models.kernels.latent_rows`, so their norms have the same bits.
+NORM = r"""
+template <int N, int T> __device__ __forceinline__ void norm(float* out, const float* xr, const float* w, float eps,
+                                                             float* warps) {
+  constexpr int PER = (N + T - 1) / T;
+  const int t = threadIdx.x;
+  float v[PER], s = 0.f;
+  if (t < T) {
+    #pragma unroll
+    for (int j = 0; j < PER; j++) {
+      const int c = t + T * j;
+      v[j] = (N % T == 0 || c < N) ? xr[c] : 0.f;
+      s = fmaf(v[j], v[j], s);
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if ((t & 31) == 0) warps[t >> 5] = s;
+  }
+  __syncthreads();
+  if (t < T) {
+    float total = 0.f;
+    #pragma unroll
+    for (int k = 0; k < T / 32; k++) total += warps[k];
+    const float r = rsqrtf(total / (float)N + eps);
+    #pragma unroll
+    for (int j = 0; j < PER; j++) {
+      const int c = t + T * j;
+      if (N % T == 0 || c < N) out[c] = v[j] * r * w[c];
+    }
+  }
+}
+"""
 
 _SOURCE = r"""
-#define STRIDE {STRIDE}
-#define START {START}
-#define N {N}
-#define T {T}
-#define PER {PER}
-
-extern "C" __global__ void __launch_bounds__(T) {NAME}(float* out, const float* __restrict__ x,
-                                                      const float* __restrict__ w) {{
-  const int t = threadIdx.x;
-  const float* xr = x + (size_t)blockIdx.x * STRIDE + START;
-  float v[PER], s = 0.f;
-  #pragma unroll
-  for (int j = 0; j < PER; j++) {{
-    const int c = t + T * j;
-    v[j] = (N % T == 0 || c < N) ? xr[c] : 0.f;
-    s = fmaf(v[j], v[j], s);
-  }}
-  #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-  __shared__ float warps[T / 32];
-  if ((t & 31) == 0) warps[t >> 5] = s;
-  __syncthreads();
-  float total = 0.f;
-  #pragma unroll
-  for (int k = 0; k < T / 32; k++) total += warps[k];
-  const float r = rsqrtf(total / (float)N + {EPS}f);
-  float* o = out + (size_t)blockIdx.x * N;
-  #pragma unroll
-  for (int j = 0; j < PER; j++) {{
-    const int c = t + T * j;
-    if (N % T == 0 || c < N) o[c] = v[j] * r * w[c];
-  }}
+{NORM}
+extern "C" __global__ void __launch_bounds__({T}) {NAME}(float* out, const float* __restrict__ x,
+                                                        const float* __restrict__ w) {{
+  __shared__ float warps[{T} / 32];
+  norm<{N}, {T}>(out + (size_t)blockIdx.x * {N}, x + (size_t)blockIdx.x * {STRIDE} + {START}, w, {EPS}f, warps);
 }}
 """

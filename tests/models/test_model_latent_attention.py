@@ -13,6 +13,7 @@ from models.kernels.latent_attention import (
     _PART,
     _ROPE_PARAMS,
     HEADS_PER_BLOCK,
+    ROTATED,
     SPLITS,
     QueryRope,
     latent_attention,
@@ -42,7 +43,7 @@ def attend(q: np.ndarray, cache: np.ndarray, slots: list[int], starts: list[int]
 @pytest.mark.parametrize("rope", [False, True], ids=["query-joined", "query-rope-in-kernel"])
 def test_the_kernels_build_for_hopper_without_spilling_registers(tmp_path, rope):
     consts = dict(H=64, W=576, V=512, ROWS=4160, NS=SPLITS, HPB=HEADS_PER_BLOCK, SCALE="0.0625", ROPE=int(rope),
-                  HD=192, START=128, PARAMS=_ROPE_PARAMS if rope else "")
+                  HD=192, START=128, PARAMS=_ROPE_PARAMS if rope else "", ROTATED=ROTATED)
     for name, text in (("part", _PART), ("sum", _COMBINE)):
         built_without_spills(text.format(NAME=name, **consts), tmp_path, name)
 
