@@ -316,14 +316,15 @@ def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Seque
     elif c.q_lora_rank:
         q = project(blk.attn_q_b.weight, stage._norm(blk.attn_q_a_norm, qkv, (0, q_width)), "attn_q_b.weight")
     q_heads = q  # (B, T, heads x head_dim) as the projection wrote it
-    heads_in_place = Strided(q, c.head_dim, c.n_heads * c.head_dim)  # q's heads' values where they lie
+    nope_in_place = Strided(q, c.head_dim, c.n_heads * c.head_dim, (c.n_heads, batch * T, nope)) \
+        if isinstance(T, int) else None  # each head's first `nope` values where they lie
     q = q.reshape(batch, T, c.n_heads, c.head_dim).transpose(1, 2)  # (B, H, T, head_dim)
     cos, sin = angles.chunk(2, dim=-1)
     q_rope = _rotate(q[..., nope:], cos, sin)
     q_nope = q[..., :nope]
     if ggml and nope % ggml_numerics.BLOCK == 0:
         q_nope = ggml_numerics.q8_activations(q_nope.reshape(-1, nope))[0].reshape(batch, c.n_heads, T, nope)
-    q_latent = _per_head(stage, i, q_nope, "attn_k_b", None if ggml else heads_in_place)  # (B, H, T, kv_lora): absorbed
+    q_latent = _per_head(stage, i, q_nope, "attn_k_b", None if ggml else nope_in_place)  # (B, H, T, kv_lora): absorbed
     if cached is None:
         k_rope = _rotate(kv[..., L:].reshape(batch, 1, T, r), cos, sin)
         latent = stage._norm(blk.attn_kv_a_norm, qkv, (q_width, L)).reshape(batch, 1, T, L).cat(k_rope, dim=-1)
@@ -364,7 +365,7 @@ def attention(stage: Any, i: int, h: Tensor, slots: Sequence[UOp], starts: Seque
 def _per_head(stage: Any, i: int, x: Tensor, name: str, lying: Strided | None = None) -> Tensor:
     """x (B, H, T, in) times block i's per-head matrices `name` (H, out, in) -> (B, H, T, out): on NVIDIA GPUs, with
     float numerics and a few rows, `block_gemv` reads the heads' GGML blocks once for all rows, and x's values
-    where they lie when `lying` says where (row b * T + t of head h at h * `lying.slot` + row * `lying.row`)."""
+    where they lie when `lying` says where (head h's row b * T + t at h * `lying.slot` + (b * T + t) * `lying.row`)."""
     from models.kernels.block_gemv import block_gemv, block_gemv_fits, heads_in_place_on
 
     blocks = stage._blocks.get(f"blk.{i}.{name}.weight")
@@ -374,7 +375,7 @@ def _per_head(stage: Any, i: int, x: Tensor, name: str, lying: Strided | None = 
         if block_gemv_fits(rows, blocks, gathered=False):
             if lying is not None and (lying.slot % 4 or lying.row % 4 or not heads_in_place_on()):
                 lying = None  # (the kernel's loads of x are 16 bytes)
-            return block_gemv(lying or rows, blocks, shape=rows.shape).reshape(heads, batch, T, -1).permute(1, 0, 2, 3)
+            return block_gemv(lying or rows, blocks).reshape(heads, batch, T, -1).permute(1, 0, 2, 3)
     return x @ getattr(stage.blk[i], name)["weight"].float().transpose(-1, -2)
 
 

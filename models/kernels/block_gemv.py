@@ -110,42 +110,41 @@ def block_gemv_fits(x: Tensor, blocks: BlockQuantized, *, gathered: bool) -> boo
 
 @dataclass(frozen=True)
 class Strided:
-    """Activations read where they lie: slot s's row r starts `slot` floats after slot s - 1's and `row` floats after
-    row r - 1's, in a buffer `base` (a head's query values in a fused projection's output, each head's a part of a
-    row). Both are multiples of 4 (the kernel's loads are 16 bytes)."""
+    """Activations of `shape` (slots, rows, in) read where they lie: slot s's row r starts `slot` floats after slot
+    s - 1's and `row` floats after row r - 1's, in a buffer `base` (a head's query values in a fused projection's
+    output, each head's a part of a row). Both strides are multiples of 4 (the kernel's loads are 16 bytes)."""
 
     base: Tensor
     slot: int
     row: int
+    shape: tuple[int, int, int]
 
 
 def block_gemv(x: Tensor | Strided, blocks: BlockQuantized, idx: Tensor | None = None, *, share: int = 1,
-               shape: tuple[int, int, int] | None = None, glu: bool = False) -> Tensor:
+               glu: bool = False) -> Tensor:
     """x (slots, rows, in) times `blocks` -> float32 (slots, rows, out): with `idx`, slot s times matrix idx[s] of
     the stack; without, slot s times matrix s of a stack, or every slot times the one matrix. With `share`, x holds
-    slots / share slots, each read by `share` consecutive slots of idx (a row's chosen experts). x `Strided`: its
-    values where they lie, of `shape` (slots, rows, in). With `glu` the matrices are [gate | up] and the result is
+    slots / share slots, each read by `share` consecutive slots of idx (a row's chosen experts); x `Strided`: its
+    values where they lie. With `glu` the matrices are [gate | up] and the result is
     silu(gate) * up (slots, rows, out / 2). More than `KERNEL_ROWS` rows go in kernels of that many: a row's
     arithmetic is the same in any of them, so a request's row gets the same bits in a decode batch of any size (a
     verify step's rows included)."""
     from tinygrad import Tensor, dtypes
 
-    x_slots, rows, width = shape if isinstance(x, Strided) else x.shape
+    x_slots, rows, width = x.shape
     if rows > KERNEL_ROWS:
         def rows_of(r: int) -> Tensor | Strided:
             if isinstance(x, Strided):
-                return replace(x, base=x.base.reshape(-1)[r * x.row:].reshape(-1)) if r else x
+                return replace(x, base=x.base.reshape(-1)[r * x.row:], shape=(x_slots, min(KERNEL_ROWS, rows - r), width))
             return x[:, r:r + KERNEL_ROWS]
 
-        parts = [block_gemv(rows_of(r), blocks, idx, share=share, shape=(x_slots, min(KERNEL_ROWS, rows - r), width),
-                            glu=glu)
-                 for r in range(0, rows, KERNEL_ROWS)]
+        parts = [block_gemv(rows_of(r), blocks, idx, share=share, glu=glu) for r in range(0, rows, KERNEL_ROWS)]
         return parts[0].cat(*parts[1:], dim=1)
     assert share == 1 or idx is not None, "slots share their rows only when gathered by index"
     assert not glu or layout().per_warp % 2 == 0, "a gated product's warps take pairs of gate and up rows"
     slots = x_slots * share
     out_features = blocks.shape[1] if blocks.shape else blocks.rows
-    strides = (x.slot, x.row) if isinstance(x, Strided) else (rows * width, width)
+    strides = (x.slot, x.row) if isinstance(x, Strided) else None
     inputs = ((x.base if isinstance(x, Strided) else x).cast(dtypes.float32), blocks.q, blocks.d,
               *([blocks.m] if blocks.m is not None else []), *([idx.cast(dtypes.int32)] if idx is not None else []))
     out = Tensor.empty(slots, rows, out_features // (1 + glu), dtype=dtypes.float32, device=blocks.q.device)
@@ -158,16 +157,15 @@ def block_gemv(x: Tensor | Strided, blocks: BlockQuantized, idx: Tensor | None =
 @functools.cache
 def _program(device: str, slots: int, rows: int, out_features: int, width: int, offset: int, has_m: bool, pick: str,
              lay: Layout, share: int = 1, strides: tuple[int, int] | None = None, glu: bool = False) -> UOp:
-    strided = strides is not None and strides != (rows * width, width)
     name = (f"block_gemv_{slots}_{rows}_{out_features}_{width}" + ("_m" if has_m else f"_o{offset}")
             + {"index": "_g", "slot": "_s", "one": ""}[pick] + (f"_x{share}" if share > 1 else "")
-            + ("_glu" if glu else "") + (f"_v{strides[0]}_{strides[1]}" if strided else "")
+            + ("_glu" if glu else "") + (f"_v{strides[0]}_{strides[1]}" if strides else "")
             + f"_{lay.tag}")
     matrices = 1 if pick == "one" else slots
     traffic = (matrices * out_features * width * (10 if has_m else 9) // 16
                + 4 * slots * rows * (width // share + out_features // (1 + glu)))
     return cuda.program(device, name, source(name, rows, out_features, width, offset, has_m, pick, lay, share,
-                                             strides if strided else None, glu),
+                                             strides, glu),
                         grid=(out_features // lay.outputs, slots, 1), threads=32 * lay.warps,
                         buffers=4 + has_m + (pick == "index"), ops=2 * slots * rows * out_features * width,
                         traffic=traffic)
@@ -177,8 +175,8 @@ def source(name: str, rows: int, out_features: int, width: int, offset: int, has
            lay: Layout, share: int = 1, strides: tuple[int, int] | None = None, glu: bool = False) -> str:
     """The kernel's CUDA source (its loop over blocks unrolled less the more rows and bytes a lane holds, within its
     registers); `pick`: how a slot's matrix is chosen ("index": idx[slot], "slot": matrix slot,
-    "one": the one matrix); `share`: slots that read each slot of x; `strides`: x's
-    (slot, row) strides in floats, where they are not those of a contiguous x; `glu`: silu(gate) * up out."""
+    "one": the one matrix); `share`: slots that read each slot of x; `strides`: x's (slot, row) strides in floats
+    (None: a contiguous x's); `glu`: silu(gate) * up out."""
     lay = lay.for_rows(width, pick != "one")  # (a layout with its split fixed keeps it)
     params = ["float* out", "const float* __restrict__ x", "const unsigned* __restrict__ q",
               "const half* __restrict__ d"]

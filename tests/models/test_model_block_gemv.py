@@ -149,7 +149,7 @@ def test_heads_read_where_they_lie_give_the_bits_of_heads_copied_out(rows):
     stack = from_ggml_blocks(raw, 2, (6, 64, 128), Device.DEFAULT).realize()
     q = rng.standard_normal((rows, 6 * 192)).astype(np.float32)
     copied = np.ascontiguousarray(q.reshape(rows, 6, 192)[..., :128].transpose(1, 0, 2))  # (heads, rows, 128)
-    in_place = block_gemv(Strided(Tensor(q), 192, 6 * 192), stack, shape=(6, rows, 128)).numpy()
+    in_place = block_gemv(Strided(Tensor(q), 192, 6 * 192, (6, rows, 128)), stack).numpy()
     assert np.array_equal(in_place, block_gemv(Tensor(copied), stack).numpy())
 
 
