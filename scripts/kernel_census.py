@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> None:
@@ -29,36 +29,12 @@ def main() -> None:
     parser.add_argument("--sources", action="store_true", help="also list which kernels' outputs each one reads")
     args = parser.parse_args()
 
-    from models.kernels import cuda
-
-    cuda.arch = lambda device: 90  # the hand-written kernels' checks answer as on an H100 / H200
-    from tinygrad import Tensor, dtypes
+    from gpu_schedule import gpu_stage, unrealised_blocks
     from tinygrad.uop.ops import Ops
 
-    import models.kernels.attention
-    import models.kernels.gathered
-    import models.kernels.matvec
-    import models.stage
-    from models.catalog.names import resolve_model
-
-    for module in (models.kernels.attention, models.kernels.gathered, models.kernels.matvec,
-                   models.stage):  # the CPU device takes the GPUs' paths
-        module.GPU_DEVICES = (*module.GPU_DEVICES, "CPU")
-    path = resolve_model(args.model).path
-    stage = models.stage.StageModel.from_gguf(path, 1, 2, dtype="quantized", experts_in_graph=True,
-                                              attention_tile=128, max_context=64)
-    b = args.batch
-    x = Tensor.rand(b, 1, stage.hidden_size).realize()
-    slots, starts = list(range(b)), [5 + r for r in range(b)]
-    at = (Tensor(slots, dtype=dtypes.int32).realize(), Tensor(starts, dtype=dtypes.int32).realize())
-    angles = stage._rope[5:5 + b].reshape(b, 1, 1, -1).realize()
-    realize = Tensor.realize
-    Tensor.realize = lambda self, *a, **k: self  # nothing runs: the hand-written kernels are CUDA
-    try:
-        out = stage._block(1, x, slots, starts, 1, angles, tiles=(1,) * b, at=at)
-    finally:
-        Tensor.realize = realize
-    calls = out.reshape(b, -1).contiguous().schedule_linear().src
+    stage = gpu_stage(args.model, 1, 2)
+    out = unrealised_blocks(stage, range(1, 2), batch=args.batch)
+    calls = out.contiguous().schedule_linear().src
 
     def key(buf):
         return (buf.src[0], buf.arg) if buf.op is Ops.BUFFER_VIEW else (buf, None)

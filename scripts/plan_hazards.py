@@ -3,8 +3,8 @@
 still read what the kernel that wrote each of its inputs wrote, once the planner has packed the step's buffers into
 one arena? A kernel that reads memory another kernel reused in between is reported with both kernels' names.
 
-Builds the first `--blocks` blocks of `kimi-k2-mini` on the CPU, taking the GPUs' paths (as `kernel_census.py`
-does), for a decode step of `--batch` rows or a prompt chunk of `--chunk` tokens, without running them.
+Builds the first `--blocks` blocks of `kimi-k2-mini` on the CPU, taking the GPUs' paths (`gpu_schedule.py`), for a
+decode step of `--batch` rows or a prompt chunk of `--chunk` tokens, without running them.
 
     .venv/bin/python scripts/plan_hazards.py --batch 1
     .venv/bin/python scripts/plan_hazards.py --chunk 10
@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> None:
@@ -26,41 +26,12 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=0, help="a prompt chunk of this many tokens instead")
     args = parser.parse_args()
 
-    from models.kernels import cuda
-
-    cuda.arch = lambda device: 90  # the hand-written kernels' checks answer as on an H100 / H200
-    from tinygrad import Tensor, dtypes
+    from gpu_schedule import gpu_stage, unrealised_blocks
     from tinygrad.schedule.memory import memory_plan_rewrite
     from tinygrad.uop.ops import Ops
 
-    import models.kernels.attention
-    import models.kernels.gathered
-    import models.kernels.matvec
-    import models.stage
-    from models.catalog.names import resolve_model
-
-    for module in (models.kernels.attention, models.kernels.gathered, models.kernels.matvec, models.stage):
-        module.GPU_DEVICES = (*module.GPU_DEVICES, "CPU")
-    stage = models.stage.StageModel.from_gguf(resolve_model("kimi-k2-mini").path, 0, args.blocks, dtype="quantized",
-                                              experts_in_graph=True, attention_tile=128, max_context=64)
-    realize = Tensor.realize
-    Tensor.realize = lambda self, *a, **k: self  # nothing runs: the hand-written kernels are CUDA
-    try:
-        if args.chunk:
-            h = Tensor.rand(1, args.chunk, stage.hidden_size).realize()
-            angles = stage._rope[0:args.chunk].reshape(1, 1, args.chunk, -1)
-            for i in range(args.blocks):
-                h = stage._block(i, h, [0], [0], args.chunk, angles)
-        else:
-            b = args.batch
-            h = Tensor.rand(b, 1, stage.hidden_size).realize()
-            at = (Tensor(list(range(b)), dtype=dtypes.int32), Tensor([5 + r for r in range(b)], dtype=dtypes.int32))
-            angles = stage._rope[5:5 + b].reshape(b, 1, 1, -1)
-            for i in range(args.blocks):
-                h = stage._block(i, h, list(range(b)), [5 + r for r in range(b)], 1, angles, tiles=(1,) * b, at=at)
-    finally:
-        Tensor.realize = realize
-    linear = h.reshape(-1, stage.hidden_size).contiguous().schedule_linear()
+    stage = gpu_stage("kimi-k2-mini", 0, args.blocks)
+    linear = unrealised_blocks(stage, range(args.blocks), batch=args.batch, chunk=args.chunk).contiguous().schedule_linear()
 
     def outputs(call) -> set[int]:
         prog = call.src[0]
