@@ -873,7 +873,7 @@ class StageModel:
         elif blocks is not None and cpu_gemv_fits(h, blocks):
             y = cpu_gemv(h, blocks)  # rows on the CPU: each block decoded once for a tile of rows
         elif self.mla and self.numerics != "ggml" and half_gemv_fits(h, w):
-            y = half_gemv(h, w)  # a router's float16 matrix: a kernel whose output its top-k reads in place
+            y = half_gemv(h, w)  # a float16 matrix (a router's): a kernel whose output the next one reads in place
         else:
             y = matvec(h, w)
         return silu_glu(y) if glu else y

@@ -59,10 +59,16 @@ def run(out: Tensor, inputs: tuple[Tensor, ...], prog: UOp) -> Tensor:
     return run_outputs((out,), inputs, prog)[0]
 
 
-def run_outputs(outs: tuple[Tensor, ...], inputs: tuple[Tensor, ...], prog: UOp) -> tuple[Tensor, ...]:
-    """`outs` (empty tensors of the results' shapes) written by `prog` from `inputs` (made contiguous)."""
-    done = outs[0].custom_kernel(*outs[1:], *(_unshaped(t).contiguous() for t in inputs), fxn=lambda *_params: prog)
-    return tuple(done[:len(outs)])
+def run_outputs(outs: tuple[Tensor, ...], inputs: tuple[Tensor, ...], prog: UOp, *,
+                realize: bool = False) -> tuple[Tensor, ...]:
+    """`outs` (empty tensors of the results' shapes) written by `prog` from `inputs` (made contiguous); with
+    `realize`, run now. Outputs are realised together: one realised alone runs the kernel, and another read later
+    runs it again."""
+    done = tuple(outs[0].custom_kernel(*outs[1:], *(_unshaped(t).contiguous() for t in inputs),
+                                       fxn=lambda *_params: prog)[:len(outs)])
+    if realize:
+        done[0].realize(*done[1:])
+    return done
 
 
 def in_place(t: Tensor) -> Tensor:

@@ -65,10 +65,9 @@ def latent_rows(qkv: Tensor, norms: LatentNorms, angles: Tensor, cache: Tensor, 
     inputs = (qkv.cast(f32), norms.kv_weight.cast(f32), angles.cast(f32), slots.cast(dtypes.int32),
               starts.cast(dtypes.int32), norms.q_weight.cast(f32))
     q_normed = Tensor.empty(rows, q_width, dtype=f32, device=qkv.device)
-    cached, q_normed = cuda.run_outputs((cache, q_normed), inputs, prog)
     # realised here, as `store_rows`'s: the cache after a kernel call, read by more than one kernel, would be copied
-    # whole first; both outputs at once, or the kernel would run again for the one realised later
-    cached.realize(q_normed)
+    # whole first
+    cached, q_normed = cuda.run_outputs((cache, q_normed), inputs, prog, realize=True)
     return q_normed, cached
 
 
