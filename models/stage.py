@@ -55,9 +55,9 @@ from models.kernels.attention import (
 from models.kernels.cache_rows import write_rows
 from models.kernels.cpu_attention import cpu_attention_fits, cpu_decode_attention
 from models.kernels.cpu_gemv import cpu_gemv, cpu_gemv_fits
+from models.kernels.float_gemv import float_gemv, float_gemv_fits
 from models.kernels.gathered import block_matvec
 from models.kernels.glu import silu_glu
-from models.kernels.half_gemv import half_gemv, half_gemv_fits
 from models.kernels.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_renderer
 from models.kernels.quant import BlockQuantized
 from models.kernels.rms_norm import rms_norm, rms_norm_fits
@@ -872,8 +872,8 @@ class StageModel:
             y = ggml_numerics.matvec(h, w, blocks)
         elif blocks is not None and cpu_gemv_fits(h, blocks):
             y = cpu_gemv(h, blocks)  # rows on the CPU: each block decoded once for a tile of rows
-        elif self.mla and self.numerics != "ggml" and half_gemv_fits(h, w):
-            y = half_gemv(h, w)  # a float16 matrix (a router's): a kernel whose output the next one reads in place
+        elif self.mla and self.numerics != "ggml" and float_gemv_fits(h, w):
+            y = float_gemv(h, w)  # a float matrix (a router's): a kernel whose output the next one reads in place
         else:
             y = matvec(h, w)
         return silu_glu(y) if glu else y
