@@ -60,7 +60,7 @@ from models.kernels.gathered import block_matvec
 from models.kernels.glu import silu_glu
 from models.kernels.matvec import GPU_DEVICES, gpu_reduce, matvec, tune_cpu_renderer
 from models.kernels.quant import BlockQuantized
-from models.kernels.rms_norm import rms_norm, rms_norm_fits
+from models.kernels.rms_norm import added_norm_on, added_rms_norm, rms_norm, rms_norm_fits
 from models.kv_cache import KVCacheFull, KVPool, LatentPool, SlotTable
 from models.moe import (
     ROUTED_WEIGHTS,
@@ -895,12 +895,10 @@ class StageModel:
 
         normed = self._norm(blk.attn_norm, x)
         if self.mla:
-            h = x + deepseek2.attention(self, i, normed, slots, starts, T, angles, project, tiles=tiles, at=at)
+            attn = deepseek2.attention(self, i, normed, slots, starts, T, angles, project, tiles=tiles, at=at)
         else:
-            h = x + self._attention(i, normed, slots, starts, T, angles, tiles, project, span=span, at=at)
-        if self.on_gpu:  # one buffer for the norm's kernel and the residual (else the kernel's input is a copy)
-            h = h.contiguous()
-        normed = self._norm(blk.ffn_norm, h)
+            attn = self._attention(i, normed, slots, starts, T, angles, tiles, project, span=span, at=at)
+        h, normed = self._added_norm(blk.ffn_norm, x, attn)
         if i not in self.moe_blocks:
             return h + project(blk.ffn_down.weight, project(self._gate_up[i], normed, "gate_up", glu=True),
                                "ffn_down.weight")
@@ -983,6 +981,17 @@ class StageModel:
         if self.on_gpu:
             return q.scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True)
         return grouped_query_attention(q, keys, values, mask)
+
+    def _added_norm(self, norm, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+        """x + delta and its RMSNorm: on NVIDIA GPUs with float numerics from one hand-written kernel
+        (`models.kernels.rms_norm.added_rms_norm`)."""
+        if self.numerics != "ggml" and added_norm_on() and rms_norm_fits(x, x.shape[-1]) \
+                and all(isinstance(n, int) for n in delta.shape):
+            return added_rms_norm(x, delta, norm.weight, norm.eps)
+        h = x + delta
+        if self.on_gpu:  # one buffer for the norm's kernel and the residual (else the kernel's input is a copy)
+            h = h.contiguous()
+        return h, self._norm(norm, h)
 
     def _norm(self, norm, x: Tensor, columns: tuple[int, int] | None = None) -> Tensor:
         """RMSNorm of x's last axis, or of a window (start, width) of it: on NVIDIA GPUs with float numerics in one
