@@ -1,8 +1,9 @@
 """The k largest of each row, as a hand-written CUDA kernel in tinygrad's graph: a router's choice of experts.
 
-A warp takes a row: each lane holds every 32nd value, and k times over the warp finds the best value left (of equal
-values the one of lower index) and takes it out. The indices come out as `models.moe.top_k` gives them, the largest
-last, in place of tinygrad's kernels that count every element's rank against every other (docs/BENCHMARKS.md).
+A block of threads takes a row, a value a thread. The k-th largest of its warps' maxima bounds the choice from below
+(k values are at least that large), so only the values above that bound are candidates: each candidate's rank is
+the count of candidates above it (of equal values the one of lower index ranks higher), and the candidates of rank
+below k are the choice. The indices come out as `models.moe.top_k` gives them, the largest last.
 `routed_top_k` is the whole of a sigmoid router after its product, in one kernel: scores, the selection bias, the
 choice, and the chosen scores as gates (normalised in order of rank, then scaled).
 """
@@ -21,8 +22,7 @@ if TYPE_CHECKING:
     from tinygrad import Tensor
     from tinygrad.uop.ops import UOp
 
-ROWS_PER_BLOCK = 4  # warps of a block of threads, a row each
-MAX_PER_LANE = 32  # values a lane holds in registers: rows of up to 1,024
+MAX_THREADS = 1024  # a block's: rows of up to this many values
 
 
 def top_k_kernel_on() -> bool:
@@ -33,7 +33,7 @@ def top_k_kernel_on() -> bool:
 def top_k_kernel_fits(x: Tensor, k: int) -> bool:
     """Whether `top_k_kernel` runs for x (..., n)."""
     return (top_k_kernel_on() and cuda.arch(x.device) >= 70
-            and all(isinstance(n, int) for n in x.shape) and 1 <= k <= x.shape[-1] <= 32 * MAX_PER_LANE)
+            and all(isinstance(n, int) for n in x.shape) and 1 <= k <= x.shape[-1] <= MAX_THREADS)
 
 
 def top_k_kernel(x: Tensor, k: int) -> Tensor:
@@ -80,89 +80,99 @@ def routed_top_k(logits: Tensor, bias: Tensor | None, k: int, *, normalise: bool
 def _program(device: str, rows: int, n: int, k: int, routing: Routing | None) -> UOp:
     routed, r = routing is not None, routing or CHOICE_ONLY
     name = f"top_k_{rows}_{n}_{k}" if not routed else f"routed_top_k_{rows}_{n}_{k}" + "_b" * r.has_bias + "_n" * r.normalise
-    return cuda.program(device, name, source(name, rows, n, k, routing), grid=(-(-rows // ROWS_PER_BLOCK), 1, 1),
-                        threads=32 * ROWS_PER_BLOCK, buffers=2 + routed + r.has_bias, ops=rows * n * k,
+    return cuda.program(device, name, source(name, n, k, routing), grid=(rows, 1, 1),
+                        threads=_padded(n), buffers=2 + routed + r.has_bias, ops=rows * n * n,
                         traffic=4 * rows * (n + k * (1 + routed)) + 4 * n * r.has_bias, outputs=1 + routed)
 
 
-def source(name: str, rows: int, n: int, k: int, routing: Routing | None = None) -> str:
+def _padded(n: int) -> int:
+    """A row's values rounded up to whole warps: a block's threads."""
+    return -(-n // 32) * 32
+
+
+def source(name: str, n: int, k: int, routing: Routing | None = None) -> str:
     """The kernel's CUDA source: the choice alone, or (`routing`) the whole router after its product."""
     import numpy as np
 
     routed, r = routing is not None, routing or CHOICE_ONLY
     params = ["int* sel", *["float* gates"] * routed, "const float* __restrict__ x",
               *["const float* __restrict__ bias"] * r.has_bias]
-    return _SOURCE.format(NAME=name, ROWS=rows, N=n, K=k, PER=-(-n // 32), RPB=ROWS_PER_BLOCK, ROUTED=int(routed),
+    return _SOURCE.format(NAME=name, N=n, K=k, NP=_padded(n), ROUTED=int(routed),
                           PARAMS=", ".join(params), HAS_BIAS=int(r.has_bias), NORMALISE=int(r.normalise),
                           SCALE=repr(float(np.float32(r.scale))))
 
 
 _SOURCE = r"""
-#define ROWS {ROWS}
 #define N {N}
 #define K {K}
-#define PER {PER}
-#define RPB {RPB}
+#define NP {NP}
+#define WARPS (NP / 32)
 #define ROUTED {ROUTED}
 #define HAS_BIAS {HAS_BIAS}
 #define NORMALISE {NORMALISE}
+#define NEG_INF __int_as_float(0xff800000)
 
-extern "C" __global__ void __launch_bounds__(RPB * 32) {NAME}({PARAMS}) {{
-  const int lane = threadIdx.x & 31, row = blockIdx.x * RPB + (threadIdx.x >> 5);
-  if (row >= ROWS) return;
-  float v[PER];
-  bool left[PER];
+extern "C" __global__ void __launch_bounds__(NP) {NAME}({PARAMS}) {{
+  __shared__ float v[NP], top[WARPS], bound;
+  __shared__ int candidate[NP], candidates;
 #if ROUTED
-  float score[PER], g[K];  // sigmoid scores; the chosen ones' (lane 0), in order of rank
+  __shared__ float chosen[K];  // the chosen scores, by rank
 #endif
-  #pragma unroll
-  for (int t = 0; t < PER; t++) {{
-    left[t] = lane + 32 * t < N;
-    v[t] = left[t] ? x[(size_t)row * N + lane + 32 * t] : 0.f;
+  const int row = blockIdx.x, i = threadIdx.x, lane = i & 31, warp = i >> 5;
+  const bool in = i < N;
+  float mine = NEG_INF, score = 0.f;
+  if (in) {{
+    mine = x[(size_t)row * N + i];
 #if ROUTED
-    score[t] = 1.f / (1.f + exp2f(v[t] * -1.4426950408889634f));
-    v[t] = score[t];
+    score = 1.f / (1.f + exp2f(mine * -1.4426950408889634f));
+    mine = score;
 #if HAS_BIAS
-    if (left[t]) v[t] += bias[lane + 32 * t];
+    mine += bias[i];
 #endif
 #endif
   }}
-#if ROUTED
-  #pragma unroll  // g in registers
-#endif
-  for (int j = K - 1; j >= 0; j--) {{
-    float best = 0.f, bs = 0.f;
-    int at = -1;  // this lane's best left: the largest value, of equal ones the lowest index
-    #pragma unroll
-    for (int t = 0; t < PER; t++)
-      if (left[t] && (at < 0 || v[t] > best)) {{
-        best = v[t]; at = lane + 32 * t;
-#if ROUTED
-        bs = score[t];
-#endif
-      }}
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {{
-      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-      const int oa = __shfl_xor_sync(0xffffffffu, at, o);
-      const float os = __shfl_xor_sync(0xffffffffu, bs, o);
-      if (oa >= 0 && (at < 0 || ob > best || (ob == best && oa < at))) {{ best = ob; at = oa; bs = os; }}
+  v[i] = mine;
+  float m = mine;  // the warp's maximum (every warp holds a value of the row)
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (lane == 0) top[warp] = m;
+  if (i == 0) {{ candidates = 0; bound = NEG_INF; }}
+  __syncthreads();
+  if (WARPS >= K && i < WARPS) {{  // the K-th largest maximum
+    const float t = top[i];
+    int above = 0;
+    for (int w = 0; w < WARPS; w++) above += top[w] > t || (top[w] == t && w < i);
+    if (above == K - 1) bound = t;
+  }}
+  __syncthreads();
+  const bool candidate_here = in && mine >= bound;
+  if (candidate_here) candidate[atomicAdd(&candidates, 1)] = i;
+  __syncthreads();
+  if (candidate_here) {{
+    int rank = 0;  // candidates above this one: larger ones, and equal ones of lower index
+    for (int c = 0; c < candidates; c++) {{
+      const int j = candidate[c];
+      const float w = v[j];
+      rank += w > mine || (w == mine && j < i);
     }}
-    if (lane == 0) sel[(size_t)row * K + j] = at;
+    if (rank < K) {{
+      sel[(size_t)row * K + K - 1 - rank] = i;
 #if ROUTED
-    g[j] = bs;
+      chosen[rank] = score;
 #endif
-    #pragma unroll
-    for (int t = 0; t < PER; t++)
-      if (lane + 32 * t == at) left[t] = false;
+    }}
   }}
 #if ROUTED
-  if (lane == 0) {{
+  __syncthreads();
+  if (i == 0) {{
     float sum = 0.f;
     #pragma unroll
-    for (int j = K - 1; j >= 0; j--) sum += g[j];
+    for (int r = 0; r < K; r++) sum += chosen[r];
     #pragma unroll
-    for (int j = 0; j < K; j++) gates[(size_t)row * K + j] = (NORMALISE ? g[j] / sum : g[j]) * {SCALE}f;
+    for (int j = 0; j < K; j++) {{
+      const float g = chosen[K - 1 - j];
+      gates[(size_t)row * K + j] = (NORMALISE ? g / sum : g) * {SCALE}f;
+    }}
   }}
 #endif
 }}
