@@ -35,15 +35,17 @@ from tinygrad import TinyJit
 from tinygrad.engine.jit import JitError
 
 from models.kernels.attention import half_products_on
-from models.kernels.block_gemv import block_gemv_on
+from models.kernels.block_gemv import block_gemv_on, glu_in_kernel_on, heads_in_place_on
 from models.kernels.cpu_attention import cpu_attention_on
 from models.kernels.cpu_gemv import cpu_gemv_on
+from models.kernels.float_gemv import float_gemv_on
 from models.kernels.gated_sum import gated_sum_kernel_on
 from models.kernels.gathered import pairs_per_kernel
 from models.kernels.gemm import gemm_min_rows, gemm_on
-from models.kernels.latent_attention import latent_attention_on
+from models.kernels.latent_attention import latent_attention_on, query_rope_on
+from models.kernels.latent_rows import latent_rows_on
 from models.kernels.matvec import tensor_core_min_rows, tensor_core_split, tensor_cores_on
-from models.kernels.rms_norm import rms_norm_kernel_on
+from models.kernels.rms_norm import added_norm_on, rms_norm_kernel_on
 from models.kernels.top_k import top_k_kernel_on
 from models.tinygrad_ext import graph_cache
 from models.tinygrad_ext.jit import Bind
@@ -336,6 +338,8 @@ def _common(owner: Any, source: str) -> dict[str, Any] | None:
             "block_gemv": block_gemv_on(), "block_gemv_layout": os.environ.get("SWARMD_BLOCK_GEMV_LAYOUT"),
             "latent_attention_kernel": latent_attention_on(), "top_k_kernel": top_k_kernel_on(),
             "rms_norm_kernel": rms_norm_kernel_on(), "gated_sum_kernel": gated_sum_kernel_on(),
+            "glu_in_kernel": glu_in_kernel_on(), "heads_in_place": heads_in_place_on(), "query_rope": query_rope_on(),
+            "latent_rows": latent_rows_on(), "float_gemv": float_gemv_on(), "added_norm": added_norm_on(),
             "cpu_gemv": cpu_gemv_on(), "cpu_attention": cpu_attention_on(), **graph_cache.environment(owner.device)}
 
 
