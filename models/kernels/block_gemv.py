@@ -41,7 +41,7 @@ class Layout:
 
     per_warp: int = 4
     warps: int = 4
-    lane_bytes: int = 4
+    lane_bytes: int = 8
     split: int = 0
 
     @staticmethod
@@ -186,7 +186,10 @@ def source(name: str, rows: int, out_features: int, width: int, offset: int, has
     return _SOURCE.format(NAME=name, PARAMS=", ".join(params), ROWS=rows, OUT=out_features, NB=width // 32,
                           OFF=float(offset), HAS_M=int(has_m), GLU=int(glu), MATRIX=matrix, NR=lay.per_warp,
                           WARPS=lay.warps, SPLIT=lay.split, SHARE=share, XS=slot_stride, XR=row_stride,
-                          WORDS=lay.lane_bytes // 4, UNROLL=max(1, (4 if rows <= 2 else 2) * 4 // lay.lane_bytes))
+                          WORDS=lay.lane_bytes // 4, UNROLL=max(1, (4 if rows <= 2 else 2) * 4 // lay.lane_bytes),
+                          # 8 rows of warps sharing them: three blocks of threads an SM (ptxas would take 128 registers
+                          # a thread and spill)
+                          BOUNDS="WARPS * 32" + (", 3" if rows >= KERNEL_ROWS and lay.split > 1 else ""))
 
 
 _SOURCE = r"""
@@ -229,7 +232,7 @@ template <> __device__ __forceinline__ void codes<4>(unsigned* c, const unsigned
   const uint4 t = __ldg((const uint4*)p); c[0] = t.x; c[1] = t.y; c[2] = t.z; c[3] = t.w;
 }}
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32) {NAME}({PARAMS}) {{
+extern "C" __global__ void __launch_bounds__({BOUNDS}) {NAME}({PARAMS}) {{
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, part = lane % LPB;
   const int group = warp / SPLIT, share = warp % SPLIT;
   const int slot = blockIdx.y, o0 = (blockIdx.x * (WARPS / SPLIT) + group) * OUTS;
