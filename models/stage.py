@@ -820,10 +820,12 @@ class StageModel:
         angles = self._rope[starts[0]:starts[0] + 1]
         for p in starts[1:]:
             angles = angles.cat(self._rope[p:p + 1])
-        angles = angles.reshape(batch, 1, 1, -1).realize()
+        # made once a step, for every block: written out (a view of the table, or a bound variable, is read in place
+        # by tinygrad's kernels but copied out again before each hand-written kernel that reads it)
+        angles = angles.reshape(batch, 1, 1, -1).contiguous().realize()
         at = None
-        if batch > 1 or (self.mla and tiles) or self._cpu_attention:  # made once a step, for every block
-            at = tuple(t.realize() for t in batch_rows_at(slots, starts, self.device))
+        if batch > 1 or (self.mla and tiles) or self._cpu_attention:
+            at = tuple(t.contiguous().realize() for t in batch_rows_at(slots, starts, self.device))
         x = self._through_blocks(first, end, x, cut, lambda i, h, cut: self._block(i, h, slots, starts, 1, angles, tiles, cut=cut, span=span, at=at))
         if cut:
             return tuple(t.reshape(batch, -1).realize() for t in x)
