@@ -3,8 +3,9 @@ product at decode, whose output the router's top-k kernel then reads where it li
 whose output is copied before a hand-written kernel reads it).
 
 A block of `WARPS` warps computes one output for every row: each lane reads 16 bytes of the matrix row at a time (8
-float16 or 4 float32 values), the warps take turns along the row, each lane sums its products, the warp adds its lanes' sums in a fixed
-tree and one thread the warps' sums in order. So a row's bits do not depend on the rows around it.
+float16 or 4 float32 values), the warps take turns along the row, each lane sums its products, the warp adds its
+lanes' sums in a fixed tree and one thread the warps' sums in order. So a row's bits do not depend on the rows around
+it.
 """
 
 from __future__ import annotations

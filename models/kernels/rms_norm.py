@@ -3,9 +3,9 @@ sum of squares, then the scaling, and a copy of the window of a row it norms).
 
 A block of threads takes a row, optionally a window of its columns (the normed part of a fused projection's
 output, read in place), or the sum of two rows (`added_rms_norm`: the residual stream plus a block's attention,
-written out beside its norm, in place of an add kernel before the norm's). Each thread holds every `threads`-th value; it sums their squares, the warp adds its
-lanes' sums in a fixed tree and every thread the warps' sums in order, so a row's bits do not depend on the rows
-around it.
+written out beside its norm, in place of an add kernel before the norm's). Each thread holds every `threads`-th
+value; it sums their squares, the warp adds its lanes' sums in a fixed tree and every thread the warps' sums in
+order, so a row's bits do not depend on the rows around it.
 """
 
 from __future__ import annotations
