@@ -14,17 +14,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def gpu_stage(model: str, start: int, end: int) -> Any:
     """Blocks [start, end) of `model` (a name or a GGUF file) on the CPU, taking the GPUs' paths from now on."""
-    import models.kernels.attention
-    import models.kernels.gathered
-    import models.kernels.matvec
     import models.stage
     from models.catalog.names import resolve_model
-    from models.kernels import cuda
+    from tests.models.sm90 import take_gpu_paths
 
-    cuda.arch = lambda device: 90
-    for module in (models.kernels.attention, models.kernels.gathered, models.kernels.matvec, models.stage):
-        if "CPU" not in module.GPU_DEVICES:
-            module.GPU_DEVICES = (*module.GPU_DEVICES, "CPU")
+    take_gpu_paths("CPU")
     return models.stage.StageModel.from_gguf(resolve_model(model).path, start, end, dtype="quantized",
                                              experts_in_graph=True, attention_tile=128, max_context=64)
 

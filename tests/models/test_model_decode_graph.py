@@ -8,13 +8,9 @@ import pytest
 from tinygrad.helpers import Context
 from tinygrad.uop.ops import Ops
 
-import models.kernels.attention
-import models.kernels.gathered
-import models.kernels.matvec
-import models.stage
 from models.deepseek2 import KIMI_K2
-from models.kernels import cuda
 from models.stage import StageInput, StageModel
+from tests.models.sm90 import take_gpu_paths
 
 # Kimi-K2's structure at a width whose latent attention takes the hand-written kernels (8 heads, a latent of 128)
 ARCH = replace(KIMI_K2, dim=1024, n_heads=8, q_lora=256, kv_lora=128, nope=64, rope=64, v_dim=64, dense_ffn=2048,
@@ -24,9 +20,7 @@ ARCH = replace(KIMI_K2, dim=1024, n_heads=8, q_lora=256, kv_lora=128, nope=64, r
 @pytest.fixture
 def on_a_gpu(monkeypatch):
     """The GPU paths on the NULL device, as an sm_90 GPU (an H100 / H200) takes them."""
-    monkeypatch.setattr(cuda, "arch", lambda device: 90)
-    for module in (models.kernels.attention, models.kernels.gathered, models.kernels.matvec, models.stage):
-        monkeypatch.setattr(module, "GPU_DEVICES", (*module.GPU_DEVICES, "NULL"))
+    take_gpu_paths("NULL", monkeypatch.setattr)
     monkeypatch.setenv("SWARMD_GRAPH_CACHE", "off")
     with Context(DEV="NULL", NULL_ALLOW_COPYOUT=1):
         yield
