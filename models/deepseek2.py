@@ -373,8 +373,8 @@ def _per_head(stage: Any, i: int, x: Tensor, name: str, lying: Strided | None = 
     if blocks is not None and stage.numerics != "ggml" and isinstance(T, int):
         rows = x.permute(1, 0, 2, 3).reshape(heads, batch * T, width)
         if block_gemv_fits(rows, blocks, gathered=False):
-            if lying is not None and (lying.slot % 4 or lying.row % 4 or not heads_in_place_on()):
-                lying = None  # (the kernel's loads of x are 16 bytes)
+            if lying is not None and not (lying.aligned and heads_in_place_on()):
+                lying = None
             return block_gemv(lying or rows, blocks).reshape(heads, batch, T, -1).permute(1, 0, 2, 3)
     return x @ getattr(stage.blk[i], name)["weight"].float().transpose(-1, -2)
 

@@ -112,12 +112,17 @@ def block_gemv_fits(x: Tensor, blocks: BlockQuantized, *, gathered: bool) -> boo
 class Strided:
     """Activations of `shape` (slots, rows, in) read where they lie: slot s's row r starts `slot` floats after slot
     s - 1's and `row` floats after row r - 1's, in a buffer `base` (a head's query values in a fused projection's
-    output, each head's a part of a row). Both strides are multiples of 4 (the kernel's loads are 16 bytes)."""
+    output, each head's a part of a row). The kernel reads them where both strides are multiples of 4 (`aligned`:
+    its loads are 16 bytes)."""
 
     base: Tensor
     slot: int
     row: int
     shape: tuple[int, int, int]
+
+    @property
+    def aligned(self) -> bool:
+        return self.slot % 4 == 0 and self.row % 4 == 0
 
 
 def block_gemv(x: Tensor | Strided, blocks: BlockQuantized, idx: Tensor | None = None, *, share: int = 1,
@@ -141,6 +146,7 @@ def block_gemv(x: Tensor | Strided, blocks: BlockQuantized, idx: Tensor | None =
         parts = [block_gemv(rows_of(r), blocks, idx, share=share, glu=glu) for r in range(0, rows, KERNEL_ROWS)]
         return parts[0].cat(*parts[1:], dim=1)
     assert share == 1 or idx is not None, "slots share their rows only when gathered by index"
+    assert not isinstance(x, Strided) or x.aligned, "strided activations are read 16 bytes at a time"
     assert not glu or layout().per_warp % 2 == 0, "a gated product's warps take pairs of gate and up rows"
     slots = x_slots * share
     out_features = blocks.shape[1] if blocks.shape else blocks.rows

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from tinygrad.uop.ops import UOp
 
 WARPS = 8  # warps sharing an output's row
-MAX_ROWS = 7  # from 8 rows tinygrad's product runs on the tensor cores
+MAX_ROWS = 7  # from 8 rows tinygrad's product (a float16 matrix's on the tensor cores)
 
 
 def float_gemv_on() -> bool:

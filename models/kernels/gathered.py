@@ -36,7 +36,7 @@ def gathered_matvec(x: Tensor, w, idx: Tensor, *, ggml: bool = False, share: int
     from models.kernels.quant import BlockQuantized
 
     quantized = isinstance(w, BlockQuantized)
-    if quantized and x.device.split(":")[0] in GPU_DEVICES and not ggml:
+    if _in_block_kernel(x, w, ggml):
         return block_matvec(x, w, idx, share=share)
     x = shared_rows(x, share)
     slots, rows, in_features = x.shape
@@ -70,11 +70,16 @@ def gathered_matvec(x: Tensor, w, idx: Tensor, *, ggml: bool = False, share: int
 def gated_matvec(x: Tensor, w, idx: Tensor, *, ggml: bool = False, share: int = 1) -> Tensor:
     """silu(gate) * up of `gathered_matvec` with a stack of [gate | up] matrices -> (slots, rows, out / 2): on GPUs
     with GGML blocks in `block_matvec`'s kernel where it fits."""
-    from models.kernels.quant import BlockQuantized
-
-    if isinstance(w, BlockQuantized) and x.device.split(":")[0] in GPU_DEVICES and not ggml:
+    if _in_block_kernel(x, w, ggml):
         return block_matvec(x, w, idx, share=share, glu=True)
     return silu_glu(gathered_matvec(x, w, idx, ggml=ggml, share=share))
+
+
+def _in_block_kernel(x: Tensor, w, ggml: bool) -> bool:
+    """Whether a product of x with `w` goes to `block_matvec`: GGML blocks on a GPU, with float activations."""
+    from models.kernels.quant import BlockQuantized
+
+    return isinstance(w, BlockQuantized) and x.device.split(":")[0] in GPU_DEVICES and not ggml
 
 
 def shared_rows(x: Tensor, share: int) -> Tensor:
