@@ -7,8 +7,9 @@ ack back) in the same run. The receiver is a second process. Stacks take turns w
 every round, and figures are medians over all rounds. Stacks: raw TCP, raw TLS (the same exchange over
 `trio.SSLStream`, to separate TLS from our code), the transport on the libp2p stream, the transport on the
 TLS data plane, and the hot lane (`lane`: the `Forward` in its binary layout on a detached data-plane stream;
-the receiver's reader thread handles it and answers with a `Token` on its own lane, whose reader thread on
-this side wakes the waiting task). Sizes: 2304 B (one SmolLM2 hidden state, 576 float32: a decode step),
+the receiver's reader thread handles it and answers with a `Token` on its own lane; the hop ends when this
+side's reader thread hands the `Token` to its hot handler, as the next stage's reader runs a step, not after
+the wake-up of the waiting task that a daemon's hops do not have). Sizes: 2304 B (one SmolLM2 hidden state, 576 float32: a decode step),
 8 KiB, 64 KiB, 1 MiB. `--gap S`: both ends idle S seconds before every hop (as a stage between two steps).
 
 `codec`: encoding and strict decoding of the hot messages, CBOR envelope against the binary layout
@@ -204,6 +205,7 @@ async def latency_main(args: argparse.Namespace) -> dict:
 
             lane = await nursery.start(HotLane(networks["tls"], transports["tls"]).run)
             answers: dict[int, trio.Event] = {}
+            arrived: dict[int, float] = {}  # step -> when its Token reached the lane's reader thread
             token = trio.lowlevel.current_trio_token()
 
             def answered(step: int) -> None:
@@ -215,6 +217,7 @@ async def latency_main(args: argparse.Namespace) -> dict:
                 answered(msg.step)
 
             def on_token_hot(peer, msg, reply):
+                arrived[msg.step] = time.perf_counter()
                 token.run_sync_soon(answered, msg.step)
 
             transports["tls"].route(Token, on_token)
@@ -239,6 +242,8 @@ async def latency_main(args: argparse.Namespace) -> dict:
                     if not lane.send(info["peer"], msg):
                         await transports["tls"].post(info["peer"], msg)
                     await done.wait()
+                    if step in arrived:  # as a stage's hot handler sees it, not after a wake-up of this loop
+                        return arrived.pop(step) - t0
                 elif stack in ("raw_tcp", "raw_tls"):
                     stream = raw_tcp if stack == "raw_tcp" else raw_tls
                     await stream.send_all(LEN.pack(n) + payloads[n])

@@ -281,6 +281,8 @@ class TlsStream:
                     ended = True
                     break
                 parts.append(chunk)
+                if not self._incoming.pending and not self._ssl.pending():
+                    break  # all read: another read would only raise SSLWantReadError
             reply = self._outgoing.read()
         plain = parts[0] if len(parts) == 1 else b"".join(parts)
         if ended and not plain:

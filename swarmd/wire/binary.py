@@ -55,6 +55,7 @@ _EXPERT = struct.Struct("<QI")  # step, block
 _STR = struct.Struct("<H")
 _U64 = struct.Struct("<Q")
 _TENSOR = struct.Struct("<BB")
+_SHAPES = [struct.Struct(f"<{n}I") for n in range(MAX_NDIM + 1)]
 _DTYPE_CODES = {name: i + 1 for i, name in enumerate(sorted(DTYPES))}
 _DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
 _FINISH = ("", "stop", "length")
@@ -176,7 +177,7 @@ def _str(text: str) -> bytes:
 
 
 def _tensor(t: WireTensor) -> list[Any]:
-    return [_TENSOR.pack(_DTYPE_CODES[t.dtype], len(t.shape)), struct.pack(f"<{len(t.shape)}I", *t.shape), t.data]
+    return [_TENSOR.pack(_DTYPE_CODES[t.dtype], len(t.shape)), _SHAPES[len(t.shape)].pack(*t.shape), t.data]
 
 
 def _i(value: int) -> int:
@@ -189,24 +190,34 @@ class _Reader:
     """Reads a body front to back; every read is checked against what is left."""
 
     def __init__(self, view: memoryview) -> None:
-        self.view, self.at = view, 0
+        self.view, self.at, self.size = view, 0, len(view)
 
     def take(self, n: int, what: str) -> memoryview:
-        if n > len(self.view) - self.at:
+        at = self.at
+        if n > self.size - at:
             raise WireError("bad_field", f"{what} runs past the end of the frame")
-        part = self.view[self.at:self.at + n]
-        self.at += n
-        return part
+        self.at = at + n
+        return self.view[at:at + n]
 
     def unpack(self, layout: struct.Struct) -> tuple[Any, ...]:
-        return layout.unpack(self.take(layout.size, "a field"))
+        at = self.at
+        if layout.size > self.size - at:
+            raise WireError("bad_field", "a field runs past the end of the frame")
+        self.at = at + layout.size
+        return layout.unpack_from(self.view, at)
 
     def str(self, what: str) -> str:
-        (n,) = self.unpack(_STR)
+        at = self.at
+        if self.size - at < 2:
+            raise WireError("bad_field", f"{what} runs past the end of the frame")
+        (n,) = _STR.unpack_from(self.view, at)
         if n > MAX_STR:
             raise WireError("bad_field", f"{what} is longer than {MAX_STR} bytes")
+        if n > self.size - at - 2:
+            raise WireError("bad_field", f"{what} runs past the end of the frame")
+        self.at = at + 2 + n
         try:
-            return str(self.take(n, what), "utf-8")
+            return str(self.view[at + 2:at + 2 + n], "utf-8")
         except UnicodeDecodeError:
             raise WireError("bad_field", f"{what} is not UTF-8") from None
 
@@ -217,12 +228,12 @@ class _Reader:
             raise WireError("bad_tensor", f"{what} has unknown dtype code {code}")
         if ndim > MAX_NDIM:
             raise WireError("bad_tensor", f"{what} has {ndim} dimensions, at most {MAX_NDIM}")
-        shape = self.unpack(struct.Struct(f"<{ndim}I"))
+        shape = self.unpack(_SHAPES[ndim])
         n = math.prod(shape) * DTYPES[dtype].itemsize
-        if n > len(self.view) - self.at:
+        if n > self.size - self.at:
             raise WireError("bad_tensor", f"{what} {dtype}{list(shape)} needs {n} bytes, the frame has fewer")
         return WireTensor(dtype, tuple(shape), self.take(n, what))  # type: ignore[arg-type]  # a view: no copy
 
     def end(self) -> None:
-        if self.at != len(self.view):
-            raise WireError("bad_envelope", f"{len(self.view) - self.at} bytes after the message")
+        if self.at != self.size:
+            raise WireError("bad_envelope", f"{self.size - self.at} bytes after the message")
