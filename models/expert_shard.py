@@ -167,11 +167,13 @@ class ExpertShard:
         res = self._jits[key].replay(call.layer, (self._inputs(x, slot=0), self._inputs(idx, slot=1), *weights))
         return read_back(res)[place[:, 0], place[:, 1]]
 
-    def in_graph(self, layer: int, x: Tensor, gates: Tensor, sel: Tensor, residual: Tensor) -> Tensor:
+    def in_graph(self, layer: int, x: Tensor, gates: Tensor, sel: Tensor, residual: Tensor,
+                 shared: Tensor | None = None) -> Tensor:
         """The routed experts inside a stage's graph (no host round trip): x (B, T, dim) normed rows, gates and
         sel (B, T, k) as `route` gives them (every expert held here, local index = global index); each
-        (row, selection) pair gathers its expert's matrices by index. -> `residual` (B, T, dim) plus the rows'
-        gated sums: the bits of `compute`'s sums added to it, as a graph cut after the router adds them."""
+        (row, selection) pair gathers its expert's matrices by index. -> `residual` (B, T, dim), plus `shared`
+        (the shared experts' output) if given, plus the rows' gated sums: the bits of `compute`'s sums added to
+        it, as a graph cut after the router adds them."""
         gate_up, down = self.weights[layer]
         b, t, dim = x.shape
         k = sel.shape[-1]
@@ -192,7 +194,9 @@ class ExpertShard:
             out = experts(rows, idx, k)
         out = out.reshape(b, t, k, dim)
         if gated_sum_fits(out):
-            return residual_plus_gated(residual, out, gates)
+            return residual_plus_gated(residual, out, gates, shared)
+        if shared is not None:
+            residual = residual + shared
         return residual + gated_rows(out, gates)
 
     def _step(self, like_gate_up: Tensor | BlockQuantized, like_down: Tensor | BlockQuantized, x: Tensor, idx: Tensor,

@@ -904,6 +904,7 @@ class StageModel:
         if i not in self.moe_blocks:
             return h + project(blk.ffn_down.weight, project(self._gate_up[i], normed, "gate_up", glu=True),
                                "ffn_down.weight")
+        shared = None
         if self.mla:  # the router and shared expert through the stage's matvec (GGML blocks stay blocks)
             logits = project(blk.ffn_gate_inp.weight, normed, "ffn_gate_inp.weight")
             gates, sel = route(blk, normed, c, logits=logits)
@@ -913,15 +914,16 @@ class StageModel:
                 else:
                     up = project(blk.ffn_up_shexp.weight, normed, "ffn_up_shexp.weight")
                     act = project(blk.ffn_gate_shexp.weight, normed, "ffn_gate_shexp.weight").silu() * up
-                h = h + project(blk.ffn_down_shexp.weight, act, "ffn_down_shexp.weight")
+                shared = project(blk.ffn_down_shexp.weight, act, "ffn_down_shexp.weight")
         else:
             gates, sel = route(blk, normed, c)
-            if (shared := shared_experts(blk, normed)) is not None:
-                h = h + shared
+            shared = shared_experts(blk, normed)
+        if self.experts_in_graph and not cut:  # the experts' sum adds the shared output too (one kernel fewer)
+            return self.expert_shard.in_graph(i, normed, gates, sel, h, shared)
+        if shared is not None:
+            h = h + shared
         if cut:
             return h, normed, gates, sel
-        if self.experts_in_graph:
-            return self.expert_shard.in_graph(i, normed, gates, sel, h)
         return h + routed_experts(blk, normed, gates, sel)
 
     def _attention(self, i: int, x: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,

@@ -1,8 +1,9 @@
 """A MoE block's residual plus its rows' gated expert outputs as one hand-written CUDA kernel in tinygrad's graph,
 rounded as `models.moe.gated_sum` rounds them on a swarm's host: per row, each selection's gate times its output
-(rounded), added in the order of the row's selections, then added to the residual. The kernel's operations are
-`__fmul_rn` and `__fadd_rn`, which the compiler never fuses into multiply-adds, so a stage running its experts in
-its graph gets the bits of one whose graph is cut after each router (tinygrad's kernels fuse and reorder them).
+(rounded), added in the order of the row's selections, then added to the residual (the shared experts' output added
+to it first, where the kernel takes that too). The kernel's operations are `__fmul_rn` and `__fadd_rn`, which the
+compiler never fuses into multiply-adds, so a stage running its experts in its graph gets the bits of one whose
+graph is cut after each router (tinygrad's kernels fuse and reorder them).
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ def gated_sum_fits(outputs: Tensor) -> bool:
             and all(isinstance(n, int) for n in outputs.shape))
 
 
-def residual_plus_gated(residual: Tensor, outputs: Tensor, gates: Tensor) -> Tensor:
+def residual_plus_gated(residual: Tensor, outputs: Tensor, gates: Tensor, shared: Tensor | None = None) -> Tensor:
     """residual (..., dim) + per row the sum over j of gates[..., j] * outputs[..., j, :] (outputs (..., k, dim),
-    gates (..., k)), each product and sum rounded in turn -> float32 (..., dim)."""
+    gates (..., k)), each product and sum rounded in turn -> float32 (..., dim). With `shared` (..., dim), the
+    shared experts' output, residual + shared is rounded first, as a graph cut after the router adds them."""
     from tinygrad import Tensor, dtypes
 
     *lead, k, dim = outputs.shape
@@ -42,28 +44,33 @@ def residual_plus_gated(residual: Tensor, outputs: Tensor, gates: Tensor) -> Ten
     out = Tensor.empty(*lead, dim, dtype=dtypes.float32, device=outputs.device)
     inputs = (residual.reshape(rows, dim).cast(dtypes.float32), outputs.reshape(rows, k, dim).cast(dtypes.float32),
               gates.reshape(rows, k).cast(dtypes.float32))
-    return cuda.run(out, inputs, _program(outputs.device, rows, k, dim))
+    if shared is not None:
+        inputs += (shared.reshape(rows, dim).cast(dtypes.float32),)
+    return cuda.run(out, inputs, _program(outputs.device, rows, k, dim, shared is not None))
 
 
 @functools.cache
-def _program(device: str, rows: int, k: int, dim: int) -> UOp:
-    name = f"gated_sum_{rows}_{k}_{dim}"
-    return cuda.program(device, name, source(name, rows, k, dim), grid=(-(-rows * dim // THREADS), 1, 1),
-                        threads=THREADS, buffers=4, ops=2 * rows * k * dim, traffic=4 * rows * (k + 2) * dim)
+def _program(device: str, rows: int, k: int, dim: int, shared: bool = False) -> UOp:
+    name = f"gated_sum_{rows}_{k}_{dim}" + ("_s" if shared else "")
+    return cuda.program(device, name, source(name, rows, k, dim, shared), grid=(-(-rows * dim // THREADS), 1, 1),
+                        threads=THREADS, buffers=4 + shared, ops=2 * rows * k * dim,
+                        traffic=4 * rows * (k + 2 + shared) * dim)
 
 
-def source(name: str, rows: int, k: int, dim: int) -> str:
+def source(name: str, rows: int, k: int, dim: int, shared: bool = False) -> str:
     """The kernel's CUDA source: a thread an output value."""
-    return _SOURCE.format(NAME=name, ROWS=rows, K=k, DIM=dim, T=THREADS)
+    return _SOURCE.format(NAME=name, ROWS=rows, K=k, DIM=dim, T=THREADS, SHARED=int(shared),
+                          PARAMS=", const float* __restrict__ s" if shared else "")
 
 
 _SOURCE = r"""
 #define ROWS {ROWS}
 #define K {K}
 #define DIM {DIM}
+#define SHARED {SHARED}
 
 extern "C" __global__ void __launch_bounds__({T}) {NAME}(float* out, const float* __restrict__ h,
-                                                       const float* __restrict__ y, const float* __restrict__ g) {{
+    const float* __restrict__ y, const float* __restrict__ g{PARAMS}) {{
   const int i = blockIdx.x * {T} + threadIdx.x;
   if (i >= ROWS * DIM) return;
   const int row = i / DIM, c = i % DIM;
@@ -71,6 +78,10 @@ extern "C" __global__ void __launch_bounds__({T}) {NAME}(float* out, const float
   float total = __fmul_rn(g[row * K], yr[0]);
   #pragma unroll
   for (int j = 1; j < K; j++) total = __fadd_rn(total, __fmul_rn(g[row * K + j], yr[(size_t)j * DIM]));
+#if SHARED
+  out[i] = __fadd_rn(__fadd_rn(h[i], s[i]), total);
+#else
   out[i] = __fadd_rn(h[i], total);
+#endif
 }}
 """
