@@ -9,8 +9,8 @@ every round, and figures are medians over all rounds. Stacks: raw TCP, raw TLS (
 TLS data plane, and the hot lane (`lane`: the `Forward` in its binary layout on a detached data-plane stream;
 the receiver's reader thread handles it and answers with a `Token` on its own lane; the hop ends when this
 side's reader thread hands the `Token` to its hot handler, as the next stage's reader runs a step, not after
-the wake-up of the waiting task that a daemon's hops do not have). Sizes: 2304 B (one SmolLM2 hidden state, 576 float32: a decode step),
-8 KiB, 64 KiB, 1 MiB. `--gap S`: both ends idle S seconds before every hop (as a stage between two steps).
+the wake-up of the waiting task that a daemon's hops do not have). Sizes: 2304 B (one SmolLM2 hidden state,
+576 float32: a decode step), 8 KiB, 64 KiB, 1 MiB. `--gap S`: both ends idle S seconds before every hop (as a stage between two steps).
 
 `codec`: encoding and strict decoding of the hot messages, CBOR envelope against the binary layout
 (`swarmd.wire.binary`), in this process, interleaved rounds.
