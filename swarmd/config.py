@@ -65,9 +65,12 @@ BASE_RATE_MEMBERS = 8
 class Timings:
     """Seconds, all of them."""
 
-    heartbeat_interval: float = timing(1.0, "a signed descriptor on the gossip topic this often (less often in swarms "
-                                            f"of over {BASE_RATE_MEMBERS} members), and at once when the node's "
-                                            "view, plan or part of it changes")
+    heartbeat_interval: float = timing(1.0, "the membership's beat: its tick (a quarter of it), dial retries, and how "
+                                            "long a member whose redials are refused must be silent to be dead")
+    refresh_interval: float = timing(10.0, "a signed descriptor on the gossip topic this often when nothing in it "
+                                           "changed (less often in swarms of over "
+                                           f"{BASE_RATE_MEMBERS} members), and at once when the node's view, plan "
+                                           "or part of it changes; liveness comes from the direct probes")
     suspect_after: float = timing(3.0, "silence (no heartbeat, no probe answer) after which a member is suspect "
                                        "(scaled by log N, and as heartbeats spread)")
     probe_timeout: float = timing(1.0, "a direct probe slower than this failed")
@@ -98,7 +101,7 @@ class Timings:
 
     def heartbeat_period(self, n_members: int) -> float:
         """How often a member publishes its heartbeat when nothing in it changed."""
-        return self.heartbeat_interval * self.spread(n_members)
+        return self.refresh_interval * self.spread(n_members)
 
     def probe_period(self, n_members: int) -> float:
         """How often a member probes each other member."""
@@ -110,13 +113,15 @@ class Timings:
         return self.suspect_after * max(1.0, math.log10(max(1, n_members))) * self.spread(n_members)
 
     def gossip_timeout(self, n_members: int) -> float:
-        """No heartbeat from a member that answers its probes for this long: its gossip stream is broken."""
-        return 2 * self.suspicion_timeout(n_members)
+        """No heartbeat from a member that answers its probes for this long: its gossip stream is broken (three
+        refreshes missed, and never sooner than two suspicion timeouts)."""
+        return max(2 * self.suspicion_timeout(n_members), 3 * self.heartbeat_period(n_members))
 
 
 LAN = Timings()
 LOCAL_TEST = Timings(
     heartbeat_interval=0.5,
+    refresh_interval=0.5,
     suspect_after=1.5,
     probe_timeout=0.5,
     probe_interval=1.0,

@@ -389,24 +389,31 @@ class SwarmService:
 
     def _news(self) -> tuple:
         """What the others act on as soon as it changes: who is alive, the leader and term, the plan's epoch, how
-        far this node's part of the plan got, and whether its stage has a KV slot free (heads admit requests by
-        that; the count itself waits for the next heartbeat, so a busy swarm's gossip stays bounded)."""
+        far this node's part of the plan got, whether its stage has a KV slot free (heads admit requests by
+        that; the count itself waits for the next heartbeat, so a busy swarm's gossip stays bounded), and the
+        leader's bindings of a plan file's slots."""
         a = self.assignment_status()
         full = a.kv is not None and a.kv[1] >= a.kv[0]
+        slots = tuple(sorted(self.slot_bindings().items())) if self.election.is_leader else ()
         return (frozenset(self.membership.live()), self.admitted, self.election.term, self.election.leader,
-                self.coordinator.epoch, a.epoch, a.layers, a.state, tuple(sorted(a.experts.items())), full)
+                self.coordinator.epoch, a.epoch, a.layers, a.state, tuple(sorted(a.experts.items())), full, slots)
 
     async def _heartbeat_loop(self) -> None:
-        """A heartbeat every `heartbeat_period` (the interval, spread out in large swarms), and one at the next tick
-        when `_news()` changes in between."""
-        next_at = trio.current_time()
+        """A heartbeat at the next tick when `_news()` changes, then after one heartbeat interval, two, four...,
+        up to `heartbeat_period` (the refresh interval, spread out in large swarms) while nothing changes: news
+        (a join, a refusal, a plan) is told again soon, a settled swarm's refreshes are far apart."""
+        next_at, gap = trio.current_time(), self.timings.heartbeat_interval
         while not self._leaving:
+            news = self._news()
+            if news != self._told:
+                next_at, gap = trio.current_time(), self.timings.heartbeat_interval
             self.seq += 1
-            self._told, self._news_event = self._news(), trio.Event()
+            self._told, self._news_event = news, trio.Event()
             await self._publish(encode(self._heartbeat(), self.signer, self.settings.swarm))
             self.stats["heartbeats_sent"] += 1
             if trio.current_time() >= next_at:
-                next_at += self.timings.heartbeat_period(len(self.membership.live()))
+                next_at += min(gap, self.timings.heartbeat_period(len(self.membership.live())))
+                gap *= 2
             with trio.move_on_at(next_at):
                 await self._news_event.wait()
 

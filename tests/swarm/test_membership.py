@@ -110,12 +110,18 @@ def test_heartbeats_between_probes_mean_gossip_works_and_nothing_reconnects():
 
 
 def test_swarms_larger_than_eight_heartbeat_and_probe_less_often_so_each_member_handles_as_many_messages():
-    assert [LAN.heartbeat_period(n) for n in (1, 4, 8)] == [LAN.heartbeat_interval] * 3
+    assert [LAN.heartbeat_period(n) for n in (1, 4, 8)] == [LAN.refresh_interval] * 3
     assert [LAN.probe_period(n) for n in (1, 4, 8)] == [LAN.probe_interval] * 3
     for n in (9, 16, 52, 400):
-        assert n / LAN.heartbeat_period(n) == 8 / LAN.heartbeat_interval
+        assert n / LAN.heartbeat_period(n) == 8 / LAN.refresh_interval
         assert n / LAN.probe_period(n) == 8 / LAN.probe_interval
-    assert LAN.suspicion_timeout(52) > 3 * LAN.heartbeat_period(52)  # as many heartbeats missed as in small swarms
+    assert LAN.suspicion_timeout(52) > 2 * LAN.probe_period(52)  # as many probes missed as in small swarms
+
+
+def test_heartbeats_refresh_far_apart_while_probes_keep_liveness_and_a_broken_gossip_stream_waits_three_refreshes():
+    for n in (2, 4, 8, 52):
+        assert LAN.heartbeat_period(n) > LAN.suspicion_timeout(n) > LAN.probe_period(n)
+        assert LAN.gossip_timeout(n) == 3 * LAN.heartbeat_period(n)
 
 
 def test_a_member_of_a_large_swarm_is_alive_on_rare_heartbeats_and_its_probes():
@@ -123,8 +129,8 @@ def test_a_member_of_a_large_swarm_is_alive_on_rare_heartbeats_and_its_probes():
     for i in range(40):
         m.handle(HeartbeatReceived(heartbeat(peer(10 + i), 1)), now=0.0)
     m.handle(HeartbeatReceived(heartbeat(A, 1)), now=0.0)
-    period = LAN.heartbeat_period(len(m.live()))  # 42 members: a heartbeat every 5.25 intervals
-    assert period == 42 / 8 * LAN.heartbeat_interval
+    period = LAN.heartbeat_period(len(m.live()))  # 42 members: a heartbeat every 5.25 refresh intervals
+    assert period == 42 / 8 * LAN.refresh_interval
     out = []
     for i in range(1, 11):
         out += answering_probes_only(m, A, (i - 1) * period, i * period)
@@ -267,4 +273,4 @@ def test_a_failed_routine_probe_of_a_member_that_still_heartbeats_changes_nothin
 
 def test_suspicion_timeout_grows_with_the_log_of_the_swarm_size_and_as_its_heartbeats_spread():
     assert LAN.suspicion_timeout(4) == LAN.suspicion_timeout(8) == LAN.suspect_after
-    assert LAN.suspicion_timeout(100) == 2 * LAN.suspect_after * LAN.heartbeat_period(100) / LAN.heartbeat_interval
+    assert LAN.suspicion_timeout(100) == 2 * LAN.suspect_after * LAN.heartbeat_period(100) / LAN.refresh_interval

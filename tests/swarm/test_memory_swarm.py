@@ -187,16 +187,18 @@ async def test_a_hung_member_is_found_dead_by_probes_and_comes_back_when_it_resu
     assert all(s.membership.state_of(hung) == "alive" for s in others)
 
 
-async def test_a_settled_member_heartbeats_once_an_interval_and_tells_its_news_at_the_next_tick(swarm, autojump_clock):
+async def test_a_settled_member_refreshes_once_a_refresh_interval_and_tells_its_news_at_the_next_tick(
+        swarm, autojump_clock):
     founder = await swarm.start(1)
     member = await swarm.start(2, bootstrap=founder.peer_id)
     await settle(swarm)
+    await trio.sleep(2 * LAN.refresh_interval)  # the heartbeats after the last news, one interval, two, four...
     sent = member.stats["heartbeats_sent"]
-    await trio.sleep(20 * LAN.heartbeat_interval)
-    assert member.stats["heartbeats_sent"] - sent in (20, 21)  # nothing new: no more than the interval's
+    await trio.sleep(20 * LAN.refresh_interval)
+    assert member.stats["heartbeats_sent"] - sent in (20, 21)  # nothing new: no more than the refreshes
 
     sent = member.stats["heartbeats_sent"]
-    for _ in range(200):  # until just after a heartbeat: the next is an interval away
+    for _ in range(round(200 * LAN.refresh_interval)):  # until just after a heartbeat: the next is a refresh away
         await trio.sleep(0.01)
         if member.stats["heartbeats_sent"] > sent:
             break
@@ -215,7 +217,8 @@ async def test_a_swarm_of_sixteen_heartbeats_half_as_often_and_its_probes_keep_e
         await swarm.start(n, bootstrap=founder.peer_id)
     await settle(swarm, 30)
     period = LAN.heartbeat_period(16)
-    assert period == 2 * LAN.heartbeat_interval
+    assert period == 2 * LAN.refresh_interval
+    await trio.sleep(2 * period)  # the heartbeats after the last news, one interval, two, four...
     sent = {p: s.stats["heartbeats_sent"] for p, s in swarm.services.items()}
     suspected = {p: s.stats["transitions_to_suspect"] for p, s in swarm.services.items()}
     await trio.sleep(20 * period)
