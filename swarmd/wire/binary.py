@@ -207,17 +207,11 @@ class _Reader:
         return layout.unpack_from(self.view, at)
 
     def str(self, what: str) -> str:
-        at = self.at
-        if self.size - at < 2:
-            raise WireError("bad_field", f"{what} runs past the end of the frame")
-        (n,) = _STR.unpack_from(self.view, at)
+        (n,) = self.unpack(_STR)
         if n > MAX_STR:
             raise WireError("bad_field", f"{what} is longer than {MAX_STR} bytes")
-        if n > self.size - at - 2:
-            raise WireError("bad_field", f"{what} runs past the end of the frame")
-        self.at = at + 2 + n
         try:
-            return str(self.view[at + 2:at + 2 + n], "utf-8")
+            return str(self.take(n, what), "utf-8")
         except UnicodeDecodeError:
             raise WireError("bad_field", f"{what} is not UTF-8") from None
 
