@@ -35,7 +35,7 @@ from tinygrad import TinyJit
 from tinygrad.engine.jit import JitError
 
 from models.kernels.attention import half_products_on
-from models.kernels.block_gemv import block_gemv_on, glu_in_kernel_on, heads_in_place_on
+from models.kernels.block_gemv import block_gemv_on, glu_in_kernel_on, heads_in_place_on, shared_in_experts_on
 from models.kernels.cpu_attention import cpu_attention_on
 from models.kernels.cpu_gemv import cpu_gemv_on
 from models.kernels.float_gemv import float_gemv_on
@@ -339,6 +339,7 @@ def _common(owner: Any, source: str) -> dict[str, Any] | None:
             "latent_attention_kernel": latent_attention_on(), "top_k_kernel": top_k_kernel_on(),
             "rms_norm_kernel": rms_norm_kernel_on(), "gated_sum_kernel": gated_sum_kernel_on(),
             "glu_in_kernel": glu_in_kernel_on(), "heads_in_place": heads_in_place_on(), "query_rope": query_rope_on(),
+            "shared_in_experts": shared_in_experts_on(),
             "latent_rows": latent_rows_on(), "float_gemv": float_gemv_on(), "added_norm": added_norm_on(),
             "cpu_gemv": cpu_gemv_on(), "cpu_attention": cpu_attention_on(), **graph_cache.environment(owner.device)}
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +23,13 @@ from tinygrad.llm.model import TransformerConfig
 
 from models import cached_graphs
 from models.errors import ModelError
+from models.kernels.block_gemv import (
+    block_gemv,
+    block_gemv_fits,
+    block_gemv_fits_shape,
+    glu_in_kernel_on,
+    shared_in_experts_on,
+)
 from models.kernels.gated_sum import gated_sum_fits, residual_plus_gated
 from models.kernels.gathered import gated_matvec, gathered_matvec, pairs_per_kernel, shared_rows
 from models.kernels.matvec import tune_cpu_renderer
@@ -168,18 +176,26 @@ class ExpertShard:
         return read_back(res)[place[:, 0], place[:, 1]]
 
     def in_graph(self, layer: int, x: Tensor, gates: Tensor, sel: Tensor, residual: Tensor,
-                 shared: Tensor | None = None) -> Tensor:
+                 shared: Tensor | None = None, shared_ffn: tuple[BlockQuantized, BlockQuantized] | None = None) -> Tensor:
         """The routed experts inside a stage's graph (no host round trip): x (B, T, dim) normed rows, gates and
         sel (B, T, k) as `route` gives them (every expert held here, local index = global index); each
         (row, selection) pair gathers its expert's matrices by index. -> `residual` (B, T, dim), plus `shared`
         (the shared experts' output) if given, plus the rows' gated sums: the bits of `compute`'s sums added to
-        it, as a graph cut after the router adds them."""
+        it, as a graph cut after the router adds them. `shared_ffn`: instead of `shared`, the shared expert's
+        GGML blocks as `shared_expert` takes them: at a step of one row, one more slot of the routed experts'
+        products, with `shared_expert`'s bits."""
         gate_up, down = self.weights[layer]
         b, t, dim = x.shape
         k = sel.shape[-1]
         ggml = self.numerics == "ggml"
         rows = x.reshape(b * t, 1, dim)  # each read by its k (row, expert) pairs
         idx = sel.reshape(-1).cast("int32")
+        if shared_ffn is not None:
+            if b * t == 1 and self._takes_shared(rows, gate_up, down, shared_ffn, k):
+                act = block_gemv(rows, gate_up, idx, share=k, glu=True, extra=shared_ffn[0])
+                out = block_gemv(act, down, idx, extra=shared_ffn[1], extra_x=k)  # k routed slots, then the shared
+                return residual_plus_gated(residual, out, gates, shared_after=True)
+            shared = shared_expert(x, *shared_ffn)
 
         def experts(rows: Tensor, idx: Tensor, share: int) -> Tensor:
             act = gated_matvec(rows, gate_up, idx, ggml=ggml, share=share).contiguous()
@@ -199,6 +215,19 @@ class ExpertShard:
             residual = residual + shared
         return residual + gated_rows(out, gates)
 
+    def _takes_shared(self, rows: Tensor, gate_up: Tensor | BlockQuantized, down: Tensor | BlockQuantized,
+                      shared_ffn: tuple[BlockQuantized, BlockQuantized], k: int) -> bool:
+        """Whether the routed experts' products of `rows` (1, 1, dim) take the shared expert as one more slot: both
+        `block_gemv`'s with the gated product inside, its matrices laid out as the stacks' (kind and shape)."""
+        from models.kernels.quant import BlockQuantized
+
+        if self.numerics == "ggml" or not (isinstance(gate_up, BlockQuantized) and isinstance(down, BlockQuantized)):
+            return False
+        return (glu_in_kernel_on() and gated_sum_fits(rows) and block_gemv_fits(rows, gate_up, gathered=True)
+                and block_gemv_fits_shape(rows.device, (k + 1, 1, down.shape[2]), down, gathered=True)
+                and all(w.kind == s.kind and (s.rows, s.cols) == tuple(w.shape[1:])
+                        for w, s in zip((gate_up, down), shared_ffn, strict=True)))
+
     def _step(self, like_gate_up: Tensor | BlockQuantized, like_down: Tensor | BlockQuantized, x: Tensor, idx: Tensor,
               *weights: Tensor) -> Tensor:
         """Each slot's expert (gathered by index) on the slot's rows: x (slots, rows, dim) -> same shape. The
@@ -209,6 +238,24 @@ class ExpertShard:
         ggml = self.numerics == "ggml"
         act = gated_matvec(x, gate_up, idx, ggml=ggml).contiguous()
         return gathered_matvec(act, down, idx, ggml=ggml).float().realize()
+
+
+def shared_expert_fits(x: Tensor, gate_up: BlockQuantized, down: BlockQuantized) -> bool:
+    """Whether `shared_expert` runs for x (..., dim) and a shared expert's GGML blocks ([gate | up], down)."""
+    if not (shared_in_experts_on() and glu_in_kernel_on() and all(isinstance(n, int) for n in x.shape)):
+        return False
+    rows = math.prod(x.shape[:-1])
+    return (block_gemv_fits_shape(x.device, (1, rows, x.shape[-1]), gate_up, gathered=False, stacked=True)
+            and block_gemv_fits_shape(x.device, (1, rows, down.cols), down, gathered=False, stacked=True))
+
+
+def shared_expert(x: Tensor, gate_up: BlockQuantized, down: BlockQuantized) -> Tensor:
+    """A MoE block's shared expert on x (..., dim) -> (..., dim): `block_gemv`'s products laid out as a routed
+    expert's (`stacked`), so that its outputs have the bits it has as one more slot of the routed experts'
+    products (`ExpertShard.in_graph`); `shared_expert_fits` says where it runs."""
+    *lead, dim = x.shape
+    act = block_gemv(x.reshape(1, -1, dim), gate_up, glu=True, stacked=True)
+    return block_gemv(act, down, stacked=True).reshape(*lead, -1)
 
 
 def gated_rows(outputs: Tensor, gates: Tensor) -> Tensor:

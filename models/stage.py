@@ -39,7 +39,7 @@ from models import cached_graphs, deepseek2
 from models.catalog.synthetic import random_weights
 from models.deepseek2 import is_mla
 from models.errors import ModelError
-from models.expert_shard import ExpertShard
+from models.expert_shard import ExpertShard, shared_expert, shared_expert_fits
 from models.gguf.loader import StageParts
 from models.kernels import ggml_numerics
 from models.kernels.attention import (
@@ -904,11 +904,12 @@ class StageModel:
         if i not in self.moe_blocks:
             return h + project(blk.ffn_down.weight, project(self._gate_up[i], normed, "gate_up", glu=True),
                                "ffn_down.weight")
-        shared = None
+        shared, shared_ffn = None, None
         if self.mla:  # the router and shared expert through the stage's matvec (GGML blocks stay blocks)
             logits = project(blk.ffn_gate_inp.weight, normed, "ffn_gate_inp.weight")
             gates, sel = route(blk, normed, c, logits=logits)
-            if c.shared_expert_dim:
+            shared_ffn = self._shared_ffn(i, normed)
+            if c.shared_expert_dim and shared_ffn is None:
                 if i in self._gate_up:
                     act = project(self._gate_up[i], normed, "gate_up", glu=True)
                 else:
@@ -919,12 +920,22 @@ class StageModel:
             gates, sel = route(blk, normed, c)
             shared = shared_experts(blk, normed)
         if self.experts_in_graph and not cut:  # the experts' sum adds the shared output too (one kernel fewer)
-            return self.expert_shard.in_graph(i, normed, gates, sel, h, shared)
+            return self.expert_shard.in_graph(i, normed, gates, sel, h, shared, shared_ffn)
+        if shared_ffn is not None:
+            shared = shared_expert(normed, *shared_ffn)
         if shared is not None:
             h = h + shared
         if cut:
             return h, normed, gates, sel
         return h + routed_experts(blk, normed, gates, sel)
+
+    def _shared_ffn(self, i: int, x: Tensor) -> tuple[BlockQuantized, BlockQuantized] | None:
+        """Block i's shared expert as GGML blocks ([gate | up], down) where `shared_expert` runs it for x (a GPU's
+        float numerics), the same whether the experts run in the graph or it is cut; else None."""
+        gate_up, down = self._blocks.get(f"blk.{i}.gate_up"), self._blocks.get(f"blk.{i}.ffn_down_shexp.weight")
+        if not (self.on_gpu and self.numerics != "ggml" and gate_up is not None and down is not None):
+            return None
+        return (gate_up, down) if shared_expert_fits(x, gate_up, down) else None
 
     def _attention(self, i: int, x: Tensor, slots: Sequence[UOp], starts: Sequence[UOp], T: int | UOp,
                    angles: Tensor, tiles: Sequence[UOp], project, *, span: int = 0,

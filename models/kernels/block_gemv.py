@@ -97,12 +97,27 @@ def glu_in_kernel_on() -> bool:
     return os.environ.get("SWARMD_GLU_IN_KERNEL", "1") != "0" and layout().per_warp % 2 == 0
 
 
-def block_gemv_fits(x: Tensor, blocks: BlockQuantized, *, gathered: bool) -> bool:
-    """Whether `block_gemv` runs for activations x (slots, rows, in) and these blocks, `gathered` by index or not."""
-    if not (block_gemv_on() and cuda.arch(x.device) >= 70 and blocks.packed and all(isinstance(n, int) for n in x.shape)):
+def shared_in_experts_on() -> bool:
+    """`SWARMD_SHARED_IN_EXPERTS=0` leaves a MoE block's shared expert to products of its own, its gate and up split
+    over warps as any lone matrix's (side-by-side runs); by default it is laid out as a routed expert, and at a decode
+    step of one row it is one more slot of the routed experts' products (`block_gemv`'s `extra`)."""
+    return os.environ.get("SWARMD_SHARED_IN_EXPERTS", "1") != "0"
+
+
+def block_gemv_fits(x: Tensor, blocks: BlockQuantized, *, gathered: bool, stacked: bool = False) -> bool:
+    """Whether `block_gemv` runs for activations x (slots, rows, in) and these blocks, `gathered` by index or not
+    (`stacked`: a lone matrix laid out as a stack's)."""
+    return block_gemv_fits_shape(x.device, x.shape, blocks, gathered=gathered, stacked=stacked)
+
+
+def block_gemv_fits_shape(device: str, shape: tuple, blocks: BlockQuantized, *, gathered: bool,
+                          stacked: bool = False) -> bool:
+    """`block_gemv_fits` for activations of `shape` (slots, rows, in) on `device`."""
+    if not (block_gemv_on() and cuda.arch(device) >= 70 and blocks.packed and all(isinstance(n, int) for n in shape)):
         return False
-    slots, rows, width = x.shape
-    out, per = blocks.shape[1] if blocks.shape else blocks.rows, layout().for_rows(width, bool(blocks.shape))
+    slots, rows, width = shape
+    out = blocks.shape[1] if blocks.shape else blocks.rows
+    per = layout().for_rows(width, bool(blocks.shape) or stacked)
     one_each = not blocks.shape or gathered or blocks.shape[0] == slots
     return (one_each and rows <= MAX_ROWS and width == blocks.cols and width % 32 == 0
             and per.warps % per.split == 0 and out % per.outputs == 0)
@@ -126,73 +141,92 @@ class Strided:
 
 
 def block_gemv(x: Tensor | Strided, blocks: BlockQuantized, idx: Tensor | None = None, *, share: int = 1,
-               glu: bool = False) -> Tensor:
+               glu: bool = False, stacked: bool = False, extra: BlockQuantized | None = None,
+               extra_x: int = 0) -> Tensor:
     """x (slots, rows, in) times `blocks` -> float32 (slots, rows, out): with `idx`, slot s times matrix idx[s] of
     the stack; without, slot s times matrix s of a stack, or every slot times the one matrix. With `share`, x holds
     slots / share slots, each read by `share` consecutive slots of idx (a row's chosen experts); x `Strided`: its
     values where they lie. With `glu` the matrices are [gate | up] and the result is
     silu(gate) * up (slots, rows, out / 2). More than `KERNEL_ROWS` rows go in kernels of that many: a row's
     arithmetic is the same in any of them, so a request's row gets the same bits in a decode batch of any size (a
-    verify step's rows included)."""
+    verify step's rows included). `stacked`: the one matrix's outputs are summed as a stack's (`extra`'s bits).
+    `extra` (with `idx`, one row a slot): a lone matrix laid out as the stack's, times x's slot `extra_x` in one
+    more slot after idx's (a MoE block's shared expert beside its routed ones), with the bits of its own product
+    `stacked`."""
     from tinygrad import Tensor, dtypes
 
     x_slots, rows, width = x.shape
     if rows > KERNEL_ROWS:
+        assert extra is None, "a further matrix's slot takes one row"
+
         def rows_of(r: int) -> Tensor | Strided:
             if isinstance(x, Strided):
                 return replace(x, base=x.base.reshape(-1)[r * x.row:], shape=(x_slots, min(KERNEL_ROWS, rows - r), width))
             return x[:, r:r + KERNEL_ROWS]
 
-        parts = [block_gemv(rows_of(r), blocks, idx, share=share, glu=glu) for r in range(0, rows, KERNEL_ROWS)]
+        parts = [block_gemv(rows_of(r), blocks, idx, share=share, glu=glu, stacked=stacked)
+                 for r in range(0, rows, KERNEL_ROWS)]
         return parts[0].cat(*parts[1:], dim=1)
     assert share == 1 or idx is not None, "slots share their rows only when gathered by index"
     assert not isinstance(x, Strided) or x.aligned, "strided activations are read 16 bytes at a time"
     assert not glu or layout().per_warp % 2 == 0, "a gated product's warps take pairs of gate and up rows"
-    slots = x_slots * share
+    assert extra is None or (idx is not None and rows == 1 and extra.kind == blocks.kind and not extra.shape
+                             and blocks.shape is not None and (extra.rows, extra.cols) == tuple(blocks.shape[1:]))
+    slots = idx.shape[0] + 1 if extra is not None else x_slots * share
     out_features = blocks.shape[1] if blocks.shape else blocks.rows
     strides = (x.slot, x.row) if isinstance(x, Strided) else None
     inputs = ((x.base if isinstance(x, Strided) else x).cast(dtypes.float32), blocks.q, blocks.d,
-              *([blocks.m] if blocks.m is not None else []), *([idx.cast(dtypes.int32)] if idx is not None else []))
+              *([blocks.m] if blocks.m is not None else []), *([idx.cast(dtypes.int32)] if idx is not None else []),
+              *(extra.buffers() if extra is not None else []))
     out = Tensor.empty(slots, rows, out_features // (1 + glu), dtype=dtypes.float32, device=blocks.q.device)
     pick = "index" if idx is not None else "slot" if blocks.shape else "one"
     prog = _program(blocks.q.device, slots, rows, out_features, width, blocks.code_offset, blocks.m is not None, pick,
-                    layout().for_rows(width, pick != "one"), share, strides, glu)
+                    layout().for_rows(width, pick != "one" or stacked), share, strides, glu,
+                    None if extra is None else extra_x)
     return cuda.run(out, inputs, prog)
 
 
 @functools.cache
 def _program(device: str, slots: int, rows: int, out_features: int, width: int, offset: int, has_m: bool, pick: str,
-             lay: Layout, share: int = 1, strides: tuple[int, int] | None = None, glu: bool = False) -> UOp:
+             lay: Layout, share: int = 1, strides: tuple[int, int] | None = None, glu: bool = False,
+             extra_x: int | None = None) -> UOp:
     name = (f"block_gemv_{slots}_{rows}_{out_features}_{width}" + ("_m" if has_m else f"_o{offset}")
             + {"index": "_g", "slot": "_s", "one": ""}[pick] + (f"_x{share}" if share > 1 else "")
             + ("_glu" if glu else "") + (f"_v{strides[0]}_{strides[1]}" if strides else "")
-            + f"_{lay.tag}")
+            + (f"_e{extra_x}" if extra_x is not None else "") + f"_{lay.tag}")
     matrices = 1 if pick == "one" else slots
     traffic = (matrices * out_features * width * (10 if has_m else 9) // 16
                + 4 * slots * rows * (width // share + out_features // (1 + glu)))
     return cuda.program(device, name, source(name, rows, out_features, width, offset, has_m, pick, lay, share,
-                                             strides, glu),
+                                             strides, glu, extra_x),
                         grid=(out_features // lay.outputs, slots, 1), threads=32 * lay.warps,
-                        buffers=4 + has_m + (pick == "index"), ops=2 * slots * rows * out_features * width,
+                        buffers=4 + has_m + (pick == "index") + (extra_x is not None) * (2 + has_m),
+                        ops=2 * slots * rows * out_features * width,
                         traffic=traffic)
 
 
 def source(name: str, rows: int, out_features: int, width: int, offset: int, has_m: bool, pick: str,
-           lay: Layout, share: int = 1, strides: tuple[int, int] | None = None, glu: bool = False) -> str:
+           lay: Layout, share: int = 1, strides: tuple[int, int] | None = None, glu: bool = False,
+           extra_x: int | None = None) -> str:
     """The kernel's CUDA source (its loop over blocks unrolled less the more rows and bytes a lane holds, within its
     registers); `pick`: how a slot's matrix is chosen ("index": idx[slot], "slot": matrix slot,
     "one": the one matrix); `share`: slots that read each slot of x; `strides`: x's (slot, row) strides in floats
-    (None: a contiguous x's); `glu`: silu(gate) * up out."""
+    (None: a contiguous x's); `glu`: silu(gate) * up out; `extra_x`: the last slot multiplies a further matrix
+    (its buffers after idx) by x's slot `extra_x`."""
     lay = lay.for_rows(width, pick != "one")  # (a layout with its split fixed keeps it)
     params = ["float* out", "const float* __restrict__ x", "const unsigned* __restrict__ q",
               "const half* __restrict__ d"]
     params += ["const half* __restrict__ m"] * has_m + ["const int* __restrict__ idx"] * (pick == "index")
+    if extra_x is not None:
+        params += ["const unsigned* __restrict__ q2", "const half* __restrict__ d2"]
+        params += ["const half* __restrict__ m2"] * has_m
     matrix = {"index": "idx[slot]", "slot": "slot", "one": "0"}[pick]
     slot_stride, row_stride = strides or (rows * width, width)
     return _SOURCE.format(NAME=name, PARAMS=", ".join(params), ROWS=rows, OUT=out_features, NB=width // 32,
                           OFF=float(offset), HAS_M=int(has_m), GLU=int(glu), MATRIX=matrix, NR=lay.per_warp,
                           WARPS=lay.warps, SPLIT=lay.split, SHARE=share, XS=slot_stride, XR=row_stride,
-                          WORDS=lay.lane_bytes // 4, UNROLL=max(1, (4 if rows <= 2 else 2) * 4 // lay.lane_bytes),
+                          WORDS=lay.lane_bytes // 4, EXTRA=int(extra_x is not None), XE=extra_x or 0,
+                          UNROLL=max(1, (4 if rows <= 2 else 2) * 4 // lay.lane_bytes),
                           # 8 rows of warps sharing them: three blocks of threads an SM (ptxas would take 128 registers
                           # a thread and spill)
                           BOUNDS="WARPS * 32" + (", 3" if rows >= KERNEL_ROWS and lay.split > 1 else ""))
@@ -225,6 +259,7 @@ _SOURCE = r"""
 #define SHARE {SHARE}
 #define LPB (4 / WORDS)
 #define BPI (32 / LPB)
+#define EXTRA {EXTRA}
 // byte k of w (a code, 0-15) minus the offset, exactly: the byte as the low bits of 2^23's float, less 2^23 + offset
 // (no integer-to-float conversion, which runs at a quarter of the float rate)
 #define CODE(w, k) (__int_as_float(__byte_perm((w), 0x4B000000u, 0x7540u + (k))) - (8388608.0f + OFF))
@@ -242,8 +277,25 @@ extern "C" __global__ void __launch_bounds__({BOUNDS}) {NAME}({PARAMS}) {{
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, part = lane % LPB;
   const int group = warp / SPLIT, share = warp % SPLIT;
   const int slot = blockIdx.y, o0 = (blockIdx.x * (WARPS / SPLIT) + group) * OUTS;
+#if EXTRA
+  // the last slot: the further matrix (q2, d2, m2) times x's slot XE
+  const bool further = slot == gridDim.y - 1;
+  const unsigned* qm = further ? q2 : q;
+  const half* dm = further ? d2 : d;
+#if HAS_M
+  const half* mp = further ? m2 : m;
+#endif
+  const size_t row0 = (size_t)(further ? 0 : {MATRIX}) * OUT + o0;
+  const float* xs = x + (size_t)(further ? {XE} : slot / SHARE) * XS + part * WORDS * 4;
+#else
+  const unsigned* qm = q;
+  const half* dm = d;
+#if HAS_M
+  const half* mp = m;
+#endif
   const size_t row0 = (size_t)({MATRIX}) * OUT + o0;
   const float* xs = x + (size_t)(slot / SHARE) * XS + part * WORDS * 4;
+#endif
   float acc[NR][ROWS];
   #pragma unroll
   for (int r = 0; r < NR; r++)
@@ -259,10 +311,10 @@ extern "C" __global__ void __launch_bounds__({BOUNDS}) {NAME}({PARAMS}) {{
 #endif
     #pragma unroll
     for (int r = 0; r < NR; r++) {{
-      codes<WORDS>(c[r], q + (row0 + ROW_OF(r)) * (NB * 4) + b * 4 + part * WORDS);
-      sc[r] = __half2float(d[(row0 + ROW_OF(r)) * NB + b]);
+      codes<WORDS>(c[r], qm + (row0 + ROW_OF(r)) * (NB * 4) + b * 4 + part * WORDS);
+      sc[r] = __half2float(dm[(row0 + ROW_OF(r)) * NB + b]);
 #if HAS_M
-      mm[r] = __half2float(m[(row0 + ROW_OF(r)) * NB + b]);
+      mm[r] = __half2float(mp[(row0 + ROW_OF(r)) * NB + b]);
 #endif
     }}
     #pragma unroll

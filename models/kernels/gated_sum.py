@@ -33,34 +33,38 @@ def gated_sum_fits(outputs: Tensor) -> bool:
             and all(isinstance(n, int) for n in outputs.shape))
 
 
-def residual_plus_gated(residual: Tensor, outputs: Tensor, gates: Tensor, shared: Tensor | None = None) -> Tensor:
+def residual_plus_gated(residual: Tensor, outputs: Tensor, gates: Tensor, shared: Tensor | None = None, *,
+                        shared_after: bool = False) -> Tensor:
     """residual (..., dim) + per row the sum over j of gates[..., j] * outputs[..., j, :] (outputs (..., k, dim),
     gates (..., k)), each product and sum rounded in turn -> float32 (..., dim). With `shared` (..., dim), the
-    shared experts' output, residual + shared is rounded first, as a graph cut after the router adds them."""
+    shared experts' output, residual + shared is rounded first, as a graph cut after the router adds them. With
+    `shared_after`, outputs (rows * (k + 1), dim) holds the rows' k outputs, then each row's shared output."""
     from tinygrad import Tensor, dtypes
 
-    *lead, k, dim = outputs.shape
-    rows = math.prod(lead)
+    *lead, dim = residual.shape
+    rows, k = math.prod(lead), gates.shape[-1]
     out = Tensor.empty(*lead, dim, dtype=dtypes.float32, device=outputs.device)
-    inputs = (residual.reshape(rows, dim).cast(dtypes.float32), outputs.reshape(rows, k, dim).cast(dtypes.float32),
+    inputs = (residual.reshape(rows, dim).cast(dtypes.float32),
+              outputs.reshape(rows * (k + shared_after), dim).cast(dtypes.float32),
               gates.reshape(rows, k).cast(dtypes.float32))
     if shared is not None:
         inputs += (shared.reshape(rows, dim).cast(dtypes.float32),)
-    return cuda.run(out, inputs, _program(outputs.device, rows, k, dim, shared is not None))
+    return cuda.run(out, inputs, _program(outputs.device, rows, k, dim, 2 if shared_after else int(shared is not None)))
 
 
 @functools.cache
-def _program(device: str, rows: int, k: int, dim: int, shared: bool = False) -> UOp:
-    name = f"gated_sum_{rows}_{k}_{dim}" + ("_s" if shared else "")
+def _program(device: str, rows: int, k: int, dim: int, shared: int = 0) -> UOp:
+    name = f"gated_sum_{rows}_{k}_{dim}" + ("", "_s", "_sa")[shared]
     return cuda.program(device, name, source(name, rows, k, dim, shared), grid=(-(-rows * dim // THREADS), 1, 1),
-                        threads=THREADS, buffers=4 + shared, ops=2 * rows * k * dim,
-                        traffic=4 * rows * (k + 2 + shared) * dim)
+                        threads=THREADS, buffers=4 + (shared == 1), ops=2 * rows * k * dim,
+                        traffic=4 * rows * (k + 2 + bool(shared)) * dim)
 
 
-def source(name: str, rows: int, k: int, dim: int, shared: bool = False) -> str:
-    """The kernel's CUDA source: a thread an output value."""
+def source(name: str, rows: int, k: int, dim: int, shared: int = 0) -> str:
+    """The kernel's CUDA source: a thread an output value. `shared`: 0 none, 1 in a buffer of its own, 2 the rows'
+    shared outputs after their k outputs each."""
     return _SOURCE.format(NAME=name, ROWS=rows, K=k, DIM=dim, T=THREADS, SHARED=int(shared),
-                          PARAMS=", const float* __restrict__ s" if shared else "")
+                          PARAMS=", const float* __restrict__ s" if shared == 1 else "")
 
 
 _SOURCE = r"""
@@ -78,7 +82,9 @@ extern "C" __global__ void __launch_bounds__({T}) {NAME}(float* out, const float
   float total = __fmul_rn(g[row * K], yr[0]);
   #pragma unroll
   for (int j = 1; j < K; j++) total = __fadd_rn(total, __fmul_rn(g[row * K + j], yr[(size_t)j * DIM]));
-#if SHARED
+#if SHARED == 2
+  out[i] = __fadd_rn(__fadd_rn(h[i], y[(size_t)ROWS * K * DIM + i]), total);
+#elif SHARED
   out[i] = __fadd_rn(__fadd_rn(h[i], s[i]), total);
 #else
   out[i] = __fadd_rn(h[i], total);

@@ -62,11 +62,14 @@ def test_decode_products_with_4_bit_blocks_take_the_hand_written_kernel_on_nvidi
                                                      (8, True, "slot", Layout(2, 4)),
                                                      (8, False, "index", Layout(4, 4, 16)),
                                                      (8, False, "index", Layout(4, 4, 4, 4)),
-                                                     (1, False, "glu", Layout()), (8, False, "glu", Layout(4, 4, 4, 4))])
+                                                     (1, False, "glu", Layout()), (8, False, "glu", Layout(4, 4, 4, 4)),
+                                                     (1, False, "glu+extra", Layout()), (1, True, "extra", Layout())])
 def test_the_kernel_builds_for_hopper_without_spilling_registers(rows, has_m, pick, layout, tmp_path):
-    glu, pick = pick == "glu", "index" if pick == "glu" else pick
+    glu, extra = pick.startswith("glu"), pick.endswith("extra")
+    pick = "index" if glu or extra else pick
     built_without_spills(source("block_gemv_check", rows, 4096, 7168, 0 if has_m else 8, has_m, pick, layout,
-                                8 if pick == "index" else 1, glu=glu, strides=(192, 12288) if pick == "slot" else None),
+                                8 if pick == "index" else 1, glu=glu, strides=(192, 12288) if pick == "slot" else None,
+                                extra_x=0 if extra else None),
                          tmp_path)
 
 
@@ -99,6 +102,28 @@ def test_slots_that_share_their_rows_give_the_bits_of_the_rows_repeated(rows):
     shared = block_gemv(Tensor(x), stack, pick, share=4).numpy()
     repeated = block_gemv(Tensor(np.repeat(x, 4, axis=0)), stack, pick).numpy()
     assert shared.shape == (8, rows, 64) and np.array_equal(shared, repeated)
+
+
+@pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("q4_1", [False, True], ids=["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("glu", [False, True])
+def test_a_further_matrix_in_one_more_slot_has_the_bits_of_its_own_product_laid_out_as_a_stacks(q4_1, glu):
+    """A MoE block's shared expert beside its routed ones: the last slot multiplies the further matrix by x's slot
+    `extra_x`, with the bits of that matrix's lone product `stacked`; the other slots are the product without it."""
+    rng = np.random.default_rng(13)
+    raw = random_blocks(rng, 6 * 64, 4096, q4_1)
+    stack = from_ggml_blocks(raw, 3 if q4_1 else 2, (6, 64, 4096), Device.DEFAULT).realize()
+    lone = from_ggml_blocks(random_blocks(rng, 64, 4096, q4_1), 3 if q4_1 else 2, (64, 4096), Device.DEFAULT).realize()
+    x = rng.standard_normal((1, 1, 4096)).astype(np.float32)  # one row, its four experts' and the further slot's
+    pick = Tensor(np.array([4, 0, 5, 2], np.int32))
+    both = block_gemv(Tensor(x), stack, pick, share=4, glu=glu, extra=lone).numpy()
+    routed = block_gemv(Tensor(x), stack, pick, share=4, glu=glu).numpy()
+    alone = block_gemv(Tensor(x), lone, glu=glu, stacked=True).numpy()
+    assert both.shape == (5, 1, 32 if glu else 64)
+    assert np.array_equal(both[:4], routed) and np.array_equal(both[4], alone[0])
+    later = np.concatenate([rng.standard_normal((4, 1, 4096)), x]).astype(np.float32)  # its row after the others
+    got = block_gemv(Tensor(later), stack, pick, glu=glu, extra=lone, extra_x=4).numpy()
+    assert np.array_equal(got[4], both[4]) and np.array_equal(got[:4], block_gemv(Tensor(later[:4]), stack, pick, glu=glu).numpy())
 
 
 @pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")

@@ -64,4 +64,12 @@ def test_each_block_runs_the_same_kernels_all_hand_written(on_a_gpu):
     tinygrads = [n for n in first if not n.startswith(("block_gemv", "latent_", "rms_norm", "float_gemv",
                                                        "routed_top_k", "gated_sum"))]
     assert tinygrads == []  # the shared expert's output too is added to the residual stream in the gated sum
-    assert len(first) == 17
+    assert len(first) == 15
+    # the shared expert is one more slot of the routed experts' two products (9 = 8 chosen + 1)
+    assert sum(n.startswith("block_gemv_9_") for n in first) == 2
+
+
+def test_the_shared_expert_can_keep_products_of_its_own(on_a_gpu, monkeypatch):
+    monkeypatch.setenv("SWARMD_SHARED_IN_EXPERTS", "0")
+    names = [p.name for p in decode_kernels(1) if not p.vars]
+    assert len(names) == 17 and not any(n.startswith("block_gemv_9_") for n in names)

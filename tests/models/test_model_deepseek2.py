@@ -148,7 +148,7 @@ def test_a_stage_reads_only_its_own_tensors(files):
 def test_experts_in_the_stages_own_graph_give_the_bits_of_its_shard(files, numerics):
     """The routed experts gathered inside the stage's graph (no host round trip) against the graph cut after each
     router, the shard answering on the host as a swarm's expert holders do: the same logits, bit for bit, on the
-    CPU (on an H200 they differ in float numerics: docs/BENCHMARKS.md)."""
+    CPU and on GPUs (where a decode step of one row runs the shared expert as one more slot of the routed ones')."""
     path = files["q4_0"]
     fast = StageModel.from_gguf(path, max_context=64, max_requests=1, dtype="quantized", numerics=numerics,
                                 experts_in_graph=True)

@@ -16,16 +16,17 @@ ON_NVIDIA = cuda.arch(Device.DEFAULT) >= 70
 
 
 @needs_nvcc
-@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("shared", [0, 1, 2])
 def test_the_kernel_builds_for_hopper(tmp_path, shared):
     built_without_spills(source("gated_sum", 8, 8, 7168, shared), tmp_path)
 
 
 @pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("rows,k,dim", [(1, 8, 7168), (8, 8, 7168), (3, 2, 100)])
-@pytest.mark.parametrize("with_shared", [False, True])
+@pytest.mark.parametrize("with_shared", [False, True, "after"])
 def test_the_sum_has_the_bits_of_the_hosts_sum_added_to_the_residual(rows, k, dim, with_shared):
-    """With the shared experts' output, the residual plus it first, as a stage whose graph is cut adds them."""
+    """With the shared experts' output, the residual plus it first, as a stage whose graph is cut adds them; the same
+    with each row's shared output after the rows' expert outputs, in their buffer (the experts' products made it)."""
     rng = np.random.default_rng(rows * k)
     h = rng.standard_normal((rows, dim)).astype(np.float32)
     outputs = rng.standard_normal((rows, k, dim)).astype(np.float32)
@@ -33,7 +34,11 @@ def test_the_sum_has_the_bits_of_the_hosts_sum_added_to_the_residual(rows, k, di
     shared = rng.standard_normal((rows, dim)).astype(np.float32) if with_shared else None
     call = ExpertCall(1, np.zeros((rows, dim), np.float32), np.zeros((rows, k), np.int32), gates)
     expected = (h if shared is None else h + shared) + gated_sum(call, outputs.reshape(rows * k, dim))
-    got = residual_plus_gated(Tensor(h).reshape(rows, 1, dim), Tensor(outputs).reshape(rows, 1, k, dim),
-                              Tensor(gates).reshape(rows, 1, k),
-                              None if shared is None else Tensor(shared).reshape(rows, 1, dim)).numpy()
+    if with_shared == "after":
+        got = residual_plus_gated(Tensor(h).reshape(rows, 1, dim), Tensor(np.concatenate([outputs.reshape(-1, dim), shared])),
+                                  Tensor(gates).reshape(rows, 1, k), shared_after=True).numpy()
+    else:
+        got = residual_plus_gated(Tensor(h).reshape(rows, 1, dim), Tensor(outputs).reshape(rows, 1, k, dim),
+                                  Tensor(gates).reshape(rows, 1, k),
+                                  None if shared is None else Tensor(shared).reshape(rows, 1, dim)).numpy()
     np.testing.assert_array_equal(got.reshape(rows, dim), expected)
