@@ -427,6 +427,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     agg = {k: median(v) for k, v in results["aggregate"].items()}
     parts = {k: statistics.median(v) for k, v in results["breakdown"].items() if v}
     means = {k: statistics.fmean(v) for k, v in results["breakdown"].items() if v}
+    p90s = {k: statistics.quantiles(v, n=10, method="inclusive")[8] for k, v in results["breakdown"].items() if len(v) > 1}
     raw = statistics.median(results["raw_tcp_ms"])
     idle = statistics.median(results["raw_tcp_idle_ms"])
     if args.json:
@@ -455,23 +456,23 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     print()
     token = statistics.median(results["token_ms"])
     print(f"N = 4, one request: {token:.1f} ms per token (mean per round, median over rounds). Per stage and "
-          "decode step, from the stages' step times (medians; means in brackets):\n")
-    print("| part | median ms | mean ms |")
-    print("|---|---|---|")
-    print(f"| model compute, one stage | {parts['compute']:.2f} | {means['compute']:.2f} |")
+          "decode step, from the stages' step times:\n")
+    print("| part | median ms | mean ms | p90 ms |")
+    print("|---|---|---|---|")
+    print(f"| model compute, one stage | {parts['compute']:.2f} | {means['compute']:.2f} | {p90s['compute']:.2f} |")
     print(f"| stage overhead (queue, thread hand-over, output) | {parts['stage_overhead']:.3f} | "
-          f"{means['stage_overhead']:.3f} |")
+          f"{means['stage_overhead']:.3f} | {p90s['stage_overhead']:.3f} |")
     print(f"| of which the hand-over to the compute thread | {parts['thread_handoff']:.3f} | "
-          f"{means['thread_handoff']:.3f} |")
-    print(f"| hop (sent -> received by the next stage) | {parts['hop']:.3f} | {means['hop']:.3f} |")
+          f"{means['thread_handoff']:.3f} | {p90s['thread_handoff']:.3f} |")
+    print(f"| hop (sent -> received by the next stage) | {parts['hop']:.3f} | {means['hop']:.3f} | {p90s['hop']:.3f} |")
     if "hop_wire" in parts:
         print(f"| of which sent -> its bytes off the socket (sender's write, kernel, reader's wake-up; steps run on "
               f"the lane, {len(results['breakdown']['hop_wire'])} of {len(results['breakdown']['hop'])}) | "
-              f"{parts['hop_wire']:.3f} | {means['hop_wire']:.3f} |")
+              f"{parts['hop_wire']:.3f} | {means['hop_wire']:.3f} | {p90s['hop_wire']:.3f} |")
         print(f"| of which off the socket -> received (decrypt, decode, checks, de-duplication) | "
-              f"{parts['hop_read']:.3f} | {means['hop_read']:.3f} |")
-    print(f"| raw TCP request/response of {HIDDEN_BYTES} B, second process | {raw:.3f} | |")
-    print(f"| the same, both ends idle for a token's time before each request | {idle:.3f} | |")
+              f"{parts['hop_read']:.3f} | {means['hop_read']:.3f} | {p90s['hop_read']:.3f} |")
+    print(f"| raw TCP request/response of {HIDDEN_BYTES} B, second process | {raw:.3f} | | |")
+    print(f"| the same, both ends idle for a token's time before each request | {idle:.3f} | | |")
     added = parts["hop"] + parts["stage_overhead"]
     print(f"\nAdded per hop over raw TCP (hop + stage overhead - raw TCP): **{added - raw:.3f} ms** (median); "
           f"over the idle-receiver raw TCP: **{added - idle:.3f} ms**.\n")
