@@ -6,6 +6,7 @@ reading its input from a TCP socket and writing its output to the next part's; t
 greedy token and sends it to the first, which runs the next step (the loop closed across the chain, as in a
 swarm). A frame is a 12-byte header (payload length, position, rows) and the raw int32 ids or float32 rows.
 The first part times each token's arrival, as a head does: decode tokens/s = (tokens - 1) / (last - first).
+Each part also times its decode steps' compute (`BareRing.compute_ms`, as a daemon's stage reports its own).
 No part runs Python's cyclic garbage collector while it serves.
 This is the physical limit a swarm of daemons on the same machine is measured against
 (`bench_pipeline.py --bare`).
@@ -71,8 +72,14 @@ def _part(path: str, bounds: list[int], i: int, context: int, control) -> None:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     control.send("ready")
 
+    computed: list[float] = []  # ms of each decode step's forward, sent when the request is over
+
     def run(pos: int, data: np.ndarray) -> np.ndarray:
-        return stage.forward([StageInput("r", pos, data)])[0]
+        start = time.perf_counter()
+        y = stage.forward([StageInput("r", pos, data)])[0]
+        if len(data) == 1 and pos > 0:
+            computed.append((time.perf_counter() - start) * 1e3)
+        return y
 
     if i > 0:
         while True:
@@ -82,6 +89,8 @@ def _part(path: str, bounds: list[int], i: int, context: int, control) -> None:
                 return
             if rows == 0:  # the request is over
                 stage.free_request("r")
+                control.send(computed[:])
+                computed.clear()
                 _send_frame(out, 0, 0, b"")
                 continue
             if pos == 0:
@@ -106,7 +115,8 @@ def _part(path: str, bounds: list[int], i: int, context: int, control) -> None:
         stage.free_request("r")
         _send_frame(out, 0, 0, b"")  # frees the request down the chain
         _recv_frame(inp)
-        control.send((tokens - 1) / (arrivals[-1] - arrivals[0]))
+        control.send(((tokens - 1) / (arrivals[-1] - arrivals[0]), computed[:]))
+        computed.clear()
 
 
 class BareRing:
@@ -127,10 +137,13 @@ class BareRing:
         for c in self.controls:
             if c.recv() != "ready":
                 raise RuntimeError("a part of the bare ring did not start")
+        self.compute_ms: list[list[float]] = []  # the last request's decode steps' compute, ms, for each part
 
     def decode_rate(self, ids: list[int], tokens: int) -> float:
         self.controls[0].send((ids, tokens))
-        return self.controls[0].recv()
+        rate, first = self.controls[0].recv()
+        self.compute_ms = [first] + [c.recv() for c in self.controls[1:]]
+        return rate
 
     def stop(self) -> None:
         self.controls[0].send(None)

@@ -23,7 +23,8 @@
   side by side. `--decode-only` measures decode alone (no N = 2, prefill or requests at once): quicker.
 * `--no-lane`: one more N = 4 swarm of this code with `--no-hot-lane` ("4 (no hot lane)"): the lane's share.
 * `--bare`: the same split over four bare processes joined by TCP on loopback, no daemon at all
-  (`scripts/bare_ring.py`, "4 (bare processes)"): the limit of this machine, in the same rounds.
+  (`scripts/bare_ring.py`, "4 (bare processes)"): the limit of this machine, in the same rounds; their
+  parts' decode compute beside the daemons' stages' (median, mean and p90, and the median of each stage).
 
 Results go to stdout as a Markdown section for docs/BENCHMARKS.md (and as JSON with --json).
 """
@@ -333,7 +334,7 @@ def main() -> int:
                                    "hop_wire": [], "hop_read": []},
                                "aggregate": {1: [], 4: [], 8: []}, "batch": {4: [], 8: []},
                                "aggregate_baseline": {1: [], 4: [], 8: []}, "batch_baseline": {4: [], 8: []},
-                               "gaps_ms": {4: [], BASELINE: []}, "collections": {}}
+                               "gaps_ms": {4: [], BASELINE: []}, "collections": {}, "bare_compute": {}}
     try:
         for n in sizes:
             swarms[n] = start_swarm(n, args.context, 8)
@@ -374,6 +375,8 @@ def main() -> int:
             order = kinds if r % 2 == 0 else kinds[::-1]  # neither swarm always goes first
             if bare is not None:
                 results["decode"][BARE].append(bare.decode_rate(single.tokenizer.encode(prompt), args.tokens))
+                for part, times in enumerate(bare.compute_ms):
+                    results["bare_compute"].setdefault(part, []).extend(times)
             for n in order:
                 swarm = swarms[n]
                 if not args.decode_only:
@@ -460,6 +463,9 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     print("| part | median ms | mean ms | p90 ms |")
     print("|---|---|---|---|")
     print(f"| model compute, one stage | {parts['compute']:.2f} | {means['compute']:.2f} | {p90s['compute']:.2f} |")
+    if len(bare := [ms for times in results["bare_compute"].values() for ms in times]) > 1:
+        print(f"| the same in the bare processes | {statistics.median(bare):.2f} | {statistics.fmean(bare):.2f} | "
+              f"{statistics.quantiles(bare, n=10, method='inclusive')[8]:.2f} |")
     print(f"| stage overhead (queue, thread hand-over, output) | {parts['stage_overhead']:.3f} | "
           f"{means['stage_overhead']:.3f} | {p90s['stage_overhead']:.3f} |")
     print(f"| of which the hand-over to the compute thread | {parts['thread_handoff']:.3f} | "
@@ -473,6 +479,13 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
               f"{parts['hop_read']:.3f} | {means['hop_read']:.3f} | {p90s['hop_read']:.3f} |")
     print(f"| raw TCP request/response of {HIDDEN_BYTES} B, second process | {raw:.3f} | | |")
     print(f"| the same, both ends idle for a token's time before each request | {idle:.3f} | | |")
+    by_stage = results["breakdown"]["compute"]
+    line = "Model compute by stage (medians, ms): the daemons " + ", ".join(
+        f"{statistics.median(by_stage[i::4]):.2f}" for i in range(4) if by_stage[i::4])
+    if results["bare_compute"]:
+        line += "; the bare processes " + ", ".join(
+            f"{statistics.median(times):.2f}" for _, times in sorted(results["bare_compute"].items()) if times)
+    print(f"\n{line}.")
     added = parts["hop"] + parts["stage_overhead"]
     print(f"\nAdded per hop over raw TCP (hop + stage overhead - raw TCP): **{added - raw:.3f} ms** (median); "
           f"over the idle-receiver raw TCP: **{added - idle:.3f} ms**.\n")
