@@ -192,19 +192,20 @@ class _Reader:
     def __init__(self, view: memoryview) -> None:
         self.view, self.at, self.size = view, 0, len(view)
 
-    def take(self, n: int, what: str) -> memoryview:
+    def _advance(self, n: int, what: str) -> int:
+        """Where the next `n` bytes start; they are then read."""
         at = self.at
         if n > self.size - at:
             raise WireError("bad_field", f"{what} runs past the end of the frame")
         self.at = at + n
+        return at
+
+    def take(self, n: int, what: str) -> memoryview:
+        at = self._advance(n, what)
         return self.view[at:at + n]
 
     def unpack(self, layout: struct.Struct) -> tuple[Any, ...]:
-        at = self.at
-        if layout.size > self.size - at:
-            raise WireError("bad_field", "a field runs past the end of the frame")
-        self.at = at + layout.size
-        return layout.unpack_from(self.view, at)
+        return layout.unpack_from(self.view, self._advance(layout.size, "a field"))
 
     def str(self, what: str) -> str:
         (n,) = self.unpack(_STR)
