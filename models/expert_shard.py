@@ -27,6 +27,7 @@ from models.kernels.block_gemv import (
     block_gemv,
     block_gemv_fits,
     block_gemv_fits_shape,
+    extra_fits,
     glu_in_kernel_on,
     shared_in_experts_on,
 )
@@ -225,8 +226,7 @@ class ExpertShard:
             return False
         return (glu_in_kernel_on() and gated_sum_fits(rows) and block_gemv_fits(rows, gate_up, gathered=True)
                 and block_gemv_fits_shape(rows.device, (k + 1, 1, down.shape[2]), down, gathered=True)
-                and all(w.kind == s.kind and (s.rows, s.cols) == tuple(w.shape[1:])
-                        for w, s in zip((gate_up, down), shared_ffn, strict=True)))
+                and extra_fits(gate_up, shared_ffn[0]) and extra_fits(down, shared_ffn[1]))
 
     def _step(self, like_gate_up: Tensor | BlockQuantized, like_down: Tensor | BlockQuantized, x: Tensor, idx: Tensor,
               *weights: Tensor) -> Tensor:

@@ -123,6 +123,13 @@ def block_gemv_fits_shape(device: str, shape: tuple, blocks: BlockQuantized, *, 
             and per.warps % per.split == 0 and out % per.outputs == 0)
 
 
+def extra_fits(blocks: BlockQuantized, extra: BlockQuantized) -> bool:
+    """Whether `extra` can be one more slot of a gathered product with the stack `blocks`: a lone matrix of the
+    stack's kind (codes, offsets) and of its matrices' shape."""
+    return (blocks.shape is not None and not extra.shape and extra.kind == blocks.kind
+            and (extra.rows, extra.cols) == tuple(blocks.shape[1:]))
+
+
 @dataclass(frozen=True)
 class Strided:
     """Activations of `shape` (slots, rows, in) read where they lie: slot s's row r starts `slot` floats after slot
@@ -170,8 +177,7 @@ def block_gemv(x: Tensor | Strided, blocks: BlockQuantized, idx: Tensor | None =
     assert share == 1 or idx is not None, "slots share their rows only when gathered by index"
     assert not isinstance(x, Strided) or x.aligned, "strided activations are read 16 bytes at a time"
     assert not glu or layout().per_warp % 2 == 0, "a gated product's warps take pairs of gate and up rows"
-    assert extra is None or (idx is not None and rows == 1 and extra.kind == blocks.kind and not extra.shape
-                             and blocks.shape is not None and (extra.rows, extra.cols) == tuple(blocks.shape[1:]))
+    assert extra is None or (idx is not None and rows == 1 and extra_fits(blocks, extra))
     slots = idx.shape[0] + 1 if extra is not None else x_slots * share
     out_features = blocks.shape[1] if blocks.shape else blocks.rows
     strides = (x.slot, x.row) if isinstance(x, Strided) else None

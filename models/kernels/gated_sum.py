@@ -41,6 +41,7 @@ def residual_plus_gated(residual: Tensor, outputs: Tensor, gates: Tensor, shared
     `shared_after`, outputs (rows * (k + 1), dim) holds the rows' k outputs, then each row's shared output."""
     from tinygrad import Tensor, dtypes
 
+    assert shared is None or not shared_after, "the shared output comes in its own buffer or after the routed ones"
     *lead, dim = residual.shape
     rows, k = math.prod(lead), gates.shape[-1]
     out = Tensor.empty(*lead, dim, dtype=dtypes.float32, device=outputs.device)
