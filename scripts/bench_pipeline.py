@@ -437,6 +437,10 @@ def main() -> int:
     return 0
 
 
+def p90(values: list[float]) -> float:
+    return statistics.quantiles(values, n=10, method="inclusive")[8]
+
+
 def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     def median(values: list[float]) -> float:
         return statistics.median(values) if values else math.nan
@@ -446,7 +450,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     agg = {k: median(v) for k, v in results["aggregate"].items()}
     parts = {k: statistics.median(v) for k, v in results["breakdown"].items() if v}
     means = {k: statistics.fmean(v) for k, v in results["breakdown"].items() if v}
-    p90s = {k: statistics.quantiles(v, n=10, method="inclusive")[8] for k, v in results["breakdown"].items() if len(v) > 1}
+    p90s = {k: p90(v) for k, v in results["breakdown"].items() if len(v) > 1}
     raw = statistics.median(results["raw_tcp_ms"])
     idle = statistics.median(results["raw_tcp_idle_ms"])
     if args.json:
@@ -485,7 +489,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"| model compute, one stage | {parts['compute']:.2f} | {means['compute']:.2f} | {p90s['compute']:.2f} |")
     if len(bare := [ms for times in results["bare_compute"].values() for ms in times]) > 1:
         print(f"| the same in the bare processes | {statistics.median(bare):.2f} | {statistics.fmean(bare):.2f} | "
-              f"{statistics.quantiles(bare, n=10, method='inclusive')[8]:.2f} |")
+              f"{p90(bare):.2f} |")
     print(f"| stage overhead (queue, thread hand-over, output) | {parts['stage_overhead']:.3f} | "
           f"{means['stage_overhead']:.3f} | {p90s['stage_overhead']:.3f} |")
     print(f"| of which the hand-over to the compute thread | {parts['thread_handoff']:.3f} | "

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from tinygrad.uop.ops import UOp
 
 THREADS = 128
+# where the shared experts' output comes from: none, a buffer of its own, or after the rows' k outputs in theirs
+NO_SHARED, SHARED_BUFFER, SHARED_AFTER = 0, 1, 2
 
 
 def gated_sum_kernel_on() -> bool:
@@ -50,22 +52,23 @@ def residual_plus_gated(residual: Tensor, outputs: Tensor, gates: Tensor, shared
               gates.reshape(rows, k).cast(dtypes.float32))
     if shared is not None:
         inputs += (shared.reshape(rows, dim).cast(dtypes.float32),)
-    return cuda.run(out, inputs, _program(outputs.device, rows, k, dim, 2 if shared_after else int(shared is not None)))
+    form = SHARED_AFTER if shared_after else SHARED_BUFFER if shared is not None else NO_SHARED
+    return cuda.run(out, inputs, _program(outputs.device, rows, k, dim, form))
 
 
 @functools.cache
-def _program(device: str, rows: int, k: int, dim: int, shared: int = 0) -> UOp:
-    name = f"gated_sum_{rows}_{k}_{dim}" + ("", "_s", "_sa")[shared]
+def _program(device: str, rows: int, k: int, dim: int, shared: int = NO_SHARED) -> UOp:
+    name = f"gated_sum_{rows}_{k}_{dim}" + {NO_SHARED: "", SHARED_BUFFER: "_s", SHARED_AFTER: "_sa"}[shared]
     return cuda.program(device, name, source(name, rows, k, dim, shared), grid=(-(-rows * dim // THREADS), 1, 1),
-                        threads=THREADS, buffers=4 + (shared == 1), ops=2 * rows * k * dim,
-                        traffic=4 * rows * (k + 2 + bool(shared)) * dim)
+                        threads=THREADS, buffers=4 + (shared == SHARED_BUFFER), ops=2 * rows * k * dim,
+                        traffic=4 * rows * (k + 2 + (shared != NO_SHARED)) * dim)
 
 
-def source(name: str, rows: int, k: int, dim: int, shared: int = 0) -> str:
-    """The kernel's CUDA source: a thread an output value. `shared`: 0 none, 1 in a buffer of its own, 2 the rows'
-    shared outputs after their k outputs each."""
+def source(name: str, rows: int, k: int, dim: int, shared: int = NO_SHARED) -> str:
+    """The kernel's CUDA source: a thread an output value. `shared`: where the shared output comes from
+    (`NO_SHARED`, `SHARED_BUFFER`, `SHARED_AFTER`: every row's after all rows' k outputs)."""
     return _SOURCE.format(NAME=name, ROWS=rows, K=k, DIM=dim, T=THREADS, SHARED=int(shared),
-                          PARAMS=", const float* __restrict__ s" if shared == 1 else "")
+                          PARAMS=", const float* __restrict__ s" if shared == SHARED_BUFFER else "")
 
 
 _SOURCE = r"""
