@@ -315,14 +315,16 @@ class Pipeline:
 
 
 def install_lane_routes(lane: HotLane, stage: StageActor, expert: ExpertActor, router: MoERouter) -> None:
-    """What runs on the hot lane's reader threads: a stage's short decode steps, the expert batches its MoE
-    layers fan out and their answers (the rest is declined to the transport's routes)."""
+    """What runs on the hot lane's reader threads: a stage's short decode steps (the next one of a running
+    request recognised from its bytes), the expert batches its MoE layers fan out and their answers (the rest is
+    declined to the transport's routes)."""
 
     def on_token(peer: str, msg: Token, reply: Any) -> Any:
         return stage.take_hot(peer, msg, reply) if msg.hop == 0 else DECLINE
 
     lane.route(Forward, stage.take_hot)
     lane.route(Token, on_token)
+    lane.shortcut = stage.next_step  # the step after one `take_hot` ran, from its frame's bytes
     lane.route(ExpertBatch, expert.take_hot)
     lane.route(ExpertResult, router.take_hot_result)
 

@@ -2,7 +2,7 @@
 
 Per frame the transport reports when encoding began and how many bytes it made (`encoded`), when the frame
 was acked or given up (`settled`), how long decoding and checking an inbound frame took (`decoded`) and when
-its handler starts (`handling`). From those:
+its handler starts (`handling`), and the bytes of a frame taken without decoding (`received`). From those:
 
     hop.serialise    sender: CBOR encoding of the message (tensors included)
     hop.send         sender: frame ready -> ack back (write, wire both ways, receiver's decode and admission)
@@ -60,6 +60,11 @@ class HopTimer:
         if self._in:
             with self._lock:
                 self._handling(msg)
+
+    def received(self, tag: str, nbytes: int) -> None:
+        """A frame the lane took without decoding it (`swarmd.wire.follow`): an untraced request's, counted."""
+        if self.counters is not None:
+            self.counters.frame_received(tag, nbytes)
 
     def _encoded(self, peer: str, seq: int, msg: Message, started: float, nbytes: int) -> None:
         end = self.now()

@@ -37,7 +37,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -58,6 +58,7 @@ from swarmd.wire.messages import (
     ExpertResult,
     Forward,
     Hello,
+    Key,
     Message,
     Ping,
     Pong,
@@ -105,12 +106,56 @@ class LaneStats:
     hot: int = 0  # handled on the reader thread
     declined: int = 0  # handed to the event loop
     fell_back: int = 0  # messages the transport carried instead (lane not open, full, broken)
+    shortcut: int = 0  # of `hot`: taken from their bytes by the `Shortcut`, undecoded
     lost: int = 0  # lanes that broke
     opened: int = 0
     bad_frames: int = 0
 
 
 HotHandler = Callable[[str, Any, "Reply"], Any]  # (peer, msg, reply) -> HandlerResult | DECLINE | LATER
+
+
+@dataclass(frozen=True)
+class Known:
+    """A frame a `Shortcut` recognised: the message's key and the frame's seq, its type's tag, the shortcut's own."""
+
+    key: Key
+    seq: int
+    tag: str
+    expected: Any
+
+
+class Framing(Protocol):
+    def frame(self, seq: int, msg: Any) -> bytes:
+        """`msg`'s length-prefixed frame numbered `seq`, as `encode_frame` makes it."""
+        ...
+
+
+@dataclass(frozen=True)
+class Taken:
+    """A `Shortcut`'s answer: its sends, each with the layout that frames it (None: encoded as any message)."""
+
+    sends: tuple[Send, ...]
+    framings: tuple[Framing | None, ...]
+
+
+class Shortcut(Protocol):
+    """Takes the frames it expects from their bytes alone (`swarmd.wire.follow`), before any decoding: a stage's
+    next decode step of a request it just ran (`swarmd.inference.stage.next_step`)."""
+
+    def follows(self, peer: str, body: bytes) -> Known | None:
+        """`body` from `peer` if it is a frame this shortcut expects, else None (cheap: every frame asks)."""
+        ...
+
+    def take(self, known: Known, body: bytes, arrived: float) -> Taken | Any:
+        """Run it on the reader: `Taken`, another HandlerResult, or DECLINE (the frame is then decoded and goes to
+        the event loop)."""
+        ...
+
+    def ran(self, peer: str, what: Message | Known) -> None:
+        """A hot handler ran `what` from `peer` on the reader (a message, or a frame this shortcut took) and its
+        outputs are written: what to expect next (off the step's path)."""
+        ...
 
 
 @dataclass
@@ -180,6 +225,7 @@ class HotLane:
         self.local_peer = transport.local_peer
         self.stats = LaneStats()
         self._routes: dict[type[Message], HotHandler] = {}
+        self.shortcut: Shortcut | None = None  # asked first about every frame read
         self._out: dict[str, _Out] = {}
         self._out_lock = threading.Lock()
         self._token: trio.lowlevel.TrioToken | None = None
@@ -236,9 +282,10 @@ class HotLane:
 
     # --- sending -------------------------------------------------------------------------------------------
 
-    def send(self, peer: str, msg: Message) -> bool:
-        """From any thread: write `msg` on the lane to `peer`. True: the lane has it (delivered, or handed to
-        the transport if the lane breaks before the ack); False: send it by the transport."""
+    def send(self, peer: str, msg: Message, framing: Framing | None = None) -> bool:
+        """From any thread: write `msg` on the lane to `peer` (framed by `framing` where given). True: the lane
+        has it (delivered, or handed to the transport if the lane breaks before the ack); False: send it by the
+        transport."""
         if not self.running or peer == self.local_peer or not isinstance(msg, LANE_MESSAGES):
             return False
         with self._out_lock:
@@ -259,7 +306,7 @@ class HotLane:
             link.pending[seq] = _Sent(msg, now)
         obs = self.transport.observer
         started = obs.now() if obs is not None else 0.0
-        data = encode_frame(msg, seq)
+        data = encode_frame(msg, seq) if framing is None else framing.frame(seq, msg)
         if obs is not None:  # (before the write: the ack may come back before this thread goes on)
             obs.encoded(peer, -seq, msg, started, len(data))
         try:
@@ -280,8 +327,11 @@ class HotLane:
         if rest:
             await self.transport.post_all(rest)
 
-    def _post_from_any_thread(self, sends: Sequence[Send]) -> None:
-        rest = self.take(sends)
+    def _post_from_any_thread(self, sends: Sequence[Send], framings: Sequence[Framing | None] = ()) -> None:
+        if framings:
+            rest = [s for s, f in zip(sends, framings, strict=True) if not self.send(s.peer, s.msg, f)]
+        else:
+            rest = self.take(sends)
         if rest:
             self.stats.fell_back += len(rest)
             self.to_loop(self._spawn_post, rest)
@@ -401,6 +451,8 @@ class HotLane:
 
     def _on_frame(self, link: _In, body: bytes) -> None:
         self.stats.received += 1
+        if self.shortcut is not None and self._take_known(link, body):
+            return
         obs = self.transport.observer
         started = obs.now() if obs is not None else 0.0
         try:
@@ -442,15 +494,56 @@ class HotLane:
                 result = handler(peer, msg, Reply(self, link, seq, key, msg))
             except Exception as e:
                 result = self._error_result(peer, msg, e)
+        if self._handled(link, seq, key, msg, result) and self.shortcut is not None:
+            self.shortcut.ran(peer, msg)
+
+    def _handled(self, link: _In, seq: int, key: Any, msg: Message, result: Any) -> bool:
+        """A begun frame's handler answered `result`: send it and ack (True), or hand the frame to the event loop
+        or wait for its later answer."""
         if result is DECLINE:
             self.stats.declined += 1
-            self.to_loop(self.transport.admit_begun, peer, key, msg, _ack_later(self, link.wire, seq))
-            return
+            self.to_loop(self.transport.admit_begun, link.peer, key, msg, _ack_later(self, link.wire, seq))
+            return False
         self.stats.hot += 1
         if result is LATER:
-            return
-        self._finish(peer, key, msg, result)
+            return False
+        self._finish(link.peer, key, msg, result)
         link.acks.append(seq)
+        return True
+
+    def _take_known(self, link: _In, body: bytes) -> bool:
+        """A frame the shortcut expects, run from its bytes; False: it takes the general path (not expected, a
+        repeat, over the peer's rate)."""
+        assert self.shortcut is not None
+        known = self.shortcut.follows(link.peer, body)
+        if known is None or not self.transport.begin_new(link.peer, known.key, self.now()):
+            return False
+        obs = self.transport.observer
+        if obs is not None:
+            obs.received(known.tag, len(body))
+        try:
+            result = self.shortcut.take(known, body, link.arrived)
+        except Exception as e:
+            result = e
+        if result is DECLINE or isinstance(result, Exception):
+            try:
+                msg = decode_body(body).msg
+            except WireError as e:  # (a shortcut expects only frames that decode: ours to fix)
+                self.transport.finish(known.key, ())
+                self._bad_frame(link, e)
+                return True
+            if isinstance(result, Exception):
+                result = self._error_result(link.peer, msg, result)
+            self._handled(link, known.seq, known.key, msg, result)
+            return True
+        self.stats.hot += 1
+        self.stats.shortcut += 1
+        sends, framings = (result.sends, result.framings) if isinstance(result, Taken) else (as_sends(result), ())
+        self.transport.finish(known.key, sends)
+        self._post_from_any_thread(sends, framings)
+        link.acks.append(known.seq)
+        self.shortcut.ran(link.peer, known)
+        return True
 
     def _finish(self, peer: str, key: Any, msg: Message, result: HandlerResult) -> None:
         sends = as_sends(result)

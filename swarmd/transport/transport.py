@@ -37,6 +37,8 @@ that has posted its result itself (with `post_all`, together with other messages
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import math
 import random
@@ -65,13 +67,14 @@ from swarmd.transport.delivery import (
     RetryPolicy,
     Seen,
 )
-from swarmd.wire.codec import WireError, WireTensor
+from swarmd.wire.codec import WireError
 from swarmd.wire.expect import Expect
 from swarmd.wire.messages import (
     Ack,
     Cancel,
     Envelope,
     Error,
+    Key,
     Message,
     Ping,
     Pong,
@@ -99,6 +102,8 @@ class FrameObserver(Protocol):
     def decoded(self, peer: str, msg: Message, started: float, nbytes: int) -> None: ...
 
     def handling(self, msg: Message) -> None: ...
+
+    def received(self, tag: str, nbytes: int) -> None: ...  # a frame of an untraced request taken undecoded
 
 
 class LinkError(Exception):
@@ -974,6 +979,17 @@ class ActorTransport:
             key = msg.key()
             return self._dedupe.begin(key, now) if key else (Seen.NEW, None)
 
+    def begin_new(self, peer: str, key: Key, now: float) -> bool:
+        """From any thread: `begin` for a frame known by its key alone (the lane's shortcut). True: it is new and
+        within the peer's rate, now marked in progress; False changes nothing (the frame then takes `begin`)."""
+        with self._shared:
+            if self._dedupe.known(key):
+                return False
+            bucket = self._buckets.get(peer)
+            if bucket is None or not bucket.try_take(now):
+                return False
+            return self._dedupe.begin(key, now)[0] is Seen.NEW
+
     def finish(self, key: Any, sends: tuple[Send, ...]) -> None:
         """From any thread: the handler of `key` is done; `sends` are replayed for a duplicate."""
         with self._shared:
@@ -1092,11 +1108,17 @@ def _error_for(msg: Message, code: str, message: str) -> Error:
 
 def _approx_size(msg: Message) -> int:
     size = 256
-    for name in getattr(msg, "__slots__", ()):
-        value = getattr(msg, name, None)
-        if isinstance(value, WireTensor):
+    for name in _tensor_fields(type(msg)):
+        value = getattr(msg, name)
+        if value is not None:
             size += value.nbytes
     return size
+
+
+@functools.cache
+def _tensor_fields(cls: type) -> tuple[str, ...]:
+    """The fields of a message type that hold a WireTensor (or None)."""
+    return tuple(f.name for f in dataclasses.fields(cls) if "WireTensor" in str(f.type))
 
 
 def _log_undeliverable(peer: str, msg: Message, reason: str) -> None:

@@ -177,7 +177,12 @@ def _str(text: str) -> bytes:
 
 
 def _tensor(t: WireTensor) -> list[Any]:
-    return [_TENSOR.pack(_DTYPE_CODES[t.dtype], len(t.shape)), _SHAPES[len(t.shape)].pack(*t.shape), t.data]
+    return [tensor_header(t.dtype, t.shape), t.data]
+
+
+def tensor_header(dtype: str, shape: tuple[int, ...]) -> bytes:
+    """A tensor's bytes before its data: dtype, ndim and shape."""
+    return _TENSOR.pack(_DTYPE_CODES[dtype], len(shape)) + _SHAPES[len(shape)].pack(*shape)
 
 
 def _i(value: int) -> int:

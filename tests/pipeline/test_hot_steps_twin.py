@@ -1,6 +1,7 @@
 """A token's steps on the hot lane, on whole daemons in one process (the in-memory twin, virtual time): a lone
-request's decode steps run on the lane's readers and give the tokens the event loop gives; steps the lane must
-not run (requests at once, which batch; a prefill) run on the event loop as before."""
+request's decode steps run on the lane's readers, each after the first taken from its frame's bytes, and give the
+tokens the event loop gives; steps the lane must not run (requests at once, which batch; a prefill) run on the
+event loop as before."""
 
 from __future__ import annotations
 
@@ -34,10 +35,13 @@ async def test_a_lone_requests_decode_steps_run_on_the_lane_and_give_the_event_l
     twin, daemons = await twin_swarm(nursery, tmp_path / "on", model, 3)
     first = await twin.generate(daemons[0], PROMPT, max_tokens=TOKENS)  # measures each stage's decode step
     hot_before = {d.name: lane(d, "hot") for d in daemons}
+    short_before = {d.name: lane(d, "shortcut") for d in daemons}
     again = await twin.generate(daemons[1], PROMPT, max_tokens=TOKENS)
     assert first == reference and again == reference
     for d in stage_daemons(twin, daemons):  # every decode step of the second request ran on a lane's reader
         assert lane(d, "hot") - hot_before[d.name] >= TOKENS - 2, d.pipeline.status()["lane"]
+        # ... and each after its first there was taken from its frame's bytes (`swarmd.wire.follow`)
+        assert lane(d, "shortcut") - short_before[d.name] >= TOKENS - 3, d.pipeline.status()["lane"]
         steps = [(s["request_id"], s["step"]) for s in d.pipeline.status()["stage"]["recent_steps"]]
         assert len(steps) == len(set(steps))  # each step once
 

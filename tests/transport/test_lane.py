@@ -9,11 +9,12 @@ import trio
 
 from swarmd.net.framing import HEADER
 from swarmd.net.seam import detachable
-from swarmd.transport.lane import DECLINE, LANE_PROTOCOL, LATER, HotLane
+from swarmd.transport.lane import DECLINE, LANE_PROTOCOL, LATER, HotLane, Known
 from swarmd.transport.transport import Send
 from swarmd.wire import Error, Forward, Hello, Token, WireTensor, decode, encode
 from swarmd.wire.binary import decode_body, encode_frame
 from swarmd.wire.expect import ExpectForward
+from swarmd.wire.follow import Follower, NextForward
 from tests.transport.memnet import MemoryNet
 
 HIDDEN = 8
@@ -191,6 +192,95 @@ async def test_a_step_that_came_by_both_paths_runs_once_and_the_repeat_gets_the_
     await trio.sleep(1)
     assert p.hot == [1] and p.loop == [0] and p.tokens == [0, 1]
     assert p.b.stats.duplicates == 1 and p.b.stats.replays == 1  # its answer sent again (a drops the repeat)
+
+
+class FollowingShortcut:
+    """b's shortcut as a stage has one: once a step ran on the reader, the next step's frame is taken from its
+    bytes (`swarmd.wire.follow`), and runs as the hot handler runs it."""
+
+    def __init__(self, p: Pair) -> None:
+        self.p = p
+        self.follower: Follower | None = None
+        self.decline: set[int] = set()
+        self.taken: list[int] = []
+
+    def follows(self, peer, body):
+        seq = self.follower.seq(body) if self.follower is not None else None
+        if seq is None:
+            return None
+        e = self.follower.expected
+        return Known(("forward", e.request_id, e.step, e.hop), seq, "forward", self.follower)
+
+    def take(self, known, body, arrived):
+        step = known.expected.expected.step
+        if step in self.decline:
+            return DECLINE
+        self.taken.append(step)
+        self.p.hot.append(step)
+        return Send("a", Token("req", step, 100 + step))
+
+    def ran(self, peer, what):
+        if isinstance(what, Known):
+            self.follower = what.expected.then()
+        else:
+            self.follower = Follower(NextForward.of(what).then())
+
+
+async def following_pair(nursery) -> tuple[Pair, FollowingShortcut]:
+    p = Pair(MemoryNet(nursery))
+    await p.start(nursery)
+    short = p.lane_b.shortcut = FollowingShortcut(p)
+    await p.send(0)  # by the transport: the lane opens meanwhile
+    await p.until(1)
+    return p, short
+
+
+async def test_the_step_after_one_run_on_the_reader_is_taken_from_its_bytes_and_answered_on_the_lane(nursery,
+                                                                                                     autojump_clock):
+    p, short = await following_pair(nursery)
+    for step in range(1, 6):
+        await p.send(step)
+        await p.until(step + 1)
+    assert p.hot == [1, 2, 3, 4, 5] and short.taken == [2, 3, 4, 5] and p.tokens == [0, 1, 2, 3, 4, 5]
+    assert p.lane_b.stats.shortcut == 4 and p.lane_b.stats.hot == 5
+    await trio.sleep(1)
+    assert p.lane_a.stats.acked == 5  # each frame acked, whichever way it ran
+
+
+async def test_a_repeat_of_a_step_taken_from_its_bytes_runs_once_and_gets_the_cached_answer(nursery, autojump_clock):
+    p, short = await following_pair(nursery)
+    for step in (1, 2, 3):
+        await p.send(step)
+        await p.until(step + 1)
+    await p.a.post("b", fwd(3))  # step 3 again, by the transport (a lost ack, say)
+    await trio.sleep(1)
+    assert short.taken == [2, 3] and p.loop == [0] and p.hot == [1, 2, 3]
+    assert p.b.stats.duplicates == 1 and p.b.stats.replays == 1
+
+
+async def test_the_expected_step_that_came_first_by_the_transport_is_not_run_again_from_its_bytes(nursery,
+                                                                                                  autojump_clock):
+    p, short = await following_pair(nursery)
+    for step in (1, 2):
+        await p.send(step)
+        await p.until(step + 1)
+    await p.a.post("b", fwd(3))  # the transport brings step 3 first (the lane to b was full, say)
+    await p.until(4)
+    assert p.lane_a.send("b", fwd(3))  # ... and then the lane: it matches the frame expected, and is a repeat
+    await trio.sleep(1)
+    assert p.loop == [0, 3] and short.taken == [2] and p.tokens.count(3) == 1
+    assert p.lane_b.stats.shortcut == 1
+
+
+async def test_a_step_the_shortcut_declines_runs_on_the_event_loop_once(nursery, autojump_clock):
+    p, short = await following_pair(nursery)
+    short.decline = {3}
+    for step in (1, 2, 3):
+        await p.send(step)
+        await p.until(step + 1)
+    await trio.sleep(1)
+    assert p.loop == [0, 3] and short.taken == [2] and p.tokens == [0, 1, 2, 3]
+    assert p.lane_a.status()["lanes"]["b"]["unacked"] == 0
 
 
 async def test_a_path_that_cannot_detach_keeps_every_message_on_the_transport(nursery, autojump_clock):

@@ -41,9 +41,10 @@ import trio
 
 from swarmd.inference.compute import Compute
 from swarmd.inference.moe.local import LocalExperts
-from swarmd.inference.stage.batch import ExpertsFailed, advance_here, run_batch
+from swarmd.inference.stage.batch import ExpertsFailed, advance_here, run_alone, run_batch
 from swarmd.inference.stage.book import StageBook, StageRefusal, Work
 from swarmd.inference.stage.job import Batch, Job, Loaded
+from swarmd.inference.stage.next_step import Expected, NextStep, expected_after
 from swarmd.observe.spans import SpanRecorder, record_stage_step
 from swarmd.transport.lane import DECLINE, LATER, run_safely
 from swarmd.transport.transport import HandlerResult, Posted, Send, as_sends
@@ -159,6 +160,8 @@ class StageActor:
         self._token: trio.lowlevel.TrioToken | None = None
         self._now: Callable[[], float] = trio.current_time  # the event loop's clock, readable from any thread
         self._waiters: dict[str, trio.Event] = {}  # new requests waiting for a KV slot, by request id
+        self._ran_hot: tuple[Forward | Token, Job] | None = None  # the last step `take_hot` ran whole
+        self.next_step = NextStep(self.take_next, self.expect_after)  # the lane's shortcut to the step after
 
     def _loaded_epoch(self) -> int:
         loaded = self._current()
@@ -261,7 +264,61 @@ class StageActor:
         if started is None:
             return DECLINE
         job, batch = started
-        return self._hot_run(batch, job, reply, None)
+        result = self._hot_run(batch, job, reply, None)
+        if result is not LATER:
+            self._ran_hot = (msg, job)
+        return result
+
+    def expect_after(self, peer: str, msg: Forward | Token) -> Expected | None:
+        """The frame of the step after `msg`'s, if `take_hot` just ran it whole and the general path would run
+        the next one the same way (`NextStep`'s `learn`)."""
+        ran = self._ran_hot
+        if ran is None or ran[0] is not msg:
+            return None
+        job = ran[1]
+        return expected_after(peer, msg, job.work.rows, job.book, job.loaded)
+
+    def take_next(self, expected: Expected, body: bytes, arrived: float) -> Any:
+        """On a lane's reader: the step `expected` names, whose frame `body` is (`NextStep`), run as `take_hot`
+        runs a step; DECLINE when the stage is not as the step before left it."""
+        received = time.perf_counter()
+        data = expected.input(body)
+        with self._lock:
+            started = self._next_start(expected, data, received, arrived)
+        if started is None:
+            return DECLINE
+        job, batch = started
+        error: BaseException | None = None
+        try:
+            run_alone(job)
+        except BaseException as e:  # run_alone catches the model's errors: this is our bug, one request's
+            error = e
+        finally:
+            self.compute.release()
+        return self._hot_finish(batch, job, error)
+
+    def _next_start(self, e: Expected, data: np.ndarray, received: float, arrived: float) -> tuple[Job, Batch] | None:
+        """With `_lock` held: `_hot_start` for the step `e`, whose frame's every other field passed the general
+        path's checks with the step before."""
+        if not (self._idle and self._inflight is None and not self._jobs and not self._frees):
+            return None
+        book, loaded = self.book, self._current()
+        if (book is not e.book or len(book.requests) != 1 or loaded is None or loaded.model is not e.model
+                or loaded.registry is not e.registry):
+            return None
+        took = self._decode_s.get(1)
+        if took is None or took > self.inline_step_s or not self.compute.hold():
+            return None
+        work = book.next_decode(e.request_id, e.step, e.start_pos, e.epoch, data, self._now())
+        if work is None:
+            self.compute.release()
+            return None
+        job = Job(work, loaded.model, loaded, book, received)
+        job.taken = time.perf_counter()
+        job.group = [job]
+        job.arrived = arrived
+        batch = self._inflight = Batch([job], run_batch([job], []), hot=True)  # (its steps never run: run_alone does)
+        return job, batch
 
     def _hot_run(self, batch: Batch, job: Job, reply: Any, fan: Any) -> Any:
         """Run (tinygrad held) a hot step's segments from where it stands (`fan`: the answer to the expert call
@@ -471,6 +528,8 @@ class StageActor:
             self._admit_in_line()  # those waiting for the old stage's slots leave the line
             self._model = loaded.model
             self._decode_s.clear()  # a new model's batch sizes are all unseen
+            self._ran_hot = None
+            self.next_step.expect(None)  # (nor is the old stage's next step expected, nor its model kept)
         assert self.book is not None
         return loaded, self.book
 

@@ -312,6 +312,23 @@ class StageBook:
         return self._begin(state, Work(msg.request_id, msg.step + 1, state.position, data,
                                        sampling=state.sampling if self.is_last else None), now)
 
+    def next_decode(self, request_id: str, step: int, start_pos: int | None, epoch: int | None, data: np.ndarray,
+                    now: float) -> Work | None:
+        """A plain one-row decode step (not a request's first, not a speculative one's) that follows the request's
+        last where it ends: its Work, begun. None, with nothing changed, when it is not such a step or would be
+        refused (`on_forward` and `on_token` say why). Stage 0 takes the token (`start_pos`, `epoch`: None)."""
+        state = self.requests.get(request_id)
+        if (state is None or state.busy or state.sampling.speculative or step != state.step + 1
+                or state.position + 1 > self.max_context):
+            return None
+        if start_pos is None:
+            if not self.is_first or not 0 <= int(data[0]) < self.vocab_size:
+                return None
+        elif self.is_first or start_pos != state.position or epoch is None or epoch < self.since_epoch:
+            return None
+        return self._begin(state, Work(request_id, step, state.position, data,
+                                       sampling=state.sampling if self.is_last else None), now)
+
     def _rows(self, msg: Forward) -> np.ndarray:
         if self.is_first:
             if msg.tokens is None:

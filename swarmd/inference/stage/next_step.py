@@ -1,0 +1,153 @@
+"""A running request's next decode step, recognised from its frame's bytes on the lane's reader.
+
+Once the stage ran a request's decode step on the hot lane (`StageActor.take_hot`), it knows the frame that
+brings the next: the next `Forward` from the same previous stage or, on stage 0, the next `Token` from the
+last stage, the same bytes but for the seq, the step, the position and the payload (`swarmd.wire.follow`).
+`NextStep` is the stage's `swarmd.transport.lane.Shortcut`: the lane hands it such a frame undecoded, after
+marking its key in the transport's de-duplication table, and it runs the step as `take_hot` would
+(`StageActor.take_next`), through the same book, batch and outputs. What the general path spends on a frame
+whose every field but those was already checked (decoding, the plan's expectations, the generic admission)
+is not spent again.
+
+A step is expected only where the general hot path ran the one before it and would run this one the same way
+(`expected_after`): one row, a stage with no MoE block, a request that is not speculative or traced, and on
+stage 0 a token with no log-probs. Whatever does not match, or finds the stage in another state than the one
+it left (`StageActor.take_next`), takes the general path, which says why it is refused if it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from swarmd.transport.lane import DECLINE, Known, Taken
+from swarmd.transport.transport import as_sends
+from swarmd.wire.codec import WireTensor
+from swarmd.wire.follow import Follower, NextForward, NextToken
+from swarmd.wire.messages import Forward, Message, Token
+
+
+@dataclass(frozen=True)
+class Expected:
+    """The frame of a request's next step from `peer`, and what the stage held when it ran the one before."""
+
+    peer: str
+    follower: Follower
+    request_id: str
+    book: Any  # the StageBook the last step went through
+    model: Any
+    registry: Any
+    hidden_dtype: str  # a Forward's tensor dtype ("" on stage 0, whose input is the token)
+    hidden_size: int
+
+    @property
+    def step(self) -> int:
+        """The step it runs (a token sampled at step s is the input of step s + 1)."""
+        e = self.follower.expected
+        return e.step + 1 if isinstance(e, NextToken) else e.step
+
+    @property
+    def key(self) -> tuple[str, str, int, int]:
+        e = self.follower.expected
+        return (Token.TAG if isinstance(e, NextToken) else Forward.TAG, self.request_id, e.step, e.hop)
+
+    @property
+    def start_pos(self) -> int | None:
+        e = self.follower.expected
+        return e.start_pos if isinstance(e, NextForward) else None
+
+    @property
+    def epoch(self) -> int | None:
+        e = self.follower.expected
+        return e.epoch if isinstance(e, NextForward) else None
+
+    def then(self) -> Expected:
+        return Expected(self.peer, self.follower.then(), self.request_id, self.book, self.model, self.registry,
+                        self.hidden_dtype, self.hidden_size)
+
+    def input(self, body: bytes) -> np.ndarray:
+        """The step's input from a matching frame: the token id, or the hidden row (a view of `body`)."""
+        if not self.hidden_dtype:
+            return np.asarray([self.follower.token(body)], dtype=np.int32)
+        return WireTensor(self.hidden_dtype, (1, self.hidden_size), self.follower.free_bytes(body)).to_array("float32")
+
+
+def expected_after(peer: str, msg: Forward | Token, work_rows: int, book: Any, loaded: Any) -> Expected | None:
+    """The frame of the step after `msg`'s, which ran on the lane with `book` and `loaded`; None where the next
+    step is left to the general path."""
+    state = book.requests.get(msg.request_id)
+    model = loaded.model
+    if state is None or state.sampling.speculative or work_rows != 1 or getattr(model, "moe_blocks", ()):
+        return None
+    if isinstance(msg, Token):
+        this: NextForward | NextToken | None = NextToken.of(msg)
+        dtype = ""
+    else:
+        this = NextForward.of(msg) if msg.hidden is not None else None
+        dtype = msg.hidden.dtype if msg.hidden is not None else ""
+    if this is None:
+        return None
+    return Expected(peer, Follower(this.then()), msg.request_id, book, model, loaded.registry, dtype,
+                    model.hidden_size)
+
+
+class NextStep:
+    """The stage's shortcut on the lane: the one next step it expects, learnt once the lane ran a step
+    (`ran`: `StageActor.expect_after` for one `take_hot` ran, the step after for one taken here), run by
+    `StageActor.take_next`, which answers as a hot handler does. Its outputs are framed from the layout of the
+    last frame sent to the same peer where they follow it (`_framing`), else encoded as any message."""
+
+    def __init__(self, run: Callable[[Expected, bytes, float], Any],
+                 learn: Callable[[str, Forward | Token], Expected | None]) -> None:
+        self._run, self._learn = run, learn
+        self._expected: Expected | None = None
+        self._out: dict[tuple[str, str, int], Follower] = {}  # (peer, message tag, hop) -> the next frame there
+
+    def expect(self, expected: Expected | None) -> None:
+        self._expected = expected
+
+    def follows(self, peer: str, body: bytes) -> Known | None:
+        e = self._expected
+        if e is None or peer != e.peer:
+            return None
+        seq = e.follower.seq(body)
+        if seq is None:
+            return None
+        if not e.hidden_dtype:  # a token outside the vocabulary is refused by the general path's check
+            if e.follower.token(body) >= e.book.vocab_size:
+                return None
+            return Known(e.key, seq, Token.TAG, e)
+        return Known(e.key, seq, Forward.TAG, e)
+
+    def take(self, known: Known, body: bytes, arrived: float) -> Any:
+        result = self._run(known.expected, body, arrived)
+        if result is DECLINE:
+            return result
+        sends = as_sends(result)
+        return Taken(sends, tuple(self._framing(s.peer, s.msg) for s in sends))
+
+    def _framing(self, peer: str, msg: Message) -> Follower | None:
+        """The layout that frames `msg` to `peer`, if it is the one after the last sent there of its kind."""
+        key = (peer, msg.TAG, getattr(msg, "hop", 0))
+        f = self._out.get(key)
+        if f is None or not f.expected.describes(msg):
+            this = NextForward.of(msg) if isinstance(msg, Forward) else NextToken.of(msg) if isinstance(msg, Token) \
+                else None
+            if this is None:
+                self._out.pop(key, None)
+                return None
+            f = Follower(this)
+        self._out[key] = f.then()
+        return f
+
+    def ran(self, peer: str, what: Any) -> None:
+        if isinstance(what, Known):
+            if self._expected is what.expected:
+                self._expected = what.expected.then()
+        elif isinstance(what, Forward | Token):
+            expected = self._learn(peer, what)
+            if expected is not None:
+                self._expected = expected
