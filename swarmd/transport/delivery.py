@@ -301,10 +301,6 @@ class DedupeTable:
         self._by_request.setdefault(key[1], []).append(key)
         return Seen.NEW, None
 
-    def known(self, key: Key) -> bool:
-        """Whether `begin` would not call `key` NEW (seen, or its request closed)."""
-        return key in self._entries or key[1] in self._closed
-
     def finish(self, key: Key, result: Any, nbytes: int) -> None:
         """Record the handler's result for `key` (kept for replay while the byte budget allows)."""
         entry = self._entries.get(key)

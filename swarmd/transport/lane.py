@@ -512,15 +512,14 @@ class HotLane:
         return True
 
     def _take_known(self, link: _In, body: bytes) -> bool:
-        """A frame the shortcut expects, run from its bytes; False: it takes the general path (not expected, a
-        repeat, over the peer's rate)."""
+        """A frame the shortcut expects, run from its bytes; False: it takes the general path (not expected, or
+        a repeat). It is not held to the peer's rate: a frame matches one expected step, once. What does not
+        delay the step's output (its answer for repeats, the observer's count, what to expect next) comes after
+        the output's write."""
         assert self.shortcut is not None
         known = self.shortcut.follows(link.peer, body)
-        if known is None or not self.transport.begin_new(link.peer, known.key, self.now()):
+        if known is None or not self.transport.begin_new(known.key, self.now()):
             return False
-        obs = self.transport.observer
-        if obs is not None:
-            obs.received(known.tag, len(body))
         try:
             result = self.shortcut.take(known, body, link.arrived)
         except Exception as e:
@@ -535,15 +534,22 @@ class HotLane:
             if isinstance(result, Exception):
                 result = self._error_result(link.peer, msg, result)
             self._handled(link, known.seq, known.key, msg, result)
+            self._count(known, body)
             return True
+        sends, framings = (result.sends, result.framings) if isinstance(result, Taken) else (as_sends(result), ())
+        self._post_from_any_thread(sends, framings)
+        self.transport.finish(known.key, sends)  # (a repeat meanwhile is acked as in progress; its retry replays)
+        self._count(known, body)
         self.stats.hot += 1
         self.stats.shortcut += 1
-        sends, framings = (result.sends, result.framings) if isinstance(result, Taken) else (as_sends(result), ())
-        self.transport.finish(known.key, sends)
-        self._post_from_any_thread(sends, framings)
         link.acks.append(known.seq)
         self.shortcut.ran(link.peer, known)
         return True
+
+    def _count(self, known: Known, body: bytes) -> None:
+        obs = self.transport.observer
+        if obs is not None:
+            obs.received(known.tag, len(body))
 
     def _finish(self, peer: str, key: Any, msg: Message, result: HandlerResult) -> None:
         sends = as_sends(result)

@@ -979,15 +979,10 @@ class ActorTransport:
             key = msg.key()
             return self._dedupe.begin(key, now) if key else (Seen.NEW, None)
 
-    def begin_new(self, peer: str, key: Key, now: float) -> bool:
-        """From any thread: `begin` for a frame known by its key alone (the lane's shortcut). True: it is new and
-        within the peer's rate, now marked in progress; False changes nothing (the frame then takes `begin`)."""
+    def begin_new(self, key: Key, now: float) -> bool:
+        """From any thread: `begin` for a frame known by its key alone (the lane's shortcut), with no rate. True:
+        it is new, now marked in progress; False changes nothing (the frame then takes `begin`)."""
         with self._shared:
-            if self._dedupe.known(key):
-                return False
-            bucket = self._buckets.get(peer)
-            if bucket is None or not bucket.try_take(now):
-                return False
             return self._dedupe.begin(key, now)[0] is Seen.NEW
 
     def finish(self, key: Any, sends: tuple[Send, ...]) -> None:

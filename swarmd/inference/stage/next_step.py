@@ -72,7 +72,10 @@ class Expected:
         """The step's input from a matching frame: the token id, or the hidden row (a view of `body`)."""
         if not self.hidden_dtype:
             return np.asarray([self.follower.token(body)], dtype=np.int32)
-        return WireTensor(self.hidden_dtype, (1, self.hidden_size), self.follower.free_bytes(body)).to_array("float32")
+        free = self.follower.free_bytes(body)
+        if self.hidden_dtype == "float32":  # (what `to_array` gives, without building the tensor)
+            return np.frombuffer(free, np.float32).reshape(1, self.hidden_size)
+        return WireTensor(self.hidden_dtype, (1, self.hidden_size), free).to_array("float32")
 
 
 def expected_after(peer: str, msg: Forward | Token, work_rows: int, book: Any, loaded: Any) -> Expected | None:
