@@ -176,3 +176,32 @@ def test_a_lossy_wire_dtype_halves_the_bytes_but_never_overflows():
     work = b.on_token(Token("r", 0, 5), 3.0)
     (out,) = b.complete(work, np.full((1, HIDDEN), 1e6, np.float32), next_peer="S1", first_peer="S0", now=4.0)
     assert out.msg.hidden.dtype == "float32"  # 1e6 does not fit float16: sent losslessly instead
+
+
+def test_the_next_plain_decode_step_is_begun_from_its_fields_alone_and_nothing_else_is():
+    b = book(1, max_context=6, since_epoch=3)
+    b.complete(b.on_forward(prefill(1), 1.0), np.zeros((3, HIDDEN), np.float32), next_peer="S2", first_peer="S0",
+               now=1.0)
+    row = np.ones((1, HIDDEN), np.float32)
+    state = b.requests["r"]
+    for refused in (("ghost", 1, 3, 3), ("r", 2, 3, 3), ("r", 1, 4, 3), ("r", 1, 3, 2)):  # (rid, step, pos, epoch)
+        assert b.next_decode(*refused, row, 2.0) is None and state.phase.value == "waiting" and state.step == 0
+    assert book(0).next_decode("r", 1, 3, 3, row, 2.0) is None  # stage 0 takes tokens
+    work = b.next_decode("r", 1, 3, 3, row, 2.0)
+    assert work is not None and (work.step, work.start_pos, work.new, work.sampling) == (1, 3, False, None)
+    assert b.next_decode("r", 2, 4, 3, row, 2.0) is None  # the model still runs step 1
+    b.complete(work, np.zeros((1, HIDDEN), np.float32), next_peer="S2", first_peer="S0", now=3.0)
+    b.complete(b.next_decode("r", 2, 4, 3, row, 3.0), np.zeros((1, HIDDEN), np.float32), next_peer="S2",
+               first_peer="S0", now=4.0)
+    assert b.requests["r"].position == 5 and b.next_decode("r", 3, 5, 3, row, 4.0) is not None  # the last position
+    first = book(0, max_context=6)
+    first.complete(first.on_forward(prefill(0), 1.0), np.zeros((3, HIDDEN), np.float32), next_peer="S1",
+                   first_peer="S0", now=1.0)
+    assert first.next_decode("r", 1, None, None, np.array([VOCAB], np.int32), 2.0) is None  # outside the vocabulary
+    assert list(first.next_decode("r", 1, None, None, np.array([42], np.int32), 2.0).data) == [42]
+    speculative = book(1)
+    start = Forward("r", 0, 1, 0, "H", hidden=WireTensor.from_array(np.ones((3, HIDDEN), np.float32)),
+                    sampling=Sampling(speculative=True), epoch=3)
+    speculative.complete(speculative.on_forward(start, 1.0), np.zeros((3, HIDDEN), np.float32), next_peer="S2",
+                         first_peer="S0", now=1.0)
+    assert speculative.next_decode("r", 1, 3, 3, row, 2.0) is None  # (its steps may start before the cache's end)

@@ -108,6 +108,7 @@ class NextStep:
         self._run, self._learn = run, learn
         self._expected: Expected | None = None
         self._out: dict[tuple[str, str, int], Follower] = {}  # (peer, message tag, hop) -> the next frame there
+        self._framed: list[tuple[str, str, int]] = []  # ... those the step being taken framed
 
     def expect(self, expected: Expected | None) -> None:
         self._expected = expected
@@ -130,6 +131,7 @@ class NextStep:
         if result is DECLINE:
             return result
         sends = as_sends(result)
+        self._framed.clear()
         return Taken(sends, tuple(self._framing(s.peer, s.msg) for s in sends))
 
     def _framing(self, peer: str, msg: Message) -> Follower | None:
@@ -142,14 +144,17 @@ class NextStep:
             if this is None:
                 self._out.pop(key, None)
                 return None
-            f = Follower(this)
-        self._out[key] = f.then()
+            f = self._out[key] = Follower(this)
+        self._framed.append(key)  # the layout moves on once the frame is written (`ran`)
         return f
 
     def ran(self, peer: str, what: Any) -> None:
         if isinstance(what, Known):
             if self._expected is what.expected:
                 self._expected = what.expected.then()
+            for key in self._framed:
+                self._out[key] = self._out[key].then()
+            self._framed.clear()
         elif isinstance(what, Forward | Token):
             expected = self._learn(peer, what)
             if expected is not None:
