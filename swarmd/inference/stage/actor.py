@@ -276,6 +276,8 @@ class StageActor:
         if ran is None or ran[0] is not msg:
             return None
         job = ran[1]
+        if job.book is None or job.loaded is None:
+            return None
         return expected_after(peer, msg, job.work.rows, job.book, job.loaded)
 
     def take_next(self, expected: Expected, body: bytes, arrived: float) -> Any:

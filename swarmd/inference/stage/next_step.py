@@ -5,7 +5,8 @@ brings the next: the next `Forward` from the same previous stage or, on stage 0,
 last stage, the same bytes but for the seq, the step, the position and the payload (`swarmd.wire.follow`).
 `NextStep` is the stage's `swarmd.transport.lane.Shortcut`: the lane hands it such a frame undecoded, after
 marking its key in the transport's de-duplication table, and it runs the step as `take_hot` would
-(`StageActor.take_next`), through the same book, batch and outputs. What the general path spends on a frame
+(`StageActor.take_next`): the same book and outputs, the model called as a batch of one calls it
+(`batch.run_alone`). What the general path spends on a frame
 whose every field but those was already checked (decoding, the plan's expectations, the generic admission)
 is not spent again.
 
@@ -23,6 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from swarmd.inference.registry import Registry
+from swarmd.inference.stage.book import StageBook
+from swarmd.inference.stage.job import Loaded
 from swarmd.transport.lane import DECLINE, Known, Taken
 from swarmd.transport.transport import as_sends
 from swarmd.wire.codec import WireTensor
@@ -37,9 +41,9 @@ class Expected:
     peer: str
     follower: Follower
     request_id: str
-    book: Any  # the StageBook the last step went through
-    model: Any
-    registry: Any
+    book: StageBook  # the book the last step went through
+    model: Any  # models.stage.StageModel
+    registry: Registry
     hidden_dtype: str  # a Forward's tensor dtype ("" on stage 0, whose input is the token)
     hidden_size: int
 
@@ -78,7 +82,8 @@ class Expected:
         return WireTensor(self.hidden_dtype, (1, self.hidden_size), free).to_array("float32")
 
 
-def expected_after(peer: str, msg: Forward | Token, work_rows: int, book: Any, loaded: Any) -> Expected | None:
+def expected_after(peer: str, msg: Forward | Token, work_rows: int, book: StageBook,
+                   loaded: Loaded) -> Expected | None:
     """The frame of the step after `msg`'s, which ran on the lane with `book` and `loaded`; None where the next
     step is left to the general path."""
     state = book.requests.get(msg.request_id)
