@@ -317,9 +317,11 @@ class HotLane:
             self.stats.sent += 1
         return True
 
-    def take(self, sends: Sequence[Send]) -> list[Send]:
-        """From any thread: send what the lane can; the rest (to return to the transport), in order."""
-        return [s for s in sends if not self.send(s.peer, s.msg)]
+    def take(self, sends: Sequence[Send], framings: Sequence[Framing | None] = ()) -> list[Send]:
+        """From any thread: send what the lane can (each framed by its framing, where given); the rest (to return
+        to the transport), in order."""
+        framings = framings or (None,) * len(sends)
+        return [s for s, f in zip(sends, framings, strict=True) if not self.send(s.peer, s.msg, f)]
 
     async def post_all(self, sends: Sequence[Send]) -> None:
         """On the event loop: `sends` by the lane where it can, the rest by the transport (`post_all`)."""
@@ -328,10 +330,7 @@ class HotLane:
             await self.transport.post_all(rest)
 
     def _post_from_any_thread(self, sends: Sequence[Send], framings: Sequence[Framing | None] = ()) -> None:
-        if framings:
-            rest = [s for s, f in zip(sends, framings, strict=True) if not self.send(s.peer, s.msg, f)]
-        else:
-            rest = self.take(sends)
+        rest = self.take(sends, framings)
         if rest:
             self.stats.fell_back += len(rest)
             self.to_loop(self._spawn_post, rest)

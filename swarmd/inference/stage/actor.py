@@ -41,7 +41,7 @@ import trio
 
 from swarmd.inference.compute import Compute
 from swarmd.inference.moe.local import LocalExperts
-from swarmd.inference.stage.batch import ExpertsFailed, advance_here, run_alone, run_batch
+from swarmd.inference.stage.batch import ExpertsFailed, advance_here, run_batch
 from swarmd.inference.stage.book import StageBook, StageRefusal, Work
 from swarmd.inference.stage.job import Batch, Job, Loaded
 from swarmd.inference.stage.next_step import Expected, NextStep, expected_after
@@ -290,37 +290,17 @@ class StageActor:
         if started is None:
             return DECLINE
         job, batch = started
-        error: BaseException | None = None
-        try:
-            run_alone(job)
-        except BaseException as e:  # run_alone catches the model's errors: this is our bug, one request's
-            error = e
-        finally:
-            self.compute.release()
-        return self._hot_finish(batch, job, error)
+        return self._hot_run(batch, job, None, None)  # (a stage with no MoE block: it never waits for experts)
 
     def _next_start(self, e: Expected, data: np.ndarray, received: float, arrived: float) -> tuple[Job, Batch] | None:
         """With `_lock` held: `_hot_start` for the step `e`, whose frame's every other field passed the general
         path's checks with the step before."""
-        if not (self._idle and self._inflight is None and not self._jobs and not self._frees):
-            return None
-        book, loaded = self.book, self._current()
-        if (book is not e.book or len(book.requests) != 1 or loaded is None or loaded.model is not e.model
+        loaded, book = self._current(), self.book
+        if (book is not e.book or loaded is None or loaded.model is not e.model
                 or loaded.registry is not e.registry):
             return None
-        took = self._decode_s.get(1)
-        if took is None or took > self.inline_step_s or not self.compute.hold():
-            return None
-        work = book.next_decode(e.request_id, e.step, e.start_pos, e.epoch, data, self._now())
-        if work is None:
-            self.compute.release()
-            return None
-        job = Job(work, loaded.model, loaded, book, received)
-        job.taken = time.perf_counter()
-        job.group = [job]
-        job.arrived = arrived
-        batch = self._inflight = Batch([job], run_batch([job], []), hot=True)  # (its steps never run: run_alone does)
-        return job, batch
+        return self._hot_begin(loaded, book, received, arrived, lambda now: book.next_decode(
+            e.request_id, e.step, e.start_pos, e.epoch, data, now))
 
     def _hot_run(self, batch: Batch, job: Job, reply: Any, fan: Any) -> Any:
         """Run (tinygrad held) a hot step's segments from where it stands (`fan`: the answer to the expert call
@@ -372,28 +352,40 @@ class StageActor:
     def _hot_start(self, msg: Forward | Token, received: float, reply_arrived: Any) -> tuple[Job, Batch] | None:
         """With `_lock` held: book the step and take tinygrad if the stage is idle and the step is short and
         alone (the rule of `_inlines`); None to decline, with nothing changed."""
-        if not (self._idle and self._inflight is None and not self._jobs and not self._frees):
-            return None
         loaded, book = self._current(), self.book
         if loaded is None or book is None or (id(loaded.model), loaded.hop, loaded.registry.n_stages) != self._book_key:
             return None
         if isinstance(msg, Forward) and msg.epoch > self._plan_epoch():
             return None
+        if msg.request_id not in book.requests:
+            return None
+
+        def work(now: float) -> Work | None:
+            try:
+                return self._token_work(book, msg, now) if isinstance(msg, Token) else book.on_forward(msg, now)
+            except StageRefusal:  # the handler path refuses it, with the reason, to the head
+                return None
+
+        return self._hot_begin(loaded, book, received, getattr(reply_arrived, "arrived", 0.0), work)
+
+    def _hot_begin(self, loaded: Loaded, book: StageBook, received: float, arrived: float,
+                   work_of: Callable[[float], Work | None]) -> tuple[Job, Batch] | None:
+        """With `_lock` held, a hot step's request checked: if the stage is idle, holds only that request and its
+        decode steps are short, take tinygrad and book the step (`work_of(now)`; None: it does not run now) as the
+        one batch in flight. None to decline, with nothing changed."""
+        if not (self._idle and self._inflight is None and not self._jobs and not self._frees):
+            return None
         took = self._decode_s.get(1)
-        if len(book.requests) != 1 or msg.request_id not in book.requests or took is None or took > self.inline_step_s:
+        if len(book.requests) != 1 or took is None or took > self.inline_step_s or not self.compute.hold():
             return None
-        if not self.compute.hold():
-            return None
-        try:
-            now = self._now()
-            work = self._token_work(book, msg, now) if isinstance(msg, Token) else book.on_forward(msg, now)
-        except StageRefusal:  # the handler path refuses it, with the reason, to the head
+        work = work_of(self._now())
+        if work is None:
             self.compute.release()
             return None
         job = Job(work, loaded.model, loaded, book, received)
         job.taken = time.perf_counter()
         job.group = [job]
-        job.arrived = getattr(reply_arrived, "arrived", 0.0)
+        job.arrived = arrived
         batch = self._inflight = Batch([job], run_batch([job], []), hot=True)
         return job, batch
 

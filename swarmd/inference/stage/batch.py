@@ -127,26 +127,6 @@ def _forward(jobs: Sequence[Job]) -> Generator[Any, Any, None]:
         job.started, job.computed, job.ended, job.batch = started, computed, ended, len(jobs)
 
 
-def run_alone(job: Job) -> None:
-    """`run_batch` for one running request's one-row decode step on a stage with no MoE block (whose forward
-    never asks for experts): the step's output or error, and its times, on `job`."""
-    from models.errors import ModelError
-    from models.stage import StageInput
-
-    model, work = job.model, job.work
-    job.started = time.perf_counter()
-    try:
-        out = model.forward([StageInput(work.request_id, work.start_pos, work.data,
-                                        greedy=model.is_last and picks_greedily(work))])[0]
-    except ModelError as e:
-        job.error = ("model_error", str(e))
-        return
-    job.computed = time.perf_counter()
-    job.offset = work.rows
-    job.output = sample_step(out, work) if model.is_last else out.reshape(work.rows, model.hidden_size)
-    job.ended = time.perf_counter()
-
-
 def _stage_name(model: Any) -> str:
     return f"blocks {model.start}-{model.end - 1}"
 

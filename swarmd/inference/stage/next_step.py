@@ -5,8 +5,7 @@ brings the next: the next `Forward` from the same previous stage or, on stage 0,
 last stage, the same bytes but for the seq, the step, the position and the payload (`swarmd.wire.follow`).
 `NextStep` is the stage's `swarmd.transport.lane.Shortcut`: the lane hands it such a frame undecoded, after
 marking its key in the transport's de-duplication table, and it runs the step as `take_hot` would
-(`StageActor.take_next`): the same book and outputs, the model called as a batch of one calls it
-(`batch.run_alone`). What the general path spends on a frame
+(`StageActor.take_next`): the same book, batch and outputs. What the general path spends on a frame
 whose every field but those was already checked (decoding, the plan's expectations, the generic admission)
 is not spent again.
 
@@ -141,11 +140,12 @@ class NextStep:
 
     def _framing(self, peer: str, msg: Message) -> Follower | None:
         """The layout that frames `msg` to `peer`, if it is the one after the last sent there of its kind."""
-        key = (peer, msg.TAG, getattr(msg, "hop", 0))
+        if not isinstance(msg, Forward | Token):
+            return None
+        key = (peer, msg.TAG, msg.hop)
         f = self._out.get(key)
         if f is None or not f.expected.describes(msg):
-            this = NextForward.of(msg) if isinstance(msg, Forward) else NextToken.of(msg) if isinstance(msg, Token) \
-                else None
+            this = NextForward.of(msg) if isinstance(msg, Forward) else NextToken.of(msg)
             if this is None:
                 self._out.pop(key, None)
                 return None
