@@ -20,6 +20,10 @@ Reliability is the actor transport's, which the lane shares and falls back on:
 - a hot handler may decline (`DECLINE`): a batch of several requests, a prefill, a busy stage. The message
   then takes the transport's path on the event loop (admission, a handler task), already marked new.
 
+A `Shortcut` step whose output down the chain is known once its model ran (`Ahead`) has that frame written
+before the step is booked: the messages kept for retries and repeats, the observer's count and the book's
+transitions come after the write.
+
 A handler that cannot finish on the reader (a MoE step waiting for remote experts) returns `LATER` and calls
 `reply.done(result)` from whichever thread finishes it; the frame is acked then. The reader gathers the acks of
 the frames it ran and writes them together, `ack_delay` after the oldest (a quarter of a second, far below the
@@ -42,7 +46,7 @@ from typing import Any, Protocol
 import trio
 
 from swarmd.errors import RemoteProtocolError
-from swarmd.net.framing import FrameDecoder, FrameTooLarge
+from swarmd.net.framing import HEADER, FrameDecoder, FrameTooLarge
 from swarmd.net.identity import short_id
 from swarmd.net.seam import DetachedStream, Network, Stream, StreamClosed, detachable
 from swarmd.net.streams import close_quietly
@@ -107,6 +111,7 @@ class LaneStats:
     declined: int = 0  # handed to the event loop
     fell_back: int = 0  # messages the transport carried instead (lane not open, full, broken)
     shortcut: int = 0  # of `hot`: taken from their bytes by the `Shortcut`, undecoded
+    ahead: int = 0  # of `sent`: written `Ahead` of their step's bookkeeping
     lost: int = 0  # lanes that broke
     opened: int = 0
     bad_frames: int = 0
@@ -133,10 +138,23 @@ class Framing(Protocol):
 
 @dataclass(frozen=True)
 class Taken:
-    """A `Shortcut`'s answer: its sends, each with the layout that frames it (None: encoded as any message)."""
+    """A `Shortcut`'s answer: its sends, each with the layout that frames it (None: encoded as any message);
+    `ahead`: the first is the message an `Ahead` frame was, already written (if the lane could)."""
 
     sends: tuple[Send, ...]
     framings: tuple[Framing | None, ...]
+    ahead: bool = False
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """A `Shortcut`'s step whose output down the chain is ready before the step's bookkeeping: `frame(seq)` is
+    that output's frame to `peer`, written at once; `then()`, called after the write, books the step and gives
+    its `Taken` (that output first, as the message a retry or a repeat sends)."""
+
+    peer: str
+    frame: Callable[[int], bytes]
+    then: Callable[[], Taken]
 
 
 class Shortcut(Protocol):
@@ -147,9 +165,9 @@ class Shortcut(Protocol):
         """`body` from `peer` if it is a frame this shortcut expects, else None (cheap: every frame asks)."""
         ...
 
-    def take(self, known: Known, body: bytes, arrived: float) -> Taken | Any:
-        """Run it on the reader: `Taken`, another HandlerResult, or DECLINE (the frame is then decoded and goes to
-        the event loop)."""
+    def take(self, known: Known, body: bytes, arrived: float) -> Taken | Ahead | Any:
+        """Run it on the reader: `Taken`, `Ahead`, another HandlerResult, or DECLINE (the frame is then decoded
+        and goes to the event loop)."""
         ...
 
     def ran(self, peer: str, what: Message | Known) -> None:
@@ -160,8 +178,12 @@ class Shortcut(Protocol):
 
 @dataclass
 class _Sent:
-    msg: Message
+    msg: Message | None  # None: written `Ahead`, its message not built yet (`frame` has it)
     at: float
+    frame: bytes = b""
+
+    def message(self) -> Message:
+        return self.msg if self.msg is not None else decode_body(self.frame[HEADER.size:]).msg
 
 
 class _Out:
@@ -317,6 +339,47 @@ class HotLane:
             self.stats.sent += 1
         return True
 
+    def _write_ahead(self, peer: str, frame: Callable[[int], bytes]) -> tuple[_Out, int, int, float] | None:
+        """On a reader: write `frame(seq)` on the open lane to `peer` before its message exists (`Ahead`); what
+        `_wrote_ahead` needs, or None where the lane cannot take it (its message then goes as any other)."""
+        link = self._out.get(peer)
+        if link is None or not self.running:
+            return None
+        obs = self.transport.observer
+        started = obs.now() if obs is not None else 0.0
+        now = self.now()
+        with link.lock:
+            wire = link.wire
+            if wire is None or len(link.pending) >= self.config.window:
+                return None
+            link.seq += 1
+            seq = link.seq
+            if not link.pending:
+                link.liveness.heard(now)
+            data = frame(seq)
+            link.pending[seq] = _Sent(None, now, data)
+        try:
+            self._write(wire, data)
+        except StreamClosed as e:
+            self._lost(link, wire, str(e))  # (the transport sends the message, decoded from `data`)
+        else:
+            self.stats.sent += 1
+            self.stats.ahead += 1
+        return link, seq, len(data), started
+
+    def _wrote_ahead(self, written: tuple[_Out, int, int, float], msg: Message) -> None:
+        """The message of a frame written ahead, for its retries, and the observer's count of it (unless it was
+        acked or lost meanwhile)."""
+        link, seq, nbytes, started = written
+        obs = self.transport.observer
+        with link.lock:  # (an ack settles it after this)
+            sent = link.pending.get(seq)
+            if sent is None:
+                return
+            sent.msg, sent.frame = msg, b""
+            if obs is not None:
+                obs.encoded(link.peer, -seq, msg, started, nbytes)
+
     def take(self, sends: Sequence[Send], framings: Sequence[Framing | None] = ()) -> list[Send]:
         """From any thread: send what the lane can (each framed by its framing, where given); the rest (to return
         to the transport), in order."""
@@ -365,7 +428,7 @@ class HotLane:
             link.wire = None
             link.last_error = reason[:300]
             seqs = list(link.pending)
-            taken = [s.msg for s in link.pending.values()]
+            taken = [s.message() for s in link.pending.values()]
             link.pending.clear()
             link.retry_at = self.now() + self.config.retry.backoff(link.failures, self._rng)
             link.failures += 1
@@ -519,8 +582,12 @@ class HotLane:
         known = self.shortcut.follows(link.peer, body)
         if known is None or not self.transport.begin_new(known.key, self.now()):
             return False
+        written: tuple[_Out, int, int, float] | None = None
         try:
             result = self.shortcut.take(known, body, link.arrived)
+            if isinstance(result, Ahead):
+                written = self._write_ahead(result.peer, result.frame)
+                result = result.then()
         except Exception as e:
             result = e
         if result is DECLINE or isinstance(result, Exception):
@@ -536,7 +603,11 @@ class HotLane:
             self._count(known, body)
             return True
         sends, framings = (result.sends, result.framings) if isinstance(result, Taken) else (as_sends(result), ())
-        self._post_from_any_thread(sends, framings)
+        if written is not None and isinstance(result, Taken) and result.ahead:  # (else its frame is its message)
+            self._wrote_ahead(written, sends[0].msg)
+            self._post_from_any_thread(sends[1:], framings[1:])
+        else:
+            self._post_from_any_thread(sends, framings)
         self.transport.finish(known.key, sends)  # (a repeat meanwhile is acked as in progress; its retry replays)
         self._count(known, body)
         self.stats.hot += 1
@@ -613,7 +684,7 @@ class HotLane:
             self._settled(link.peer, [env.seq], acked=acked)
         if refused is not None and isinstance(msg, Error):
             log.info("%s refused lane frame %d: %s: %s", short_id(link.peer), env.seq, msg.code, msg.message)
-            self.to_loop(self.transport.undeliverable, link.peer, refused.msg, f"{msg.code}: {msg.message}")
+            self.to_loop(self.transport.undeliverable, link.peer, refused.message(), f"{msg.code}: {msg.message}")
 
     def _settled(self, peer: str, seqs: list[int], *, acked: bool) -> None:
         obs = self.transport.observer

@@ -156,11 +156,17 @@ class Follower:
 
     def frame(self, seq: int, msg: Forward | Token) -> bytes:
         """The length-prefixed frame of `msg`, which this layout `describes`, numbered `seq`."""
-        free = msg.token.to_bytes(8, "little") if type(msg) is Token else _data(msg)
+        return self.frame_free(seq, free_of(msg))
+
+    def frame_free(self, seq: int, free: bytes | memoryview) -> bytes:
+        """The frame numbered `seq` whose free bytes are `free` (`free_of` the message it is)."""
         return b"".join((HEADER.pack(self.size), self._kind, _U64.pack(seq), self._before, free, self._after))
 
 
-def _data(msg: Forward) -> bytes | memoryview:
+def free_of(msg: Forward | Token) -> bytes | memoryview:
+    """The bytes of `msg` that a layout leaves free: a Token's token, a Forward's tensor."""
+    if type(msg) is Token:
+        return msg.token.to_bytes(8, "little")
     t = msg.hidden if msg.tokens is None else msg.tokens
     assert t is not None
     return t.data

@@ -36,12 +36,16 @@ async def test_a_lone_requests_decode_steps_run_on_the_lane_and_give_the_event_l
     first = await twin.generate(daemons[0], PROMPT, max_tokens=TOKENS)  # measures each stage's decode step
     hot_before = {d.name: lane(d, "hot") for d in daemons}
     short_before = {d.name: lane(d, "shortcut") for d in daemons}
+    ahead_before = {d.name: lane(d, "ahead") for d in daemons}
     again = await twin.generate(daemons[1], PROMPT, max_tokens=TOKENS)
     assert first == reference and again == reference
     for d in stage_daemons(twin, daemons):  # every decode step of the second request ran on a lane's reader
         assert lane(d, "hot") - hot_before[d.name] >= TOKENS - 2, d.pipeline.status()["lane"]
         # ... and each after its first there was taken from its frame's bytes (`swarmd.wire.follow`)
         assert lane(d, "shortcut") - short_before[d.name] >= TOKENS - 3, d.pipeline.status()["lane"]
+        # ... its output down the chain written before the step was booked, and the same message as booked
+        assert lane(d, "ahead") - ahead_before[d.name] >= TOKENS - 4, d.pipeline.status()["lane"]
+        assert d.pipeline.stage.next_step.mismatched == 0
         steps = [(s["request_id"], s["step"]) for s in d.pipeline.status()["stage"]["recent_steps"]]
         assert len(steps) == len(set(steps))  # each step once
 

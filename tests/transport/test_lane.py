@@ -9,12 +9,12 @@ import trio
 
 from swarmd.net.framing import HEADER
 from swarmd.net.seam import detachable
-from swarmd.transport.lane import DECLINE, LANE_PROTOCOL, LATER, HotLane, Known
+from swarmd.transport.lane import DECLINE, LANE_PROTOCOL, LATER, Ahead, HotLane, Known, Taken
 from swarmd.transport.transport import Send
 from swarmd.wire import Error, Forward, Hello, Token, WireTensor, decode, encode
 from swarmd.wire.binary import decode_body, encode_frame
 from swarmd.wire.expect import ExpectForward
-from swarmd.wire.follow import Follower, NextForward
+from swarmd.wire.follow import Follower, NextForward, NextToken
 from tests.transport.memnet import MemoryNet
 
 HIDDEN = 8
@@ -281,6 +281,66 @@ async def test_a_step_the_shortcut_declines_runs_on_the_event_loop_once(nursery,
     await trio.sleep(1)
     assert p.loop == [0, 3] and short.taken == [2] and p.tokens == [0, 1, 2, 3]
     assert p.lane_a.status()["lanes"]["b"]["unacked"] == 0
+
+
+class AheadShortcut(FollowingShortcut):
+    """A shortcut whose step's answer (a's Token) is framed and written before the step is booked (`Ahead`):
+    `then()` notes how many frames b's lane had written by then, and runs `meanwhile(step)` first."""
+
+    def __init__(self, p: Pair) -> None:
+        super().__init__(p)
+        self.written_by_then: list[tuple[int, int]] = []  # (frames b had written when the step took, by then())
+        self.meanwhile = lambda step: None
+
+    def take(self, known, body, arrived):
+        step = known.expected.expected.step
+        self.taken.append(step)
+        self.p.hot.append(step)
+        token = Token("req", step, 100 + step)
+        layout = Follower(NextToken.of(token))
+        before = self.p.lane_b.stats.sent
+
+        def then() -> Taken:
+            self.written_by_then.append((before, self.p.lane_b.stats.sent))
+            self.meanwhile(step)
+            return Taken((Send("a", token),), (None,), ahead=True)
+
+        return Ahead("a", lambda seq: layout.frame(seq, token), then)
+
+
+async def test_an_output_written_ahead_goes_before_its_step_is_booked_and_is_acked_as_any_frame(nursery,
+                                                                                                autojump_clock):
+    p = Pair(MemoryNet(nursery))
+    await p.start(nursery)
+    short = p.lane_b.shortcut = AheadShortcut(p)
+    for step in range(6):
+        await p.send(step)
+        await p.until(step + 1)
+    assert short.taken == [2, 3, 4, 5] and p.tokens == [0, 1, 2, 3, 4, 5]
+    assert all(by_then == before + 1 for before, by_then in short.written_by_then)  # written, then booked
+    assert p.lane_b.stats.ahead == 4
+    await trio.sleep(1)
+    assert p.lane_b.status()["lanes"]["a"]["unacked"] == 0
+
+
+async def test_an_output_written_ahead_on_a_lane_that_breaks_before_it_is_booked_goes_by_the_transport_once(
+        nursery, autojump_clock):
+    p = Pair(MemoryNet(nursery))
+    await p.start(nursery)
+    short = p.lane_b.shortcut = AheadShortcut(p)
+
+    def break_lane(step: int) -> None:
+        if step == 3:  # its frame is written, its message not yet known to the lane
+            link = p.lane_b._out["a"]
+            p.lane_b._lost(link, link.wire, "the stream broke")
+
+    short.meanwhile = break_lane
+    for step in range(5):
+        await p.send(step)
+        await p.until(step + 1)
+    await trio.sleep(1)
+    assert 3 in short.taken and p.tokens == [0, 1, 2, 3, 4]  # step 3's token by the transport, once
+    assert p.lane_b.stats.lost == 1
 
 
 async def test_a_path_that_cannot_detach_keeps_every_message_on_the_transport(nursery, autojump_clock):

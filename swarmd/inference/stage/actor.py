@@ -44,7 +44,7 @@ from swarmd.inference.moe.local import LocalExperts
 from swarmd.inference.stage.batch import ExpertsFailed, advance_here, run_batch
 from swarmd.inference.stage.book import StageBook, StageRefusal, Work
 from swarmd.inference.stage.job import Batch, Job, Loaded
-from swarmd.inference.stage.next_step import Expected, NextStep, expected_after
+from swarmd.inference.stage.next_step import Expected, NextStep, Ran, expected_after
 from swarmd.observe.spans import SpanRecorder, record_stage_step
 from swarmd.transport.lane import DECLINE, LATER, run_safely
 from swarmd.transport.transport import HandlerResult, Posted, Send, as_sends
@@ -280,9 +280,10 @@ class StageActor:
             return None
         return expected_after(peer, msg, job.work.rows, job.book, job.loaded)
 
-    def take_next(self, expected: Expected, body: bytes, arrived: float) -> Any:
+    def take_next(self, expected: Expected, body: bytes, arrived: float) -> Ran | Any:
         """On a lane's reader: the step `expected` names, whose frame `body` is (`NextStep`), run as `take_hot`
-        runs a step; DECLINE when the stage is not as the step before left it."""
+        runs a step, its model first (`Ran.finish` books it and gives its outputs); DECLINE when the stage is
+        not as the step before left it."""
         received = time.perf_counter()
         data = expected.input(body)
         with self._lock:
@@ -290,7 +291,9 @@ class StageActor:
         if started is None:
             return DECLINE
         job, batch = started
-        return self._hot_run(batch, job, None, None)  # (a stage with no MoE block: it never waits for experts)
+        error = self._hot_advance(batch, job, None, None)  # (a stage with no MoE block: never LATER)
+        output = job.output if error is None and job.error is None else None
+        return Ran(job.work, output, partial(self._hot_finish, batch, job, error))
 
     def _next_start(self, e: Expected, data: np.ndarray, received: float, arrived: float) -> tuple[Job, Batch] | None:
         """With `_lock` held: `_hot_start` for the step `e`, whose frame's every other field passed the general
@@ -306,6 +309,12 @@ class StageActor:
         """Run (tinygrad held) a hot step's segments from where it stands (`fan`: the answer to the expert call
         it waits on): its outputs once done; LATER when a MoE layer's answers are still on their way (whoever
         brings the last resumes it) or the step was handed to the worker."""
+        error = self._hot_advance(batch, job, reply, fan)
+        return error if error is LATER else self._hot_finish(batch, job, error)
+
+    def _hot_advance(self, batch: Batch, job: Job, reply: Any, fan: Any) -> Any:
+        """`_hot_run`'s model part, tinygrad released after: the error that ended the step (None if none), or
+        LATER."""
         error: BaseException | None = None
         done = False
         try:
@@ -324,10 +333,10 @@ class StageActor:
                     return LATER
                 done, call = self._resume_with(batch, fan)
         except BaseException as e:  # run_batch catches the model's errors: this is our bug, one request's
-            done, error = True, e
+            error = e
         finally:
             self.compute.release()
-        return self._hot_finish(batch, job, error)
+        return error
 
     def _resume_with(self, batch: Batch, fan: Any) -> tuple[bool, Any]:
         if self.experts_done is not None:

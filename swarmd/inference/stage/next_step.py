@@ -7,7 +7,11 @@ last stage, the same bytes but for the seq, the step, the position and the paylo
 marking its key in the transport's de-duplication table, and it runs the step as `take_hot` would
 (`StageActor.take_next`): the same book, batch and outputs. What the general path spends on a frame
 whose every field but those was already checked (decoding, the plan's expectations, the generic admission)
-is not spent again.
+is not spent again. Where the step's output down the chain follows the last frame sent there too (the next
+stage's input, or on the last stage the token for stage 0), it is framed and written as soon as the model
+ran (`Ahead`), before the book's transitions, the output messages and their checks, which then must give
+that same message (`_then` checks it). A request cancelled while its step ran has that output sent anyway;
+the next stage refuses or cancels it as it would any late step.
 
 A step is expected only where the general hot path ran the one before it and would run this one the same way
 (`expected_after`): one row, a stage with no MoE block, a request that is not speculative or traced, and on
@@ -17,6 +21,7 @@ it left (`StageActor.take_next`), takes the general path, which says why it is r
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,13 +29,17 @@ from typing import Any
 import numpy as np
 
 from swarmd.inference.registry import Registry
-from swarmd.inference.stage.book import StageBook
+from swarmd.inference.stage.book import Sampled, StageBook, Work, finish_reason
 from swarmd.inference.stage.job import Loaded
-from swarmd.transport.lane import DECLINE, Known, Taken
-from swarmd.transport.transport import as_sends
+from swarmd.transport.lane import DECLINE, Ahead, Known, Taken
+from swarmd.transport.transport import HandlerResult, Send, as_sends
 from swarmd.wire.codec import WireTensor
-from swarmd.wire.follow import Follower, NextForward, NextToken
+from swarmd.wire.follow import Follower, NextForward, NextToken, free_of
 from swarmd.wire.messages import Forward, Message, Token
+
+log = logging.getLogger(__name__)
+
+OutKey = tuple[str, str, int]  # (peer, message tag, hop): where a layout frames the next message
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,16 @@ class Expected:
         return WireTensor(self.hidden_dtype, (1, self.hidden_size), free).to_array("float32")
 
 
+@dataclass(frozen=True)
+class Ran:
+    """A step whose model ran (`StageActor.take_next`): its work, its output (None: it failed), and `finish()`,
+    which books it and gives its outputs, the chain's input first."""
+
+    work: Work
+    output: np.ndarray | Sampled | None
+    finish: Callable[[], HandlerResult]
+
+
 def expected_after(peer: str, msg: Forward | Token, work_rows: int, book: StageBook,
                    loaded: Loaded) -> Expected | None:
     """The frame of the step after `msg`'s, which ran on the lane with `book` and `loaded`; None where the next
@@ -107,12 +126,13 @@ class NextStep:
     `StageActor.take_next`, which answers as a hot handler does. Its outputs are framed from the layout of the
     last frame sent to the same peer where they follow it (`_framing`), else encoded as any message."""
 
-    def __init__(self, run: Callable[[Expected, bytes, float], Any],
+    def __init__(self, run: Callable[[Expected, bytes, float], Ran | Any],
                  learn: Callable[[str, Forward | Token], Expected | None]) -> None:
         self._run, self._learn = run, learn
         self._expected: Expected | None = None
-        self._out: dict[tuple[str, str, int], Follower] = {}  # (peer, message tag, hop) -> the next frame there
-        self._framed: list[tuple[str, str, int]] = []  # ... those the step being taken framed
+        self._out: dict[OutKey, Follower] = {}  # the next frame to each (peer, message tag, hop)
+        self._framed: list[OutKey] = []  # ... those the step being taken framed
+        self.mismatched = 0  # steps whose output was not the frame written ahead of it (a bug: logged)
 
     def expect(self, expected: Expected | None) -> None:
         self._expected = expected
@@ -130,13 +150,56 @@ class NextStep:
             return Known(e.key, seq, Token.TAG, e)
         return Known(e.key, seq, Forward.TAG, e)
 
-    def take(self, known: Known, body: bytes, arrived: float) -> Any:
-        result = self._run(known.expected, body, arrived)
-        if result is DECLINE:
-            return result
-        sends = as_sends(result)
+    def take(self, known: Known, body: bytes, arrived: float) -> Taken | Ahead | Any:
+        ran = self._run(known.expected, body, arrived)
+        if ran is DECLINE:
+            return ran
         self._framed.clear()
-        return Taken(sends, tuple(self._framing(s.peer, s.msg) for s in sends))
+        ahead = self._ahead(known.expected, ran)
+        if ahead is None:
+            return self._taken(as_sends(ran.finish()))
+        key, f, free = ahead
+        return Ahead(key[0], lambda seq: f.frame_free(seq, free), lambda: self._then(ran, key, f, free))
+
+    def _ahead(self, e: Expected, ran: Ran) -> tuple[OutKey, Follower, bytes | memoryview] | None:
+        """Where the step's output down the chain goes, its layout and its free bytes, if the output follows
+        the last frame sent there (what `book.complete` will send for this step, unless it cancels it)."""
+        out, work, book = ran.output, ran.work, e.book
+        if isinstance(out, Sampled):  # the last stage: stage 0's token, unless it ends the request
+            state = book.requests.get(work.request_id)
+            if (state is None or out.logprob is not None or out.top
+                    or finish_reason(out.token, work.step, work.start_pos + 1, state.sampling, book.max_context)):
+                return None
+            key: OutKey = (e.registry.stage_peer(0), Token.TAG, 0)
+            free: bytes | memoryview = out.token.to_bytes(8, "little")
+        elif isinstance(out, np.ndarray) and book.wire_dtype is None:
+            key = (e.registry.next_peer(book.hop) or "", Forward.TAG, book.hop + 1)
+            free = memoryview(np.ascontiguousarray(out, np.float32)).cast("B")
+        else:
+            return None
+        f = self._out.get(key)
+        if f is None or f.expected.request_id != work.request_id or f.expected.step != work.step or len(free) != f.free:
+            return None
+        if isinstance(f.expected, NextForward) and f.expected.start_pos != work.start_pos:
+            return None
+        return key, f, free
+
+    def _then(self, ran: Ran, key: OutKey, f: Follower, free: bytes | memoryview) -> Taken:
+        """The step written `Ahead` booked: its sends, the first the message that frame was (checked)."""
+        sends = as_sends(ran.finish())
+        first = sends[0] if sends else None
+        if first is None or first.peer != key[0] or not f.expected.describes(first.msg) or (
+                bytes(free_of(first.msg)) != bytes(free)):
+            if first is not None:  # (none: cancelled while the model ran)
+                self.mismatched += 1
+                log.error("the frame written ahead of step %d of %s is not its output %s", ran.work.step,
+                          ran.work.request_id, first.msg.TAG)
+            return self._taken(sends)
+        self._framed.append(key)
+        return Taken(sends, (None, *(self._framing(s.peer, s.msg) for s in sends[1:])), ahead=True)
+
+    def _taken(self, sends: list[Send]) -> Taken:
+        return Taken(tuple(sends), tuple(self._framing(s.peer, s.msg) for s in sends))
 
     def _framing(self, peer: str, msg: Message) -> Follower | None:
         """The layout that frames `msg` to `peer`, if it is the one after the last sent there of its kind."""
