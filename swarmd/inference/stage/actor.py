@@ -398,8 +398,9 @@ class StageActor:
         batch = self._inflight = Batch([job], run_batch([job], []), hot=True)
         return job, batch
 
-    def _hot_finish(self, batch: Batch, job: Job, error: BaseException | None) -> list[Send]:
-        """On the reader thread, the step done: its outputs (the chain's input first), the stage idle again."""
+    def _hot_finish(self, batch: Batch, job: Job, error: BaseException | None, written: float = 0.0) -> list[Send]:
+        """On the reader thread, the step done: its outputs (the chain's input first; `written`: when that one
+        was written ahead), the stage idle again."""
         if self.local_experts is not None and self.local_experts.answered:
             self._to_loop(self._count_local_answers, batch)
         with self._lock:
@@ -408,7 +409,7 @@ class StageActor:
             elif error is not None:
                 log.error("a hot step of %s failed", job.work.request_id, exc_info=error)
                 job.error = ("internal", f"the stage failed: {type(error).__name__}: {error}")
-            sends = as_sends(self._outputs(job))
+            sends = as_sends(self._outputs(job, written))
             job.sends = sends
             if self._inflight is batch:
                 self._inflight = None
@@ -575,8 +576,9 @@ class StageActor:
                     await self._post_all(part)
         return Posted(job.sends or ())
 
-    def _outputs(self, job: Job) -> HandlerResult:
-        """What a finished job sends: the next stage's input or the sampled token, or its error to the head."""
+    def _outputs(self, job: Job, written: float = 0.0) -> HandlerResult:
+        """What a finished job sends: the next stage's input or the sampled token, or its error to the head
+        (`written`: when the first was written ahead of it, its step's sent time)."""
         work, loaded, book = job.work, job.loaded, job.book
         assert loaded is not None and book is not None
         if book is not self.book or work.request_id not in book.requests:
@@ -600,7 +602,7 @@ class StageActor:
             failed = book.fail(work, "internal", f"stage {book.hop} could not build its output: {e}")
             self._free(loaded.model, work.request_id)
             return Send(failed.peer, failed.msg) if failed else None
-        sent = time.perf_counter()
+        sent = written or time.perf_counter()
         self.stats.record_step(job, sent)
         if self.recorder is not None and self.recorder.wants(work.request_id):
             record_stage_step(self.recorder, job, sent, book.hop)

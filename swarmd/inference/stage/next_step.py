@@ -22,6 +22,7 @@ it left (`StageActor.take_next`), takes the general path, which says why it is r
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -92,12 +93,13 @@ class Expected:
 
 @dataclass(frozen=True)
 class Ran:
-    """A step whose model ran (`StageActor.take_next`): its work, its output (None: it failed), and `finish()`,
-    which books it and gives its outputs, the chain's input first."""
+    """A step whose model ran (`StageActor.take_next`): its work, its output (None: it failed), and
+    `finish(written)`, which books it and gives its outputs, the chain's input first (`written`: the
+    perf_counter when that one was framed ahead of it, its sent time; 0.0 if it was not)."""
 
     work: Work
     output: np.ndarray | Sampled | None
-    finish: Callable[[], HandlerResult]
+    finish: Callable[[float], HandlerResult]
 
 
 def expected_after(peer: str, msg: Forward | Token, work_rows: int, book: StageBook,
@@ -157,9 +159,15 @@ class NextStep:
         self._framed.clear()
         ahead = self._ahead(known.expected, ran)
         if ahead is None:
-            return self._taken(as_sends(ran.finish()))
+            return self._taken(as_sends(ran.finish(0.0)))
         key, f, free = ahead
-        return Ahead(key[0], lambda seq: f.frame_free(seq, free), lambda: self._then(ran, key, f, free))
+        framed = [0.0]
+
+        def frame(seq: int) -> bytes:
+            framed[0] = time.perf_counter()
+            return f.frame_free(seq, free)
+
+        return Ahead(key[0], frame, lambda: self._then(ran, key, f, free, framed[0]))
 
     def _ahead(self, e: Expected, ran: Ran) -> tuple[OutKey, Follower, bytes | memoryview] | None:
         """Where the step's output down the chain goes, its layout and its free bytes, if the output follows
@@ -184,9 +192,10 @@ class NextStep:
             return None
         return key, f, free
 
-    def _then(self, ran: Ran, key: OutKey, f: Follower, free: bytes | memoryview) -> Taken:
-        """The step written `Ahead` booked: its sends, the first the message that frame was (checked)."""
-        sends = as_sends(ran.finish())
+    def _then(self, ran: Ran, key: OutKey, f: Follower, free: bytes | memoryview, framed: float) -> Taken:
+        """The step written `Ahead` (framed at `framed`, 0.0 if the lane could not) booked: its sends, the first
+        the message that frame was (checked)."""
+        sends = as_sends(ran.finish(framed))
         first = sends[0] if sends else None
         if first is None or first.peer != key[0] or not f.expected.describes(first.msg) or (
                 bytes(free_of(first.msg)) != bytes(free)):
