@@ -21,8 +21,8 @@ Reliability is the actor transport's, which the lane shares and falls back on:
   then takes the transport's path on the event loop (admission, a handler task), already marked new.
 
 A `Shortcut` step whose output down the chain is known once its model ran (`Ahead`) has that frame written
-before the step is booked: the messages kept for retries and repeats, the observer's count and the book's
-transitions come after the write.
+before its messages are built: the message kept for retries and repeats and the observer's count come after
+the write.
 
 A handler that cannot finish on the reader (a MoE step waiting for remote experts) returns `LATER` and calls
 `reply.done(result)` from whichever thread finishes it; the frame is acked then. The reader gathers the acks of
@@ -111,7 +111,7 @@ class LaneStats:
     declined: int = 0  # handed to the event loop
     fell_back: int = 0  # messages the transport carried instead (lane not open, full, broken)
     shortcut: int = 0  # of `hot`: taken from their bytes by the `Shortcut`, undecoded
-    ahead: int = 0  # of `sent`: written `Ahead` of their step's bookkeeping
+    ahead: int = 0  # of `sent`: written `Ahead` of their messages
     lost: int = 0  # lanes that broke
     opened: int = 0
     bad_frames: int = 0
@@ -148,9 +148,9 @@ class Taken:
 
 @dataclass(frozen=True)
 class Ahead:
-    """A `Shortcut`'s step whose output down the chain is ready before the step's bookkeeping: `frame(seq)` is
-    that output's frame to `peer`, written at once; `then()`, called after the write, books the step and gives
-    its `Taken` (that output first, as the message a retry or a repeat sends)."""
+    """A `Shortcut`'s step whose output down the chain is ready before its messages: `frame(seq)` is that
+    output's frame to `peer`, written at once; `then()`, called after the write, builds them and gives the
+    step's `Taken` (that output first, as the message a retry or a repeat sends)."""
 
     peer: str
     frame: Callable[[int], bytes]

@@ -43,7 +43,7 @@ async def test_a_lone_requests_decode_steps_run_on_the_lane_and_give_the_event_l
         assert lane(d, "hot") - hot_before[d.name] >= TOKENS - 2, d.pipeline.status()["lane"]
         # ... and each after its first there was taken from its frame's bytes (`swarmd.wire.follow`)
         assert lane(d, "shortcut") - short_before[d.name] >= TOKENS - 3, d.pipeline.status()["lane"]
-        # ... its output down the chain written before the step was booked, and the same message as booked
+        # ... its output down the chain written before its message was built, and the same message
         assert lane(d, "ahead") - ahead_before[d.name] >= TOKENS - 4, d.pipeline.status()["lane"]
         assert d.pipeline.stage.next_step.mismatched == 0
         steps = [(s["request_id"], s["step"]) for s in d.pipeline.status()["stage"]["recent_steps"]]

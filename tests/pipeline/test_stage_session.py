@@ -205,3 +205,25 @@ def test_the_next_plain_decode_step_is_begun_from_its_fields_alone_and_nothing_e
     speculative.complete(speculative.on_forward(start, 1.0), np.zeros((3, HIDDEN), np.float32), next_peer="S2",
                          first_peer="S0", now=1.0)
     assert speculative.next_decode("r", 1, 3, 3, row, 2.0) is None  # (its steps may start before the cache's end)
+
+
+def test_a_step_completed_before_its_outputs_are_built_gives_what_complete_gives():
+    whole, split = book(1, since_epoch=3), book(1, since_epoch=3)
+    row = np.ones((1, HIDDEN), np.float32)
+    for b in (whole, split):
+        b.complete(b.on_forward(prefill(1), 1.0), np.zeros((3, HIDDEN), np.float32), next_peer="S2",
+                   first_peer="S0", now=1.0)
+    output = np.full((1, HIDDEN), 0.5, np.float32)
+    (expected,) = whole.complete(whole.next_decode("r", 1, 3, 3, row, 2.0), output, next_peer="S2", first_peer="S0",
+                                 now=2.0)
+    work = split.next_decode("r", 1, 3, 3, row, 2.0)
+    assert split.completed(work, output, 2.0)
+    assert split.next_decode("r", 2, 4, 3, row, 2.0) is not None  # the next step may begin before the outputs
+    (out,) = split.outputs(work, output, next_peer="S2", first_peer="S0")
+    assert out == expected and split.requests["r"].position == whole.requests["r"].position
+    cancelled = book(1, since_epoch=3)
+    cancelled.complete(cancelled.on_forward(prefill(1), 1.0), np.zeros((3, HIDDEN), np.float32), next_peer="S2",
+                       first_peer="S0", now=1.0)
+    work = cancelled.next_decode("r", 1, 3, 3, row, 2.0)
+    cancelled.cancel("r")
+    assert not cancelled.completed(work, output, 2.0) and "r" not in cancelled.requests  # gone while it ran

@@ -284,7 +284,7 @@ async def test_a_step_the_shortcut_declines_runs_on_the_event_loop_once(nursery,
 
 
 class AheadShortcut(FollowingShortcut):
-    """A shortcut whose step's answer (a's Token) is framed and written before the step is booked (`Ahead`):
+    """A shortcut whose step's answer (a's Token) is framed and written before its message is built (`Ahead`):
     `then()` notes how many frames b's lane had written by then, and runs `meanwhile(step)` first."""
 
     def __init__(self, p: Pair) -> None:
@@ -308,8 +308,8 @@ class AheadShortcut(FollowingShortcut):
         return Ahead("a", lambda seq: layout.frame(seq, token), then)
 
 
-async def test_an_output_written_ahead_goes_before_its_step_is_booked_and_is_acked_as_any_frame(nursery,
-                                                                                                autojump_clock):
+async def test_an_output_written_ahead_goes_before_its_message_is_built_and_is_acked_as_any_frame(nursery,
+                                                                                                  autojump_clock):
     p = Pair(MemoryNet(nursery))
     await p.start(nursery)
     short = p.lane_b.shortcut = AheadShortcut(p)
@@ -317,13 +317,13 @@ async def test_an_output_written_ahead_goes_before_its_step_is_booked_and_is_ack
         await p.send(step)
         await p.until(step + 1)
     assert short.taken == [2, 3, 4, 5] and p.tokens == [0, 1, 2, 3, 4, 5]
-    assert all(by_then == before + 1 for before, by_then in short.written_by_then)  # written, then booked
+    assert all(by_then == before + 1 for before, by_then in short.written_by_then)  # written, then built
     assert p.lane_b.stats.ahead == 4
     await trio.sleep(1)
     assert p.lane_b.status()["lanes"]["a"]["unacked"] == 0
 
 
-async def test_an_output_written_ahead_on_a_lane_that_breaks_before_it_is_booked_goes_by_the_transport_once(
+async def test_an_output_written_ahead_on_a_lane_broken_before_its_message_is_built_goes_by_the_transport(
         nursery, autojump_clock):
     p = Pair(MemoryNet(nursery))
     await p.start(nursery)

@@ -292,8 +292,24 @@ class StageActor:
             return DECLINE
         job, batch = started
         error = self._hot_advance(batch, job, None, None)  # (a stage with no MoE block: never LATER)
-        output = job.output if error is None and job.error is None else None
-        return Ran(job.work, output, partial(self._hot_finish, batch, job, error))
+        booked = False
+        if error is None and job.error is None and job.output is not None:
+            with self._lock:
+                booked = self._book_ahead(job)
+        return Ran(job.work, job.output if booked else None, partial(self._hot_finish, batch, job, error))
+
+    def _book_ahead(self, job: Job) -> bool:
+        """With `_lock` held: the book's transition of a step run whole, before its outputs are built (so a
+        stage that gets its next input, however soon, finds it done); False if the request is gone here."""
+        book, work, loaded = job.book, job.work, job.loaded
+        assert book is not None and loaded is not None and job.output is not None
+        if book is not self.book or work.request_id not in book.requests:
+            return False
+        job.booked = True
+        if book.completed(work, job.output, self._now()):
+            return True
+        self._free(loaded.model, work.request_id)  # cancelled while the model ran it
+        return False
 
     def _next_start(self, e: Expected, data: np.ndarray, received: float, arrived: float) -> tuple[Job, Batch] | None:
         """With `_lock` held: `_hot_start` for the step `e`, whose frame's every other field passed the general
@@ -590,8 +606,12 @@ class StageActor:
         if job.output is None:
             return None  # the daemon is stopping: the batch was abandoned
         registry = loaded.registry
-        outs = book.complete(work, job.output, next_peer=registry.next_peer(book.hop),
-                             first_peer=registry.stage_peer(0), now=self._now())
+        if job.booked:
+            outs = book.outputs(work, job.output, next_peer=registry.next_peer(book.hop),
+                                first_peer=registry.stage_peer(0))
+        else:
+            outs = book.complete(work, job.output, next_peer=registry.next_peer(book.hop),
+                                 first_peer=registry.stage_peer(0), now=self._now())
         if work.request_id not in book.requests:  # cancelled while the model ran it
             self._free(loaded.model, work.request_id)
         try:

@@ -371,15 +371,30 @@ class StageBook:
     def complete(self, work: Work, output: np.ndarray | Sampled, *, next_peer: str | None, first_peer: str,
                  now: float) -> list[Out]:
         """The model ran `work`: advance the request and say what to send (nothing if it was cancelled)."""
+        if not self.completed(work, output, now):
+            return []
+        return self.outputs(work, output, next_peer=next_peer, first_peer=first_peer)
+
+    def completed(self, work: Work, output: np.ndarray | Sampled, now: float) -> bool:
+        """`complete`'s transition: the request moves past `work`; False if it was cancelled while the model ran
+        it (it is gone here)."""
         state = self.requests[work.request_id]
         state.last_active = now
         state.position = work.start_pos + work.rows
         state.floor = work.start_pos + 1 if work.verify else state.position  # a verify step's drafts may be rejected
         if self._fire(state, RequestEvent.COMPLETE) is RequestPhase.GONE:  # cancelled while the model ran it
-            return []
+            return False
+        if not self.is_last:
+            assert isinstance(output, np.ndarray) and state.sent is not None
+            state.sent.put(work.start_pos, output)
+        return True
+
+    def outputs(self, work: Work, output: np.ndarray | Sampled, *, next_peer: str | None,
+                first_peer: str) -> list[Out]:
+        """What a `completed` step sends."""
+        state = self.requests[work.request_id]
         if not self.is_last:
             assert isinstance(output, np.ndarray) and next_peer is not None and state.sent is not None
-            state.sent.put(work.start_pos, output)
             # a moved request's next stage may hold nothing of it: it gets every row, and keeps what it can
             start, rows = (0, state.sent.upto(state.position)) if work.resume_of else (work.start_pos, output)
             hidden = _wire_tensor(rows, self.wire_dtype)

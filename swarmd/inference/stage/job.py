@@ -41,6 +41,7 @@ class Job:
     done: trio.Event = field(default_factory=trio.Event)
     output: np.ndarray | Sampled | None = None
     error: tuple[str, str] | None = None  # (code, message)
+    booked: bool = False  # the book's transition for its output was made (`StageBook.completed`)
     batch: int = 1
     group: list[Job] = field(default_factory=list)  # the jobs of the batch it ran in (itself included)
     sends: tuple[Send, ...] | None = None  # its outputs, once built (with the rest of its batch's)

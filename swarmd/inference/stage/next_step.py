@@ -9,9 +9,8 @@ marking its key in the transport's de-duplication table, and it runs the step as
 whose every field but those was already checked (decoding, the plan's expectations, the generic admission)
 is not spent again. Where the step's output down the chain follows the last frame sent there too (the next
 stage's input, or on the last stage the token for stage 0), it is framed and written as soon as the model
-ran (`Ahead`), before the book's transitions, the output messages and their checks, which then must give
-that same message (`_then` checks it). A request cancelled while its step ran has that output sent anyway;
-the next stage refuses or cancels it as it would any late step.
+ran and the book moved the request past it (`Ahead`), before the output messages and their checks, which
+then must give that same message (`_then` checks it).
 
 A step is expected only where the general hot path ran the one before it and would run this one the same way
 (`expected_after`): one row, a stage with no MoE block, a request that is not speculative or traced, and on
@@ -93,7 +92,8 @@ class Expected:
 
 @dataclass(frozen=True)
 class Ran:
-    """A step whose model ran (`StageActor.take_next`): its work, its output (None: it failed), and
+    """A step whose model ran (`StageActor.take_next`): its work, its output (None: it failed, or the request
+    is gone), and
     `finish(written)`, which books it and gives its outputs, the chain's input first (`written`: the
     perf_counter when that one was framed ahead of it, its sent time; 0.0 if it was not)."""
 
@@ -199,7 +199,7 @@ class NextStep:
         first = sends[0] if sends else None
         if first is None or first.peer != key[0] or not f.expected.describes(first.msg) or (
                 bytes(free_of(first.msg)) != bytes(free)):
-            if first is not None:  # (none: cancelled while the model ran)
+            if first is not None:  # (none: the stage was replaced meanwhile)
                 self.mismatched += 1
                 log.error("the frame written ahead of step %d of %s is not its output %s", ran.work.step,
                           ran.work.request_id, first.msg.TAG)
