@@ -282,8 +282,8 @@ class StageActor:
 
     def take_next(self, expected: Expected, body: bytes, arrived: float) -> Ran | Any:
         """On a lane's reader: the step `expected` names, whose frame `body` is (`NextStep`), run as `take_hot`
-        runs a step, its model first (`Ran.finish` books it and gives its outputs); DECLINE when the stage is
-        not as the step before left it."""
+        runs a step, to the book's transition after its model (`Ran.finish` builds its outputs); DECLINE when
+        the stage is not as the step before left it."""
         received = time.perf_counter()
         data = expected.input(body)
         with self._lock:

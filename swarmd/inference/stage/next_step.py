@@ -92,10 +92,10 @@ class Expected:
 
 @dataclass(frozen=True)
 class Ran:
-    """A step whose model ran (`StageActor.take_next`): its work, its output (None: it failed, or the request
-    is gone), and
-    `finish(written)`, which books it and gives its outputs, the chain's input first (`written`: the
-    perf_counter when that one was framed ahead of it, its sent time; 0.0 if it was not)."""
+    """A step whose model ran and whose request the book moved past it (`StageActor.take_next`): its work, its
+    output (None: it failed, or the request is gone), and `finish(written)`, which builds its outputs, the
+    chain's input first (`written`: the perf_counter when that one was framed ahead of them; 0.0 if it was
+    not)."""
 
     work: Work
     output: np.ndarray | Sampled | None
@@ -171,7 +171,7 @@ class NextStep:
 
     def _ahead(self, e: Expected, ran: Ran) -> tuple[OutKey, Follower, bytes | memoryview] | None:
         """Where the step's output down the chain goes, its layout and its free bytes, if the output follows
-        the last frame sent there (what `book.complete` will send for this step, unless it cancels it)."""
+        the last frame sent there (what `book.outputs` will give for this step: `_then` checks it)."""
         out, work, book = ran.output, ran.work, e.book
         if isinstance(out, Sampled):  # the last stage: stage 0's token, unless it ends the request
             state = book.requests.get(work.request_id)
@@ -193,8 +193,8 @@ class NextStep:
         return key, f, free
 
     def _then(self, ran: Ran, key: OutKey, f: Follower, free: bytes | memoryview, framed: float) -> Taken:
-        """The step written `Ahead` (framed at `framed`, 0.0 if the lane could not) booked: its sends, the first
-        the message that frame was (checked)."""
+        """The step written `Ahead` (framed at `framed`; 0.0 if the lane could not take it): its sends, built now,
+        the first the message that frame was (checked)."""
         sends = as_sends(ran.finish(framed))
         first = sends[0] if sends else None
         if first is None or first.peer != key[0] or not f.expected.describes(first.msg) or (
