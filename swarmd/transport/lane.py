@@ -368,8 +368,8 @@ class HotLane:
         return link, seq, len(data), started
 
     def _wrote_ahead(self, written: tuple[_Out, int, int, float], msg: Message) -> None:
-        """The message of a frame written ahead, for its retries, and the observer's count of it (unless it was
-        acked or lost meanwhile)."""
+        """The message of a frame written ahead, for its retries, and the observer's count of it, timed from now
+        (unless it was acked or lost meanwhile)."""
         link, seq, nbytes, started = written
         obs = self.transport.observer
         with link.lock:  # (an ack settles it after this)
@@ -586,7 +586,10 @@ class HotLane:
         try:
             result = self.shortcut.take(known, body, link.arrived)
             if isinstance(result, Ahead):
-                written = self._write_ahead(result.peer, result.frame)
+                try:
+                    written = self._write_ahead(result.peer, result.frame)
+                except Exception:  # ours to fix; the step's messages still go, as any others
+                    log.exception("a frame written ahead of its message failed")
                 result = result.then()
         except Exception as e:
             result = e

@@ -291,6 +291,7 @@ class AheadShortcut(FollowingShortcut):
         super().__init__(p)
         self.written_by_then: list[tuple[int, int]] = []  # (frames b had written when the step took, by then())
         self.meanwhile = lambda step: None
+        self.unframed: set[int] = set()  # steps whose frame cannot be made (a bug of ours)
 
     def take(self, known, body, arrived):
         step = known.expected.expected.step
@@ -305,7 +306,12 @@ class AheadShortcut(FollowingShortcut):
             self.meanwhile(step)
             return Taken((Send("a", token),), (None,), ahead=True)
 
-        return Ahead("a", lambda seq: layout.frame(seq, token), then)
+        def frame(seq: int) -> bytes:
+            if step in self.unframed:
+                raise RuntimeError("no frame")
+            return layout.frame(seq, token)
+
+        return Ahead("a", frame, then)
 
 
 async def test_an_output_written_ahead_goes_before_its_message_is_built_and_is_acked_as_any_frame(nursery,
@@ -341,6 +347,18 @@ async def test_an_output_written_ahead_on_a_lane_broken_before_its_message_is_bu
     await trio.sleep(1)
     assert 3 in short.taken and p.tokens == [0, 1, 2, 3, 4]  # step 3's token by the transport, once
     assert p.lane_b.stats.lost == 1
+
+
+async def test_a_frame_that_cannot_be_made_ahead_leaves_its_step_to_send_its_messages_as_any_other(nursery,
+                                                                                                    autojump_clock):
+    p = Pair(MemoryNet(nursery))
+    await p.start(nursery)
+    short = p.lane_b.shortcut = AheadShortcut(p)
+    short.unframed = {3}
+    for step in range(5):
+        await p.send(step)
+        await p.until(step + 1)
+    assert short.taken == [2, 3, 4] and p.tokens == [0, 1, 2, 3, 4] and p.lane_b.stats.ahead == 2
 
 
 async def test_a_path_that_cannot_detach_keeps_every_message_on_the_transport(nursery, autojump_clock):

@@ -92,10 +92,10 @@ class Expected:
 
 @dataclass(frozen=True)
 class Ran:
-    """A step whose model ran and whose request the book moved past it (`StageActor.take_next`): its work, its
-    output (None: it failed, or the request is gone), and `finish(written)`, which builds its outputs, the
-    chain's input first (`written`: the perf_counter when that one was framed ahead of them; 0.0 if it was
-    not)."""
+    """A step whose model ran (`StageActor.take_next`): its work, its output where the book moved the request
+    past it (None: the step failed, the request is gone, or the daemon stops), and `finish(written)`, which
+    builds its outputs, the chain's input first (`written`: the perf_counter when that one was framed ahead of
+    them; 0.0 if it was not). `finish` must be called: until then the stage is busy."""
 
     work: Work
     output: np.ndarray | Sampled | None
@@ -157,7 +157,11 @@ class NextStep:
         if ran is DECLINE:
             return ran
         self._framed.clear()
-        ahead = self._ahead(known.expected, ran)
+        try:
+            ahead = self._ahead(known.expected, ran)
+        except Exception:  # ours to fix: the step's outputs go as any others
+            log.exception("step %d of %s: its output's frame", ran.work.step, ran.work.request_id)
+            ahead = None
         if ahead is None:
             return self._taken(as_sends(ran.finish(0.0)))
         key, f, free = ahead
@@ -188,8 +192,11 @@ class NextStep:
         f = self._out.get(key)
         if f is None or f.expected.request_id != work.request_id or f.expected.step != work.step or len(free) != f.free:
             return None
-        if isinstance(f.expected, NextForward) and f.expected.start_pos != work.start_pos:
-            return None
+        x = f.expected
+        if isinstance(x, NextForward):
+            state = book.requests.get(work.request_id)
+            if state is None or (x.start_pos, x.epoch, x.head) != (work.start_pos, state.epoch, state.head):
+                return None
         return key, f, free
 
     def _then(self, ran: Ran, key: OutKey, f: Follower, free: bytes | memoryview, framed: float) -> Taken:
