@@ -13,6 +13,7 @@ member dead. A killed daemon is still noticed: its connections drop at once and 
 from __future__ import annotations
 
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -29,9 +30,18 @@ TOLERANT = "[timings]\npreset = \"lan\"\nsuspect_after = 6.0\nprobe_timeout = 2.
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, below the kernel's ephemeral range: the daemon binds it later, and no outgoing
+    connection of another test can take it meanwhile (as one may a port the kernel handed out)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(100):
+        port = random.SystemRandom().randrange(10000, low)  # (not the seeded global RNG: every worker would draw alike)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in 10000-{low}")
 
 
 class LinkEmulator:
