@@ -339,6 +339,16 @@ class HotLane:
             self.stats.sent += 1
         return True
 
+    def _ahead_then(self, ahead: Ahead) -> tuple[Taken, tuple[_Out, int, int, float] | None]:
+        """An `Ahead` step: its frame written where the lane takes it, then its `Taken` (always: until then the
+        stage is busy); and what `_wrote_ahead` needs (None: not written)."""
+        try:
+            written = self._write_ahead(ahead.peer, ahead.frame)
+        except Exception:  # ours to fix; the step's messages still go, as any others
+            log.exception("a frame written ahead of its message failed")
+            written = None
+        return ahead.then(), written
+
     def _write_ahead(self, peer: str, frame: Callable[[int], bytes]) -> tuple[_Out, int, int, float] | None:
         """On a reader: write `frame(seq)` on the open lane to `peer` before its message exists (`Ahead`); what
         `_wrote_ahead` needs, or None where the lane cannot take it (its message then goes as any other)."""
@@ -586,11 +596,7 @@ class HotLane:
         try:
             result = self.shortcut.take(known, body, link.arrived)
             if isinstance(result, Ahead):
-                try:
-                    written = self._write_ahead(result.peer, result.frame)
-                except Exception:  # ours to fix; the step's messages still go, as any others
-                    log.exception("a frame written ahead of its message failed")
-                result = result.then()
+                result, written = self._ahead_then(result)
         except Exception as e:
             result = e
         if result is DECLINE or isinstance(result, Exception):

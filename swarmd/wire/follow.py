@@ -166,7 +166,12 @@ class Follower:
 def free_of(msg: Forward | Token) -> bytes | memoryview:
     """The bytes of `msg` that a layout leaves free: a Token's token, a Forward's tensor."""
     if type(msg) is Token:
-        return msg.token.to_bytes(8, "little")
+        return token_free(msg.token)
     t = msg.hidden if msg.tokens is None else msg.tokens
     assert t is not None
     return t.data
+
+
+def token_free(token: int) -> bytes:
+    """A `NextToken` frame's free bytes: the token (u64)."""
+    return _U64.pack(token)

@@ -332,7 +332,6 @@ class StageActor:
         """`_hot_run`'s model part, tinygrad released after: the error that ended the step (None if none), or
         LATER."""
         error: BaseException | None = None
-        done = False
         try:
             if fan is None:
                 done, call = advance_here(batch.steps, None, None, self.local_experts)

@@ -34,7 +34,7 @@ from swarmd.inference.stage.job import Loaded
 from swarmd.transport.lane import DECLINE, Ahead, Known, Taken
 from swarmd.transport.transport import HandlerResult, Send, as_sends
 from swarmd.wire.codec import WireTensor
-from swarmd.wire.follow import Follower, NextForward, NextToken, free_of
+from swarmd.wire.follow import Follower, NextForward, NextToken, free_of, token_free
 from swarmd.wire.messages import Forward, Message, Token
 
 log = logging.getLogger(__name__)
@@ -177,13 +177,15 @@ class NextStep:
         """Where the step's output down the chain goes, its layout and its free bytes, if the output follows
         the last frame sent there (what `book.outputs` will give for this step: `_then` checks it)."""
         out, work, book = ran.output, ran.work, e.book
+        state = book.requests.get(work.request_id)
+        if state is None:
+            return None
         if isinstance(out, Sampled):  # the last stage: stage 0's token, unless it ends the request
-            state = book.requests.get(work.request_id)
-            if (state is None or out.logprob is not None or out.top
-                    or finish_reason(out.token, work.step, work.start_pos + 1, state.sampling, book.max_context)):
+            if out.logprob is not None or out.top or finish_reason(out.token, work.step, work.start_pos + 1,
+                                                                   state.sampling, book.max_context):
                 return None
             key: OutKey = (e.registry.stage_peer(0), Token.TAG, 0)
-            free: bytes | memoryview = out.token.to_bytes(8, "little")
+            free: bytes | memoryview = token_free(out.token)
         elif isinstance(out, np.ndarray) and book.wire_dtype is None:
             key = (e.registry.next_peer(book.hop) or "", Forward.TAG, book.hop + 1)
             free = memoryview(np.ascontiguousarray(out, np.float32)).cast("B")
@@ -193,10 +195,8 @@ class NextStep:
         if f is None or f.expected.request_id != work.request_id or f.expected.step != work.step or len(free) != f.free:
             return None
         x = f.expected
-        if isinstance(x, NextForward):
-            state = book.requests.get(work.request_id)
-            if state is None or (x.start_pos, x.epoch, x.head) != (work.start_pos, state.epoch, state.head):
-                return None
+        if isinstance(x, NextForward) and (x.start_pos, x.epoch, x.head) != (work.start_pos, state.epoch, state.head):
+            return None
         return key, f, free
 
     def _then(self, ran: Ran, key: OutKey, f: Follower, free: bytes | memoryview, framed: float) -> Taken:
