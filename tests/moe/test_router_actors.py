@@ -5,6 +5,8 @@ re-places them."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import trio
@@ -43,10 +45,13 @@ def layer_call(rows: int = 5) -> ExpertCall:
 
 
 async def build(nursery, gguf, config: TransportConfig | None = None, recorders: dict | None = None, *,
-                plan: dict | None = None, hang: frozenset[str] = frozenset(), plan_wait: float = 60.0):
+                plan: dict | None = None, hang: frozenset[str] = frozenset(), plan_wait: float = 60.0,
+                block_the_loop: frozenset[str] = frozenset()):
     """Expert nodes a, b, c and a stage s with the router; `recorders`, if given, gets each node's
     SpanRecorder by name; `plan` (default PLAN) is read at every call, as a daemon reads its current plan;
-    nodes in `hang` ack batches and never answer them (a node killed while computing)."""
+    nodes in `hang` ack batches and never answer them (a node killed while computing); nodes in
+    `block_the_loop` hold the event loop for 50 ms of wall time before each answer (as a simulation's inline
+    compute does: the clock does not move meanwhile)."""
     net = MemoryNet(nursery)
     compute = ComputeThread()
     net.shards, net.hung = {}, trio.Event()
@@ -55,13 +60,21 @@ async def build(nursery, gguf, config: TransportConfig | None = None, recorders:
         net.hung.set()
         await trio.sleep_forever()
 
+    def blocking(handler):
+        async def handle(peer, msg):
+            time.sleep(0.05)  # noqa: ASYNC251 - the point: the loop is held, its clock stands still
+            return await handler(peer, msg)
+
+        return handle
+
     for name, experts in HOLDS.items():
         transport = await net.add(name, config)
         net.shards[name] = ExpertShard.from_gguf(gguf, {BLOCK: experts}, dtype="float32")
         actor = ExpertActor(lambda name=name: net.shards[name], compute=compute)
         if recorders is not None:
             actor.recorder = recorders[name] = SpanRecorder()
-        transport.route(ExpertBatch, hang_up if name in hang else actor.on_batch)
+        handler = hang_up if name in hang else actor.on_batch
+        transport.route(ExpertBatch, blocking(handler) if name in block_the_loop else handler)
     stage = await net.add("s", config)
     router = MoERouter(stage, lambda block: dict(PLAN if plan is None else plan), result_timeout=60.0,
                        plan_wait=plan_wait)
@@ -89,6 +102,19 @@ async def test_one_batch_per_node_and_the_answer_of_the_experts_in_place(gguf):
         assert sum(stats.tokens.values()) == call.sel.size
         nursery.cancel_scope.cancel()
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+async def test_a_holders_latency_is_timed_on_the_event_loops_clock_not_the_wall_clock(gguf, mock_clock):
+    """The replica chooser learns how long each holder takes on the event loop's clock, which it also ages its
+    estimates on: in a simulation on virtual time, which holder is asked never depends on how long the process
+    took. Here node c holds the loop for 50 ms of wall time before each answer while the clock stands still."""
+    async with trio.open_nursery() as nursery:
+        _, router = await build(nursery, gguf, block_the_loop=frozenset({"c"}))
+        for _ in range(2):
+            await router.call(layer_call())
+        latency = router.chooser.latency
+        assert latency["c"] == latency["a"] == latency["b"] < router.chooser.prior_s  # every answer took 0 s
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_traced_request_gets_the_fan_out_on_the_router_and_the_compute_on_each_expert_node(gguf):

@@ -95,8 +95,7 @@ class _HotPart:
 
     fan: FanOut
     part: NodePart
-    started: float  # perf_counter, for the replica chooser
-    at: float  # the event loop's clock, for `result_timeout`
+    at: float  # the event loop's clock: for `result_timeout` and the replica chooser
 
 
 @dataclass
@@ -268,7 +267,7 @@ class MoERouter:
                           traced=tuple(traced), traced_steps=tuple(traced.values()))
         pending = self._pending[batch_id] = _Pending(part.peer, part.call)
         self.chooser.started(part.peer)
-        started = time.perf_counter()
+        started = self.chooser.clock()  # the event loop's: in a simulation, virtual time decides who is asked
         clock = self.recorder.clock if traced and self.recorder is not None else None
         ready = acked = clock() if clock else 0.0
         if part.peer in self.dead:  # died since the parts were made: ask no one, fail the part
@@ -297,7 +296,7 @@ class MoERouter:
             pending.error = f"answer of shape {pending.answer.shape}, expected {want} (one row per selection)"
             pending.answer = None
         if pending.answer is not None:
-            self.chooser.finished(part.peer, time.perf_counter() - started)
+            self.chooser.finished(part.peer, self.chooser.clock() - started)
             results[part.peer] = pending.answer
         else:
             self.chooser.finished(part.peer, None)
@@ -348,7 +347,7 @@ class MoERouter:
                           WireTensor.from_array(part.call.gates.astype(np.float32)))
         fan.asked.append(batch_id)
         with self._hot_lock:
-            self._hot[batch_id] = _HotPart(fan, part, time.perf_counter(), self.lane.now())
+            self._hot[batch_id] = _HotPart(fan, part, self.lane.now())
         self.chooser.started(part.peer)
         if not self.lane.send(part.peer, msg):
             self.lane.to_loop(self._send_by_transport, part.peer, msg)
@@ -386,7 +385,7 @@ class MoERouter:
         if answer.shape != (pairs, entry.fan.call.rows.shape[1]):
             self.lane.to_loop(self._ask_again, entry, f"answered {list(answer.shape)} for {pairs} selections")
             return
-        took = time.perf_counter() - entry.started
+        took = self.lane.now() - entry.at
         self.chooser.finished(peer, took)
         self.hot_calls.add(took)
         entry.fan.add([(entry.part, answer)])
